@@ -1,0 +1,428 @@
+"""Read an nsys SQLite export into the typed trace model.
+
+Tables are read column-wise through connectorx into Arrow (no Python row loop), selecting only
+the columns the analysis needs and pushing the optional time window into the SQL. Column names
+differ between nsys versions, so each logical column lists the physical names it may have;
+optional ones that an export lacks become typed nulls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import connectorx as cx
+import polars as pl
+
+from traceclf.errors import TraceError
+from traceclf.model import Trace
+from traceclf.schema import ExportInfo, inspect_export
+
+# copyKind values of CUpti_ActivityMemcpyKind
+COPY_KINDS = {1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA",
+              8: "DtoD", 9: "HtoH", 10: "PtoP", 11: "UVM_HtoD", 12: "UVM_DtoH", 13: "UVM_DtoD"}
+MEMORY_KIND_PAGEABLE = 0
+NVTX_RANGE_TYPES = (59, 60)  # push/pop and start/end ranges
+NVTX_DOMAIN_CREATE = 75
+
+
+@dataclass(frozen=True)
+class Col:
+    """One logical column: its physical names across nsys versions, dtype, and whether required."""
+
+    name: str
+    sources: tuple[str, ...]
+    dtype: type[pl.DataType] | pl.DataType = pl.Int64
+    required: bool = False
+
+
+def _c(name: str, *sources: str, dtype=pl.Int64, required: bool = False) -> Col:
+    return Col(name, sources or (name,), dtype, required)
+
+
+GPU_ROW = (
+    _c("start", required=True),
+    _c("end", required=True),
+    _c("device_id", "deviceId"),
+    _c("stream_id", "streamId"),
+    _c("correlation_id", "correlationId"),
+    _c("global_pid", "globalPid", "globalTid"),
+)
+
+TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
+    "kernels": (
+        ("CUPTI_ACTIVITY_KIND_KERNEL",),
+        (
+            *GPU_ROW,
+            _c("name_id", "demangledName", "name", required=True),
+            _c("short_id", "shortName"),
+            _c("grid_x", "gridX"), _c("grid_y", "gridY"), _c("grid_z", "gridZ"),
+            _c("block_x", "blockX"), _c("block_y", "blockY"), _c("block_z", "blockZ"),
+            _c("registers", "registersPerThread"),
+            _c("static_smem", "staticSharedMemory"),
+            _c("dynamic_smem", "dynamicSharedMemory"),
+            _c("graph_node_id", "graphNodeId"),
+            _c("graph_id", "graphId"),
+        ),
+    ),
+    "graphs": (
+        ("CUPTI_ACTIVITY_KIND_GRAPH_TRACE",),
+        (*GPU_ROW, _c("graph_id", "graphId"), _c("graph_exec_id", "graphExecId")),
+    ),
+    "memcpy": (
+        ("CUPTI_ACTIVITY_KIND_MEMCPY",),
+        (
+            *GPU_ROW,
+            _c("bytes", required=True),
+            _c("copy_kind", "copyKind"),
+            _c("src_kind", "srcKind"),
+            _c("dst_kind", "dstKind"),
+        ),
+    ),
+    "memset": (
+        ("CUPTI_ACTIVITY_KIND_MEMSET",),
+        (*GPU_ROW, _c("bytes", required=True), _c("mem_kind", "memKind")),
+    ),
+    "api": (
+        ("CUPTI_ACTIVITY_KIND_RUNTIME",),
+        (
+            _c("start", required=True),
+            _c("end", required=True),
+            _c("global_tid", "globalTid", required=True),
+            _c("correlation_id", "correlationId", required=True),
+            _c("name_id", "nameId", required=True),
+            _c("event_class", "eventClass"),
+        ),
+    ),
+    "syncs": (
+        ("CUPTI_ACTIVITY_KIND_SYNCHRONIZATION",),
+        (*GPU_ROW, _c("sync_type", "syncType", "deprecatedSyncType")),
+    ),
+    "nvtx": (
+        ("NVTX_EVENTS",),
+        (
+            _c("start", required=True),
+            _c("end"),
+            _c("event_type", "eventType", required=True),
+            _c("text", dtype=pl.String),
+            _c("text_id", "textId"),
+            _c("global_tid", "globalTid"),
+            _c("domain_id", "domainId"),
+        ),
+    ),
+    "memory": (
+        ("CUDA_GPU_MEMORY_USAGE_EVENTS",),
+        (
+            _c("start", required=True),
+            _c("global_pid", "globalPid"),
+            _c("device_id", "deviceId"),
+            _c("bytes", required=True),
+            _c("op", "memoryOperationType", required=True),
+            _c("mem_kind", "memKind"),
+        ),
+    ),
+    "overhead": (
+        ("PROFILER_OVERHEAD",),
+        (_c("start", required=True), _c("end", required=True), _c("global_tid", "globalTid"),
+         _c("name_id", "nameId")),
+    ),
+}
+
+# Tables with a [start, end) extent; the others (memory events) are instants.
+TIMED = {"kernels", "graphs", "memcpy", "memset", "api", "syncs", "nvtx", "overhead"}
+
+
+def _uri(path: Path) -> str:
+    return "sqlite://" + quote(str(path.resolve()))
+
+
+class Reader:
+    """Reads logical tables of one export, translating nsys-version differences."""
+
+    def __init__(self, info: ExportInfo) -> None:
+        self.info = info
+        self.uri = _uri(info.path)
+
+    def sql(self, query: str) -> pl.DataFrame:
+        try:
+            return pl.from_arrow(cx.read_sql(self.uri, query, return_type="arrow"))  # type: ignore[return-value]
+        except BaseException as e:  # connectorx surfaces SQLite corruption as Rust panics
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TraceError(self.info.path, f"corrupt or unreadable database ({detail})") from None
+
+    def read(self, logical: str, window: tuple[int, int] | None = None,
+             where: str | None = None) -> pl.DataFrame:
+        tables, cols = TABLES[logical]
+        table = next((t for t in tables if self.info.has(t)), None)
+        if table is None:
+            return empty_frame(cols)
+        present = self.info.columns[table]
+        select, missing = [], []
+        for col in cols:
+            src = next((s for s in col.sources if s in present), None)
+            if src is None:
+                if col.required:
+                    raise TraceError(
+                        self.info.path,
+                        f"table {table} lacks column {col.sources[0]!r} "
+                        f"(schema {self.info.schema_version or 'unknown'})",
+                    )
+                missing.append(col)
+            else:
+                select.append(f'"{src}" AS {col.name}')
+        clauses = [where] if where else []
+        if window is not None and logical in TIMED:
+            lo, hi = window
+            end = '"end"' if "end" in present else "start"
+            clauses.append(f"start < {int(hi)} AND {end} > {int(lo)}")
+        query = f"SELECT {', '.join(select)} FROM {table}"
+        if clauses:
+            query += " WHERE " + " AND ".join(f"({c})" for c in clauses)
+        df = self.sql(query)
+        return df.with_columns(
+            [pl.lit(None, dtype=c.dtype).alias(c.name) for c in missing]
+        ).select([pl.col(c.name).cast(c.dtype, strict=False) for c in cols])
+
+    def small_table(self, table: str) -> pl.DataFrame:
+        """A whole small metadata table (GPU info, processes), or an empty frame."""
+        if not self.info.has(table):
+            return pl.DataFrame()
+        cols = ", ".join(f'"{c}"' for c in self.info.columns[table])
+        return self.sql(f"SELECT {cols} FROM {table}")
+
+
+def empty_frame(cols: tuple[Col, ...]) -> pl.DataFrame:
+    return pl.DataFrame(schema={c.name: c.dtype for c in cols})
+
+
+def decode_pid(col: str) -> pl.Expr:
+    """Process id from a serialized globalPid/globalTid: bits 24..47."""
+    return ((pl.col(col) // (1 << 24)) % (1 << 24)).cast(pl.Int64)
+
+
+def decode_tid(col: str) -> pl.Expr:
+    return (pl.col(col) % (1 << 24)).cast(pl.Int64)
+
+
+def _names(strings: pl.DataFrame, id_col: str, out: str) -> Callable[[pl.DataFrame], pl.DataFrame]:
+    def attach(df: pl.DataFrame) -> pl.DataFrame:
+        return df.join(
+            strings.rename({"id": id_col, "value": out}), on=id_col, how="left"
+        ).drop(id_col)
+
+    return attach
+
+
+def load_trace(path: str | Path, window: tuple[int, int] | None = None,
+               progress: Callable[[str], None] | None = None) -> Trace:
+    """Open one SQLite export and return its :class:`~traceclf.model.Trace`.
+
+    ``window`` (ns, session timeline) restricts every timed table to events overlapping it;
+    it is pushed into the SQL so that memory follows the window, not the file.
+    """
+    path = Path(path)
+    info = inspect_export(path)
+    reader = Reader(info)
+    step = progress or (lambda _msg: None)
+
+    step("strings")
+    strings = (
+        reader.sql("SELECT id, value FROM StringIds") if info.has("StringIds")
+        else pl.DataFrame(schema={"id": pl.Int64, "value": pl.String})
+    ).with_columns(pl.col("id").cast(pl.Int64), pl.col("value").cast(pl.String))
+
+    step("kernels")
+    kernels = reader.read("kernels", window)
+    kernels = _names(strings, "name_id", "name")(kernels)
+    kernels = _names(strings, "short_id", "short_name")(kernels)
+    kernels = kernels.with_columns(
+        name=pl.coalesce("name", "short_name", pl.lit("<unknown kernel>")),
+        short_name=pl.coalesce("short_name", "name"),
+        grid_blocks=(pl.col("grid_x").fill_null(1) * pl.col("grid_y").fill_null(1)
+                     * pl.col("grid_z").fill_null(1)),
+        block_threads=(pl.col("block_x").fill_null(1) * pl.col("block_y").fill_null(1)
+                       * pl.col("block_z").fill_null(1)),
+        smem_per_block=pl.col("static_smem").fill_null(0) + pl.col("dynamic_smem").fill_null(0),
+    ).drop("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z",
+           "static_smem", "dynamic_smem")
+
+    step("graphs")
+    graphs = reader.read("graphs", window)
+
+    step("copies")
+    memcpy = reader.read("memcpy", window).with_columns(
+        op=pl.lit("memcpy"),
+        direction=pl.col("copy_kind").replace_strict(COPY_KINDS, default="other",
+                                                     return_dtype=pl.String),
+        pageable=(pl.col("src_kind") == MEMORY_KIND_PAGEABLE)
+        | (pl.col("dst_kind") == MEMORY_KIND_PAGEABLE),
+    ).drop("src_kind", "dst_kind")
+    memset = reader.read("memset", window).with_columns(
+        op=pl.lit("memset"), copy_kind=pl.lit(None, pl.Int64), direction=pl.lit("memset"),
+        pageable=pl.lit(False),
+    ).drop("mem_kind")
+    copies = pl.concat([memcpy, memset.select(memcpy.columns)], how="vertical")
+
+    step("CUDA API")
+    api = reader.read("api", window)
+    api = _names(strings, "name_id", "name")(api).with_columns(
+        name=pl.col("name").fill_null("<unknown api>"),
+        pid=decode_pid("global_tid"),
+        tid=decode_tid("global_tid"),
+    )
+
+    step("syncs")
+    syncs = reader.read("syncs", window)
+
+    step("NVTX")
+    nvtx = _read_nvtx(reader, strings, window)
+
+    step("memory")
+    memory = reader.read("memory")  # instants; the whole capture is needed for the peak
+    overhead = _names(strings, "name_id", "name")(reader.read("overhead", window))
+
+    step("GPU metrics")
+    gpu_metrics = _read_gpu_metrics(reader, window)
+
+    gpus = _gpus(reader)
+    processes = _processes(reader)
+
+    kernels, graphs, copies, syncs, memory = (
+        df.with_columns(pid=decode_pid("global_pid"))
+        for df in (kernels, graphs, copies, syncs, memory)
+    )
+    overhead = overhead.with_columns(pid=decode_pid("global_tid"))
+    return Trace(
+        path=path,
+        nsys_version=info.nsys_version,
+        schema_version=info.schema_version,
+        tables=info.tables,
+        kernels=kernels,
+        graphs=graphs,
+        copies=copies,
+        api=api,
+        syncs=syncs,
+        nvtx=nvtx,
+        gpu_metrics=gpu_metrics,
+        memory=memory,
+        overhead=overhead,
+        gpus=gpus,
+        processes=processes,
+        device_map=_device_map(reader),
+    )
+
+
+def _read_nvtx(reader: Reader, strings: pl.DataFrame,
+               window: tuple[int, int] | None) -> pl.DataFrame:
+    raw = reader.read("nvtx")
+    domains = raw.filter(pl.col("event_type") == NVTX_DOMAIN_CREATE).select(
+        "domain_id", domain=pl.col("text")
+    ).unique("domain_id")
+    ranges = raw.filter(pl.col("event_type").is_in(NVTX_RANGE_TYPES) & pl.col("end").is_not_null())
+    if window is not None:
+        ranges = ranges.filter((pl.col("start") < window[1]) & (pl.col("end") > window[0]))
+    ranges = ranges.join(strings.rename({"id": "text_id", "value": "_t"}), on="text_id", how="left")
+    return ranges.join(domains, on="domain_id", how="left").select(
+        "start", "end",
+        text=pl.coalesce("text", "_t", pl.lit("")),
+        domain=pl.col("domain").fill_null(""),
+        pid=decode_pid("global_tid"),
+        tid=decode_tid("global_tid"),
+        global_tid="global_tid",
+    ).sort("start")
+
+
+# GPU metrics worth keeping; others (clocks, graphics warps) are dropped in the SQL.
+METRIC_NAMES = (
+    "SMs Active [Throughput %]",
+    "SM Issue [Throughput %]",
+    "Tensor Active [Throughput %]",
+    "Compute Warps in Flight [Throughput %]",
+    "Unallocated Warps in Active SMs [Throughput %]",
+    "DRAM Read Bandwidth [Throughput %]",
+    "DRAM Write Bandwidth [Throughput %]",
+    "PCIe RX Throughput [Throughput %]",
+    "PCIe TX Throughput [Throughput %]",
+    "GR Active [Throughput %]",
+)
+GPU_METRICS_SCHEMA = {"timestamp": pl.Int64, "source": pl.Int64, "metric": pl.String,
+                      "value": pl.Float64}
+
+
+def _read_gpu_metrics(reader: Reader, window: tuple[int, int] | None) -> pl.DataFrame:
+    if not (reader.info.has("GPU_METRICS") and reader.info.has("TARGET_INFO_GPU_METRICS")):
+        return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
+    names = reader.small_table("TARGET_INFO_GPU_METRICS")
+    if "metricName" not in names.columns:
+        return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
+    wanted = names.filter(pl.col("metricName").is_in(METRIC_NAMES))
+    if wanted.is_empty():
+        return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
+    ids = ", ".join(str(i) for i in wanted["metricId"].unique().to_list())
+    where = f"metricId IN ({ids})"
+    if window is not None:
+        where += f" AND timestamp BETWEEN {int(window[0])} AND {int(window[1])}"
+    raw = reader.sql(f"SELECT timestamp, typeId, metricId, value FROM GPU_METRICS WHERE {where}")
+    if raw.is_empty():
+        return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
+    return (
+        raw.join(wanted.select("typeId", "metricId", "metricName"), on=["typeId", "metricId"])
+        # nsys 2025.3 writes some unsigned values as negative: those samples are invalid.
+        .filter(pl.col("value") >= 0)
+        .select(
+            pl.col("timestamp").cast(pl.Int64),
+            source=pl.col("typeId").cast(pl.Int64),
+            metric=pl.col("metricName"),
+            value=pl.col("value").cast(pl.Float64),
+        )
+        .sort("timestamp")
+    )
+
+
+GPU_COLUMNS = {
+    "id": "gpu_id", "name": "name", "chipName": "chip", "smCount": "sm_count",
+    "totalMemory": "memory_bytes", "maxWarpsPerSm": "max_warps_per_sm",
+    "maxBlocksPerSm": "max_blocks_per_sm", "maxRegistersPerSm": "max_registers_per_sm",
+    "maxShmemPerSm": "max_shmem_per_sm", "threadsPerWarp": "threads_per_warp",
+    "memoryBandwidth": "memory_bandwidth", "clockRate": "clock_rate",
+    "computeMajor": "compute_major", "computeMinor": "compute_minor", "busLocation": "bus",
+}
+GPU_SCHEMA = {out: (pl.String if out in ("name", "chip", "bus") else pl.Int64)
+              for out in GPU_COLUMNS.values()}
+
+
+def _gpus(reader: Reader) -> pl.DataFrame:
+    raw = reader.small_table("TARGET_INFO_GPU")
+    if raw.is_empty():
+        return pl.DataFrame(schema=GPU_SCHEMA)
+    return raw.select(
+        [
+            (pl.col(src) if src in raw.columns else pl.lit(None)).cast(GPU_SCHEMA[out]).alias(out)
+            for src, out in GPU_COLUMNS.items()
+        ]
+    )
+
+
+def _processes(reader: Reader) -> pl.DataFrame:
+    raw = reader.small_table("PROCESSES")
+    if raw.is_empty() or "globalPid" not in raw.columns:
+        return pl.DataFrame(schema={"pid": pl.Int64, "process_name": pl.String})
+    return raw.select(
+        pid=decode_pid("globalPid"), process_name=pl.col("name").cast(pl.String)
+    ).unique("pid")
+
+
+def _device_map(reader: Reader) -> pl.DataFrame:
+    """(pid, CUDA device ordinal) -> physical GPU id, for ranks that each see their GPU as 0."""
+    raw = reader.small_table("TARGET_INFO_CUDA_DEVICE")
+    schema = {"pid": pl.Int64, "device_id": pl.Int64, "gpu_id": pl.Int64}
+    if raw.is_empty() or not {"gpuId", "cudaId", "pid"} <= set(raw.columns):
+        return pl.DataFrame(schema=schema)
+    return raw.select(
+        pid=pl.col("pid").cast(pl.Int64), device_id=pl.col("cudaId").cast(pl.Int64),
+        gpu_id=pl.col("gpuId").cast(pl.Int64),
+    ).unique(["pid", "device_id"])

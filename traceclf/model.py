@@ -1,0 +1,114 @@
+"""The typed trace model: one object holding every event frame of one export.
+
+All times are integer nanoseconds on the capture's session timeline. Every GPU-side frame has
+``pid`` (decoded from ``globalPid``), so ranks that share one GPU stay apart.
+
+Frames and their columns
+- ``kernels``: start, end, device_id, stream_id, correlation_id, global_pid, pid, name,
+  short_name, registers, graph_node_id, graph_id, grid_blocks, block_threads, smem_per_block
+- ``graphs``: CUDA-graph executions (graph-level tracing): start, end, device_id, stream_id,
+  correlation_id, pid, graph_id, graph_exec_id
+- ``copies``: memcpy and memset rows: start, end, device_id, stream_id, correlation_id, pid,
+  bytes, op ("memcpy"/"memset"), copy_kind, direction ("HtoD", "DtoH", "DtoD", ...), pageable
+- ``api``: CUDA runtime/driver calls: start, end, global_tid, pid, tid, correlation_id, name
+- ``syncs``: CUPTI synchronization records: start, end, pid, sync_type
+- ``nvtx``: ranges only: start, end, text, domain, pid, tid, global_tid
+- ``gpu_metrics``: timestamp, source, metric (nsys name), value
+- ``memory``: allocation events: start, pid, device_id, bytes, op (0 alloc, 1 free)
+- ``gpus``: one row per GPU of TARGET_INFO_GPU; ``processes``: pid, process_name
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import polars as pl
+
+
+@dataclass(frozen=True)
+class Trace:
+    path: Path
+    nsys_version: str | None
+    schema_version: str | None
+    tables: frozenset[str]
+    kernels: pl.DataFrame
+    graphs: pl.DataFrame
+    copies: pl.DataFrame
+    api: pl.DataFrame
+    syncs: pl.DataFrame
+    nvtx: pl.DataFrame
+    gpu_metrics: pl.DataFrame
+    memory: pl.DataFrame
+    overhead: pl.DataFrame
+    gpus: pl.DataFrame
+    processes: pl.DataFrame
+    device_map: pl.DataFrame = field(default_factory=pl.DataFrame)
+
+    FRAMES = ("kernels", "graphs", "copies", "api", "syncs", "nvtx", "gpu_metrics", "memory",
+              "overhead", "gpus", "processes", "device_map")
+
+    @property
+    def gpu_work(self) -> pl.DataFrame:
+        """Every GPU activity interval (kernel, graph execution, copy, memset) with its kind."""
+        cols = ["start", "end", "pid", "device_id", "stream_id", "correlation_id"]
+        return pl.concat(
+            [
+                self.kernels.select(cols).with_columns(kind=pl.lit("kernel")),
+                self.graphs.select(cols).with_columns(kind=pl.lit("graph")),
+                self.copies.select([*cols, pl.col("op").alias("kind")]),
+            ]
+        )
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """Processes that ran GPU work, in pid order: one rank each."""
+        pids = pl.concat(
+            [self.kernels.select("pid"), self.graphs.select("pid"), self.copies.select("pid")]
+        )["pid"].drop_nulls().unique().sort()
+        return pids.to_list()
+
+    def for_pid(self, pid: int) -> Trace:
+        """The same trace restricted to one process (one rank)."""
+        def keep(df: pl.DataFrame) -> pl.DataFrame:
+            return df.filter(pl.col("pid") == pid) if "pid" in df.columns else df
+
+        return replace(
+            self,
+            **{n: keep(getattr(self, n)) for n in self.FRAMES
+               if n not in ("gpus", "processes", "gpu_metrics", "device_map")},
+        )
+
+    def gpu_of(self, pid: int) -> dict | None:
+        """The TARGET_INFO_GPU row of the GPU a process ran on (first GPU if unknown)."""
+        if self.gpus.is_empty():
+            return None
+        devices = self.kernels.filter(pl.col("pid") == pid)["device_id"].drop_nulls()
+        device = int(devices.mode()[0]) if len(devices) else 0
+        gpu_id = device
+        if not self.device_map.is_empty():
+            hit = self.device_map.filter((pl.col("pid") == pid) & (pl.col("device_id") == device))
+            if len(hit):
+                gpu_id = int(hit["gpu_id"][0])
+        row = self.gpus.filter(pl.col("gpu_id") == gpu_id)
+        return (row if len(row) else self.gpus).row(0, named=True)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """First start and last end of any GPU work."""
+        work = self.gpu_work
+        if work.is_empty():
+            return (0, 0)
+        return int(work["start"].min()), int(work["end"].max())
+
+    def sql(self, query: str):
+        """Run a DuckDB SQL query over the frames (tables named like the attributes).
+
+        Needs the optional ``duckdb`` extra; DuckDB reads the polars frames zero-copy.
+        """
+        import duckdb
+
+        con = duckdb.connect()
+        for name in self.FRAMES:
+            con.register(name, getattr(self, name).to_arrow())
+        return con.sql(query).pl()
