@@ -61,6 +61,21 @@ class Trace:
         )
 
     @property
+    def graph_executions(self) -> pl.DataFrame:
+        """One interval per CUDA-graph replay, whichever way the graph was traced: the
+        GRAPH_TRACE rows (graph-level tracing), or the span of the node kernels that share
+        one launch's correlationId (``--cuda-graph-trace=node``). Gaps between nodes of a
+        replay are device-side scheduling, not idle time, so both modes give the same busy time.
+        """
+        cols = ["start", "end", "pid", "correlation_id"]
+        nodes = (
+            self.kernels.filter(pl.col("graph_node_id").is_not_null())
+            .group_by("pid", "correlation_id")
+            .agg(pl.col("start").min(), pl.col("end").max())
+        )
+        return pl.concat([self.graphs.select(cols), nodes.select(cols)])
+
+    @property
     def rank_pids(self) -> list[int]:
         """Processes that ran GPU work, in pid order: one rank each."""
         pids = pl.concat(

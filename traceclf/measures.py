@@ -1,0 +1,447 @@
+"""The numbers behind the four walls, for one rank over its steady-state window.
+
+Every ``*_frac`` is a fraction of the window's wall time unless its definition says otherwise.
+Definitions (also printed by ``traceclf rules`` and in docs/measures.md):
+
+gpu_busy_frac        union of kernels, CUDA-graph executions, memcpy and memset
+gpu_idle_frac        1 - gpu_busy_frac
+compute_frac         time at least one non-communication kernel or graph execution runs
+comm_frac            union of communication kernels (NCCL, DeepEP, HybridEP, NVSHMEM, userbuffers)
+exposed_comm_frac    communication time with no compute kernel running at the same time
+comm_overlap_frac    share of communication time hidden under compute (of comm time, not wall)
+a2a_frac / a2a_exposed_frac   the same two for all-to-all (EP dispatch/combine) only
+copy_frac            union of memcpy/memset time
+offload_copy_frac    union of host<->device copy time
+exposed_copy_frac    copy time with neither compute nor communication running
+idle_launch_frac     idle time while the host was issuing CUDA calls (launch-bound)
+idle_sync_frac       idle time right after a synchronising call returned (sync-bound)
+idle_input_frac      idle gaps >= 1 ms with CUDA calls covering < half of them (input-bound)
+idle_other_frac      remaining idle time (host work between launches, unattributed)
+h2d_d2h_bytes_per_step   bytes copied host<->device per step (h2d_/d2h_bytes_per_step split)
+pageable_copies_per_step memcpys from/to pageable host memory per step
+small_d2h_per_step   device->host copies of <= 1 KiB per step (`.item()`, `nonzero` results)
+sync_calls_per_step  cudaStream/Device/EventSynchronize and blocking cudaMemcpy per step
+alloc_calls_per_step cudaMalloc/cudaFree (and driver equivalents) per step: allocator churn
+recompute_frac       share of forward GEMM/attention kernels re-run in backward (needs
+                     forward/backward NVTX ranges; null otherwise)
+peak_memory_frac     peak device memory from allocation events over TARGET_INFO_GPU capacity
+kernels_per_step     kernel rows per step (kernels inside graph-level traced graphs excluded)
+median_kernel_us     median kernel duration
+short_kernel_frac    kernels shorter than the median launch call (launch cost > kernel time)
+small_grid_kernel_frac  kernels whose grid has fewer blocks than the GPU has SMs
+theoretical_occupancy_mean  kernel-time-weighted theoretical occupancy from launch config
+graph_frac           share of busy time inside CUDA-graph executions or graph-node kernels
+<family>_time_frac   share of kernel time per family (gemm, attention, elementwise, reduction,
+                     permute_moe, optimizer, communication, other)
+sm_active_mean / sm_issue_mean / tensor_active_mean   GPU metrics means (0-1) in the window
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from traceclf import intervals, kernels
+from traceclf.model import Trace
+from traceclf.steps import Steps
+
+SYNC_API = r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy_|" \
+           r"cudaMemcpy2D_|cudaMemcpyFromSymbol_|cudaMemcpyToSymbol_|cuStreamSynchronize|" \
+           r"cuCtxSynchronize|cuEventSynchronize|cuMemcpyDtoH_|cuMemcpyHtoD_)"
+LAUNCH_API = r"^(cudaLaunchKernel|cudaLaunchCooperativeKernel|cuLaunchKernel|cudaGraphLaunch|" \
+             r"cuGraphLaunch|cudaLaunchKernelExC|cuLaunchKernelEx)"
+ALLOC_API = r"^(cudaMalloc_|cudaFree_|cudaMallocManaged|cuMemAlloc_|cuMemFree_|cuMemCreate|" \
+            r"cuMemRelease|cuMemMap_|cuMemUnmap)"
+FORWARD_NVTX = r"(?i)^(forward|fwd)\b|[_ .:]forward$|\bforward pass"
+BACKWARD_NVTX = r"(?i)^(backward|bwd)\b|[_ .:]backward$|\bbackward pass"
+SMALL_D2H_BYTES = 1024
+INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
+SYNC_SLACK_NS = 20_000  # a sync returns this soon after the GPU drains
+METRICS_OF_INTEREST = {
+    "sm_active_mean": "SMs Active [Throughput %]",
+    "sm_issue_mean": "SM Issue [Throughput %]",
+    "tensor_active_mean": "Tensor Active [Throughput %]",
+}
+FAMILY_NAMES = ("gemm", "attention", "elementwise", "reduction", "permute_moe", "optimizer",
+                "communication", "other")
+
+
+@dataclass
+class RankMeasures:
+    """Measures of one rank, plus the small series the figures are drawn from."""
+
+    metrics: dict[str, float | int | bool | None]
+    comm_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+    top_kernels: list[dict] = field(default_factory=list)
+    step_breakdown: list[dict] = field(default_factory=list)
+    idle_gaps: dict[str, list] = field(default_factory=dict)
+    gpu_metrics_series: dict[str, list] = field(default_factory=dict)
+
+
+def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
+    window = steps.window
+    wall = max(window[1] - window[0], 1)
+    n_steps = max(steps.used, 1)
+    kern = kernels.classify(intervals.clip(trace.kernels, window))
+    graphs = intervals.clip(trace.graphs, window)
+    graph_spans = intervals.clip(trace.graph_executions, window)
+    copies = intervals.clip(trace.copies, window)
+    api = intervals.clip(trace.api, window)
+
+    compute = pl.concat([kern.filter(~pl.col("is_comm")).select("start", "end"),
+                         graph_spans.select("start", "end")])
+    comm = kern.filter(pl.col("is_comm")).select("start", "end")
+    step_starts = steps.steady["gpu_start"].to_list() if steps.count else []
+    tl = intervals.timeline({"compute": compute, "comm": comm, "copy": copies}, window,
+                            cuts=step_starts)
+    state = _state_times(tl)
+
+    m: dict[str, float | int | bool | None] = {
+        "step_time_ms": _ms(steps.durations().mean()),
+        "step_time_median_ms": _ms(steps.durations().median()),
+        "step_time_cv": _cv(steps.durations()),
+        "gpu_busy_frac": state["busy"] / wall,
+        "gpu_idle_frac": 1 - state["busy"] / wall,
+        "compute_frac": state["compute"] / wall,
+        "comm_frac": state["comm"] / wall,
+        "exposed_comm_frac": state["exposed_comm"] / wall,
+        "comm_overlap_frac": (1 - state["exposed_comm"] / state["comm"]) if state["comm"] else None,
+        "copy_frac": state["copy"] / wall,
+        "exposed_copy_frac": state["exposed_copy"] / wall,
+    }
+    comm_by_kind = _comm_by_kind(kern, compute, trace, window, wall)
+    a2a = comm_by_kind.get("all_to_all", {})
+    m["a2a_frac"] = a2a.get("frac", 0.0)
+    m["a2a_exposed_frac"] = a2a.get("exposed_frac", 0.0)
+    m |= _copy_measures(copies, wall, n_steps)
+    m |= _host_measures(api, kern, n_steps)
+    gaps = _idle_gaps(tl, trace.api, window)
+    for cause in ("launch", "sync", "input", "other"):
+        m[f"idle_{cause}_frac"] = float(gaps.filter(pl.col("cause") == cause)["dur"].sum()) / wall
+    m |= _kernel_measures(kern, graphs, graph_spans, state["busy"], gpu, n_steps)
+    if kern.is_empty() and not graphs.is_empty():
+        # Graph-level tracing hides the kernels of the replays; the same kernels ran eagerly
+        # before capture, so their shapes stand in for the kernel mix of the steady state.
+        outside = kernels.classify(trace.kernels)
+        shape = _kernel_measures(outside, graphs, graph_spans, state["busy"], gpu, n_steps)
+        m |= {k: shape[k] for k in KERNEL_SHAPE_MEASURES}
+        m["kernel_stats_outside_window"] = True
+    m.setdefault("kernel_stats_outside_window", False)
+    m["recompute_frac"] = _recompute_frac(trace, kern)
+    m |= _memory_measures(trace, gpu)
+    m |= _gpu_metric_means(trace.gpu_metrics, window)
+
+    return RankMeasures(
+        metrics={k: _round(v) for k, v in m.items()},
+        comm_by_kind=comm_by_kind,
+        top_kernels=_top_kernels(kern, wall),
+        step_breakdown=_step_breakdown(tl, steps),
+        idle_gaps=_gap_histogram(gaps),
+        gpu_metrics_series=_metric_series(trace.gpu_metrics, window),
+    )
+
+
+def _state_times(tl: pl.DataFrame) -> dict[str, int]:
+    c, k, p = pl.col("compute") > 0, pl.col("comm") > 0, pl.col("copy") > 0
+
+    def t(cond: pl.Expr) -> int:
+        return int(tl.filter(cond)["dur"].sum())
+
+    return {
+        "busy": t(c | k | p),
+        "compute": t(c),
+        "comm": t(k),
+        "exposed_comm": t(k & ~c),
+        "copy": t(p),
+        "exposed_copy": t(p & ~c & ~k),
+    }
+
+
+def _comm_by_kind(kern: pl.DataFrame, compute: pl.DataFrame, trace: Trace,
+                  window: tuple[int, int], wall: int) -> dict[str, dict[str, float]]:
+    comm = _refine_comm_kinds(kern.filter(pl.col("is_comm")), trace)
+    out: dict[str, dict[str, float]] = {}
+    for (kind,), rows in comm.group_by(["comm_kind"]):
+        tl = intervals.timeline({"compute": compute, "comm": rows.select("start", "end")},
+                                window)
+        busy = int(tl.filter(pl.col("comm") > 0)["dur"].sum())
+        exposed = int(tl.filter((pl.col("comm") > 0) & (pl.col("compute") == 0))["dur"].sum())
+        out[str(kind)] = {
+            "frac": round(busy / wall, 4),
+            "exposed_frac": round(exposed / wall, 4),
+            "kernels": len(rows),
+            "libraries": sorted(rows["comm_library"].drop_nulls().unique().to_list()),
+        }
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["frac"]))
+
+
+def _refine_comm_kinds(comm: pl.DataFrame, trace: Trace) -> pl.DataFrame:
+    """NCCL runs all-to-all and P2P through one SendRecv kernel; NCCL's own NVTX range around
+    the launching call (domain "NCCL", e.g. ``ncclAlltoAll``) says which it was."""
+    nccl = trace.nvtx.filter(pl.col("domain") == "NCCL").with_columns(
+        nvtx_kind=kernels.nccl_nvtx_kind()
+    ).filter(pl.col("nvtx_kind").is_not_null())
+    if nccl.is_empty() or comm.is_empty():
+        return comm
+    launches = trace.api.join(comm.select("correlation_id"), on="correlation_id")
+    tagged = (
+        launches.sort("start")
+        .join_asof(nccl.select("start", "global_tid", "nvtx_kind", nvtx_end="end").sort("start"),
+                   on="start", by="global_tid", strategy="backward")
+        .filter(pl.col("start") <= pl.col("nvtx_end"))
+        .select("correlation_id", "nvtx_kind")
+        .unique("correlation_id")
+    )
+    return comm.join(tagged, on="correlation_id", how="left").with_columns(
+        comm_kind=pl.when(pl.col("comm_kind").is_in(["send_recv", "other"])
+                          & pl.col("nvtx_kind").is_not_null())
+        .then(pl.col("nvtx_kind")).otherwise(pl.col("comm_kind"))
+    ).drop("nvtx_kind")
+
+
+def _copy_measures(copies: pl.DataFrame, wall: int, n_steps: int) -> dict[str, float]:
+    memcpy = copies.filter(pl.col("op") == "memcpy")
+    h2d = memcpy.filter(pl.col("direction").is_in(["HtoD", "UVM_HtoD"]))
+    d2h = memcpy.filter(pl.col("direction").is_in(["DtoH", "UVM_DtoH"]))
+    offload = pl.concat([h2d, d2h])
+    pageable = memcpy.filter(pl.col("pageable"))
+    return {
+        "h2d_d2h_bytes_per_step": int(offload["bytes"].sum()) / n_steps,
+        "h2d_bytes_per_step": int(h2d["bytes"].sum()) / n_steps,
+        "d2h_bytes_per_step": int(d2h["bytes"].sum()) / n_steps,
+        "offload_copy_frac": intervals.total(offload) / wall,
+        "pageable_copies_per_step": len(pageable) / n_steps,
+        "pageable_bytes_per_step": int(pageable["bytes"].sum()) / n_steps,
+        "small_d2h_per_step": len(d2h.filter(pl.col("bytes") <= SMALL_D2H_BYTES)) / n_steps,
+    }
+
+
+def _host_measures(api: pl.DataFrame, kern: pl.DataFrame, n_steps: int) -> dict[str, float]:
+    launches = api.filter(pl.col("name").str.contains(LAUNCH_API))
+    launch_ns = launches["end"] - launches["start"]
+    launch_median = float(launch_ns.median()) if len(launches) else None
+    durations = kern["end"] - kern["start"]
+    return {
+        "sync_calls_per_step": len(api.filter(pl.col("name").str.contains(SYNC_API))) / n_steps,
+        "alloc_calls_per_step": len(api.filter(pl.col("name").str.contains(ALLOC_API))) / n_steps,
+        "launch_calls_per_step": len(launches) / n_steps,
+        "median_launch_us": launch_median / 1e3 if launch_median is not None else None,
+        "short_kernel_frac": (float((durations < launch_median).mean())
+                              if launch_median is not None and len(kern) else None),
+    }
+
+
+def _idle_gaps(tl: pl.DataFrame, api: pl.DataFrame, window: tuple[int, int]) -> pl.DataFrame:
+    """Idle stretches of the GPU with their host-side cause (see module docstring)."""
+    idle = tl.filter((pl.col("compute") == 0) & (pl.col("comm") == 0) & (pl.col("copy") == 0))
+    gaps = intervals.union(idle.select("start", "end")).with_columns(
+        dur=pl.col("end") - pl.col("start"), gap=pl.int_range(pl.len())
+    )
+    schema = {"start": pl.Int64, "end": pl.Int64, "dur": pl.Int64, "cause": pl.String}
+    if gaps.is_empty():
+        return pl.DataFrame(schema=schema)
+    calls = intervals.clip(api, window).sort("start")
+    anchors = gaps.select("gap", gstart="start", gend="end").sort("gstart")
+    # Host coverage: CUDA calls that start inside a gap, clipped to it.
+    inside = (
+        calls.join_asof(anchors, left_on="start", right_on="gstart", strategy="backward")
+        .filter(pl.col("start") < pl.col("gend"))
+        .group_by("gap")
+        .agg(api_ns=(pl.min_horizontal("end", "gend") - pl.col("start")).sum(), calls=pl.len())
+    )
+    # A synchronising call that returns at (or just before) the start of a gap drained the queue.
+    syncs = calls.filter(pl.col("name").str.contains(SYNC_API)).sort("end")
+    synced = (
+        syncs.join_asof(anchors.with_columns(lo=pl.col("gstart") - SYNC_SLACK_NS).sort("lo"),
+                        left_on="end", right_on="lo", strategy="backward")
+        .filter(pl.col("end") <= pl.col("gend"))
+        .select("gap").unique().with_columns(after_sync=pl.lit(True))
+    )
+    gaps = gaps.join(inside, on="gap", how="left").join(synced, on="gap", how="left").with_columns(
+        pl.col("api_ns").fill_null(0), pl.col("calls").fill_null(0),
+        pl.col("after_sync").fill_null(False),
+    )
+    return gaps.with_columns(
+        cause=pl.when((pl.col("dur") >= INPUT_GAP_NS) & (pl.col("api_ns") * 2 < pl.col("dur")))
+        .then(pl.lit("input"))
+        .when(pl.col("after_sync")).then(pl.lit("sync"))
+        .when(pl.col("calls") > 0).then(pl.lit("launch"))
+        .otherwise(pl.lit("other"))
+    ).select(list(schema))
+
+
+KERNEL_SHAPE_MEASURES = ("median_kernel_us", "small_grid_kernel_frac",
+                         "theoretical_occupancy_mean",
+                         *(f"{fam}_time_frac" for fam in FAMILY_NAMES))
+
+
+def _kernel_measures(kern: pl.DataFrame, graphs: pl.DataFrame, graph_spans: pl.DataFrame,
+                     busy: int, gpu: dict | None, n_steps: int) -> dict[str, float | bool | None]:
+    sm_count = (gpu or {}).get("sm_count")
+    kern = kern.with_columns(dur=pl.col("end") - pl.col("start"),
+                             occ=kernels.theoretical_occupancy(gpu))
+    total = int(kern["dur"].sum())
+    graph_time = intervals.total(graph_spans)
+    out: dict[str, float | bool | None] = {
+        "kernels_per_step": len(kern) / n_steps,
+        "graph_launches_per_step": len(graphs) / n_steps if len(graphs) else 0.0,
+        "median_kernel_us": float(kern["dur"].median()) / 1e3 if len(kern) else None,
+        "small_grid_kernel_frac": (float((kern["grid_blocks"] < sm_count).mean())
+                                   if sm_count and len(kern) else None),
+        "theoretical_occupancy_mean": (
+            float((kern["occ"] * kern["dur"]).sum() / kern.filter(
+                pl.col("occ").is_not_null())["dur"].sum())
+            if len(kern) and kern["occ"].null_count() < len(kern) and total else None),
+        "graph_frac": graph_time / busy if busy else 0.0,
+        "uses_cuda_graphs": bool(len(graph_spans)),
+    }
+    shares = kern.group_by("family").agg(pl.col("dur").sum())
+    by_family = dict(zip(shares["family"].to_list(), shares["dur"].to_list(), strict=True))
+    for fam in FAMILY_NAMES:
+        out[f"{fam}_time_frac"] = by_family.get(fam, 0) / total if total else 0.0
+    return out
+
+
+def _recompute_frac(trace: Trace, kern: pl.DataFrame) -> float | None:
+    """Forward GEMM/attention kernels seen again in backward: a full-recompute signature.
+    Without recompute, backward runs different GEMMs (dgrad/wgrad shapes and layouts)."""
+    phases = trace.nvtx.with_columns(
+        phase=pl.when(pl.col("text").str.contains(FORWARD_NVTX)).then(pl.lit("fwd"))
+        .when(pl.col("text").str.contains(BACKWARD_NVTX)).then(pl.lit("bwd"))
+    ).filter(pl.col("phase").is_not_null())
+    if phases.filter(pl.col("phase") == "fwd").is_empty() or \
+            phases.filter(pl.col("phase") == "bwd").is_empty():
+        return None
+    calls = trace.api.select("start", "correlation_id").sort("start")
+    tagged = calls.join_asof(
+        phases.select("start", "phase", pend="end").sort("start"), on="start",
+        strategy="backward",
+    ).filter(pl.col("start") <= pl.col("pend")).select("correlation_id", "phase")
+    heavy = kern.filter(pl.col("family").is_in(["gemm", "attention"])).join(
+        tagged, on="correlation_id")
+    sig = ["name", "grid_blocks", "block_threads"]
+    counts = heavy.group_by([*sig, "phase"]).len().pivot(
+        on="phase", index=sig, values="len").fill_null(0)
+    if "fwd" not in counts.columns or "bwd" not in counts.columns:
+        return 0.0 if "fwd" in counts.columns else None
+    forward = int(counts["fwd"].sum())
+    if not forward:
+        return None
+    repeated = int(counts.select(pl.min_horizontal("fwd", "bwd")).to_series().sum())
+    return repeated / forward
+
+
+def _memory_measures(trace: Trace, gpu: dict | None) -> dict[str, float | None]:
+    """Peak of allocated device memory (allocation events over the whole capture, since memory
+    allocated during warm-up is still held in the steady state)."""
+    mem = trace.memory
+    capacity = (gpu or {}).get("memory_bytes")
+    if mem.is_empty():
+        return {"peak_memory_bytes": None, "peak_memory_frac": None}
+    peak = (
+        mem.sort("start")
+        .with_columns(delta=pl.when(pl.col("op") == 0).then(pl.col("bytes"))
+                      .otherwise(-pl.col("bytes")))
+        .with_columns(level=pl.col("delta").cum_sum().over("device_id"))
+        ["level"].max()
+    )
+    peak = int(peak or 0)
+    return {"peak_memory_bytes": peak,
+            "peak_memory_frac": peak / capacity if capacity else None}
+
+
+def _gpu_metric_means(metrics: pl.DataFrame, window: tuple[int, int]) -> dict[str, float | None]:
+    inside = metrics.filter(pl.col("timestamp").is_between(*window))
+    out: dict[str, float | None] = {}
+    for key, name in METRICS_OF_INTEREST.items():
+        values = inside.filter(pl.col("metric") == name)["value"]
+        out[key] = float(values.mean()) / 100 if len(values) else None
+    return out
+
+
+def _top_kernels(kern: pl.DataFrame, wall: int, n: int = 10) -> list[dict]:
+    if kern.is_empty():
+        return []
+    top = (
+        kern.with_columns(dur=pl.col("end") - pl.col("start"))
+        .group_by("short_name", "family")
+        .agg(total_ns=pl.col("dur").sum(), count=pl.len(), median_ns=pl.col("dur").median())
+        .sort("total_ns", descending=True)
+        .head(n)
+        .with_columns(frac=pl.col("total_ns") / wall)
+    )
+    return top.rename({"short_name": "name"}).to_dicts()
+
+
+def _step_breakdown(tl: pl.DataFrame, steps: Steps) -> list[dict]:
+    """Per steady step: ns of compute, exposed communication, exposed copies and idle."""
+    steady = steps.steady
+    if steady.is_empty():
+        return []
+    c, k, p = pl.col("compute") > 0, pl.col("comm") > 0, pl.col("copy") > 0
+    seg = tl.with_columns(
+        state=pl.when(c).then(pl.lit("compute")).when(k).then(pl.lit("exposed_comm"))
+        .when(p).then(pl.lit("copy")).otherwise(pl.lit("idle")),
+        comm_ns=pl.when(k).then(pl.col("dur")).otherwise(0),
+    ).sort("start").join_asof(
+        steady.select("index", step_start="gpu_start").sort("step_start"),
+        left_on="start", right_on="step_start", strategy="backward",
+    ).filter(pl.col("index").is_not_null())
+    per = seg.group_by("index", "step_start").agg(
+        *(pl.col("dur").filter(pl.col("state") == s).sum().alias(s)
+          for s in ("compute", "exposed_comm", "copy", "idle")),
+        comm_total=pl.col("comm_ns").sum(),
+    ).sort("index")
+    return per.to_dicts()
+
+
+GAP_BINS_NS = [1_000 * 10 ** (i / 2) for i in range(15)]  # 1 µs .. 10 s, half-decade steps
+
+
+def _gap_histogram(gaps: pl.DataFrame) -> dict[str, list]:
+    out: dict[str, list] = {"edges_ns": GAP_BINS_NS}
+    for cause in ("launch", "sync", "input", "other"):
+        durs = gaps.filter(pl.col("cause") == cause)["dur"].to_list()
+        counts = [0] * (len(GAP_BINS_NS) + 1)
+        time = [0] * (len(GAP_BINS_NS) + 1)
+        for d in durs:  # a handful of bins; the gap list itself is already aggregated per cause
+            i = sum(1 for e in GAP_BINS_NS if d >= e)
+            counts[i] += 1
+            time[i] += d
+        out[cause] = counts
+        out[f"{cause}_ns"] = time
+    return out
+
+
+def _metric_series(metrics: pl.DataFrame, window: tuple[int, int],
+                   points: int = 400) -> dict[str, list]:
+    inside = metrics.filter(pl.col("timestamp").is_between(*window)
+                            & pl.col("metric").is_in(list(METRICS_OF_INTEREST.values())))
+    if inside.is_empty():
+        return {}
+    width = max((window[1] - window[0]) // points, 1)
+    binned = (
+        inside.with_columns(bin=((pl.col("timestamp") - window[0]) // width))
+        .group_by("metric", "bin").agg(pl.col("value").mean())
+        .sort("bin")
+    )
+    out: dict[str, list] = {}
+    for (metric,), rows in binned.group_by(["metric"]):
+        out[str(metric)] = [[int(b * width), round(float(v), 2)]
+                            for b, v in zip(rows["bin"], rows["value"], strict=True)]
+    return out
+
+
+def _ms(ns: float | None) -> float | None:
+    return float(ns) / 1e6 if ns is not None else None
+
+
+def _cv(durations: pl.Series) -> float | None:
+    if len(durations) < 2:
+        return None
+    return float(durations.std()) / float(durations.mean())
+
+
+def _round(v):
+    return round(v, 6) if isinstance(v, float) else v
