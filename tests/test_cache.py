@@ -1,0 +1,198 @@
+"""The Parquet cache of the trace model: hits, invalidation, placement, races and corruption."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from traceclf import cache
+from traceclf.cache import load_trace_cached
+from traceclf.errors import TraceError
+from traceclf.load import load_trace
+from traceclf.model import Trace
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE_DIRS = (ROOT / "fixtures", ROOT / "fixtures" / "traces", Path("/work/shared/traces"))
+SMALL = "h100_comm_ep2.sqlite"
+
+
+def real_trace(name: str) -> Path:
+    """A real export from fixtures/, else from the shared trace folder."""
+    for folder in TRACE_DIRS:
+        if (folder / name).is_file():
+            return folder / name
+    pytest.skip(f"real trace {name} not found in {', '.join(map(str, TRACE_DIRS))}")
+
+
+@pytest.fixture
+def export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private copy of a small real export, so caches land in tmp_path only."""
+    monkeypatch.setenv("TRACECLF_CACHE_DIR", str(tmp_path / "global-cache"))
+    folder = tmp_path / "run"
+    folder.mkdir()
+    return Path(shutil.copy2(real_trace(SMALL), folder / SMALL))
+
+
+def assert_same_trace(a: Trace, b: Trace, *, exact_order: bool = False) -> None:
+    """Equal metadata and frames; row order only with ``exact_order``, because two fresh loads
+    may order rows differently (load.py deduplicates some metadata frames without keeping order).
+    """
+    assert (a.path, a.nsys_version, a.schema_version, a.tables) == (
+        b.path,
+        b.nsys_version,
+        b.schema_version,
+        b.tables,
+    )
+    for name in Trace.FRAMES:
+        fa, fb = getattr(a, name), getattr(b, name)
+        assert fa.schema == fb.schema, name
+        if not exact_order:
+            fa, fb = fa.sort(fa.columns, nulls_last=True), fb.sort(fb.columns, nulls_last=True)
+        assert fa.equals(fb), name
+
+
+def entries(slot: Path) -> list[str]:
+    return sorted(p.name for p in slot.iterdir()) if slot.exists() else []
+
+
+def forbid_sqlite(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any read of an export fail, to prove a load is served from the cache."""
+
+    def boom(*_a, **_k):
+        raise AssertionError("the export was read although a cache entry exists")
+
+    monkeypatch.setattr(cache, "load_trace", boom)
+    monkeypatch.setattr("connectorx.read_sql", boom)
+
+
+def test_hit_equals_fresh_load_and_export_is_untouched(export: Path, monkeypatch) -> None:
+    before = (export.read_bytes(), export.stat().st_mtime_ns)
+    fresh = load_trace(export)
+    first = load_trace_cached(export)
+    assert len(entries(cache.beside_slot(export))) == 1
+    forbid_sqlite(monkeypatch)
+    second = load_trace_cached(export)
+    assert_same_trace(fresh, first)
+    assert_same_trace(first, second, exact_order=True)
+    assert (export.read_bytes(), export.stat().st_mtime_ns) == before
+
+
+def test_touch_invalidates(export: Path) -> None:
+    load_trace_cached(export)
+    old = entries(cache.beside_slot(export))
+    st = export.stat()
+    os.utime(export, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    load_trace_cached(export)
+    new = entries(cache.beside_slot(export))
+    assert len(new) == 1 and new != old  # the stale entry was replaced, not kept beside
+
+
+def test_rewritten_export_is_reloaded(export: Path) -> None:
+    kernels = load_trace_cached(export).kernels.height
+    with sqlite3.connect(export) as con:
+        con.execute("DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE rowid % 2 = 0")
+    con.close()
+    reloaded = load_trace_cached(export)
+    assert reloaded.kernels.height < kernels
+    assert reloaded.kernels.equals(load_trace(export).kernels)
+
+
+def test_use_cache_false_writes_nothing(export: Path, tmp_path: Path) -> None:
+    before = sorted(tmp_path.rglob("*"))
+    assert_same_trace(load_trace_cached(export, use_cache=False), load_trace(export))
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_read_only_folder_uses_cache_dir(export: Path, tmp_path: Path, monkeypatch) -> None:
+    cache_dir = tmp_path / "explicit-cache"
+    export.parent.chmod(0o555)  # no write bit: skipped even by root, whom access(2) allows
+    try:
+        first = load_trace_cached(export, cache_dir=cache_dir)
+        assert not cache.beside_slot(export).exists()
+        assert len(entries(cache.global_slot(export, cache_dir))) == 1
+        forbid_sqlite(monkeypatch)
+        assert_same_trace(load_trace_cached(export, cache_dir=cache_dir), first, exact_order=True)
+    finally:
+        export.parent.chmod(0o755)
+
+
+def test_default_cache_dir_from_environment(export: Path, tmp_path: Path) -> None:
+    export.parent.chmod(0o555)
+    try:
+        load_trace_cached(export)
+    finally:
+        export.parent.chmod(0o755)
+    assert len(entries(cache.global_slot(export, tmp_path / "global-cache"))) == 1
+
+
+LOAD_IN_CHILD = (
+    "import sys; from traceclf.cache import load_trace_cached; "
+    "t = load_trace_cached(sys.argv[1]); print(t.kernels.height, t.api.height)"
+)
+
+
+def test_two_processes_at_once(export: Path) -> None:
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOAD_IN_CHILD, str(export)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [child.communicate(timeout=120) for child in children]
+    assert [child.returncode for child in children] == [0, 0], outputs
+    assert outputs[0][0] == outputs[1][0]
+    slot = cache.beside_slot(export)
+    assert len(entries(slot)) == 1  # one entry, no temporary folder left behind
+    entry = slot / entries(slot)[0]
+    assert_same_trace(cache.read_entry(entry, export), load_trace(export))
+
+
+def test_losing_the_rename_race_keeps_the_winner(export: Path) -> None:
+    trace = load_trace(export)
+    slot, key = cache.beside_slot(export), cache.export_key(export)
+    assert cache.write_entry(trace, slot, key)
+    winner = (slot / key / "kernels.parquet").stat().st_mtime_ns
+    assert cache.write_entry(trace, slot, key)
+    assert entries(slot) == [key]
+    assert (slot / key / "kernels.parquet").stat().st_mtime_ns == winner
+
+
+def _truncate(entry: Path) -> None:
+    data = (entry / "kernels.parquet").read_bytes()
+    (entry / "kernels.parquet").write_bytes(data[: len(data) // 2])
+
+
+def _garble_meta(entry: Path) -> None:
+    (entry / "meta.json").write_text("{not json")
+
+
+def _drop_frame(entry: Path) -> None:
+    (entry / "api.parquet").unlink()
+
+
+def _old_format(entry: Path) -> None:
+    (entry / "meta.json").write_text('{"format": -1}')
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garble_meta, _drop_frame, _old_format])
+def test_damaged_entry_is_rebuilt(export: Path, damage) -> None:
+    load_trace_cached(export)
+    slot = cache.beside_slot(export)
+    entry = slot / entries(slot)[0]
+    damage(entry)
+    assert_same_trace(load_trace_cached(export), load_trace(export))
+    assert cache.read_entry(entry, export) is not None  # and a good entry is back in place
+
+
+def test_missing_export_is_a_trace_error(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="no such file"):
+        load_trace_cached(tmp_path / "absent.sqlite")
