@@ -7,8 +7,15 @@ returns only small, picklable results, so it can run in worker processes or on D
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+
+from traceclf import __version__
+from traceclf.measures import RankMeasures, measure_rank
+from traceclf.report import Report
+from traceclf.steps import find_steps
 
 
 @dataclass(frozen=True)
@@ -23,12 +30,197 @@ class AnalysisOptions:
     quiet: bool = False
 
 
-def analyze_inputs(inputs: list[str], opts: AnalysisOptions):
+@dataclass
+class RankResult:
+    """Everything the report needs about one rank; small and picklable."""
+
+    pid: int
+    process_name: str | None
+    path: str
+    gpu: dict | None
+    steps: dict
+    measures: RankMeasures
+
+
+@dataclass
+class ExportResult:
+    path: str
+    nsys_version: str | None
+    schema_version: str | None
+    ranks: list[RankResult] = field(default_factory=list)
+
+
+def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
     """Analyse every export named by ``inputs`` (files, folders, .nsys-rep) into one report."""
     from traceclf.inputs import resolve_inputs
+    from traceclf.parallel import map_exports
     from traceclf.schema import inspect_export
 
     exports = resolve_inputs(inputs, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
     for path in exports:  # reject bad files before any heavy work starts
         inspect_export(path)
-    raise NotImplementedError("analysis pipeline not written yet")
+    results = map_exports(partial(analyze_export, opts=opts), exports, jobs=opts.jobs,
+                          dask_address=opts.dask_address, quiet=opts.quiet)
+    return build_report(results, opts)
+
+
+def analyze_export(path: Path, opts: AnalysisOptions) -> ExportResult:
+    """Map step: load one export and measure each rank (process with GPU work) in it."""
+    from traceclf.cache import load_trace_cached
+
+    trace = load_trace_cached(Path(path), use_cache=opts.use_cache, cache_dir=opts.cache_dir)
+    names = dict(zip(trace.processes["pid"].to_list(),
+                     trace.processes["process_name"].to_list(), strict=True))
+    result = ExportResult(str(path), trace.nsys_version, trace.schema_version)
+    for pid in trace.rank_pids:
+        rank_trace = trace.for_pid(pid)
+        steps = find_steps(rank_trace, opts.step_regex)
+        gpu = trace.gpu_of(pid)
+        result.ranks.append(RankResult(
+            pid=pid,
+            process_name=names.get(pid),
+            path=str(path),
+            gpu=gpu,
+            steps=_steps_summary(steps),
+            measures=measure_rank(rank_trace, steps, gpu),
+        ))
+    return result
+
+
+def _steps_summary(steps) -> dict:
+    durations = steps.durations()
+    return {
+        "source": steps.source,
+        "label": steps.label,
+        "count": steps.count,
+        "used": steps.used,
+        "mean_ms": float(durations.mean()) / 1e6 if len(durations) else None,
+        "median_ms": float(durations.median()) / 1e6 if len(durations) else None,
+        "cv": float(durations.std()) / float(durations.mean()) if len(durations) > 1 else None,
+        "window_ns": list(steps.window),
+        "durations_ms": [round(d / 1e6, 4) for d in steps.table["duration"].to_list()],
+        "steady": steps.table["steady"].to_list(),
+        "outliers": int(steps.steady["outlier"].sum()) if steps.count else 0,
+    }
+
+
+GPU_KEYS = ("name", "chip", "sm_count", "memory_bytes")
+
+
+def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
+    """Reduce step: number the ranks, average their measures, compare them, classify."""
+    from traceclf.rules import evaluate
+
+    ranks = [r for export in results for r in export.ranks]
+    rank_dicts = [
+        {
+            "rank": i, "pid": r.pid, "process": r.process_name, "file": r.path,
+            "gpu": r.gpu.get("name") if r.gpu else None,
+            "steps": r.steps, "metrics": r.measures.metrics,
+            "comm_by_kind": r.measures.comm_by_kind, "top_kernels": r.measures.top_kernels,
+        }
+        for i, r in enumerate(ranks)
+    ]
+    metrics = mean_metrics([r.measures.metrics for r in ranks])
+    gpus = _unique([{k: r.gpu.get(k) for k in GPU_KEYS} for r in ranks if r.gpu])
+    cross = cross_rank(rank_dicts)
+    comm_by_kind = _mean_comm(ranks)
+    facts = {"metrics": metrics, "ranks": rank_dicts, "gpu": gpus[0] if gpus else None,
+             "rank_count": len(ranks), "comm_by_kind": comm_by_kind, "cross_rank": cross}
+    verdict = evaluate(facts, opts.rules_dir)
+    first = ranks[0].steps if ranks else {}
+    return Report(
+        report_version=1,
+        traceclf_version=__version__,
+        inputs=[{"path": e.path, "nsys_version": e.nsys_version,
+                 "schema_version": e.schema_version, "ranks": len(e.ranks)} for e in results],
+        gpus=gpus,
+        steps={
+            "source": first.get("source", "none"),
+            "label": first.get("label", ""),
+            "count": first.get("count", 0),
+            "used": first.get("used", 0),
+            "mean_ms": _mean([r.steps["mean_ms"] for r in ranks]),
+            "median_ms": _mean([r.steps["median_ms"] for r in ranks]),
+            "cv": _mean([r.steps["cv"] for r in ranks]),
+            "window_ns": first.get("window_ns", [0, 0]),
+        },
+        ranks=rank_dicts,
+        metrics=metrics,
+        cross_rank=cross,
+        comm_by_kind=comm_by_kind,
+        classification=verdict.classification,
+        fixes=verdict.fixes,
+        applied=verdict.applied,
+        next_wall=verdict.next_wall,
+        series=[{"rank": i, "step_breakdown": r.measures.step_breakdown,
+                 "idle_gaps": r.measures.idle_gaps,
+                 "gpu_metrics": r.measures.gpu_metrics_series} for i, r in enumerate(ranks)],
+    )
+
+
+def mean_metrics(per_rank: list[dict]) -> dict:
+    """Mean over ranks of each measure; booleans are true if true on any rank."""
+    keys = list(dict.fromkeys(k for m in per_rank for k in m))
+    out = {}
+    for k in keys:
+        values = [m.get(k) for m in per_rank if m.get(k) is not None]
+        if values and all(isinstance(v, bool) for v in values):
+            out[k] = any(values)
+        else:
+            out[k] = _mean(values)
+    return out
+
+
+def cross_rank(ranks: list[dict]) -> dict:
+    """Skew between ranks: the straggler is the rank with the most compute per step (the
+    others wait for it inside their collectives)."""
+    if len(ranks) < 2:
+        return {"straggler_rank": None, "step_time_skew_frac": None, "compute_skew_frac": None}
+    step = [r["metrics"].get("step_time_ms") for r in ranks]
+    compute = [
+        (r["metrics"].get("compute_frac") or 0) * (r["metrics"].get("step_time_ms") or 0)
+        for r in ranks
+    ]
+    return {
+        "straggler_rank": max(range(len(ranks)), key=lambda i: compute[i]),
+        "step_time_skew_frac": _skew(step),
+        "compute_skew_frac": _skew(compute),
+    }
+
+
+def _mean_comm(ranks: list[RankResult]) -> dict:
+    kinds = list(dict.fromkeys(k for r in ranks for k in r.measures.comm_by_kind))
+    out = {}
+    for kind in kinds:
+        rows = [r.measures.comm_by_kind.get(kind) for r in ranks]
+        present = [row for row in rows if row]
+        out[kind] = {
+            "frac": round(sum(row["frac"] for row in present) / len(ranks), 4),
+            "exposed_frac": round(sum(row["exposed_frac"] for row in present) / len(ranks), 4),
+            "kernels": sum(row["kernels"] for row in present),
+            "libraries": sorted({lib for row in present for lib in row["libraries"]}),
+        }
+    return out
+
+
+def _skew(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    if len(vals) < 2 or not statistics.mean(vals):
+        return None
+    return round((max(vals) - min(vals)) / statistics.mean(vals), 4)
+
+
+def _mean(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(statistics.fmean(vals), 6) if vals else None
+
+
+def _unique(rows: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for row in rows:
+        key = tuple(sorted(row.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out

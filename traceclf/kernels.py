@@ -11,7 +11,7 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("communication", r"(?i)^(void )?(nccl|deep_ep::)|hybrid_?ep|nvshmem|userbuffers"),
     ("attention", r"(?i)flash|fmha|attention|_attn|attn_|sdpa|mha_"),
     ("gemm", r"(?i)gemm|nvjet|cutlass|cublas|xmma|wgmma|gemv|matmul|s16816|h16816|s1688"),
-    ("optimizer", r"(?i)adam|sgd|lamb|lion|optimizer|multi_tensor_apply"),
+    ("optimizer", r"(?i)adam|sgd|\blamb[_(]|\blion[_(]|optimizer|multi_tensor_apply"),
     ("permute_moe", r"(?i)permute|row_id_map|moe|topk|router|radix|sort|scatter|gather|index|"
                     r"nonzero|histogram|bincount"),
     ("reduction", r"(?i)reduce|norm|softmax|cross_entropy|nll_loss|cumsum|sum_kernel|mean"),

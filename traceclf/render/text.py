@@ -1,0 +1,55 @@
+"""Formatting shared by every renderer, so a number reads the same in each format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from traceclf.report import Report
+
+
+def pct(v: float | None) -> str:
+    if v is None:
+        return "–"
+    return f"{100 * v:.1f}%" if abs(v) < 0.1 else f"{100 * v:.0f}%"
+
+
+def fmt_ms(v: float | None) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.3g} ms" if v < 1000 else f"{v / 1000:.3g} s"
+
+
+def fmt_bytes(v: float | None) -> str:
+    if v is None:
+        return "–"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(v) < 1000 or unit == "TB":
+            return f"{v:.3g} {unit}" if unit != "B" else f"{v:.0f} B"
+        v /= 1000
+    return f"{v:.3g} TB"
+
+
+def provenance(report: Report) -> str:
+    """Where the numbers come from: files, nsys versions, GPU, ranks."""
+    versions = sorted({f"nsys {i.get('nsys_version') or '?'} (schema "
+                       f"{i.get('schema_version') or '?'})" for i in report.inputs})
+    gpus = sorted({g.get("name") or "unknown GPU" for g in report.gpus}) or ["unknown GPU"]
+    ranks = len(report.ranks)
+    return (f"{', '.join(versions)} · {', '.join(gpus)} · "
+            f"{ranks} rank{'s' if ranks != 1 else ''} in {len(report.inputs)} file"
+            f"{'s' if len(report.inputs) != 1 else ''}")
+
+
+def steps_line(report: Report) -> str:
+    s = report.steps
+    if s.get("source") in (None, "none") or not s.get("count"):
+        return "Steady state: no steps found; the whole GPU span is analysed as one window."
+    label = f" \"{s['label']}\"" if s.get("label") else ""
+    cv = f", spread {pct(s['cv'])}" if s.get("cv") is not None else ""
+    lo, hi = s.get("window_ns", [0, 0])
+    return (f"Steady state: {s['used']} of {s['count']} steps (from {s['source']}{label}), "
+            f"step {fmt_ms(s.get('median_ms'))} median{cv}, window {fmt_ms((hi - lo) / 1e6)}")
+
+
+def input_names(report: Report) -> str:
+    return ", ".join(Path(i["path"]).name for i in report.inputs)

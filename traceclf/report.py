@@ -1,0 +1,74 @@
+"""The report object: what `traceclf analyze` found, in the shape of the JSON contract
+(../shared/docs/report-contract.md). Every renderer (terminal, Markdown, HTML) and `compare`
+read this object, never the trace."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from traceclf.errors import TraceError
+
+WALLS = ("memory", "communication", "host", "compute")
+
+
+@dataclass
+class Report:
+    report_version: int
+    traceclf_version: str
+    inputs: list[dict]
+    gpus: list[dict]
+    steps: dict
+    ranks: list[dict]
+    metrics: dict
+    classification: dict
+    fixes: list[dict]
+    cross_rank: dict = field(default_factory=dict)
+    comm_by_kind: dict = field(default_factory=dict)
+    applied: list[str] = field(default_factory=list)
+    next_wall: str | None = None
+    series: list[dict] = field(default_factory=list)
+
+    @property
+    def bound(self) -> str:
+        return self.classification.get("bound", "unknown")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=_jsonable)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Report:
+        missing = {"report_version", "metrics", "classification"} - set(data)
+        if missing:
+            raise TraceError(None, f"not a traceclf report (missing {', '.join(sorted(missing))})")
+        names = {f.name for f in fields(cls)}
+        defaults = {"traceclf_version": "", "inputs": [], "gpus": [], "steps": {}, "ranks": [],
+                    "fixes": []}
+        return cls(**(defaults | {k: v for k, v in data.items() if k in names}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Report:
+        """Read a saved JSON report (``traceclf analyze --format json -o report.json``)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TraceError(path, f"cannot read JSON report ({e})") from None
+        if not isinstance(data, dict):
+            raise TraceError(path, "not a traceclf report (not a JSON object)")
+        try:
+            return cls.from_dict(data)
+        except TraceError as e:
+            raise TraceError(path, e.problem) from None
+
+
+def _jsonable(value):
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item"):  # numpy / polars scalars
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
