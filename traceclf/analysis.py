@@ -59,8 +59,13 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
     exports = resolve_inputs(inputs, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
     for path in exports:  # reject bad files before any heavy work starts
         inspect_export(path)
-    results = map_exports(partial(analyze_export, opts=opts), exports, jobs=opts.jobs,
-                          dask_address=opts.dask_address, quiet=opts.quiet)
+    results = map_exports(
+        partial(analyze_export, opts=opts),
+        exports,
+        jobs=opts.jobs,
+        dask_address=opts.dask_address,
+        quiet=opts.quiet,
+    )
     return build_report(results, opts)
 
 
@@ -69,21 +74,26 @@ def analyze_export(path: Path, opts: AnalysisOptions) -> ExportResult:
     from traceclf.cache import load_trace_cached
 
     trace = load_trace_cached(Path(path), use_cache=opts.use_cache, cache_dir=opts.cache_dir)
-    names = dict(zip(trace.processes["pid"].to_list(),
-                     trace.processes["process_name"].to_list(), strict=True))
+    names = dict(
+        zip(
+            trace.processes["pid"].to_list(), trace.processes["process_name"].to_list(), strict=True
+        )
+    )
     result = ExportResult(str(path), trace.nsys_version, trace.schema_version)
     for pid in trace.rank_pids:
         rank_trace = trace.for_pid(pid)
         steps = find_steps(rank_trace, opts.step_regex)
         gpu = trace.gpu_of(pid)
-        result.ranks.append(RankResult(
-            pid=pid,
-            process_name=names.get(pid),
-            path=str(path),
-            gpu=gpu,
-            steps=_steps_summary(steps),
-            measures=measure_rank(rank_trace, steps, gpu),
-        ))
+        result.ranks.append(
+            RankResult(
+                pid=pid,
+                process_name=names.get(pid),
+                path=str(path),
+                gpu=gpu,
+                steps=_steps_summary(steps),
+                measures=measure_rank(rank_trace, steps, gpu),
+            )
+        )
     return result
 
 
@@ -114,10 +124,15 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
     ranks = [r for export in results for r in export.ranks]
     rank_dicts = [
         {
-            "rank": i, "pid": r.pid, "process": r.process_name, "file": r.path,
+            "rank": i,
+            "pid": r.pid,
+            "process": r.process_name,
+            "file": r.path,
             "gpu": r.gpu.get("name") if r.gpu else None,
-            "steps": r.steps, "metrics": r.measures.metrics,
-            "comm_by_kind": r.measures.comm_by_kind, "top_kernels": r.measures.top_kernels,
+            "steps": r.steps,
+            "metrics": r.measures.metrics,
+            "comm_by_kind": r.measures.comm_by_kind,
+            "top_kernels": r.measures.top_kernels,
         }
         for i, r in enumerate(ranks)
     ]
@@ -125,15 +140,28 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
     gpus = _unique([{k: r.gpu.get(k) for k in GPU_KEYS} for r in ranks if r.gpu])
     cross = cross_rank(rank_dicts)
     comm_by_kind = _mean_comm(ranks)
-    facts = {"metrics": metrics, "ranks": rank_dicts, "gpu": gpus[0] if gpus else None,
-             "rank_count": len(ranks), "comm_by_kind": comm_by_kind, "cross_rank": cross}
+    facts = {
+        "metrics": metrics,
+        "ranks": rank_dicts,
+        "gpu": gpus[0] if gpus else None,
+        "rank_count": len(ranks),
+        "comm_by_kind": comm_by_kind,
+        "cross_rank": cross,
+    }
     verdict = evaluate(facts, opts.rules_dir)
     first = ranks[0].steps if ranks else {}
     return Report(
         report_version=1,
         traceclf_version=__version__,
-        inputs=[{"path": e.path, "nsys_version": e.nsys_version,
-                 "schema_version": e.schema_version, "ranks": len(e.ranks)} for e in results],
+        inputs=[
+            {
+                "path": e.path,
+                "nsys_version": e.nsys_version,
+                "schema_version": e.schema_version,
+                "ranks": len(e.ranks),
+            }
+            for e in results
+        ],
         gpus=gpus,
         steps={
             "source": first.get("source", "none"),
@@ -153,9 +181,15 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
         fixes=verdict.fixes,
         applied=verdict.applied,
         next_wall=verdict.next_wall,
-        series=[{"rank": i, "step_breakdown": r.measures.step_breakdown,
-                 "idle_gaps": r.measures.idle_gaps,
-                 "gpu_metrics": r.measures.gpu_metrics_series} for i, r in enumerate(ranks)],
+        series=[
+            {
+                "rank": i,
+                "step_breakdown": r.measures.step_breakdown,
+                "idle_gaps": r.measures.idle_gaps,
+                "gpu_metrics": r.measures.gpu_metrics_series,
+            }
+            for i, r in enumerate(ranks)
+        ],
     )
 
 

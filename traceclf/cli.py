@@ -31,35 +31,77 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
-@click.option("-f", "--format", "fmt", type=click.Choice(FORMATS), default="terminal",
-              show_default=True, help="Report format: rich terminal text, the JSON report "
-              "contract, Markdown for tickets, or one self-contained HTML file with figures.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the report to this file (atomically) instead of stdout. "
-              "Required for html.")
-@click.option("--step-range", metavar="REGEX",
-              help="Regular expression for the NVTX ranges that mark one training step "
-              "(default: names like 'step 12', 'iteration 3', 'batch 7', 'ProfilerStep#5').")
-@click.option("--nsys", "nsys_path", type=click.Path(path_type=Path),
-              help="nsys executable used to export .nsys-rep files "
-              "(default: $NSYS, then nsys on PATH).")
-@click.option("--rules", "rules_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Extra rule/fix YAML folder, merged over the bundled rules/.")
-@click.option("--no-cache", is_flag=True,
-              help="Do not read or write the Parquet cache of the trace model.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where caches go when the export's folder is not writable "
-              "(default: $TRACECLF_CACHE_DIR or ~/.cache/traceclf).")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
-              help="Ranks/files analysed in parallel (default: number of CPUs, at most 4).")
-@click.option("--dask", "dask_address", metavar="ADDRESS",
-              help="Run the per-file analysis on a Dask distributed cluster at ADDRESS "
-              "(e.g. tcp://scheduler:8786) instead of local processes.")
+@click.option(
+    "-f",
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default="terminal",
+    show_default=True,
+    help="Report format: rich terminal text, the JSON report "
+    "contract, Markdown for tickets, or one self-contained HTML file with figures.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the report to this file (atomically) instead of stdout. Required for html.",
+)
+@click.option(
+    "--step-range",
+    metavar="REGEX",
+    help="Regular expression for the NVTX ranges that mark one training step "
+    "(default: names like 'step 12', 'iteration 3', 'batch 7', 'ProfilerStep#5').",
+)
+@click.option(
+    "--nsys",
+    "nsys_path",
+    type=click.Path(path_type=Path),
+    help="nsys executable used to export .nsys-rep files (default: $NSYS, then nsys on PATH).",
+)
+@click.option(
+    "--rules",
+    "rules_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Extra rule/fix YAML folder, merged over the bundled rules/.",
+)
+@click.option(
+    "--no-cache", is_flag=True, help="Do not read or write the Parquet cache of the trace model."
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where caches go when the export's folder is not writable "
+    "(default: $TRACECLF_CACHE_DIR or ~/.cache/traceclf).",
+)
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks/files analysed in parallel (default: number of CPUs, at most 4).",
+)
+@click.option(
+    "--dask",
+    "dask_address",
+    metavar="ADDRESS",
+    help="Run the per-file analysis on a Dask distributed cluster at ADDRESS "
+    "(e.g. tcp://scheduler:8786) instead of local processes.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or notes on stderr.")
-def analyze(inputs: tuple[str, ...], fmt: str, output: Path | None, step_range: str | None,
-            nsys_path: Path | None, rules_dir: Path | None, no_cache: bool,
-            cache_dir: Path | None, jobs: int | None, dask_address: str | None,
-            quiet: bool) -> None:
+def analyze(
+    inputs: tuple[str, ...],
+    fmt: str,
+    output: Path | None,
+    step_range: str | None,
+    nsys_path: Path | None,
+    rules_dir: Path | None,
+    no_cache: bool,
+    cache_dir: Path | None,
+    jobs: int | None,
+    dask_address: str | None,
+    quiet: bool,
+) -> None:
     """Analyse INPUT... and report the bound, the evidence and the fixes.
 
     INPUT is a .sqlite export, a .nsys-rep (exported once with `nsys export --type sqlite`,
@@ -72,8 +114,14 @@ def analyze(inputs: tuple[str, ...], fmt: str, output: Path | None, step_range: 
     if fmt == "html" and output is None:
         raise click.UsageError("--format html needs -o/--output FILE")
     opts = AnalysisOptions(
-        step_regex=step_range, nsys=nsys_path, rules_dir=rules_dir, use_cache=not no_cache,
-        cache_dir=cache_dir, jobs=jobs, dask_address=dask_address, quiet=quiet,
+        step_regex=step_range,
+        nsys=nsys_path,
+        rules_dir=rules_dir,
+        use_cache=not no_cache,
+        cache_dir=cache_dir,
+        jobs=jobs,
+        dask_address=dask_address,
+        quiet=quiet,
     )
     report = analyze_inputs(list(inputs), opts)
     render(report, fmt, output)
@@ -82,35 +130,63 @@ def analyze(inputs: tuple[str, ...], fmt: str, output: Path | None, step_range: 
 @cli.command()
 @click.argument("before", metavar="BEFORE")
 @click.argument("after", metavar="AFTER")
-@click.option("--threshold", type=float, default=0.05, show_default=True,
-              help="Step-time increase (fraction) beyond the noise band that counts as a "
-              "regression.")
-@click.option("-f", "--format", "fmt", type=click.Choice(("terminal", "md", "json")),
-              default="terminal", show_default=True, help="Output format.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write to this file (atomically) instead of stdout.")
+@click.option(
+    "--threshold",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="Step-time increase (fraction) beyond the noise band that counts as a regression.",
+)
+@click.option(
+    "-f",
+    "--format",
+    "fmt",
+    type=click.Choice(("terminal", "md", "json")),
+    default="terminal",
+    show_default=True,
+    help="Output format.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write to this file (atomically) instead of stdout.",
+)
 @click.option("--step-range", metavar="REGEX", help="As for `analyze`.")
 @click.option("--nsys", "nsys_path", type=click.Path(path_type=Path), help="As for `analyze`.")
 @click.option("--no-cache", is_flag=True, help="As for `analyze`.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
-def compare(before: str, after: str, threshold: float, fmt: str, output: Path | None,
-            step_range: str | None, nsys_path: Path | None, no_cache: bool,
-            quiet: bool) -> None:
+def compare(
+    before: str,
+    after: str,
+    threshold: float,
+    fmt: str,
+    output: Path | None,
+    step_range: str | None,
+    nsys_path: Path | None,
+    no_cache: bool,
+    quiet: bool,
+) -> None:
     """Compare two runs: BEFORE and AFTER are traces (any `analyze` input; use a folder for
     several ranks) or saved JSON reports. Exits 1 on a regression beyond --threshold."""
     from traceclf.analysis import AnalysisOptions
     from traceclf.compare import compare_runs, render_comparison
 
-    opts = AnalysisOptions(step_regex=step_range, nsys=nsys_path, use_cache=not no_cache,
-                           quiet=quiet)
+    opts = AnalysisOptions(
+        step_regex=step_range, nsys=nsys_path, use_cache=not no_cache, quiet=quiet
+    )
     result = compare_runs(before, after, threshold=threshold, opts=opts)
     render_comparison(result, fmt, output)
     sys.exit(1 if result.regression else 0)
 
 
 @cli.command("rules")
-@click.option("--rules", "rules_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Extra rule/fix YAML folder, merged over the bundled rules/.")
+@click.option(
+    "--rules",
+    "rules_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Extra rule/fix YAML folder, merged over the bundled rules/.",
+)
 def rules_cmd(rules_dir: Path | None) -> None:
     """List the classification rules and the fixes they can propose."""
     from traceclf.rules import list_rules
@@ -120,8 +196,12 @@ def rules_cmd(rules_dir: Path | None) -> None:
 
 @cli.command()
 @click.argument("fix_id")
-@click.option("--rules", "rules_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Extra rule/fix YAML folder, merged over the bundled rules/.")
+@click.option(
+    "--rules",
+    "rules_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Extra rule/fix YAML folder, merged over the bundled rules/.",
+)
 def explain(fix_id: str, rules_dir: Path | None) -> None:
     """Print one fix in full: why, the config to paste, preconditions and pitfalls."""
     from traceclf.rules import explain_fix

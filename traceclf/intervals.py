@@ -38,8 +38,9 @@ def total(df: pl.DataFrame) -> int:
     return int((merged["end"] - merged["start"]).sum()) if len(merged) else 0
 
 
-def timeline(layers: dict[str, pl.DataFrame], window: Window,
-             cuts: list[int] | None = None) -> pl.DataFrame:
+def timeline(
+    layers: dict[str, pl.DataFrame], window: Window, cuts: list[int] | None = None
+) -> pl.DataFrame:
     """Sweep the window once and return disjoint segments with how many intervals of each
     layer are active in each (columns start, end, dur, and one count column per layer).
 
@@ -67,7 +68,10 @@ def timeline(layers: dict[str, pl.DataFrame], window: Window,
         deltas.with_columns(pl.col(n).cum_sum() for n in layers)
         .with_columns(end=pl.col("t").shift(-1))
         .rename({"t": "start"})
-        .filter(pl.col("end").is_not_null() & (pl.col("start") >= window[0])
-                & (pl.col("end") <= window[1]))
+        .filter(
+            pl.col("end").is_not_null()
+            & (pl.col("start") >= window[0])
+            & (pl.col("end") <= window[1])
+        )
         .with_columns(dur=pl.col("end") - pl.col("start"))
     )

@@ -12,11 +12,17 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("attention", r"(?i)flash|fmha|attention|_attn|attn_|sdpa|mha_"),
     ("gemm", r"(?i)gemm|nvjet|cutlass|cublas|xmma|wgmma|gemv|matmul|s16816|h16816|s1688"),
     ("optimizer", r"(?i)adam|sgd|\blamb[_(]|\blion[_(]|optimizer|multi_tensor_apply"),
-    ("permute_moe", r"(?i)permute|row_id_map|moe|topk|router|radix|sort|scatter|gather|index|"
-                    r"nonzero|histogram|bincount"),
+    (
+        "permute_moe",
+        r"(?i)permute|row_id_map|moe|topk|router|radix|sort|scatter|gather|index|"
+        r"nonzero|histogram|bincount",
+    ),
     ("reduction", r"(?i)reduce|norm|softmax|cross_entropy|nll_loss|cumsum|sum_kernel|mean"),
-    ("elementwise", r"(?i)elementwise|vectorized|activation|gelu|silu|relu|fill|copy|cast|"
-                    r"dropout|triton|mul|add|where|pow|sqrt|exp"),
+    (
+        "elementwise",
+        r"(?i)elementwise|vectorized|activation|gelu|silu|relu|fill|copy|cast|"
+        r"dropout|triton|mul|add|where|pow|sqrt|exp",
+    ),
 )
 
 COMM_LIBRARIES: tuple[tuple[str, str], ...] = (
@@ -95,12 +101,16 @@ def theoretical_occupancy(gpu: dict | None) -> pl.Expr:
     # Registers are allocated per warp in units of 256.
     regs_per_warp = ((pl.col("registers").fill_null(0) * warp + 255) // 256) * 256
     by_warps = max_warps // warps_per_block
-    by_regs = pl.when(regs_per_warp > 0).then(
-        (max_regs // regs_per_warp.clip(lower_bound=1)) // warps_per_block
-    ).otherwise(max_blocks)
+    by_regs = (
+        pl.when(regs_per_warp > 0)
+        .then((max_regs // regs_per_warp.clip(lower_bound=1)) // warps_per_block)
+        .otherwise(max_blocks)
+    )
     # The driver reserves 1 KiB of shared memory per resident block.
-    by_smem = pl.when(pl.col("smem_per_block") > 0).then(
-        max_smem // (pl.col("smem_per_block") + 1024)
-    ).otherwise(max_blocks)
+    by_smem = (
+        pl.when(pl.col("smem_per_block") > 0)
+        .then(max_smem // (pl.col("smem_per_block") + 1024))
+        .otherwise(max_blocks)
+    )
     blocks = pl.min_horizontal(by_warps, by_regs, by_smem, pl.lit(max_blocks))
     return ((blocks * warps_per_block) / max_warps).clip(0.0, 1.0).cast(pl.Float64)

@@ -9,6 +9,8 @@ compute_frac         time at least one non-communication kernel or graph executi
 comm_frac            union of communication kernels (NCCL, DeepEP, HybridEP, NVSHMEM, userbuffers)
 exposed_comm_frac    communication time with no compute kernel running at the same time
 comm_overlap_frac    share of communication time hidden under compute (of comm time, not wall)
+compute_under_comm_frac  share of compute time that runs while communication is in flight (of
+                     compute time): > 0 means comm/compute overlap is in place
 a2a_frac / a2a_exposed_frac   the same two for all-to-all (EP dispatch/combine) only
 copy_frac            union of memcpy/memset time
 offload_copy_frac    union of host<->device copy time
@@ -46,13 +48,19 @@ from traceclf import intervals, kernels
 from traceclf.model import Trace
 from traceclf.steps import Steps
 
-SYNC_API = r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy_|" \
-           r"cudaMemcpy2D_|cudaMemcpyFromSymbol_|cudaMemcpyToSymbol_|cuStreamSynchronize|" \
-           r"cuCtxSynchronize|cuEventSynchronize|cuMemcpyDtoH_|cuMemcpyHtoD_)"
-LAUNCH_API = r"^(cudaLaunchKernel|cudaLaunchCooperativeKernel|cuLaunchKernel|cudaGraphLaunch|" \
-             r"cuGraphLaunch|cudaLaunchKernelExC|cuLaunchKernelEx)"
-ALLOC_API = r"^(cudaMalloc_|cudaFree_|cudaMallocManaged|cuMemAlloc_|cuMemFree_|cuMemCreate|" \
-            r"cuMemRelease|cuMemMap_|cuMemUnmap)"
+SYNC_API = (
+    r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy_|"
+    r"cudaMemcpy2D_|cudaMemcpyFromSymbol_|cudaMemcpyToSymbol_|cuStreamSynchronize|"
+    r"cuCtxSynchronize|cuEventSynchronize|cuMemcpyDtoH_|cuMemcpyHtoD_)"
+)
+LAUNCH_API = (
+    r"^(cudaLaunchKernel|cudaLaunchCooperativeKernel|cuLaunchKernel|cudaGraphLaunch|"
+    r"cuGraphLaunch|cudaLaunchKernelExC|cuLaunchKernelEx)"
+)
+ALLOC_API = (
+    r"^(cudaMalloc_|cudaFree_|cudaMallocManaged|cuMemAlloc_|cuMemFree_|cuMemCreate|"
+    r"cuMemRelease|cuMemMap_|cuMemUnmap)"
+)
 FORWARD_NVTX = r"(?i)^(forward|fwd)\b|[_ .:]forward$|\bforward pass"
 BACKWARD_NVTX = r"(?i)^(backward|bwd)\b|[_ .:]backward$|\bbackward pass"
 SMALL_D2H_BYTES = 1024
@@ -63,8 +71,16 @@ METRICS_OF_INTEREST = {
     "sm_issue_mean": "SM Issue [Throughput %]",
     "tensor_active_mean": "Tensor Active [Throughput %]",
 }
-FAMILY_NAMES = ("gemm", "attention", "elementwise", "reduction", "permute_moe", "optimizer",
-                "communication", "other")
+FAMILY_NAMES = (
+    "gemm",
+    "attention",
+    "elementwise",
+    "reduction",
+    "permute_moe",
+    "optimizer",
+    "communication",
+    "other",
+)
 
 
 @dataclass
@@ -89,12 +105,14 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
     copies = intervals.clip(trace.copies, window)
     api = intervals.clip(trace.api, window)
 
-    compute = pl.concat([kern.filter(~pl.col("is_comm")).select("start", "end"),
-                         graph_spans.select("start", "end")])
+    compute = pl.concat(
+        [kern.filter(~pl.col("is_comm")).select("start", "end"), graph_spans.select("start", "end")]
+    )
     comm = kern.filter(pl.col("is_comm")).select("start", "end")
     step_starts = steps.steady["gpu_start"].to_list() if steps.count else []
-    tl = intervals.timeline({"compute": compute, "comm": comm, "copy": copies}, window,
-                            cuts=step_starts)
+    tl = intervals.timeline(
+        {"compute": compute, "comm": comm, "copy": copies}, window, cuts=step_starts
+    )
     state = _state_times(tl)
 
     m: dict[str, float | int | bool | None] = {
@@ -107,6 +125,9 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
         "comm_frac": state["comm"] / wall,
         "exposed_comm_frac": state["exposed_comm"] / wall,
         "comm_overlap_frac": (1 - state["exposed_comm"] / state["comm"]) if state["comm"] else None,
+        "compute_under_comm_frac": (state["compute"] - state["compute_only"]) / state["compute"]
+        if state["compute"]
+        else None,
         "copy_frac": state["copy"] / wall,
         "exposed_copy_frac": state["exposed_copy"] / wall,
     }
@@ -151,6 +172,7 @@ def _state_times(tl: pl.DataFrame) -> dict[str, int]:
     return {
         "busy": t(c | k | p),
         "compute": t(c),
+        "compute_only": t(c & ~k),
         "comm": t(k),
         "exposed_comm": t(k & ~c),
         "copy": t(p),
@@ -158,13 +180,13 @@ def _state_times(tl: pl.DataFrame) -> dict[str, int]:
     }
 
 
-def _comm_by_kind(kern: pl.DataFrame, compute: pl.DataFrame, trace: Trace,
-                  window: tuple[int, int], wall: int) -> dict[str, dict[str, float]]:
+def _comm_by_kind(
+    kern: pl.DataFrame, compute: pl.DataFrame, trace: Trace, window: tuple[int, int], wall: int
+) -> dict[str, dict[str, float]]:
     comm = _refine_comm_kinds(kern.filter(pl.col("is_comm")), trace)
     out: dict[str, dict[str, float]] = {}
     for (kind,), rows in comm.group_by(["comm_kind"]):
-        tl = intervals.timeline({"compute": compute, "comm": rows.select("start", "end")},
-                                window)
+        tl = intervals.timeline({"compute": compute, "comm": rows.select("start", "end")}, window)
         busy = int(tl.filter(pl.col("comm") > 0)["dur"].sum())
         exposed = int(tl.filter((pl.col("comm") > 0) & (pl.col("compute") == 0))["dur"].sum())
         out[str(kind)] = {
@@ -179,25 +201,39 @@ def _comm_by_kind(kern: pl.DataFrame, compute: pl.DataFrame, trace: Trace,
 def _refine_comm_kinds(comm: pl.DataFrame, trace: Trace) -> pl.DataFrame:
     """NCCL runs all-to-all and P2P through one SendRecv kernel; NCCL's own NVTX range around
     the launching call (domain "NCCL", e.g. ``ncclAlltoAll``) says which it was."""
-    nccl = trace.nvtx.filter(pl.col("domain") == "NCCL").with_columns(
-        nvtx_kind=kernels.nccl_nvtx_kind()
-    ).filter(pl.col("nvtx_kind").is_not_null())
+    nccl = (
+        trace.nvtx.filter(pl.col("domain") == "NCCL")
+        .with_columns(nvtx_kind=kernels.nccl_nvtx_kind())
+        .filter(pl.col("nvtx_kind").is_not_null())
+    )
     if nccl.is_empty() or comm.is_empty():
         return comm
     launches = trace.api.join(comm.select("correlation_id"), on="correlation_id")
     tagged = (
         launches.sort("start")
-        .join_asof(nccl.select("start", "global_tid", "nvtx_kind", nvtx_end="end").sort("start"),
-                   on="start", by="global_tid", strategy="backward")
+        .join_asof(
+            nccl.select("start", "global_tid", "nvtx_kind", nvtx_end="end").sort("start"),
+            on="start",
+            by="global_tid",
+            strategy="backward",
+            check_sortedness=False,
+        )
         .filter(pl.col("start") <= pl.col("nvtx_end"))
         .select("correlation_id", "nvtx_kind")
         .unique("correlation_id")
     )
-    return comm.join(tagged, on="correlation_id", how="left").with_columns(
-        comm_kind=pl.when(pl.col("comm_kind").is_in(["send_recv", "other"])
-                          & pl.col("nvtx_kind").is_not_null())
-        .then(pl.col("nvtx_kind")).otherwise(pl.col("comm_kind"))
-    ).drop("nvtx_kind")
+    return (
+        comm.join(tagged, on="correlation_id", how="left")
+        .with_columns(
+            comm_kind=pl.when(
+                pl.col("comm_kind").is_in(["send_recv", "other"])
+                & pl.col("nvtx_kind").is_not_null()
+            )
+            .then(pl.col("nvtx_kind"))
+            .otherwise(pl.col("comm_kind"))
+        )
+        .drop("nvtx_kind")
+    )
 
 
 def _copy_measures(copies: pl.DataFrame, wall: int, n_steps: int) -> dict[str, float]:
@@ -227,8 +263,11 @@ def _host_measures(api: pl.DataFrame, kern: pl.DataFrame, n_steps: int) -> dict[
         "alloc_calls_per_step": len(api.filter(pl.col("name").str.contains(ALLOC_API))) / n_steps,
         "launch_calls_per_step": len(launches) / n_steps,
         "median_launch_us": launch_median / 1e3 if launch_median is not None else None,
-        "short_kernel_frac": (float((durations < launch_median).mean())
-                              if launch_median is not None and len(kern) else None),
+        "short_kernel_frac": (
+            float((durations < launch_median).mean())
+            if launch_median is not None and len(kern)
+            else None
+        ),
     }
 
 
@@ -253,46 +292,74 @@ def _idle_gaps(tl: pl.DataFrame, api: pl.DataFrame, window: tuple[int, int]) -> 
     # A synchronising call that returns at (or just before) the start of a gap drained the queue.
     syncs = calls.filter(pl.col("name").str.contains(SYNC_API)).sort("end")
     synced = (
-        syncs.join_asof(anchors.with_columns(lo=pl.col("gstart") - SYNC_SLACK_NS).sort("lo"),
-                        left_on="end", right_on="lo", strategy="backward")
+        syncs.join_asof(
+            anchors.with_columns(lo=pl.col("gstart") - SYNC_SLACK_NS).sort("lo"),
+            left_on="end",
+            right_on="lo",
+            strategy="backward",
+        )
         .filter(pl.col("end") <= pl.col("gend"))
-        .select("gap").unique().with_columns(after_sync=pl.lit(True))
+        .select("gap")
+        .unique()
+        .with_columns(after_sync=pl.lit(True))
     )
-    gaps = gaps.join(inside, on="gap", how="left").join(synced, on="gap", how="left").with_columns(
-        pl.col("api_ns").fill_null(0), pl.col("calls").fill_null(0),
-        pl.col("after_sync").fill_null(False),
+    gaps = (
+        gaps.join(inside, on="gap", how="left")
+        .join(synced, on="gap", how="left")
+        .with_columns(
+            pl.col("api_ns").fill_null(0),
+            pl.col("calls").fill_null(0),
+            pl.col("after_sync").fill_null(False),
+        )
     )
     return gaps.with_columns(
         cause=pl.when((pl.col("dur") >= INPUT_GAP_NS) & (pl.col("api_ns") * 2 < pl.col("dur")))
         .then(pl.lit("input"))
-        .when(pl.col("after_sync")).then(pl.lit("sync"))
-        .when(pl.col("calls") > 0).then(pl.lit("launch"))
+        .when(pl.col("after_sync"))
+        .then(pl.lit("sync"))
+        .when(pl.col("calls") > 0)
+        .then(pl.lit("launch"))
         .otherwise(pl.lit("other"))
     ).select(list(schema))
 
 
-KERNEL_SHAPE_MEASURES = ("median_kernel_us", "small_grid_kernel_frac",
-                         "theoretical_occupancy_mean",
-                         *(f"{fam}_time_frac" for fam in FAMILY_NAMES))
+KERNEL_SHAPE_MEASURES = (
+    "median_kernel_us",
+    "small_grid_kernel_frac",
+    "theoretical_occupancy_mean",
+    *(f"{fam}_time_frac" for fam in FAMILY_NAMES),
+)
 
 
-def _kernel_measures(kern: pl.DataFrame, graphs: pl.DataFrame, graph_spans: pl.DataFrame,
-                     busy: int, gpu: dict | None, n_steps: int) -> dict[str, float | bool | None]:
+def _kernel_measures(
+    kern: pl.DataFrame,
+    graphs: pl.DataFrame,
+    graph_spans: pl.DataFrame,
+    busy: int,
+    gpu: dict | None,
+    n_steps: int,
+) -> dict[str, float | bool | None]:
     sm_count = (gpu or {}).get("sm_count")
-    kern = kern.with_columns(dur=pl.col("end") - pl.col("start"),
-                             occ=kernels.theoretical_occupancy(gpu))
+    kern = kern.with_columns(
+        dur=pl.col("end") - pl.col("start"), occ=kernels.theoretical_occupancy(gpu)
+    )
     total = int(kern["dur"].sum())
     graph_time = intervals.total(graph_spans)
     out: dict[str, float | bool | None] = {
         "kernels_per_step": len(kern) / n_steps,
         "graph_launches_per_step": len(graphs) / n_steps if len(graphs) else 0.0,
         "median_kernel_us": float(kern["dur"].median()) / 1e3 if len(kern) else None,
-        "small_grid_kernel_frac": (float((kern["grid_blocks"] < sm_count).mean())
-                                   if sm_count and len(kern) else None),
+        "small_grid_kernel_frac": (
+            float((kern["grid_blocks"] < sm_count).mean()) if sm_count and len(kern) else None
+        ),
         "theoretical_occupancy_mean": (
-            float((kern["occ"] * kern["dur"]).sum() / kern.filter(
-                pl.col("occ").is_not_null())["dur"].sum())
-            if len(kern) and kern["occ"].null_count() < len(kern) and total else None),
+            float(
+                (kern["occ"] * kern["dur"]).sum()
+                / kern.filter(pl.col("occ").is_not_null())["dur"].sum()
+            )
+            if len(kern) and kern["occ"].null_count() < len(kern) and total
+            else None
+        ),
         "graph_frac": graph_time / busy if busy else 0.0,
         "uses_cuda_graphs": bool(len(graph_spans)),
     }
@@ -307,22 +374,36 @@ def _recompute_frac(trace: Trace, kern: pl.DataFrame) -> float | None:
     """Forward GEMM/attention kernels seen again in backward: a full-recompute signature.
     Without recompute, backward runs different GEMMs (dgrad/wgrad shapes and layouts)."""
     phases = trace.nvtx.with_columns(
-        phase=pl.when(pl.col("text").str.contains(FORWARD_NVTX)).then(pl.lit("fwd"))
-        .when(pl.col("text").str.contains(BACKWARD_NVTX)).then(pl.lit("bwd"))
+        phase=pl.when(pl.col("text").str.contains(FORWARD_NVTX))
+        .then(pl.lit("fwd"))
+        .when(pl.col("text").str.contains(BACKWARD_NVTX))
+        .then(pl.lit("bwd"))
     ).filter(pl.col("phase").is_not_null())
-    if phases.filter(pl.col("phase") == "fwd").is_empty() or \
-            phases.filter(pl.col("phase") == "bwd").is_empty():
+    if (
+        phases.filter(pl.col("phase") == "fwd").is_empty()
+        or phases.filter(pl.col("phase") == "bwd").is_empty()
+    ):
         return None
     calls = trace.api.select("start", "correlation_id").sort("start")
-    tagged = calls.join_asof(
-        phases.select("start", "phase", pend="end").sort("start"), on="start",
-        strategy="backward",
-    ).filter(pl.col("start") <= pl.col("pend")).select("correlation_id", "phase")
+    tagged = (
+        calls.join_asof(
+            phases.select("start", "phase", pend="end").sort("start"),
+            on="start",
+            strategy="backward",
+        )
+        .filter(pl.col("start") <= pl.col("pend"))
+        .select("correlation_id", "phase")
+    )
     heavy = kern.filter(pl.col("family").is_in(["gemm", "attention"])).join(
-        tagged, on="correlation_id")
+        tagged, on="correlation_id"
+    )
     sig = ["name", "grid_blocks", "block_threads"]
-    counts = heavy.group_by([*sig, "phase"]).len().pivot(
-        on="phase", index=sig, values="len").fill_null(0)
+    counts = (
+        heavy.group_by([*sig, "phase"])
+        .len()
+        .pivot(on="phase", index=sig, values="len")
+        .fill_null(0)
+    )
     if "fwd" not in counts.columns or "bwd" not in counts.columns:
         return 0.0 if "fwd" in counts.columns else None
     forward = int(counts["fwd"].sum())
@@ -341,14 +422,14 @@ def _memory_measures(trace: Trace, gpu: dict | None) -> dict[str, float | None]:
         return {"peak_memory_bytes": None, "peak_memory_frac": None}
     peak = (
         mem.sort("start")
-        .with_columns(delta=pl.when(pl.col("op") == 0).then(pl.col("bytes"))
-                      .otherwise(-pl.col("bytes")))
-        .with_columns(level=pl.col("delta").cum_sum().over("device_id"))
-        ["level"].max()
+        .with_columns(
+            delta=pl.when(pl.col("op") == 0).then(pl.col("bytes")).otherwise(-pl.col("bytes"))
+        )
+        .with_columns(level=pl.col("delta").cum_sum().over("device_id"))["level"]
+        .max()
     )
     peak = int(peak or 0)
-    return {"peak_memory_bytes": peak,
-            "peak_memory_frac": peak / capacity if capacity else None}
+    return {"peak_memory_bytes": peak, "peak_memory_frac": peak / capacity if capacity else None}
 
 
 def _gpu_metric_means(metrics: pl.DataFrame, window: tuple[int, int]) -> dict[str, float | None]:
@@ -380,19 +461,37 @@ def _step_breakdown(tl: pl.DataFrame, steps: Steps) -> list[dict]:
     if steady.is_empty():
         return []
     c, k, p = pl.col("compute") > 0, pl.col("comm") > 0, pl.col("copy") > 0
-    seg = tl.with_columns(
-        state=pl.when(c).then(pl.lit("compute")).when(k).then(pl.lit("exposed_comm"))
-        .when(p).then(pl.lit("copy")).otherwise(pl.lit("idle")),
-        comm_ns=pl.when(k).then(pl.col("dur")).otherwise(0),
-    ).sort("start").join_asof(
-        steady.select("index", step_start="gpu_start").sort("step_start"),
-        left_on="start", right_on="step_start", strategy="backward",
-    ).filter(pl.col("index").is_not_null())
-    per = seg.group_by("index", "step_start").agg(
-        *(pl.col("dur").filter(pl.col("state") == s).sum().alias(s)
-          for s in ("compute", "exposed_comm", "copy", "idle")),
-        comm_total=pl.col("comm_ns").sum(),
-    ).sort("index")
+    seg = (
+        tl.with_columns(
+            state=pl.when(c)
+            .then(pl.lit("compute"))
+            .when(k)
+            .then(pl.lit("exposed_comm"))
+            .when(p)
+            .then(pl.lit("copy"))
+            .otherwise(pl.lit("idle")),
+            comm_ns=pl.when(k).then(pl.col("dur")).otherwise(0),
+        )
+        .sort("start")
+        .join_asof(
+            steady.select("index", step_start="gpu_start").sort("step_start"),
+            left_on="start",
+            right_on="step_start",
+            strategy="backward",
+        )
+        .filter(pl.col("index").is_not_null())
+    )
+    per = (
+        seg.group_by("index", "step_start")
+        .agg(
+            *(
+                pl.col("dur").filter(pl.col("state") == s).sum().alias(s)
+                for s in ("compute", "exposed_comm", "copy", "idle")
+            ),
+            comm_total=pl.col("comm_ns").sum(),
+        )
+        .sort("index")
+    )
     return per.to_dicts()
 
 
@@ -414,22 +513,28 @@ def _gap_histogram(gaps: pl.DataFrame) -> dict[str, list]:
     return out
 
 
-def _metric_series(metrics: pl.DataFrame, window: tuple[int, int],
-                   points: int = 400) -> dict[str, list]:
-    inside = metrics.filter(pl.col("timestamp").is_between(*window)
-                            & pl.col("metric").is_in(list(METRICS_OF_INTEREST.values())))
+def _metric_series(
+    metrics: pl.DataFrame, window: tuple[int, int], points: int = 400
+) -> dict[str, list]:
+    inside = metrics.filter(
+        pl.col("timestamp").is_between(*window)
+        & pl.col("metric").is_in(list(METRICS_OF_INTEREST.values()))
+    )
     if inside.is_empty():
         return {}
     width = max((window[1] - window[0]) // points, 1)
     binned = (
         inside.with_columns(bin=((pl.col("timestamp") - window[0]) // width))
-        .group_by("metric", "bin").agg(pl.col("value").mean())
+        .group_by("metric", "bin")
+        .agg(pl.col("value").mean())
         .sort("bin")
     )
     out: dict[str, list] = {}
     for (metric,), rows in binned.group_by(["metric"]):
-        out[str(metric)] = [[int(b * width), round(float(v), 2)]
-                            for b, v in zip(rows["bin"], rows["value"], strict=True)]
+        out[str(metric)] = [
+            [int(b * width), round(float(v), 2)]
+            for b, v in zip(rows["bin"], rows["value"], strict=True)
+        ]
     return out
 
 

@@ -45,8 +45,20 @@ class Trace:
     processes: pl.DataFrame
     device_map: pl.DataFrame = field(default_factory=pl.DataFrame)
 
-    FRAMES = ("kernels", "graphs", "copies", "api", "syncs", "nvtx", "gpu_metrics", "memory",
-              "overhead", "gpus", "processes", "device_map")
+    FRAMES = (
+        "kernels",
+        "graphs",
+        "copies",
+        "api",
+        "syncs",
+        "nvtx",
+        "gpu_metrics",
+        "memory",
+        "overhead",
+        "gpus",
+        "processes",
+        "device_map",
+    )
 
     @property
     def gpu_work(self) -> pl.DataFrame:
@@ -78,20 +90,29 @@ class Trace:
     @property
     def rank_pids(self) -> list[int]:
         """Processes that ran GPU work, in pid order: one rank each."""
-        pids = pl.concat(
-            [self.kernels.select("pid"), self.graphs.select("pid"), self.copies.select("pid")]
-        )["pid"].drop_nulls().unique().sort()
+        pids = (
+            pl.concat(
+                [self.kernels.select("pid"), self.graphs.select("pid"), self.copies.select("pid")]
+            )["pid"]
+            .drop_nulls()
+            .unique()
+            .sort()
+        )
         return pids.to_list()
 
     def for_pid(self, pid: int) -> Trace:
         """The same trace restricted to one process (one rank)."""
+
         def keep(df: pl.DataFrame) -> pl.DataFrame:
             return df.filter(pl.col("pid") == pid) if "pid" in df.columns else df
 
         return replace(
             self,
-            **{n: keep(getattr(self, n)) for n in self.FRAMES
-               if n not in ("gpus", "processes", "gpu_metrics", "device_map")},
+            **{
+                n: keep(getattr(self, n))
+                for n in self.FRAMES
+                if n not in ("gpus", "processes", "gpu_metrics", "device_map")
+            },
         )
 
     def gpu_of(self, pid: int) -> dict | None:

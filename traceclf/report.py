@@ -46,8 +46,14 @@ class Report:
         if missing:
             raise TraceError(None, f"not a traceclf report (missing {', '.join(sorted(missing))})")
         names = {f.name for f in fields(cls)}
-        defaults = {"traceclf_version": "", "inputs": [], "gpus": [], "steps": {}, "ranks": [],
-                    "fixes": []}
+        defaults = {
+            "traceclf_version": "",
+            "inputs": [],
+            "gpus": [],
+            "steps": {},
+            "ranks": [],
+            "fixes": [],
+        }
         return cls(**(defaults | {k: v for k, v in data.items() if k in names}))
 
     @classmethod

@@ -67,9 +67,17 @@ def find_steps(trace: Trace, step_regex: str | None = None) -> Steps:
 
 
 def _empty_table() -> pl.DataFrame:
-    return pl.DataFrame(schema={"index": pl.Int64, "name": pl.String, "gpu_start": pl.Int64,
-                                "gpu_end": pl.Int64, "duration": pl.Int64,
-                                "steady": pl.Boolean, "outlier": pl.Boolean})
+    return pl.DataFrame(
+        schema={
+            "index": pl.Int64,
+            "name": pl.String,
+            "gpu_start": pl.Int64,
+            "gpu_end": pl.Int64,
+            "duration": pl.Int64,
+            "steady": pl.Boolean,
+            "outlier": pl.Boolean,
+        }
+    )
 
 
 def _nvtx_steps(trace: Trace, step_regex: str | None):
@@ -94,11 +102,11 @@ def _nvtx_steps(trace: Trace, step_regex: str | None):
     calls = trace.api.select("start", "correlation_id").sort("start")
     owned = calls.join_asof(
         ranges.select("start", range_end="end", index="index").sort("start"),
-        on="start", strategy="backward",
+        on="start",
+        strategy="backward",
     ).filter(pl.col("start") <= pl.col("range_end"))
     work = trace.gpu_work.join(owned.select("correlation_id", "index"), on="correlation_id")
-    gpu = work.group_by("index").agg(gpu_start=pl.col("start").min(),
-                                     gpu_end=pl.col("end").max())
+    gpu = work.group_by("index").agg(gpu_start=pl.col("start").min(), gpu_end=pl.col("end").max())
     table = (
         ranges.select("index", name="text", cpu_start="start", cpu_end="end")
         .join(gpu, on="index", how="left")
@@ -114,8 +122,10 @@ def _label(names: pl.Series) -> str:
 
 
 def _graph_steps(trace: Trace, _regex: str | None):
-    launches = trace.api.filter(pl.col("name").str.starts_with("cudaGraphLaunch")
-                                | pl.col("name").str.starts_with("cuGraphLaunch"))
+    launches = trace.api.filter(
+        pl.col("name").str.starts_with("cudaGraphLaunch")
+        | pl.col("name").str.starts_with("cuGraphLaunch")
+    )
     if len(launches) < 2:
         return None
     work = trace.gpu_work.join(launches.select("correlation_id"), on="correlation_id")
@@ -126,11 +136,14 @@ def _graph_steps(trace: Trace, _regex: str | None):
     )
     # With several graphs per step, step boundaries are the launches of the graph that is
     # replayed most often (graph rows carry graphExecId; node-traced kernels their graphId).
-    execs = pl.concat([
-        trace.graphs.select("correlation_id", key=pl.col("graph_exec_id")),
-        trace.kernels.filter(pl.col("graph_node_id").is_not_null())
-        .select("correlation_id", key=pl.col("graph_id")),
-    ]).unique("correlation_id")
+    execs = pl.concat(
+        [
+            trace.graphs.select("correlation_id", key=pl.col("graph_exec_id")),
+            trace.kernels.filter(pl.col("graph_node_id").is_not_null()).select(
+                "correlation_id", key=pl.col("graph_id")
+            ),
+        ]
+    ).unique("correlation_id")
     per_launch = per_launch.join(execs, on="correlation_id", how="left")
     top = per_launch["key"].drop_nulls().mode()
     if len(top):
@@ -138,7 +151,8 @@ def _graph_steps(trace: Trace, _regex: str | None):
     table = per_launch.sort("gpu_start").select(
         index=pl.int_range(pl.len()).cast(pl.Int64),
         name=pl.lit("graph launch"),
-        gpu_start="gpu_start", gpu_end="gpu_end",
+        gpu_start="gpu_start",
+        gpu_end="gpu_end",
     )
     return table, "graph", "cudaGraphLaunch"
 
@@ -158,12 +172,14 @@ def _pattern_steps(trace: Trace, _regex: str | None):
     if candidates.is_empty():
         return None
     # Judge regularity on the later half of the occurrences (warm-up is irregular).
-    candidates = candidates.with_columns(
-        tail=pl.col("gaps").list.slice(pl.col("gaps").list.len() // 2)
-    ).with_columns(
-        cv=pl.col("tail").list.std() / pl.col("tail").list.mean(),
-        period=pl.col("tail").list.median(),
-    ).filter(pl.col("cv") < 0.1)
+    candidates = (
+        candidates.with_columns(tail=pl.col("gaps").list.slice(pl.col("gaps").list.len() // 2))
+        .with_columns(
+            cv=pl.col("tail").list.std() / pl.col("tail").list.mean(),
+            period=pl.col("tail").list.median(),
+        )
+        .filter(pl.col("cv") < 0.1)
+    )
     if candidates.is_empty():
         return None
     # Longest regular period = whole step rather than one layer of it.
@@ -179,12 +195,14 @@ def _pattern_steps(trace: Trace, _regex: str | None):
 
 def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -> Steps:
     capture_end = trace.span[1]
-    table = table.sort("gpu_start").with_columns(
-        next_start=pl.col("gpu_start").shift(-1)
-    ).with_columns(
-        duration=pl.coalesce("next_start", pl.max_horizontal("gpu_end", pl.lit(0))) - pl.col(
-            "gpu_start"),
-        step_end=pl.coalesce("next_start", "gpu_end"),
+    table = (
+        table.sort("gpu_start")
+        .with_columns(next_start=pl.col("gpu_start").shift(-1))
+        .with_columns(
+            duration=pl.coalesce("next_start", pl.max_horizontal("gpu_end", pl.lit(0)))
+            - pl.col("gpu_start"),
+            step_end=pl.coalesce("next_start", "gpu_end"),
+        )
     )
     n = len(table)
     durations = table["duration"].to_list()
@@ -202,8 +220,11 @@ def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -
     table = table.with_columns(
         steady=pl.int_range(pl.len()).is_between(first, last),
     ).with_columns(
-        outlier=pl.col("steady") & ((pl.col("duration") > OUTLIER_FACTOR * median)
-                                    | (pl.col("duration") < median / OUTLIER_FACTOR)),
+        outlier=pl.col("steady")
+        & (
+            (pl.col("duration") > OUTLIER_FACTOR * median)
+            | (pl.col("duration") < median / OUTLIER_FACTOR)
+        ),
     )
     window = (int(table["gpu_start"][first]), int(table["step_end"][last]))
     if window[1] <= window[0]:

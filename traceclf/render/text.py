@@ -31,24 +31,32 @@ def fmt_bytes(v: float | None) -> str:
 
 def provenance(report: Report) -> str:
     """Where the numbers come from: files, nsys versions, GPU, ranks."""
-    versions = sorted({f"nsys {i.get('nsys_version') or '?'} (schema "
-                       f"{i.get('schema_version') or '?'})" for i in report.inputs})
+    versions = sorted(
+        {
+            f"nsys {i.get('nsys_version') or '?'} (schema {i.get('schema_version') or '?'})"
+            for i in report.inputs
+        }
+    )
     gpus = sorted({g.get("name") or "unknown GPU" for g in report.gpus}) or ["unknown GPU"]
     ranks = len(report.ranks)
-    return (f"{', '.join(versions)} · {', '.join(gpus)} · "
-            f"{ranks} rank{'s' if ranks != 1 else ''} in {len(report.inputs)} file"
-            f"{'s' if len(report.inputs) != 1 else ''}")
+    return (
+        f"{', '.join(versions)} · {', '.join(gpus)} · "
+        f"{ranks} rank{'s' if ranks != 1 else ''} in {len(report.inputs)} file"
+        f"{'s' if len(report.inputs) != 1 else ''}"
+    )
 
 
 def steps_line(report: Report) -> str:
     s = report.steps
     if s.get("source") in (None, "none") or not s.get("count"):
         return "Steady state: no steps found; the whole GPU span is analysed as one window."
-    label = f" \"{s['label']}\"" if s.get("label") else ""
+    label = f' "{s["label"]}"' if s.get("label") else ""
     cv = f", spread {pct(s['cv'])}" if s.get("cv") is not None else ""
     lo, hi = s.get("window_ns", [0, 0])
-    return (f"Steady state: {s['used']} of {s['count']} steps (from {s['source']}{label}), "
-            f"step {fmt_ms(s.get('median_ms'))} median{cv}, window {fmt_ms((hi - lo) / 1e6)}")
+    return (
+        f"Steady state: {s['used']} of {s['count']} steps (from {s['source']}{label}), "
+        f"step {fmt_ms(s.get('median_ms'))} median{cv}, window {fmt_ms((hi - lo) / 1e6)}"
+    )
 
 
 def input_names(report: Report) -> str:

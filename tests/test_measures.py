@@ -1,0 +1,113 @@
+"""Steady-state measures on the real traces match what each run is known to show
+(../shared/traces/README.md), and the definitions hold across tracing modes and ranks."""
+
+from __future__ import annotations
+
+import pytest
+from realtraces import measured
+
+
+def metrics(name: str) -> list[dict]:
+    return [m.metrics for _, m in measured(name)]
+
+
+def test_host_launch_bound_run():
+    (m,) = metrics("h100_host_launch_gpumetrics.sqlite")
+    ((steps, _),) = measured("h100_host_launch_gpumetrics.sqlite")
+    assert 0.09 <= m["gpu_busy_frac"] <= 0.14
+    assert 50_000 <= m["kernels_per_step"] * steps.used <= 66_000
+    assert 1.5 <= m["median_kernel_us"] <= 3.0
+    assert m["sync_calls_per_step"] * steps.used > 1000
+    assert m["small_grid_kernel_frac"] > 0.5
+    assert m["short_kernel_frac"] > 0.5  # most kernels are shorter than their launch call
+    assert m["idle_launch_frac"] + m["idle_sync_frac"] > 0.6
+
+
+def test_cuda_graph_run_is_busy_in_both_tracing_modes():
+    (graph,) = metrics("h100_host_cudagraph.sqlite")
+    (node,) = metrics("h100_host_cudagraph_nodetrace.sqlite")
+    assert graph["gpu_busy_frac"] >= 0.97
+    assert graph["graph_frac"] >= 0.95 and graph["uses_cuda_graphs"]
+    assert node["gpu_busy_frac"] == pytest.approx(graph["gpu_busy_frac"], abs=0.02)
+    assert node["uses_cuda_graphs"]
+    ((steps, _),) = measured("h100_host_cudagraph_nodetrace.sqlite")
+    assert 2_000 <= node["kernels_per_step"] * steps.used <= 2_800
+    assert 3.0 <= node["median_kernel_us"] <= 5.0
+    assert 0.4 <= node["small_grid_kernel_frac"] <= 0.6
+
+
+def test_input_stall_run():
+    (m,) = metrics("h100_host_input_stall.sqlite")
+    assert m["gpu_busy_frac"] <= 0.06
+    assert m["idle_input_frac"] >= 0.8
+    assert m["pageable_copies_per_step"] >= 1
+
+
+def test_dense_compute_run():
+    (m,) = metrics("h100_compute_dense_gpumetrics.sqlite")
+    assert m["gpu_busy_frac"] >= 0.98
+    assert m["gemm_time_frac"] >= 0.8
+    assert m["tensor_active_mean"] >= 0.6
+    assert m["sm_active_mean"] >= 0.9
+
+
+@pytest.mark.parametrize("name", ["h100_comm_ep2.sqlite", "h100_comm_ep2_overlap.sqlite"])
+def test_communication_bound_runs_on_both_ranks(name):
+    ranks = measured(name)
+    assert len(ranks) == 2
+    for _, m in ranks:
+        assert m.metrics["comm_frac"] >= 0.9
+        assert m.metrics["exposed_comm_frac"] >= 0.9
+        # NCCL's NVTX ranges say the SendRecv kernels carry an all-to-all
+        assert m.comm_by_kind["all_to_all"]["frac"] >= 0.9
+        assert m.comm_by_kind["all_to_all"]["libraries"] == ["nccl"]
+
+
+def test_overlap_is_visible_even_when_it_cannot_hide_communication():
+    serial = metrics("h100_comm_ep2.sqlite")
+    overlapped = metrics("h100_comm_ep2_overlap.sqlite")
+    assert all(m["compute_under_comm_frac"] < 0.05 for m in serial)
+    assert all(m["compute_under_comm_frac"] > 0.2 for m in overlapped)
+
+
+def test_memory_capacity_wall_run():
+    (m,) = metrics("h100_memory_offload.sqlite")
+    assert 4e9 <= m["h2d_d2h_bytes_per_step"] <= 7e9  # ~45 GB per 8 steps
+    assert 0.45 <= m["copy_frac"] <= 0.65
+    assert m["recompute_frac"] >= 0.4  # forward GEMMs re-run in backward
+    assert m["alloc_calls_per_step"] >= 1  # empty_cache() every step
+    assert m["peak_memory_frac"] >= 0.9
+
+
+def test_no_recompute_without_checkpointing():
+    (m,) = metrics("h100_host_launch_gpumetrics.sqlite")
+    assert m["recompute_frac"] < 0.1
+
+
+def test_low_occupancy_graph_run_uses_eager_kernels_for_shapes():
+    (m,) = metrics("h100_compute_low_occupancy.sqlite")
+    assert m["gpu_busy_frac"] >= 0.97
+    assert m["kernel_stats_outside_window"]
+    assert m["small_grid_kernel_frac"] >= 0.5
+
+
+def test_one_rank_all_to_all_is_a_copy_not_communication():
+    (m,) = metrics("h100_comm_a2a_gpumetrics.sqlite")
+    assert m["comm_frac"] == 0
+    assert m["copy_frac"] > 0.05
+    assert m["sm_active_mean"] is not None
+
+
+@pytest.mark.parametrize(
+    "name", ["h100_comm_ep2.sqlite", "h100_memory_offload.sqlite", "h100_host_input_stall.sqlite"]
+)
+def test_wall_time_shares_add_up(name):
+    for _, m in measured(name):
+        x = m.metrics
+        idle = sum(x[f"idle_{c}_frac"] for c in ("launch", "sync", "input", "other"))
+        assert idle == pytest.approx(x["gpu_idle_frac"], abs=1e-3)
+        assert x["gpu_busy_frac"] + x["gpu_idle_frac"] == pytest.approx(1, abs=1e-6)
+        assert x["exposed_comm_frac"] <= x["comm_frac"] + 1e-9
+        for step in m.step_breakdown:
+            parts = step["compute"] + step["exposed_comm"] + step["copy"] + step["idle"]
+            assert parts > 0

@@ -1,0 +1,94 @@
+"""Steps and steady-state windows on the real traces (expectations: ../shared/traces/README.md)."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+from realtraces import measured, trace_path
+
+from traceclf.errors import TraceError
+from traceclf.load import load_trace
+from traceclf.steps import find_steps
+
+
+@pytest.mark.parametrize(
+    ("name", "label", "count"),
+    [
+        ("h100_host_input_stall.sqlite", "batch", 10),
+        ("h100_memory_offload.sqlite", "step", 10),
+        ("h100_host_cudagraph.sqlite", "step", 10),
+        ("h100_comm_ep2.sqlite", "Iteration", 10),
+    ],
+)
+def test_nvtx_steps_are_found_by_name(name, label, count):
+    for steps, _ in measured(name):
+        assert steps.source == "nvtx"
+        assert steps.label == label
+        assert steps.count == count
+        # the first step pays for warm-up and is never in the steady state
+        assert not steps.table["steady"][0]
+        assert steps.used >= count - 2
+
+
+def test_steps_are_projected_onto_the_gpu():
+    """The CPU ranges of a GPU-bound run are ~1.3 ms; the GPU work they launch takes ~60 ms."""
+    ((steps, _),) = measured("h100_compute_dense_gpumetrics.sqlite")
+    assert 55 <= steps.durations().median() / 1e6 <= 65
+
+
+def test_warmup_is_dropped_from_the_window():
+    ((steps, _),) = measured("h100_memory_offload.sqlite")
+    first = steps.table.row(0, named=True)
+    assert first["duration"] > 5 * steps.durations().median()
+    assert steps.window[0] >= first["gpu_start"] + first["duration"]
+    assert 195 <= steps.durations().median() / 1e6 <= 215
+
+
+def test_graph_launches_give_steps_without_nvtx():
+    ((steps, _),) = measured("h100_compute_low_occupancy.sqlite")
+    assert steps.source == "graph"
+    assert steps.used >= 8
+    assert 5.0 <= steps.durations().median() / 1e6 <= 5.7
+    trace = load_trace(trace_path("h100_compute_low_occupancy.sqlite"))
+    warmup_end = trace.graphs["start"].min()
+    assert steps.window[0] >= warmup_end  # eager warm-up kernels are outside the window
+
+
+def test_pattern_fallback_when_no_nvtx_and_no_graphs():
+    trace = load_trace(trace_path("h100_memory_offload.sqlite"))
+    bare = trace.__class__(**{**trace.__dict__, "nvtx": trace.nvtx.clear()})
+    steps = find_steps(bare.for_pid(trace.rank_pids[0]))
+    assert steps.source == "pattern"
+    assert 190 <= steps.durations().median() / 1e6 <= 220
+
+
+def test_step_range_regex_overrides_the_default():
+    trace = load_trace(trace_path("h100_memory_offload.sqlite"))
+    rank = trace.for_pid(trace.rank_pids[0])
+    steps = find_steps(rank, r"^forward$")
+    assert steps.source == "nvtx" and steps.label == "forward" and steps.count == 10
+
+
+def test_bad_step_regex_is_a_clean_error():
+    trace = load_trace(trace_path("h100_memory_offload.sqlite"))
+    with pytest.raises(TraceError, match="not a valid regex"):
+        find_steps(trace, "([unclosed")
+
+
+def test_no_steps_at_all_is_one_window():
+    trace = load_trace(trace_path("h100_host_input_stall.sqlite"))
+    rank = trace.for_pid(trace.rank_pids[0])
+    bare = rank.__class__(
+        **{**rank.__dict__, "nvtx": rank.nvtx.clear(), "kernels": rank.kernels.head(3)}
+    )
+    steps = find_steps(bare)
+    assert steps.source == "none" and steps.count == 0
+    assert steps.window[1] > steps.window[0]
+
+
+def test_both_ranks_of_a_two_rank_report_have_steps():
+    ranks = measured("h100_comm_ep2.sqlite")
+    assert len(ranks) == 2
+    windows = [s.window for s, _ in ranks]
+    assert windows[0] != windows[1]
+    assert all(pl.Series(s.durations()).median() / 1e6 > 90 for s, _ in ranks)
