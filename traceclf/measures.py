@@ -103,7 +103,7 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
     graphs = intervals.clip(trace.graphs, window)
     graph_spans = intervals.clip(trace.graph_executions, window)
     copies = intervals.clip(trace.copies, window)
-    api = intervals.clip(trace.api, window)
+    api = _classify_api(intervals.clip(trace.api, window))
 
     compute = pl.concat(
         [kern.filter(~pl.col("is_comm")).select("start", "end"), graph_spans.select("start", "end")]
@@ -137,7 +137,7 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
     m["a2a_exposed_frac"] = a2a.get("exposed_frac", 0.0)
     m |= _copy_measures(copies, wall, n_steps)
     m |= _host_measures(api, kern, n_steps)
-    gaps = _idle_gaps(tl, trace.api, window)
+    gaps = _idle_gaps(tl, api)
     for cause in ("launch", "sync", "input", "other"):
         m[f"idle_{cause}_frac"] = float(gaps.filter(pl.col("cause") == cause)["dur"].sum()) / wall
     m |= _kernel_measures(kern, graphs, graph_spans, state["busy"], gpu, n_steps)
@@ -253,14 +253,28 @@ def _copy_measures(copies: pl.DataFrame, wall: int, n_steps: int) -> dict[str, f
     }
 
 
+def _classify_api(api: pl.DataFrame) -> pl.DataFrame:
+    """Flag sync, launch and allocation calls (regexes once per distinct API name)."""
+    names = (
+        api.select("name")
+        .unique()
+        .with_columns(
+            is_sync=pl.col("name").str.contains(SYNC_API),
+            is_launch=pl.col("name").str.contains(LAUNCH_API),
+            is_alloc=pl.col("name").str.contains(ALLOC_API),
+        )
+    )
+    return api.join(names, on="name", how="left", maintain_order="left")
+
+
 def _host_measures(api: pl.DataFrame, kern: pl.DataFrame, n_steps: int) -> dict[str, float]:
-    launches = api.filter(pl.col("name").str.contains(LAUNCH_API))
+    launches = api.filter(pl.col("is_launch"))
     launch_ns = launches["end"] - launches["start"]
     launch_median = float(launch_ns.median()) if len(launches) else None
     durations = kern["end"] - kern["start"]
     return {
-        "sync_calls_per_step": len(api.filter(pl.col("name").str.contains(SYNC_API))) / n_steps,
-        "alloc_calls_per_step": len(api.filter(pl.col("name").str.contains(ALLOC_API))) / n_steps,
+        "sync_calls_per_step": len(api.filter(pl.col("is_sync"))) / n_steps,
+        "alloc_calls_per_step": len(api.filter(pl.col("is_alloc"))) / n_steps,
         "launch_calls_per_step": len(launches) / n_steps,
         "median_launch_us": launch_median / 1e3 if launch_median is not None else None,
         "short_kernel_frac": (
@@ -271,7 +285,7 @@ def _host_measures(api: pl.DataFrame, kern: pl.DataFrame, n_steps: int) -> dict[
     }
 
 
-def _idle_gaps(tl: pl.DataFrame, api: pl.DataFrame, window: tuple[int, int]) -> pl.DataFrame:
+def _idle_gaps(tl: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     """Idle stretches of the GPU with their host-side cause (see module docstring)."""
     idle = tl.filter((pl.col("compute") == 0) & (pl.col("comm") == 0) & (pl.col("copy") == 0))
     gaps = intervals.union(idle.select("start", "end")).with_columns(
@@ -280,7 +294,7 @@ def _idle_gaps(tl: pl.DataFrame, api: pl.DataFrame, window: tuple[int, int]) -> 
     schema = {"start": pl.Int64, "end": pl.Int64, "dur": pl.Int64, "cause": pl.String}
     if gaps.is_empty():
         return pl.DataFrame(schema=schema)
-    calls = intervals.clip(api, window).sort("start")
+    calls = calls.sort("start")
     anchors = gaps.select("gap", gstart="start", gend="end").sort("gstart")
     # Host coverage: CUDA calls that start inside a gap, clipped to it.
     inside = (
@@ -290,7 +304,7 @@ def _idle_gaps(tl: pl.DataFrame, api: pl.DataFrame, window: tuple[int, int]) -> 
         .agg(api_ns=(pl.min_horizontal("end", "gend") - pl.col("start")).sum(), calls=pl.len())
     )
     # A synchronising call that returns at (or just before) the start of a gap drained the queue.
-    syncs = calls.filter(pl.col("name").str.contains(SYNC_API)).sort("end")
+    syncs = calls.filter(pl.col("is_sync")).sort("end")
     synced = (
         syncs.join_asof(
             anchors.with_columns(lo=pl.col("gstart") - SYNC_SLACK_NS).sort("lo"),
@@ -499,15 +513,22 @@ GAP_BINS_NS = [1_000 * 10 ** (i / 2) for i in range(15)]  # 1 µs .. 10 s, half-
 
 
 def _gap_histogram(gaps: pl.DataFrame) -> dict[str, list]:
+    """Count and total time of idle gaps per cause in log-spaced length bins
+    (bin i holds gaps in [edges[i-1], edges[i]); bin 0 is below 1 µs)."""
+    n_bins = len(GAP_BINS_NS) + 1
+    binned = (
+        gaps.with_columns(
+            bin=pl.lit(pl.Series(GAP_BINS_NS)).search_sorted(pl.col("dur"), side="right")
+        )
+        .group_by("cause", "bin")
+        .agg(count=pl.len(), time=pl.col("dur").sum())
+    )
     out: dict[str, list] = {"edges_ns": GAP_BINS_NS}
     for cause in ("launch", "sync", "input", "other"):
-        durs = gaps.filter(pl.col("cause") == cause)["dur"].to_list()
-        counts = [0] * (len(GAP_BINS_NS) + 1)
-        time = [0] * (len(GAP_BINS_NS) + 1)
-        for d in durs:  # a handful of bins; the gap list itself is already aggregated per cause
-            i = sum(1 for e in GAP_BINS_NS if d >= e)
-            counts[i] += 1
-            time[i] += d
+        rows = binned.filter(pl.col("cause") == cause)
+        counts, time = [0] * n_bins, [0] * n_bins
+        for b, c, t in rows.select("bin", "count", "time").iter_rows():  # <= 16 rows
+            counts[b], time[b] = int(c), int(t)
         out[cause] = counts
         out[f"{cause}_ns"] = time
     return out
