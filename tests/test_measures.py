@@ -111,3 +111,15 @@ def test_wall_time_shares_add_up(name):
         for step in m.step_breakdown:
             parts = step["compute"] + step["exposed_comm"] + step["copy"] + step["idle"]
             assert parts > 0
+
+
+def test_every_measure_is_defined_and_documented():
+    from pathlib import Path
+
+    from traceclf.measures import MEASURES
+
+    (_, m), *_ = measured("h100_comm_ep2.sqlite")
+    assert set(m.metrics) == set(MEASURES)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "measures.md").read_text()
+    missing = [name for name in MEASURES if f"`{name}`" not in doc]
+    assert not missing, f"docs/measures.md lacks {missing}"

@@ -180,6 +180,21 @@ def compare(
     sys.exit(1 if result.regression else 0)
 
 
+@cli.command("measures")
+def measures_cmd() -> None:
+    """Define every measure in the report (all for the steady-state window; *_frac are
+    fractions of wall time unless stated)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from traceclf.measures import MEASURES
+
+    table = Table("measure", "definition", show_edge=False, box=None)
+    for name, definition in MEASURES.items():
+        table.add_row(name, definition)
+    Console().print(table)
+
+
 @cli.command("rules")
 @click.option(
     "--rules",

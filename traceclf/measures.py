@@ -1,41 +1,8 @@
 """The numbers behind the four walls, for one rank over its steady-state window.
 
 Every ``*_frac`` is a fraction of the window's wall time unless its definition says otherwise.
-Definitions (also printed by ``traceclf rules`` and in docs/measures.md):
-
-gpu_busy_frac        union of kernels, CUDA-graph executions, memcpy and memset
-gpu_idle_frac        1 - gpu_busy_frac
-compute_frac         time at least one non-communication kernel or graph execution runs
-comm_frac            union of communication kernels (NCCL, DeepEP, HybridEP, NVSHMEM, userbuffers)
-exposed_comm_frac    communication time with no compute kernel running at the same time
-comm_overlap_frac    share of communication time hidden under compute (of comm time, not wall)
-compute_under_comm_frac  share of compute time that runs while communication is in flight (of
-                     compute time): > 0 means comm/compute overlap is in place
-a2a_frac / a2a_exposed_frac   the same two for all-to-all (EP dispatch/combine) only
-copy_frac            union of memcpy/memset time
-offload_copy_frac    union of host<->device copy time
-exposed_copy_frac    copy time with neither compute nor communication running
-idle_launch_frac     idle time while the host was issuing CUDA calls (launch-bound)
-idle_sync_frac       idle time right after a synchronising call returned (sync-bound)
-idle_input_frac      idle gaps >= 1 ms with CUDA calls covering < half of them (input-bound)
-idle_other_frac      remaining idle time (host work between launches, unattributed)
-h2d_d2h_bytes_per_step   bytes copied host<->device per step (h2d_/d2h_bytes_per_step split)
-pageable_copies_per_step memcpys from/to pageable host memory per step
-small_d2h_per_step   device->host copies of <= 1 KiB per step (`.item()`, `nonzero` results)
-sync_calls_per_step  cudaStream/Device/EventSynchronize and blocking cudaMemcpy per step
-alloc_calls_per_step cudaMalloc/cudaFree (and driver equivalents) per step: allocator churn
-recompute_frac       share of forward GEMM/attention kernels re-run in backward (needs
-                     forward/backward NVTX ranges; null otherwise)
-peak_memory_frac     peak device memory from allocation events over TARGET_INFO_GPU capacity
-kernels_per_step     kernel rows per step (kernels inside graph-level traced graphs excluded)
-median_kernel_us     median kernel duration
-short_kernel_frac    kernels shorter than the median launch call (launch cost > kernel time)
-small_grid_kernel_frac  kernels whose grid has fewer blocks than the GPU has SMs
-theoretical_occupancy_mean  kernel-time-weighted theoretical occupancy from launch config
-graph_frac           share of busy time inside CUDA-graph executions or graph-node kernels
-<family>_time_frac   share of kernel time per family (gemm, attention, elementwise, reduction,
-                     permute_moe, optimizer, communication, other)
-sm_active_mean / sm_issue_mean / tensor_active_mean   GPU metrics means (0-1) in the window
+``MEASURES`` below defines each one in a line; ``traceclf measures`` prints them and
+docs/measures.md lists them with the function that computes each.
 """
 
 from __future__ import annotations
@@ -47,6 +14,69 @@ import polars as pl
 from traceclf import intervals, kernels
 from traceclf.model import Trace
 from traceclf.steps import Steps
+
+MEASURES: dict[str, str] = {
+    "step_time_ms": "mean duration of steady-state steps (GPU start to next step's GPU start)",
+    "step_time_median_ms": "median of the same",
+    "step_time_cv": "standard deviation / mean of steady-state step times",
+    "gpu_busy_frac": "union of kernels, CUDA-graph executions, memcpy and memset",
+    "gpu_idle_frac": "1 - gpu_busy_frac",
+    "compute_frac": "time at least one non-communication kernel or graph execution runs",
+    "comm_frac": "union of communication kernels (NCCL, DeepEP, HybridEP, NVSHMEM, userbuffers)",
+    "exposed_comm_frac": "communication time with no compute kernel running at the same time",
+    "comm_overlap_frac": "share of communication time hidden under compute (of comm time)",
+    "compute_under_comm_frac": "share of compute time that runs while communication is in "
+    "flight (of compute time): > 0 means comm/compute overlap is in place",
+    "a2a_frac": "union of all-to-all kernels (EP dispatch/combine)",
+    "a2a_exposed_frac": "all-to-all time with no compute kernel running",
+    "copy_frac": "union of memcpy/memset time",
+    "exposed_copy_frac": "copy time with neither compute nor communication running",
+    "offload_copy_frac": "union of host<->device copy time",
+    "h2d_d2h_bytes_per_step": "bytes copied host<->device per step",
+    "h2d_bytes_per_step": "bytes copied host->device per step",
+    "d2h_bytes_per_step": "bytes copied device->host per step",
+    "pageable_copies_per_step": "memcpys from/to pageable host memory per step",
+    "pageable_bytes_per_step": "bytes of those copies per step",
+    "small_d2h_per_step": "device->host copies of <= 1 KiB per step (.item(), nonzero results)",
+    "sync_calls_per_step": "cudaStream/Device/EventSynchronize and blocking cudaMemcpy per step",
+    "alloc_calls_per_step": "cudaMalloc/cudaFree (and driver equivalents) per step",
+    "launch_calls_per_step": "kernel and graph launch calls per step",
+    "median_launch_us": "median duration of a launch call on the host",
+    "idle_launch_frac": "idle time while the host was issuing CUDA calls (launch-bound)",
+    "idle_sync_frac": "idle time right after a synchronising call returned (sync-bound)",
+    "idle_input_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them (input-bound)",
+    "idle_other_frac": "remaining idle time (host work between launches, unattributed)",
+    "kernels_per_step": "kernel rows per step (kernels inside graph-level traced graphs "
+    "are not rows)",
+    "graph_launches_per_step": "CUDA-graph executions per step (graph-level tracing)",
+    "median_kernel_us": "median kernel duration",
+    "short_kernel_frac": "kernels shorter than the median launch call",
+    "small_grid_kernel_frac": "kernels whose grid has fewer blocks than the GPU has SMs",
+    "theoretical_occupancy_mean": "kernel-time-weighted theoretical occupancy from launch "
+    "config and TARGET_INFO_GPU limits",
+    "graph_frac": "share of busy time inside CUDA-graph executions",
+    "uses_cuda_graphs": "any CUDA-graph execution in the window",
+    "kernel_stats_outside_window": "kernel shapes taken from eager kernels outside the window "
+    "because graph-level tracing hides the replays' kernels",
+    "recompute_frac": "share of forward GEMM/attention kernels re-run in backward (needs "
+    "forward/backward NVTX ranges; null otherwise)",
+    "peak_memory_bytes": "peak device memory allocated (CUDA_GPU_MEMORY_USAGE_EVENTS)",
+    "peak_memory_frac": "peak_memory_bytes over the GPU's capacity",
+    "sm_active_mean": "mean 'SMs Active' GPU metric in the window (0-1)",
+    "sm_issue_mean": "mean 'SM Issue' GPU metric in the window (0-1)",
+    "tensor_active_mean": "mean 'Tensor Active' GPU metric in the window (0-1)",
+}
+FAMILY_NAMES = (
+    "gemm",
+    "attention",
+    "elementwise",
+    "reduction",
+    "permute_moe",
+    "optimizer",
+    "communication",
+    "other",
+)
+MEASURES |= {f"{fam}_time_frac": f"share of kernel time in {fam} kernels" for fam in FAMILY_NAMES}
 
 SYNC_API = (
     r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy_|"
@@ -71,16 +101,6 @@ METRICS_OF_INTEREST = {
     "sm_issue_mean": "SM Issue [Throughput %]",
     "tensor_active_mean": "Tensor Active [Throughput %]",
 }
-FAMILY_NAMES = (
-    "gemm",
-    "attention",
-    "elementwise",
-    "reduction",
-    "permute_moe",
-    "optimizer",
-    "communication",
-    "other",
-)
 
 
 @dataclass
