@@ -1,0 +1,335 @@
+"""Figures of a report, drawn with matplotlib's non-interactive Agg backend.
+
+Each function takes plain report data (``report.series``, the per-rank list the analysis
+stores: ``step_breakdown``, ``idle_gaps``, ``gpu_metrics``) and returns a
+:class:`matplotlib.figure.Figure`, so the HTML report and a notebook draw the same pictures.
+A function raises ``ValueError`` when the report holds nothing for it to draw;
+:func:`report_figures` only draws what the report has data for.
+
+Colours follow the walls everywhere: memory magenta, communication teal, host orange/yellow,
+compute green, idle grey.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from traceclf.render.text import pct
+
+# Figure() with no pyplot never touches an interactive backend; Agg draws it.
+WALL_COLORS = {
+    "memory": "#c2187d",
+    "communication": "#0f9aa8",
+    "host": "#ef8a17",
+    "compute": "#3a9e4d",
+    "idle": "#a3a3a3",
+}
+STEP_PARTS = (  # step_breakdown key, legend label, colour
+    ("compute", "compute (incl. overlapped comm)", WALL_COLORS["compute"]),
+    ("exposed_comm", "exposed communication", WALL_COLORS["communication"]),
+    ("copy", "copies / memsets", WALL_COLORS["memory"]),
+    ("idle", "idle", WALL_COLORS["idle"]),
+)
+IDLE_CAUSES = (  # host causes in shades of the host wall's orange; unattributed grey
+    ("launch", "launch-bound", "#d9650b"),
+    ("sync", "after a sync", "#f5a623"),
+    ("input", "input (no CUDA calls)", "#f7d154"),
+    ("other", "other / unattributed", WALL_COLORS["idle"]),
+)
+GPU_METRICS = (  # nsys metric name, label, colour, line style
+    ("SMs Active [Throughput %]", "SM Active", "#1b5e20", "-"),
+    ("SM Issue [Throughput %]", "SM Issue", "#66bb6a", "--"),
+    ("Tensor Active [Throughput %]", "Tensor Active", "#5e35b1", "-"),
+)
+MAX_RANK_PANELS = 8  # beyond this a per-rank panel stack stops being readable
+WIDTH_IN = 9.0
+
+
+def report_figures(series: Sequence[dict]) -> dict[str, Figure]:
+    """Every figure the data supports, by name: ``step_timeline``, ``comm_overlap`` (only when
+    there is communication), ``idle_gaps`` and ``gpu_metrics`` (only when the trace has GPU
+    metrics)."""
+    figures: dict[str, Figure] = {}
+    if _has_steps(series):
+        figures["step_timeline"] = step_timeline(series)
+    if _has_steps(series) and _comm_ns(series) > 0:
+        figures["comm_overlap"] = comm_overlap(series)
+    if any(s.get("idle_gaps") for s in series):
+        figures["idle_gaps"] = idle_gaps(series)
+    if any(s.get("gpu_metrics") for s in series):
+        figures["gpu_metrics"] = gpu_metrics(series)
+    return figures
+
+
+def step_timeline(series: Sequence[dict]) -> Figure:
+    """Stacked bars per steady step and rank: compute, exposed communication, copies, idle."""
+    ranks = [s for s in series if s.get("step_breakdown")][:MAX_RANK_PANELS]
+    if not ranks:
+        raise ValueError("no steps in this report: the step timeline needs steady steps")
+    fig = Figure(figsize=(WIDTH_IN, 1.3 + 1.9 * len(ranks)), layout="constrained")
+    axes = fig.subplots(len(ranks), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    for ax, rank in zip(axes, ranks, strict=True):
+        rows = rank["step_breakdown"]
+        x = [row["index"] for row in rows]
+        bottom = [0.0] * len(rows)
+        for key, _label, color in STEP_PARTS:
+            ms = [row[key] / 1e6 for row in rows]
+            ax.bar(x, ms, bottom=bottom, color=color, width=0.8)
+            bottom = [b + v for b, v in zip(bottom, ms, strict=True)]
+        ax.set_ylabel(f"rank {rank['rank']}\nstep time (ms)")
+        ax.set_title(_step_summary(rows), loc="right", fontsize=9, color="#555555")
+        ax.set_xticks(x)
+        _light_grid(ax, "y")
+    axes[-1].set_xlabel("steady-state step (index in the trace)")
+    _title(fig, "Where each steady-state step goes", _more_ranks(series, len(ranks)))
+    _legend(fig, [(label, color) for _k, label, color in STEP_PARTS])
+    return fig
+
+
+def idle_gaps(series: Sequence[dict]) -> Figure:
+    """GPU idle time per step by gap length (log-spaced bins), split by host-side cause."""
+    ranks = [s for s in series if s.get("idle_gaps")]
+    if not ranks:
+        raise ValueError("no idle-gap histogram in this report")
+    edges = ranks[0]["idle_gaps"]["edges_ns"]
+    per_step, counts = _idle_per_step(ranks)
+    used = [i for i, n in enumerate(counts) if n] or [0]
+    bins = list(range(used[0], used[-1] + 1))
+    total_ns = sum(sum(v) for v in per_step.values())
+    unit, scale = ("µs", 1e3) if total_ns < 1e5 else ("ms", 1e6)  # 0.005 ms reads badly
+
+    fig = Figure(figsize=(WIDTH_IN, 4.6), layout="constrained")
+    ax = fig.add_subplot()
+    bottom = [0.0] * len(bins)
+    for cause, _label, color in IDLE_CAUSES:
+        heights = [per_step[cause][i] / scale for i in bins]
+        ax.bar(
+            range(len(bins)),
+            heights,
+            bottom=bottom,
+            color=color,
+            width=0.85,
+            edgecolor="white",
+            linewidth=0.5,
+        )
+        bottom = [b + v for b, v in zip(bottom, heights, strict=True)]
+    for pos, i in enumerate(bins):  # how many gaps make up each bar: few long or many short
+        if counts[i]:
+            ax.annotate(
+                _count(counts[i]),
+                (pos, bottom[pos]),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                color="#555555",
+            )
+    ax.set_xticks(range(len(bins)), [_bin_label(edges, i) for i in bins], rotation=30, ha="right")
+    ax.set_xlabel("idle gap length")
+    ax.set_ylabel(f"idle time per step ({unit})")
+    ax.set_ylim(0, max(bottom) * 1.15 or 1)  # room for the count labels above the bars
+    _light_grid(ax, "y")
+    step_ns = _mean_step_ns(ranks)
+    share = f" ({pct(total_ns / step_ns)} of the step)" if step_ns else ""
+    _title(
+        fig,
+        f"GPU idle gaps by length and cause: {total_ns / scale:.3g} {unit} per step" + share,
+        "numbers above bars: gaps in the bin over the steady state"
+        + (f", {len(ranks)} ranks (time is the mean per rank)" if len(ranks) > 1 else ""),
+    )
+    _legend(fig, [(label, color) for _c, label, color in IDLE_CAUSES])
+    return fig
+
+
+def _idle_per_step(ranks: Sequence[dict]) -> tuple[dict[str, list[float]], list[int]]:
+    """Idle ns per step (mean over ranks) per cause and bin, and gap counts per bin (all
+    ranks). Without steps the whole window counts as one step."""
+    n_bins = len(ranks[0]["idle_gaps"]["edges_ns"]) + 1
+    per_step = {cause: [0.0] * n_bins for cause, _l, _c in IDLE_CAUSES}
+    counts = [0] * n_bins
+    for rank in ranks:
+        hist, steps = rank["idle_gaps"], max(len(rank.get("step_breakdown") or []), 1)
+        for cause in per_step:
+            for i in range(n_bins):
+                per_step[cause][i] += hist[f"{cause}_ns"][i] / steps / len(ranks)
+                counts[i] += hist[cause][i]
+    return per_step, counts
+
+
+def _mean_step_ns(ranks: Sequence[dict]) -> float:
+    rows = [r for s in ranks for r in s.get("step_breakdown") or []]
+    return sum(r[key] for r in rows for key, _l, _c in STEP_PARTS) / len(rows) if rows else 0.0
+
+
+def comm_overlap(series: Sequence[dict]) -> Figure:
+    """Per rank, mean ms per step of compute alone, communication hidden under compute, and
+    exposed communication: how much of the communication the overlap actually hides."""
+    ranks = [s for s in series if s.get("step_breakdown")]
+    if not ranks:
+        raise ValueError("no steps in this report: the overlap figure needs steady steps")
+    parts = [_overlap_parts(s["step_breakdown"]) for s in ranks]
+    labels = [f"rank {s['rank']}" for s in ranks]
+    bars = (
+        ("compute alone", WALL_COLORS["compute"], None),
+        ("communication hidden under compute", "#8fd3da", "//"),
+        ("exposed communication", WALL_COLORS["communication"], None),
+    )
+    fig = Figure(figsize=(WIDTH_IN, 1.9 + 0.55 * len(ranks)), layout="constrained")
+    ax = fig.add_subplot()
+    y = list(range(len(ranks)))
+    left = [0.0] * len(ranks)
+    for k, (_label, color, hatch) in enumerate(bars):
+        widths = [p[k] for p in parts]
+        ax.barh(
+            y,
+            widths,
+            left=left,
+            color=color,
+            hatch=hatch,
+            edgecolor="white",
+            linewidth=0.5,
+            height=0.6,
+        )
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    for row, (_alone, hidden, exposed) in enumerate(parts):
+        comm = hidden + exposed
+        note = f"{100 * hidden / comm:.0f}% of comm hidden" if comm else "no communication"
+        ax.annotate(
+            note,
+            (left[row], row),
+            xytext=(4, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=9,
+        )
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()  # rank 0 on top, as in the step timeline
+    ax.set_xlabel("time per step (ms, mean over steady steps)")
+    ax.set_xlim(0, max(left) * 1.25 or 1)  # room for the note right of the longest bar
+    _light_grid(ax, "x")
+    _title(fig, "Communication vs compute overlap", "idle time and copies left out")
+    _legend(fig, [(label, color) for label, color, _h in bars], hatches=[h for _l, _c, h in bars])
+    return fig
+
+
+def gpu_metrics(series: Sequence[dict]) -> Figure:
+    """SM Active, SM Issue and Tensor Active (%) over the steady-state window. The metrics
+    are GPU-wide, so the first rank that has them is drawn; step starts are marked."""
+    rank = next((s for s in series if s.get("gpu_metrics")), None)
+    if rank is None:
+        raise ValueError("no GPU metrics in this trace (capture with --gpu-metrics-devices)")
+    fig = Figure(figsize=(WIDTH_IN, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    for name, label, color, style in GPU_METRICS:
+        points = rank["gpu_metrics"].get(name)
+        if points:
+            ax.plot(
+                [t / 1e6 for t, _v in points],
+                [v for _t, v in points],
+                style,
+                color=color,
+                label=label,
+                linewidth=1.3,
+            )
+    steps = rank.get("step_breakdown") or []
+    if steps:
+        origin = steps[0]["step_start"]
+        for row in steps[1:]:
+            ax.axvline((row["step_start"] - origin) / 1e6, color="#cccccc", linewidth=0.8, zorder=0)
+    ax.set_ylim(0, 105)
+    ax.set_xlim(left=0)
+    _light_grid(ax, "y")
+    ax.set_xlabel("time since the start of the steady state (ms)")
+    ax.set_ylabel("GPU metric (%)")
+    _title(
+        fig,
+        "GPU metrics over the steady state",
+        "GPU-wide samples from nsys; grey lines: step starts",
+    )
+    fig.legend(loc="outside lower center", ncols=3, frameon=False)
+    return fig
+
+
+def _overlap_parts(rows: list[dict]) -> tuple[float, float, float]:
+    """Mean ms per step of (compute alone, comm under compute, exposed comm). ``compute``
+    in the breakdown already includes the comm that ran under it."""
+    n = len(rows)
+    hidden = sum(r["comm_total"] - r["exposed_comm"] for r in rows) / n / 1e6
+    compute = sum(r["compute"] for r in rows) / n / 1e6
+    exposed = sum(r["exposed_comm"] for r in rows) / n / 1e6
+    return max(compute - hidden, 0.0), hidden, exposed
+
+
+def _has_steps(series: Sequence[dict]) -> bool:
+    return any(s.get("step_breakdown") for s in series)
+
+
+def _comm_ns(series: Sequence[dict]) -> int:
+    return sum(r["comm_total"] for s in series for r in s.get("step_breakdown") or [])
+
+
+def _title(fig: Figure, title: str, subtitle: str | None = None) -> None:
+    fig.suptitle(title, fontsize=13, fontweight="bold")
+    if subtitle:  # a quieter note over the top panel, which constrained layout makes room for
+        fig.axes[0].set_title(subtitle, loc="left", fontsize=9, color="#555555")
+
+
+def _legend(
+    fig: Figure, entries: list[tuple[str, str]], hatches: list[str | None] | None = None
+) -> None:
+    hatches = hatches or [None] * len(entries)
+    handles = [
+        Patch(facecolor=color, edgecolor="white", hatch=hatch, label=label)
+        for (label, color), hatch in zip(entries, hatches, strict=True)
+    ]
+    fig.legend(
+        handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=9
+    )
+
+
+def _light_grid(ax: Axes, axis: str) -> None:
+    ax.grid(axis=axis, color="#e6e6e6", linewidth=0.8)
+    ax.set_axisbelow(True)
+    ax.spines[["top", "right"]].set_visible(False)
+
+
+def _more_ranks(series: Sequence[dict], shown: int) -> str | None:
+    total = sum(1 for s in series if s.get("step_breakdown"))
+    return f"first {shown} of {total} ranks" if total > shown else None
+
+
+def _step_summary(rows: list[dict]) -> str:
+    """'mean 115 ms/step: compute 2%, exposed communication 97%, ...' for one rank."""
+    total = sum(r[key] for r in rows for key, _l, _c in STEP_PARTS) or 1
+    shares = ", ".join(
+        f"{key.replace('_', ' ')} {pct(sum(r[key] for r in rows) / total)}"
+        for key, _l, _c in STEP_PARTS
+    )
+    return f"mean {total / len(rows) / 1e6:.3g} ms/step: {shares}"
+
+
+def _bin_label(edges: Sequence[float], i: int) -> str:
+    if i == 0:
+        return "< " + " ".join(_duration(edges[0]))
+    if i == len(edges):
+        return "≥ " + " ".join(_duration(edges[-1]))
+    (lo, lo_unit), (hi, hi_unit) = _duration(edges[i - 1]), _duration(edges[i])
+    return f"{lo}–{hi} {hi_unit}" if lo_unit == hi_unit else f"{lo} {lo_unit}–{hi} {hi_unit}"
+
+
+def _duration(ns: float) -> tuple[str, str]:
+    """(number, unit) with at most three digits: 3.2 µs, 316 µs, 1 ms."""
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
+        if ns >= scale * 0.9999:  # the edges are floats: 999.99… ns is 1 µs
+            v = ns / scale
+            return (f"{v:.2g}" if v < 10 else f"{v:.0f}"), unit
+    return f"{ns:.0f}", "ns"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)

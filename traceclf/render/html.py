@@ -1,0 +1,226 @@
+"""The HTML report: one self-contained file (inline CSS, figures as base64 PNG, no scripts,
+fonts or links to fetch), with the Markdown report's content plus the figures."""
+
+from __future__ import annotations
+
+import base64
+import io
+from html import escape
+
+from matplotlib.figure import Figure
+
+from traceclf.figures import WALL_COLORS, report_figures
+from traceclf.render.markdown import (
+    KERNEL_COLUMNS,
+    RANK_COLUMNS,
+    config_language,
+    detail_rows,
+    kernel_rows,
+    provenance_rows,
+    rank_rows,
+)
+from traceclf.render.text import input_names, steps_line
+from traceclf.report import WALLS, Report
+
+FIGURE_DPI = 110
+CAPTIONS = {
+    "step_timeline": "Each steady-state step split into compute (including communication "
+    "that runs under it), exposed communication, copies and idle time, per rank.",
+    "comm_overlap": "How much of the communication runs under compute (hidden) and how much "
+    "the step waits for (exposed), per rank, in ms per step.",
+    "idle_gaps": "GPU idle time per step by gap length and by what the host was doing: "
+    "issuing launches, returning from a synchronisation, or no CUDA calls at all (input).",
+    "gpu_metrics": "GPU metrics sampled by Nsight Systems over the steady state.",
+}
+STYLE = """
+body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222;
+       max-width: 1000px; margin: 2em auto; padding: 0 1em; }
+h1 { font-size: 1.6em; margin-bottom: .2em; } h2 { margin-top: 1.8em; border-bottom: 1px solid
+#ddd; padding-bottom: .2em; } .sub { color: #666; margin-top: 0; }
+.verdict { border-left: 6px solid var(--wall); background: #fafafa; padding: .6em 1.2em; }
+.verdict h2 { border: 0; margin: .2em 0 .6em; color: var(--wall); }
+.scores { display: grid; grid-template-columns: 9em 1fr 3em; gap: .25em .8em;
+          align-items: center; max-width: 560px; }
+.bar { height: .8em; border-radius: 2px; }
+table { border-collapse: collapse; margin: .6em 0; font-size: .92em; }
+th, td { padding: .25em .7em; border-bottom: 1px solid #e4e4e4; text-align: left;
+         vertical-align: top; } th { background: #f4f4f4; } td.num, th.num { text-align: right; }
+code, pre { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
+            font-size: .9em; }
+pre { background: #f6f8fa; border: 1px solid #e1e4e8; padding: .7em 1em; overflow-x: auto; }
+figure { margin: 1.2em 0; } figure img { max-width: 100%; height: auto; }
+figcaption { color: #555; font-size: .9em; }
+.fix { border-left: 4px solid var(--wall); padding: .1em 1em; margin: 1.2em 0; }
+.tag { font-size: .8em; color: #fff; background: var(--wall); border-radius: 3px;
+       padding: .05em .45em; margin-left: .4em; font-weight: normal; }
+dt { font-weight: 600; } dd { margin: 0 0 .4em 1em; }
+"""
+
+
+def render_html(report: Report) -> str:
+    body = "\n".join(
+        part
+        for part in (
+            _header(report),
+            _verdict(report),
+            _ranks(report),
+            _figures(report),
+            _details(report),
+            _kernels(report),
+            _fixes(report),
+            _provenance(report),
+        )
+        if part
+    )
+    title = escape(f"traceclf: {report.bound}-bound · {input_names(report)}")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{title}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n{body}\n"
+        f"</body>\n</html>\n"
+    )
+
+
+def figure_png(fig: Figure) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
+    return buffer.getvalue()
+
+
+def _header(report: Report) -> str:
+    return (
+        f"<h1>traceclf: {escape(report.bound)}-bound · {escape(input_names(report))}</h1>\n"
+        f'<p class="sub">{escape(steps_line(report))}</p>'
+    )
+
+
+def _verdict(report: Report) -> str:
+    cls = report.classification
+    scores = cls.get("scores", {})
+    top = max(scores.values(), default=0) or 1
+    rows = "".join(
+        f'<span style="color:{WALL_COLORS[w]}">{"<b>" + w + "</b>" if w == report.bound else w}'
+        f'</span><div class="bar" style="width:{100 * scores.get(w, 0) / top:.0f}%;'
+        f'background:{WALL_COLORS[w]}"></div><span>{scores.get(w, 0):.2f}</span>'
+        for w in WALLS
+    )
+    parts = [
+        f"<h2>{escape(report.bound.upper())}-bound "
+        f"<small>(confidence {cls.get('confidence', 0):.2f})</small></h2>",
+        f'<div class="scores">{rows}</div>',
+    ]
+    if cls.get("evidence"):
+        parts.append("<h3>Evidence</h3>" + _list(cls["evidence"]))
+    if report.applied:
+        parts.append(f"<p><b>Already applied:</b> {escape('; '.join(report.applied))}</p>")
+    if report.next_wall:
+        parts.append(f"<p><b>Next wall once this one is fixed:</b> {escape(report.next_wall)}</p>")
+    return (
+        f'<section class="verdict" style="--wall:{_wall_color(report.bound)}">'
+        + "".join(parts)
+        + "</section>"
+    )
+
+
+def _ranks(report: Report) -> str:
+    return (
+        "<h2>Where the steady-state step goes</h2>"
+        "<p>Share of the steady-state wall time, per rank.</p>"
+        + _table(RANK_COLUMNS, rank_rows(report), numeric=set(range(len(RANK_COLUMNS))))
+    )
+
+
+def _figures(report: Report) -> str:
+    figures = report_figures(report.series)
+    if not figures:
+        return "<h2>Figures</h2><p>No steps or idle gaps were measured, so there is nothing to plot.</p>"
+    items = []
+    for name, fig in figures.items():
+        data = base64.b64encode(figure_png(fig)).decode("ascii")
+        caption = escape(CAPTIONS.get(name, ""))
+        items.append(
+            f'<figure id="fig-{name}"><img alt="{escape(name.replace("_", " "))}" '
+            f'src="data:image/png;base64,{data}"><figcaption>{caption}</figcaption></figure>'
+        )
+    return "<h2>Figures</h2>" + "".join(items)
+
+
+def _details(report: Report) -> str:
+    return "<h2>Details</h2>" + _table(
+        ("area", "steady-state measures"), [list(r) for r in detail_rows(report)], bold_first=True
+    )
+
+
+def _kernels(report: Report) -> str | None:
+    rows = kernel_rows(report)
+    if not rows:
+        return None
+    return "<h2>Top kernels (rank 0, steady state)</h2>" + _table(
+        KERNEL_COLUMNS, rows, numeric={2, 3, 4}, code_first=True
+    )
+
+
+def _fixes(report: Report) -> str:
+    if not report.fixes:
+        return "<h2>What to change, in order</h2><p>Nothing urgent: no wall dominates this run.</p>"
+    return "<h2>What to change, in order</h2>" + "".join(
+        _fix(i, fix) for i, fix in enumerate(report.fixes, 1)
+    )
+
+
+def _fix(i: int, fix: dict) -> str:
+    wall = fix.get("wall", "")
+    parts = [
+        f"<h3>{i}. {escape(fix.get('title') or fix['id'])}"
+        f'<span class="tag">{escape(fix["id"])} · {escape(wall)}</span></h3>'
+    ]
+    if fix.get("why"):
+        parts.append(f"<p>{escape(fix['why'].strip())}</p>")
+    if fix.get("config"):
+        language = config_language(fix["config"])
+        parts.append(
+            f'<pre><code class="language-{language}">{escape(fix["config"].strip())}</code></pre>'
+        )
+    for label, key in (("Preconditions", "preconditions"), ("Pitfalls", "pitfalls")):
+        if fix.get(key):
+            parts.append(f"<p><b>{label}</b></p>" + _list(fix[key]))
+    return (
+        f'<section class="fix" style="--wall:{_wall_color(wall)}">' + "".join(parts) + "</section>"
+    )
+
+
+def _provenance(report: Report) -> str:
+    items = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in provenance_rows(report))
+    return f"<h2>Provenance</h2><dl>{items}</dl>"
+
+
+def _table(
+    header: tuple[str, ...],
+    rows: list[list[str]],
+    *,
+    numeric: frozenset[int] | set[int] = frozenset(),
+    bold_first: bool = False,
+    code_first: bool = False,
+) -> str:
+    def cell(tag: str, i: int, text: str) -> str:
+        cls = ' class="num"' if i in numeric else ""
+        body = escape(text)
+        if i == 0 and bold_first and tag == "td":
+            body = f"<b>{body}</b>"
+        if i == 0 and code_first and tag == "td":
+            body = f"<code>{body}</code>"
+        return f"<{tag}{cls}>{body}</{tag}>"
+
+    head = "".join(cell("th", i, h) for i, h in enumerate(header))
+    body = "".join(
+        "<tr>" + "".join(cell("td", i, c) for i, c in enumerate(row)) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _list(items: list[str]) -> str:
+    return "<ul>" + "".join(f"<li>{escape(item)}</li>" for item in items) + "</ul>"
+
+
+def _wall_color(wall: str) -> str:
+    return WALL_COLORS.get(wall, "#666666")
