@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -15,6 +16,7 @@ from urllib.parse import quote
 from traceclf.errors import TraceError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
+SQLITE_HEADER_BYTES = 100
 # Tables whose rows are GPU work; an export without any of them cannot be analysed.
 GPU_ACTIVITY_TABLES = (
     "CUPTI_ACTIVITY_KIND_KERNEL",
@@ -23,6 +25,8 @@ GPU_ACTIVITY_TABLES = (
     "CUPTI_ACTIVITY_KIND_MEMSET",
 )
 META_TABLES = ("META_DATA_EXPORT", "EXPORT_META_DATA")
+# Time inspect_export may spend looking for damaged pages before the loader starts.
+PAGE_CHECK_BUDGET_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -54,27 +58,41 @@ def readonly_uri(path: Path) -> str:
     return f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1"
 
 
+def is_sqlite_file(path: Path) -> bool:
+    """Whether ``path`` starts with SQLite's magic string, whatever its name."""
+    try:
+        with path.open("rb") as f:
+            return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    except OSError:
+        return False
+
+
 def check_sqlite_file(path: Path) -> None:
     """Reject missing, empty, non-SQLite and truncated files from the header alone."""
     if not path.exists():
         raise TraceError(path, "no such file")
     if not path.is_file():
         raise TraceError(path, "not a regular file")
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            header = f.read(SQLITE_HEADER_BYTES)
+    except OSError as e:
+        raise TraceError(path, f"cannot read file: {e.strerror or e}") from None
     if size == 0:
         raise TraceError(path, "empty file")
-    with path.open("rb") as f:
-        header = f.read(100)
     if not header.startswith(SQLITE_MAGIC):
         raise TraceError(
             path,
             "not an SQLite database (expected an Nsight Systems export: "
             "nsys export --type sqlite REPORT.nsys-rep)",
         )
-    if len(header) < 100:
+    if len(header) < SQLITE_HEADER_BYTES:
         raise TraceError(path, f"truncated SQLite database ({size} bytes, header incomplete)")
     page_size = struct.unpack(">H", header[16:18])[0]
     page_size = 65536 if page_size == 1 else page_size
+    if page_size < 512 or page_size & (page_size - 1):
+        raise TraceError(path, f"corrupt SQLite database (invalid page size {page_size} in header)")
     page_count, change_counter, valid_for = (
         struct.unpack(">I", header[28:32])[0],
         struct.unpack(">I", header[24:28])[0],
@@ -87,27 +105,30 @@ def check_sqlite_file(path: Path) -> None:
         )
 
 
-def inspect_export(path: Path) -> ExportInfo:
-    """Validate ``path`` as an nsys export and return its versions and table columns."""
+def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
+    """Validate ``path`` as an nsys export and return its versions and table columns.
+
+    ``check_pages`` also looks for damaged pages (see :func:`_check_pages`); the loader skips
+    it because reading the tables finds them anyway.
+    """
     check_sqlite_file(path)
     try:
         con = sqlite3.connect(readonly_uri(path), uri=True)
     except sqlite3.Error as e:
         raise TraceError(path, f"cannot open SQLite database: {e}") from None
     try:
-        names = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-        columns = {
-            t: tuple(r[1] for r in con.execute(f"PRAGMA table_info('{t}')")) for t in names
-        }
-        meta_table = next((t for t in META_TABLES if t in columns), None)
-        meta: dict[str, str] = {}
-        if meta_table:
-            meta = dict(con.execute(f"SELECT name, value FROM {meta_table}").fetchall())
-    except sqlite3.DatabaseError as e:
+        columns = _table_columns(con)
+        meta = _export_meta(con, columns)
+        if check_pages:
+            _check_pages(con)
+    # Garbage where a table name or metadata text should be fails UTF-8 decoding, not SQLite.
+    except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
         raise TraceError(path, f"corrupt SQLite database ({e})") from None
     finally:
         con.close()
-    if meta_table is None and not any(t.startswith("CUPTI_ACTIVITY_KIND_") for t in columns):
+    if not any(t in columns for t in META_TABLES) and not any(
+        t.startswith("CUPTI_ACTIVITY_KIND_") for t in columns
+    ):
         raise TraceError(
             path, "SQLite database, but not an Nsight Systems export (no META_DATA_EXPORT table)"
         )
@@ -117,14 +138,57 @@ def inspect_export(path: Path) -> ExportInfo:
             "export has no GPU activity (no kernel, CUDA graph or memcpy tables; "
             "profile with CUDA tracing on: nsys profile -t cuda,nvtx)",
         )
-    schema = meta.get("EXPORT_SCHEMA_VERSION")
-    if schema is None and "EXPORT_SCHEMA_VERSION_MAJOR" in meta:
-        schema = ".".join(
-            meta.get(f"EXPORT_SCHEMA_VERSION_{p}", "0") for p in ("MAJOR", "MINOR", "MICRO")
-        )
     return ExportInfo(
         path=path,
         nsys_version=meta.get("EXPORT_PRODUCT_VERSION"),
-        schema_version=schema,
+        schema_version=_schema_version(meta),
         columns=columns,
     )
+
+
+def _table_columns(con: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
+    names = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    return {
+        t: tuple(r[0] for r in con.execute("SELECT name FROM pragma_table_info(?)", (t,)))
+        for t in names
+    }
+
+
+def _export_meta(con: sqlite3.Connection, columns: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """Name/value rows of META_DATA_EXPORT (nsys >= 2023) or EXPORT_META_DATA (older)."""
+    table = next((t for t in META_TABLES if t in columns), None)
+    if table is None or not {"name", "value"} <= set(columns[table]):
+        return {}
+    return {str(k): str(v) for k, v in con.execute(f'SELECT name, value FROM "{table}"')}
+
+
+def _schema_version(meta: dict[str, str]) -> str | None:
+    if "EXPORT_SCHEMA_VERSION" in meta:
+        return meta["EXPORT_SCHEMA_VERSION"]
+    if "EXPORT_SCHEMA_VERSION_MAJOR" in meta:
+        return ".".join(
+            meta.get(f"EXPORT_SCHEMA_VERSION_{p}", "0") for p in ("MAJOR", "MINOR", "MICRO")
+        )
+    return None
+
+
+def _check_pages(con: sqlite3.Connection, budget_s: float = PAGE_CHECK_BUDGET_S) -> None:
+    """Raise sqlite3.DatabaseError if a b-tree page is damaged, as far as ``budget_s`` allows.
+
+    A damaged data page otherwise surfaces only when the loader reaches it, after the other
+    files of a run were loaded for nothing. quick_check reads every page (~4 ms/MB), so big
+    exports are checked only partly here; the loader still reports what this check missed.
+    """
+    deadline = time.monotonic() + budget_s
+    con.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
+    try:
+        result = con.execute("PRAGMA quick_check(1)").fetchone()
+    except sqlite3.OperationalError as e:
+        if "interrupt" in str(e):
+            return
+        raise
+    finally:
+        con.set_progress_handler(None, 0)
+    if result and result[0] != "ok":
+        # First problem only, without quick_check's "*** in database main ***" banner.
+        raise sqlite3.DatabaseError(str(result[0]).split("***")[-1].strip().splitlines()[0])
