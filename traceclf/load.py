@@ -18,14 +18,39 @@ import polars as pl
 
 from traceclf.errors import TraceError
 from traceclf.model import Trace
-from traceclf.schema import ExportInfo, inspect_export
+from traceclf.schema import ExportInfo, inspect_export, readonly_uri
 
 # copyKind values of CUpti_ActivityMemcpyKind
-COPY_KINDS = {1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA",
-              8: "DtoD", 9: "HtoH", 10: "PtoP", 11: "UVM_HtoD", 12: "UVM_DtoH", 13: "UVM_DtoD"}
+COPY_KINDS = {
+    1: "HtoD",
+    2: "DtoH",
+    3: "HtoA",
+    4: "AtoH",
+    5: "AtoA",
+    6: "AtoD",
+    7: "DtoA",
+    8: "DtoD",
+    9: "HtoH",
+    10: "PtoP",
+    11: "UVM_HtoD",
+    12: "UVM_DtoH",
+    13: "UVM_DtoD",
+}
 MEMORY_KIND_PAGEABLE = 0
 NVTX_RANGE_TYPES = (59, 60)  # push/pop and start/end ranges
 NVTX_DOMAIN_CREATE = 75
+# What load_trace passes to its ``progress`` callback, in order: one call as each stage starts.
+LOAD_STAGES = (
+    "strings",
+    "kernels",
+    "graphs",
+    "copies",
+    "CUDA API",
+    "syncs",
+    "NVTX",
+    "memory",
+    "GPU metrics",
+)
 
 
 @dataclass(frozen=True)
@@ -56,10 +81,15 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
         ("CUPTI_ACTIVITY_KIND_KERNEL",),
         (
             *GPU_ROW,
-            _c("name_id", "demangledName", "name", required=True),
+            # Exports without demangled names still have a short or mangled one.
+            _c("name_id", "demangledName", "name", "shortName", "mangledName", required=True),
             _c("short_id", "shortName"),
-            _c("grid_x", "gridX"), _c("grid_y", "gridY"), _c("grid_z", "gridZ"),
-            _c("block_x", "blockX"), _c("block_y", "blockY"), _c("block_z", "blockZ"),
+            _c("grid_x", "gridX"),
+            _c("grid_y", "gridY"),
+            _c("grid_z", "gridZ"),
+            _c("block_x", "blockX"),
+            _c("block_y", "blockY"),
+            _c("block_z", "blockZ"),
             _c("registers", "registersPerThread"),
             _c("static_smem", "staticSharedMemory"),
             _c("dynamic_smem", "dynamicSharedMemory"),
@@ -125,8 +155,12 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
     ),
     "overhead": (
         ("PROFILER_OVERHEAD",),
-        (_c("start", required=True), _c("end", required=True), _c("global_tid", "globalTid"),
-         _c("name_id", "nameId")),
+        (
+            _c("start", required=True),
+            _c("end", required=True),
+            _c("global_tid", "globalTid"),
+            _c("name_id", "nameId"),
+        ),
     ),
 }
 
@@ -135,7 +169,13 @@ TIMED = {"kernels", "graphs", "memcpy", "memset", "api", "syncs", "nvtx", "overh
 
 
 def _uri(path: Path) -> str:
-    return "sqlite://" + quote(str(path.resolve()))
+    """connectorx URI that opens the export read-only and never creates a missing file.
+
+    connectorx percent-decodes what follows ``sqlite://`` and opens it with SQLite's URI
+    parsing on, so a (quoted) ``file:`` URI carries mode=ro&immutable=1 through. A plain path
+    would be opened read-write, created empty if it vanished, and retried for 30 s on error.
+    """
+    return "sqlite://" + quote(readonly_uri(path), safe="")
 
 
 class Reader:
@@ -154,8 +194,9 @@ class Reader:
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TraceError(self.info.path, f"corrupt or unreadable database ({detail})") from None
 
-    def read(self, logical: str, window: tuple[int, int] | None = None,
-             where: str | None = None) -> pl.DataFrame:
+    def read(
+        self, logical: str, window: tuple[int, int] | None = None, where: str | None = None
+    ) -> pl.DataFrame:
         tables, cols = TABLES[logical]
         table = next((t for t in tables if self.info.has(t)), None)
         if table is None:
@@ -183,9 +224,9 @@ class Reader:
         if clauses:
             query += " WHERE " + " AND ".join(f"({c})" for c in clauses)
         df = self.sql(query)
-        return df.with_columns(
-            [pl.lit(None, dtype=c.dtype).alias(c.name) for c in missing]
-        ).select([pl.col(c.name).cast(c.dtype, strict=False) for c in cols])
+        return df.with_columns([pl.lit(None, dtype=c.dtype).alias(c.name) for c in missing]).select(
+            [pl.col(c.name).cast(c.dtype, strict=False) for c in cols]
+        )
 
     def small_table(self, table: str) -> pl.DataFrame:
         """A whole small metadata table (GPU info, processes), or an empty frame."""
@@ -210,28 +251,33 @@ def decode_tid(col: str) -> pl.Expr:
 
 def _names(strings: pl.DataFrame, id_col: str, out: str) -> Callable[[pl.DataFrame], pl.DataFrame]:
     def attach(df: pl.DataFrame) -> pl.DataFrame:
-        return df.join(
-            strings.rename({"id": id_col, "value": out}), on=id_col, how="left"
-        ).drop(id_col)
+        return df.join(strings.rename({"id": id_col, "value": out}), on=id_col, how="left").drop(
+            id_col
+        )
 
     return attach
 
 
-def load_trace(path: str | Path, window: tuple[int, int] | None = None,
-               progress: Callable[[str], None] | None = None) -> Trace:
+def load_trace(
+    path: str | Path,
+    window: tuple[int, int] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Trace:
     """Open one SQLite export and return its :class:`~traceclf.model.Trace`.
 
     ``window`` (ns, session timeline) restricts every timed table to events overlapping it;
-    it is pushed into the SQL so that memory follows the window, not the file.
+    it is pushed into the SQL so that memory follows the window, not the file. ``progress`` is
+    called with each of :data:`LOAD_STAGES` (e.g. a :class:`traceclf.progress.LoadProgress`).
     """
     path = Path(path)
-    info = inspect_export(path)
+    info = inspect_export(path, check_pages=False)
     reader = Reader(info)
     step = progress or (lambda _msg: None)
 
     step("strings")
     strings = (
-        reader.sql("SELECT id, value FROM StringIds") if info.has("StringIds")
+        reader.sql("SELECT id, value FROM StringIds")
+        if info.has("StringIds")
         else pl.DataFrame(schema={"id": pl.Int64, "value": pl.String})
     ).with_columns(pl.col("id").cast(pl.Int64), pl.col("value").cast(pl.String))
 
@@ -242,29 +288,47 @@ def load_trace(path: str | Path, window: tuple[int, int] | None = None,
     kernels = kernels.with_columns(
         name=pl.coalesce("name", "short_name", pl.lit("<unknown kernel>")),
         short_name=pl.coalesce("short_name", "name"),
-        grid_blocks=(pl.col("grid_x").fill_null(1) * pl.col("grid_y").fill_null(1)
-                     * pl.col("grid_z").fill_null(1)),
-        block_threads=(pl.col("block_x").fill_null(1) * pl.col("block_y").fill_null(1)
-                       * pl.col("block_z").fill_null(1)),
+        grid_blocks=(
+            pl.col("grid_x").fill_null(1)
+            * pl.col("grid_y").fill_null(1)
+            * pl.col("grid_z").fill_null(1)
+        ),
+        block_threads=(
+            pl.col("block_x").fill_null(1)
+            * pl.col("block_y").fill_null(1)
+            * pl.col("block_z").fill_null(1)
+        ),
         smem_per_block=pl.col("static_smem").fill_null(0) + pl.col("dynamic_smem").fill_null(0),
-    ).drop("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z",
-           "static_smem", "dynamic_smem")
+    ).drop(
+        "grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z", "static_smem", "dynamic_smem"
+    )
 
     step("graphs")
     graphs = reader.read("graphs", window)
 
     step("copies")
-    memcpy = reader.read("memcpy", window).with_columns(
-        op=pl.lit("memcpy"),
-        direction=pl.col("copy_kind").replace_strict(COPY_KINDS, default="other",
-                                                     return_dtype=pl.String),
-        pageable=(pl.col("src_kind") == MEMORY_KIND_PAGEABLE)
-        | (pl.col("dst_kind") == MEMORY_KIND_PAGEABLE),
-    ).drop("src_kind", "dst_kind")
-    memset = reader.read("memset", window).with_columns(
-        op=pl.lit("memset"), copy_kind=pl.lit(None, pl.Int64), direction=pl.lit("memset"),
-        pageable=pl.lit(False),
-    ).drop("mem_kind")
+    memcpy = (
+        reader.read("memcpy", window)
+        .with_columns(
+            op=pl.lit("memcpy"),
+            direction=pl.col("copy_kind").replace_strict(
+                COPY_KINDS, default="other", return_dtype=pl.String
+            ),
+            pageable=(pl.col("src_kind") == MEMORY_KIND_PAGEABLE)
+            | (pl.col("dst_kind") == MEMORY_KIND_PAGEABLE),
+        )
+        .drop("src_kind", "dst_kind")
+    )
+    memset = (
+        reader.read("memset", window)
+        .with_columns(
+            op=pl.lit("memset"),
+            copy_kind=pl.lit(None, pl.Int64),
+            direction=pl.lit("memset"),
+            pageable=pl.lit(False),
+        )
+        .drop("mem_kind")
+    )
     copies = pl.concat([memcpy, memset.select(memcpy.columns)], how="vertical")
 
     step("CUDA API")
@@ -316,24 +380,32 @@ def load_trace(path: str | Path, window: tuple[int, int] | None = None,
     )
 
 
-def _read_nvtx(reader: Reader, strings: pl.DataFrame,
-               window: tuple[int, int] | None) -> pl.DataFrame:
+def _read_nvtx(
+    reader: Reader, strings: pl.DataFrame, window: tuple[int, int] | None
+) -> pl.DataFrame:
     raw = reader.read("nvtx")
-    domains = raw.filter(pl.col("event_type") == NVTX_DOMAIN_CREATE).select(
-        "domain_id", domain=pl.col("text")
-    ).unique("domain_id")
+    domains = (
+        raw.filter(pl.col("event_type") == NVTX_DOMAIN_CREATE)
+        .select("domain_id", domain=pl.col("text"))
+        .unique("domain_id", maintain_order=True)
+    )
     ranges = raw.filter(pl.col("event_type").is_in(NVTX_RANGE_TYPES) & pl.col("end").is_not_null())
     if window is not None:
         ranges = ranges.filter((pl.col("start") < window[1]) & (pl.col("end") > window[0]))
     ranges = ranges.join(strings.rename({"id": "text_id", "value": "_t"}), on="text_id", how="left")
-    return ranges.join(domains, on="domain_id", how="left").select(
-        "start", "end",
-        text=pl.coalesce("text", "_t", pl.lit("")),
-        domain=pl.col("domain").fill_null(""),
-        pid=decode_pid("global_tid"),
-        tid=decode_tid("global_tid"),
-        global_tid="global_tid",
-    ).sort("start")
+    return (
+        ranges.join(domains, on="domain_id", how="left")
+        .select(
+            "start",
+            "end",
+            text=pl.coalesce("text", "_t", pl.lit("")),
+            domain=pl.col("domain").fill_null(""),
+            pid=decode_pid("global_tid"),
+            tid=decode_tid("global_tid"),
+            global_tid="global_tid",
+        )
+        .sort("start")
+    )
 
 
 # GPU metrics worth keeping; others (clocks, graphics warps) are dropped in the SQL.
@@ -349,16 +421,26 @@ METRIC_NAMES = (
     "PCIe TX Throughput [Throughput %]",
     "GR Active [Throughput %]",
 )
-GPU_METRICS_SCHEMA = {"timestamp": pl.Int64, "source": pl.Int64, "metric": pl.String,
-                      "value": pl.Float64}
+GPU_METRICS_SCHEMA = {
+    "timestamp": pl.Int64,
+    "source": pl.Int64,
+    "metric": pl.String,
+    "value": pl.Float64,
+}
+
+
+# Columns the metrics query below needs; an export laid out otherwise is read without metrics.
+METRIC_TABLE_COLUMNS = {
+    "GPU_METRICS": {"timestamp", "typeId", "metricId", "value"},
+    "TARGET_INFO_GPU_METRICS": {"typeId", "metricId", "metricName"},
+}
 
 
 def _read_gpu_metrics(reader: Reader, window: tuple[int, int] | None) -> pl.DataFrame:
-    if not (reader.info.has("GPU_METRICS") and reader.info.has("TARGET_INFO_GPU_METRICS")):
+    columns = reader.info.columns
+    if any(not need <= set(columns.get(t, ())) for t, need in METRIC_TABLE_COLUMNS.items()):
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
     names = reader.small_table("TARGET_INFO_GPU_METRICS")
-    if "metricName" not in names.columns:
-        return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
     wanted = names.filter(pl.col("metricName").is_in(METRIC_NAMES))
     if wanted.is_empty():
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
@@ -383,37 +465,53 @@ def _read_gpu_metrics(reader: Reader, window: tuple[int, int] | None) -> pl.Data
     )
 
 
-GPU_COLUMNS = {
-    "id": "gpu_id", "name": "name", "chipName": "chip", "smCount": "sm_count",
-    "totalMemory": "memory_bytes", "maxWarpsPerSm": "max_warps_per_sm",
-    "maxBlocksPerSm": "max_blocks_per_sm", "maxRegistersPerSm": "max_registers_per_sm",
-    "maxShmemPerSm": "max_shmem_per_sm", "threadsPerWarp": "threads_per_warp",
-    "memoryBandwidth": "memory_bandwidth", "clockRate": "clock_rate",
-    "computeMajor": "compute_major", "computeMinor": "compute_minor", "busLocation": "bus",
+# Logical GPU columns and their physical names: TARGET_INFO_GPU (nsys >= 2021.3) first, then the
+# CUPTI device-record names of TARGET_INFO_CUDA_GPU (older). Units are the same in both.
+GPU_TABLES = ("TARGET_INFO_GPU", "TARGET_INFO_CUDA_GPU")
+GPU_COLUMNS: dict[str, tuple[str, ...]] = {
+    "gpu_id": ("id", "deviceId"),
+    "name": ("name",),
+    "chip": ("chipName",),
+    "sm_count": ("smCount", "numMultiprocessors"),
+    "memory_bytes": ("totalMemory", "globalMemorySize"),
+    "max_warps_per_sm": ("maxWarpsPerSm", "maxWarpsPerMultiprocessor"),
+    "max_blocks_per_sm": ("maxBlocksPerSm", "maxBlocksPerMultiprocessor"),
+    "max_registers_per_sm": ("maxRegistersPerSm", "maxRegistersPerMultiprocessor"),
+    "max_shmem_per_sm": ("maxShmemPerSm", "maxSharedMemoryPerMultiprocessor"),
+    "threads_per_warp": ("threadsPerWarp", "numThreadsPerWarp"),
+    "memory_bandwidth": ("memoryBandwidth",),
+    "clock_rate": ("clockRate",),
+    "compute_major": ("computeMajor", "computeCapabilityMajor"),
+    "compute_minor": ("computeMinor", "computeCapabilityMinor"),
+    "bus": ("busLocation",),
 }
-GPU_SCHEMA = {out: (pl.String if out in ("name", "chip", "bus") else pl.Int64)
-              for out in GPU_COLUMNS.values()}
+GPU_SCHEMA = {
+    out: (pl.String if out in ("name", "chip", "bus") else pl.Int64) for out in GPU_COLUMNS
+}
 
 
 def _gpus(reader: Reader) -> pl.DataFrame:
-    raw = reader.small_table("TARGET_INFO_GPU")
+    table = next((t for t in GPU_TABLES if reader.info.has(t)), None)
+    raw = reader.small_table(table) if table else pl.DataFrame()
     if raw.is_empty():
         return pl.DataFrame(schema=GPU_SCHEMA)
-    return raw.select(
-        [
-            (pl.col(src) if src in raw.columns else pl.lit(None)).cast(GPU_SCHEMA[out]).alias(out)
-            for src, out in GPU_COLUMNS.items()
-        ]
+
+    def column(out: str) -> pl.Expr:
+        src = next((s for s in GPU_COLUMNS[out] if s in raw.columns), None)
+        return (pl.col(src) if src else pl.lit(None)).cast(GPU_SCHEMA[out], strict=False)
+
+    return raw.select([column(out).alias(out) for out in GPU_COLUMNS]).unique(
+        "gpu_id", maintain_order=True
     )
 
 
 def _processes(reader: Reader) -> pl.DataFrame:
     raw = reader.small_table("PROCESSES")
-    if raw.is_empty() or "globalPid" not in raw.columns:
+    if raw.is_empty() or not {"globalPid", "name"} <= set(raw.columns):
         return pl.DataFrame(schema={"pid": pl.Int64, "process_name": pl.String})
     return raw.select(
         pid=decode_pid("globalPid"), process_name=pl.col("name").cast(pl.String)
-    ).unique("pid")
+    ).unique("pid", maintain_order=True)
 
 
 def _device_map(reader: Reader) -> pl.DataFrame:
@@ -423,6 +521,7 @@ def _device_map(reader: Reader) -> pl.DataFrame:
     if raw.is_empty() or not {"gpuId", "cudaId", "pid"} <= set(raw.columns):
         return pl.DataFrame(schema=schema)
     return raw.select(
-        pid=pl.col("pid").cast(pl.Int64), device_id=pl.col("cudaId").cast(pl.Int64),
+        pid=pl.col("pid").cast(pl.Int64),
+        device_id=pl.col("cudaId").cast(pl.Int64),
         gpu_id=pl.col("gpuId").cast(pl.Int64),
-    ).unique(["pid", "device_id"])
+    ).unique(["pid", "device_id"], maintain_order=True)
