@@ -1,0 +1,134 @@
+"""What the user named on the command line -> the SQLite exports to analyse.
+
+Accepts export files (any name: an SQLite file called run.db is fine), nsys reports
+(``.nsys-rep``, older ``.qdrep``; exported once, see :mod:`traceclf.nsys`), folders of them
+(not recursive) and glob patterns the shell left unexpanded. The result is deduplicated and in
+natural order, so rank_2 comes before rank_10 whatever order the shell produced.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from traceclf.errors import TraceError
+from traceclf.nsys import (
+    REPORT_SUFFIXES,
+    beside_export,
+    export_report,
+    is_export_of,
+    made_by_traceclf,
+    report_key,
+)
+from traceclf.schema import is_sqlite_file
+
+EXPORT_SUFFIX = ".sqlite"
+GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def resolve_inputs(
+    inputs: list[str],
+    *,
+    nsys: Path | None = None,
+    cache_dir: Path | None = None,
+    quiet: bool = False,
+) -> list[Path]:
+    """The SQLite exports named by ``inputs``, exporting reports with nsys where needed.
+
+    Raises :class:`~traceclf.errors.TraceError` for a missing path, a folder or pattern with
+    no exports, a file that is neither a report nor an SQLite database, or a failed export.
+    """
+    if not inputs:
+        raise TraceError(None, "no input given (a .sqlite export, a .nsys-rep or a folder)")
+    files = _unique(f for arg in inputs for f in _expand(arg))
+    chosen = sorted(_one_per_run(files), key=natural_key)
+    return [
+        export_report(f, nsys=nsys, cache_dir=cache_dir, quiet=quiet) if is_report(f) else f
+        for f in chosen
+    ]
+
+
+def natural_key(path: Path) -> list[str | int]:
+    """Sort key that orders digit runs by value: rank_2 < rank_10."""
+    return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", str(path))]
+
+
+def is_report(path: Path) -> bool:
+    """An nsys report (by name) that is not secretly an SQLite export already."""
+    return path.suffix.lower() in REPORT_SUFFIXES and not is_sqlite_file(path)
+
+
+def _expand(arg: str) -> Iterator[Path]:
+    if not arg.strip():
+        raise TraceError(None, "empty input name")
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        yield from _scan_folder(path)
+    elif path.exists():
+        yield _checked_file(path)
+    elif GLOB_CHARS.search(arg):
+        matches = sorted(glob.glob(str(path)))
+        if not matches:
+            raise TraceError(arg, "no file matches this pattern")
+        # As if the shell had expanded it: every match is an input of its own.
+        for match in matches:
+            yield from _expand(match)
+    else:
+        raise TraceError(path, "no such file or directory")
+
+
+def _scan_folder(folder: Path) -> list[Path]:
+    """The exports and reports directly in ``folder``; hidden files are traceclf's temporaries."""
+    suffixes = (EXPORT_SUFFIX, *REPORT_SUFFIXES)
+    found = [
+        p
+        for p in folder.iterdir()
+        if p.suffix.lower() in suffixes and not p.name.startswith(".") and p.is_file()
+    ]
+    if not found:
+        raise TraceError(folder, "folder holds no .sqlite or .nsys-rep files")
+    return found
+
+
+def _checked_file(path: Path) -> Path:
+    """``path`` if it can be an export or a report; the content decides, not the name."""
+    if not path.is_file():
+        raise TraceError(path, "not a regular file")
+    known = path.suffix.lower() in (EXPORT_SUFFIX, *REPORT_SUFFIXES)
+    if not known and not is_sqlite_file(path):
+        raise TraceError(
+            path,
+            "neither an nsys report (.nsys-rep) nor an SQLite export "
+            "(make one with: nsys export --type sqlite REPORT.nsys-rep)",
+        )
+    return path
+
+
+def _unique(paths: Iterable[Path]) -> list[Path]:
+    """First occurrence of each file, however it was named (relative, absolute, via a link)."""
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        seen.setdefault(path.resolve(), path)
+    return list(seen.values())
+
+
+def _one_per_run(files: list[Path]) -> list[Path]:
+    """Drop one of ``run.nsys-rep`` + ``run.sqlite`` when both were named, since they are one
+    run: the export when it is current (made from this report, or newer than it), else the
+    report, to be exported afresh."""
+    exports = {f.resolve(): f for f in files if not is_report(f)}
+    dropped = set()
+    for report in filter(is_report, files):
+        export = exports.get(beside_export(report).resolve())
+        if export is None:
+            continue
+        dropped.add(report if _is_current(export, report) else export)
+    return [f for f in files if f not in dropped]
+
+
+def _is_current(export: Path, report: Path) -> bool:
+    if made_by_traceclf(export):
+        return is_export_of(export, report_key(report))
+    return export.stat().st_mtime_ns >= report.stat().st_mtime_ns

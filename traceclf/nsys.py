@@ -1,0 +1,238 @@
+"""Turn an ``.nsys-rep`` into the SQLite export the loader reads, running nsys at most once.
+
+The export goes where nsys users look for it, ``<stem>.sqlite`` beside the report, unless that
+name holds a file traceclf did not make for this very report (the user's own export, or one
+of an older report): then into ``.traceclf-cache/`` beside the report, and when the report's
+folder is read-only into the cache dir. Each export is stamped with the report's identity
+(size, mtime, first MiB) in SQLite's header, so an unchanged report is never exported twice
+and a changed one always is. nsys writes to a temporary name that is renamed into place, so
+two traceclf runs exporting the same report at once both end up with a whole file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import shutil
+import signal
+import sqlite3
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+from traceclf.errors import TraceError
+from traceclf.progress import status
+
+REPORT_SUFFIXES = (".nsys-rep", ".qdrep")  # .qdrep: reports of nsys before 2021.4
+CACHE_FOLDER = ".traceclf-cache"
+HEAD_BYTES = 1 << 20
+# SQLite header fields (offsets 60 and 68) that nsys leaves at 0: ours carry "tclf" and the
+# report's identity, which is how an export is recognised as made by traceclf for that report.
+APPLICATION_ID = 0x74636C66
+HEADER_STAMP = struct.Struct(">i4xi")  # user_version, (incremental vacuum), application_id
+STAMP_OFFSET = 60
+TERMINATE_GRACE_S = 5.0
+
+
+def find_nsys(explicit: Path | None = None) -> Path | None:
+    """The nsys to run: ``explicit`` (--nsys), else $NSYS, else ``nsys`` on PATH."""
+    for candidate in (explicit, os.environ.get("NSYS"), "nsys"):
+        if not candidate:
+            continue
+        found = shutil.which(str(candidate))
+        if found:
+            return Path(found)
+        if explicit is not None:  # asked for this one: do not quietly run another
+            return None
+    return None
+
+
+def report_key(report: Path) -> str:
+    """Identity of a report's content: size, mtime and a hash of its first MiB."""
+    st = report.stat()
+    with report.open("rb") as f:
+        head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()[:16]
+    return f"{st.st_size}-{st.st_mtime_ns}-{head}"
+
+
+def export_report(
+    report: Path, *, nsys: Path | None = None, cache_dir: Path | None = None, quiet: bool = False
+) -> Path:
+    """Path of an up-to-date SQLite export of ``report``, exporting it with nsys if needed."""
+    try:
+        key = report_key(report)
+    except OSError as e:
+        raise TraceError(report, f"cannot read report: {e.strerror or e}") from None
+    existing = find_export(report, key, cache_dir)
+    if existing is not None:
+        return existing
+    executable = find_nsys(nsys)
+    if executable is None:
+        raise TraceError(report, _nsys_missing(report, nsys))
+    target = _target(report, key, cache_dir)
+    with status(
+        f"Exporting {report.name} to SQLite with nsys (once; reused next time)…", quiet=quiet
+    ):
+        _export(executable, report, target, key)
+    return target
+
+
+def find_export(report: Path, key: str | None = None, cache_dir: Path | None = None) -> Path | None:
+    """An existing export that traceclf made from this report as it is now, if any."""
+    key = key or report_key(report)
+    candidates = (
+        beside_export(report),
+        _cache_file(report.parent / CACHE_FOLDER, report, key),
+        _cache_file(user_cache_dir(cache_dir), report, key),
+    )
+    return next((p for p in candidates if is_export_of(p, key)), None)
+
+
+def beside_export(report: Path) -> Path:
+    """``run.sqlite`` for ``run.nsys-rep``: where ``nsys export`` itself would put it."""
+    return report.with_suffix(".sqlite")
+
+
+def user_cache_dir(cache_dir: Path | None = None) -> Path:
+    """--cache-dir, else $TRACECLF_CACHE_DIR, else ~/.cache/traceclf."""
+    if cache_dir is not None:
+        return cache_dir
+    return Path(os.environ.get("TRACECLF_CACHE_DIR") or Path.home() / ".cache" / "traceclf")
+
+
+def is_export_of(path: Path, key: str) -> bool:
+    """Whether ``path`` is an export traceclf stamped for the report identity ``key``."""
+    return _read_stamp(path) == _stamp(key)
+
+
+def made_by_traceclf(path: Path) -> bool:
+    """Whether ``path`` is an export traceclf made (for this report or an earlier version)."""
+    stamp = _read_stamp(path)
+    return stamp is not None and stamp[1] == APPLICATION_ID
+
+
+def _stamp(key: str) -> tuple[int, int]:
+    return zlib.crc32(key.encode()) & 0x7FFFFFFF, APPLICATION_ID
+
+
+def _read_stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        with path.open("rb") as f:
+            f.seek(STAMP_OFFSET)
+            raw = f.read(HEADER_STAMP.size)
+    except OSError:
+        return None
+    return HEADER_STAMP.unpack(raw) if len(raw) == HEADER_STAMP.size else None
+
+
+def _cache_file(folder: Path, report: Path, key: str) -> Path:
+    return folder / f"{report.stem}-{key}.sqlite"
+
+
+def _target(report: Path, key: str, cache_dir: Path | None) -> Path:
+    """Where a new export of ``report`` goes (see the module docstring)."""
+    beside = beside_export(report)
+    if _writable(report.parent):
+        if not beside.exists() or made_by_traceclf(beside):
+            return beside
+        return _cache_file(report.parent / CACHE_FOLDER, report, key)
+    return _cache_file(user_cache_dir(cache_dir), report, key)
+
+
+def _writable(folder: Path) -> bool:
+    """access(2) plus a write bit, so a folder made read-only on purpose is left alone even by
+    root, whom access(2) always allows."""
+    return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & 0o222)
+
+
+def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
+    """Run ``nsys export`` into a temporary file beside ``target``, stamp it, rename it."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TraceError(
+            report, f"cannot create export folder {target.parent}: {e.strerror}"
+        ) from None
+    tmp = target.with_name(f".{target.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp.sqlite")
+    cmd = [str(nsys), "export", "--type", "sqlite", "--output", str(tmp), str(report)]
+    try:
+        try:
+            done = run_interruptible(cmd)
+        except OSError as e:
+            raise TraceError(report, f"cannot run {nsys}: {e.strerror or e}") from None
+        if done.returncode != 0:
+            raise TraceError(
+                report,
+                f"nsys export failed (exit {done.returncode}): "
+                f"{_first_line(done.stderr, done.stdout)}",
+            )
+        if not tmp.is_file() or tmp.stat().st_size == 0:
+            raise TraceError(
+                report,
+                f"nsys export produced no SQLite file ({_first_line(done.stderr, done.stdout)})",
+            )
+        _stamp_export(tmp, key)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _stamp_export(path: Path, key: str) -> None:
+    user_version, application_id = _stamp(key)
+    con = sqlite3.connect(path)
+    try:
+        con.execute(f"PRAGMA application_id = {application_id}")
+        con.execute(f"PRAGMA user_version = {user_version}")
+    finally:
+        con.close()
+
+
+def _first_line(*texts: str) -> str:
+    lines = (line.strip() for text in texts for line in (text or "").splitlines())
+    return next((line for line in lines if line), "no output")
+
+
+def run_interruptible(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to completion with no timeout (big reports export for minutes), capturing
+    its output, yet stop it and everything it started when we are interrupted.
+
+    The child gets its own session, so a terminal's Ctrl-C reaches only us; we then end its
+    whole process group ourselves (nsys runs helper processes that would outlive it).
+    """
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        _terminate_group(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _terminate_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(TERMINATE_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _nsys_missing(report: Path, explicit: Path | None) -> str:
+    where = f"{explicit} is not an executable" if explicit else "nsys not found ($NSYS, PATH)"
+    return (
+        f"{where}; export it by hand: nsys export --type sqlite "
+        f"-o {beside_export(report).name} {report.name} (or pass --nsys / set NSYS)"
+    )
