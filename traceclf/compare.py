@@ -1,0 +1,470 @@
+"""Compare two runs (``traceclf compare BEFORE AFTER``): did the step get slower, beyond noise?
+
+Each side is a trace input (anything ``analyze`` takes) or a saved JSON report.
+
+Noise band. For each run the standard error of its mean step time is
+``SE = cv * mean / sqrt(n)``, with ``cv`` the coefficient of variation of its steady-state step
+times (mean over ranks) and ``n`` the steady steps used. The band is two standard errors of the
+difference of the means, ``noise = 2 * sqrt(SE_before² + SE_after²)`` (about a 95% interval for
+steps that vary independently around their mean).
+
+Verdict. ``regression`` when the mean step time grew by more than ``threshold`` (a fraction,
+default 5%) and by more than the noise band; ``improvement`` when it shrank by as much;
+``no significant change`` otherwise; ``inconclusive`` when either run has no step time (no steps
+were found). Only a regression makes the CLI exit 1.
+
+Measures that moved. Fractions of the step (busy, exposed communication, copies, idle causes,
+...) compare in percentage points; per-step counts and sizes (kernels, syncs, bytes) compare
+relative to before. A change is material past the thresholds in ``MEASURES``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from traceclf.analysis import AnalysisOptions
+from traceclf.atomic import write_atomic
+from traceclf.errors import TraceError
+from traceclf.render.text import fmt_bytes, fmt_ms, pct
+from traceclf.report import Report
+
+MATERIAL_PP = 0.03  # a fraction of the step that moves by 3 percentage points
+MATERIAL_REL = 0.20  # a count that moves by 20%
+
+
+@dataclass(frozen=True)
+class Measure:
+    key: str
+    label: str
+    unit: str  # "frac" (compared in points) | "count" | "bytes" | "us" (compared relatively)
+    floor: float = 0.0  # an absolute change below this is never material (counts)
+
+
+MEASURES = (
+    Measure("gpu_busy_frac", "GPU busy", "frac"),
+    Measure("compute_frac", "compute", "frac"),
+    Measure("comm_frac", "communication", "frac"),
+    Measure("exposed_comm_frac", "exposed communication", "frac"),
+    Measure("comm_overlap_frac", "communication hidden under compute (of comm)", "frac"),
+    Measure("copy_frac", "copies", "frac"),
+    Measure("offload_copy_frac", "host↔device copies", "frac"),
+    Measure("idle_launch_frac", "idle: launch-bound", "frac"),
+    Measure("idle_sync_frac", "idle: after a sync", "frac"),
+    Measure("idle_input_frac", "idle: input", "frac"),
+    Measure("idle_other_frac", "idle: other", "frac"),
+    Measure("graph_frac", "busy time in CUDA graphs", "frac"),
+    Measure("small_grid_kernel_frac", "kernels with grid below SM count", "frac"),
+    Measure("sm_active_mean", "SM active", "frac"),
+    Measure("tensor_active_mean", "tensor active", "frac"),
+    Measure("kernels_per_step", "kernels/step", "count", 1),
+    Measure("launch_calls_per_step", "launch calls/step", "count", 1),
+    Measure("sync_calls_per_step", "syncs/step", "count", 1),
+    Measure("small_d2h_per_step", "tiny D2H copies/step", "count", 1),
+    Measure("alloc_calls_per_step", "cudaMalloc/Free per step", "count", 1),
+    Measure("pageable_copies_per_step", "pageable copies/step", "count", 1),
+    Measure("h2d_d2h_bytes_per_step", "H2D+D2H bytes/step", "bytes", 1e6),
+    Measure("median_kernel_us", "median kernel", "us", 0.5),
+)
+
+
+@dataclass
+class Run:
+    """One side of a comparison: where it came from and its step statistics."""
+
+    source: str
+    bound: str
+    confidence: float | None
+    step_mean_ms: float | None
+    step_median_ms: float | None
+    step_cv: float | None
+    steps_used: int
+    step_source: str
+    ranks: int
+    gpus: list[str]
+
+    @classmethod
+    def of(cls, source: str, report: Report) -> Run:
+        s = report.steps
+        return cls(
+            source=source,
+            bound=report.bound,
+            confidence=report.classification.get("confidence"),
+            step_mean_ms=s.get("mean_ms"),
+            step_median_ms=s.get("median_ms"),
+            step_cv=s.get("cv"),
+            steps_used=s.get("used") or 0,
+            step_source=s.get("source", "none") + (f' "{s["label"]}"' if s.get("label") else ""),
+            ranks=len(report.ranks),
+            gpus=sorted({g.get("name") or "unknown GPU" for g in report.gpus}),
+        )
+
+    @property
+    def standard_error_ms(self) -> float | None:
+        if self.step_mean_ms is None or self.step_cv is None or self.steps_used < 2:
+            return None
+        return self.step_cv * self.step_mean_ms / math.sqrt(self.steps_used)
+
+
+@dataclass
+class MeasureChange:
+    key: str
+    label: str
+    unit: str
+    before: float | None
+    after: float | None
+    change: float | None  # points for fractions, relative for the rest; None: from zero
+    material: bool
+
+    def describe(self) -> str:
+        """'exposed communication 97% → 12% (−85 pp)'."""
+        return f"{self.label} {self.value(self.before)} → {self.value(self.after)} ({self.delta()})"
+
+    def value(self, v: float | None) -> str:
+        if v is None:
+            return "–"
+        if self.unit == "frac":
+            return pct(v)
+        if self.unit == "bytes":
+            return fmt_bytes(v)
+        if self.unit == "us":
+            return f"{v:.3g} µs"
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+    def delta(self) -> str:
+        if self.change is None:
+            return "new" if self.after else "gone"
+        if self.unit == "frac":
+            return f"{100 * self.change:+.1f} pp"
+        ratio = 1 + self.change
+        if ratio >= 10:  # +575300% reads worse than ×5754
+            return f"×{_factor(ratio)}"
+        if 0 < ratio <= 0.1:
+            return f"÷{_factor(1 / ratio)}"
+        return f"{100 * self.change:+.0f}%"
+
+
+@dataclass
+class Comparison:
+    before: Run
+    after: Run
+    threshold: float
+    verdict: str  # "regression" | "improvement" | "no significant change" | "inconclusive"
+    summary: str
+    step_change_ms: float | None
+    step_change_frac: float | None
+    median_change_frac: float | None
+    noise_ms: float | None
+    bound_changed: bool
+    measures: list[MeasureChange] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # why the runs may not be comparable
+
+    @property
+    def regression(self) -> bool:
+        return self.verdict == "regression"
+
+    @property
+    def comparable(self) -> bool:
+        return not self.notes
+
+    @property
+    def moved(self) -> list[MeasureChange]:
+        return [m for m in self.measures if m.material]
+
+    @property
+    def noise_frac(self) -> float | None:
+        if self.noise_ms is None or not self.before.step_mean_ms:
+            return None
+        return self.noise_ms / self.before.step_mean_ms
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data |= {
+            "regression": self.regression,
+            "comparable": self.comparable,
+            "noise_frac": self.noise_frac,
+        }
+        return data
+
+
+def compare_runs(
+    before: str, after: str, *, threshold: float = 0.05, opts: AnalysisOptions | None = None
+) -> Comparison:
+    """Analyse (or load) both runs and compare them."""
+    if threshold < 0:
+        raise TraceError(None, f"--threshold must be 0 or more (got {threshold})")
+    opts = opts or AnalysisOptions(quiet=True)
+    return compare_reports(
+        load_run(before, opts),
+        load_run(after, opts),
+        threshold=threshold,
+        labels=(str(before), str(after)),
+    )
+
+
+def load_run(source: str | Path, opts: AnalysisOptions) -> Report:
+    """A saved JSON report, or a trace input analysed now."""
+    if str(source).lower().endswith(".json"):
+        return Report.load(source)
+    from traceclf.analysis import analyze_inputs
+
+    return analyze_inputs([str(source)], opts)
+
+
+def compare_reports(
+    before: Report,
+    after: Report,
+    *,
+    threshold: float = 0.05,
+    labels: tuple[str, str] = ("before", "after"),
+) -> Comparison:
+    b, a = Run.of(labels[0], before), Run.of(labels[1], after)
+    change_ms, change_frac = _change(b.step_mean_ms, a.step_mean_ms)
+    _, median_frac = _change(b.step_median_ms, a.step_median_ms)
+    noise = _noise_ms(b, a)
+    verdict = _verdict(change_ms, change_frac, noise, threshold)
+    return Comparison(
+        before=b,
+        after=a,
+        threshold=threshold,
+        verdict=verdict,
+        summary=_summary(verdict, b, a, change_frac, noise, threshold),
+        step_change_ms=change_ms,
+        step_change_frac=change_frac,
+        median_change_frac=median_frac,
+        noise_ms=noise,
+        bound_changed=b.bound != a.bound,
+        measures=[_measure_change(m, before.metrics, after.metrics) for m in MEASURES],
+        notes=_comparability(b, a),
+    )
+
+
+def _change(before: float | None, after: float | None) -> tuple[float | None, float | None]:
+    if before is None or after is None:
+        return None, None
+    return after - before, (after - before) / before if before else None
+
+
+def _noise_ms(b: Run, a: Run) -> float | None:
+    se = [b.standard_error_ms, a.standard_error_ms]
+    if any(s is None for s in se):
+        return None
+    return 2 * math.hypot(*se)
+
+
+def _verdict(
+    change_ms: float | None, change_frac: float | None, noise: float | None, threshold: float
+) -> str:
+    if change_ms is None or change_frac is None:
+        return "inconclusive"
+    beyond_noise = abs(change_ms) > (noise or 0.0)
+    if beyond_noise and change_frac > threshold:
+        return "regression"
+    if beyond_noise and change_frac < -threshold:
+        return "improvement"
+    return "no significant change"
+
+
+def _summary(
+    verdict: str, b: Run, a: Run, change: float | None, noise: float | None, threshold: float
+) -> str:
+    if verdict == "inconclusive":
+        missing = " and ".join(r.source for r in (b, a) if r.step_mean_ms is None)
+        return f"Inconclusive: no step time for {missing} (no steps found), so nothing to gate on."
+    steps = f"step {fmt_ms(b.step_mean_ms)} → {fmt_ms(a.step_mean_ms)} ({_signed(change)})"
+    band = f"±{fmt_ms(noise)}" if noise is not None else "unknown (fewer than 2 steady steps)"
+    if verdict == "regression":
+        return f"Regression: {steps}, beyond the noise band ({band}) and the {threshold:.0%} threshold."
+    if verdict == "improvement":
+        return f"Improvement: {steps}, beyond the noise band ({band}) and the {threshold:.0%} threshold."
+    within_noise = (
+        noise is not None and change is not None and abs(change) * b.step_mean_ms <= noise
+    )
+    why = "within the noise band" if within_noise else f"within the {threshold:.0%} threshold"
+    return f"No significant change: {steps}, {why} ({band})."
+
+
+def _measure_change(m: Measure, before: dict, after: dict) -> MeasureChange:
+    b, a = before.get(m.key), after.get(m.key)
+    if not _number(b) or not _number(a):
+        return MeasureChange(m.key, m.label, m.unit, _float(b), _float(a), None, False)
+    if m.unit == "frac":
+        change = a - b
+        material = abs(change) >= MATERIAL_PP
+    else:
+        change = (a - b) / b if b else None
+        big = change is None or abs(change) >= MATERIAL_REL
+        material = a != b and big and abs(a - b) >= m.floor
+    return MeasureChange(m.key, m.label, m.unit, b, a, change, material)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _float(v) -> float | None:
+    return float(v) if _number(v) else None
+
+
+def _comparability(b: Run, a: Run) -> list[str]:
+    notes = []
+    if b.gpus != a.gpus:
+        notes.append(f"different GPUs: {', '.join(b.gpus) or '?'} vs {', '.join(a.gpus) or '?'}")
+    for run in (b, a):
+        if run.step_mean_ms is None:
+            notes.append(f"{run.source}: no steps found, so no step time")
+    if b.step_mean_ms is not None and a.step_mean_ms is not None and b.step_source != a.step_source:
+        notes.append(f"steps found differently: {b.step_source} vs {a.step_source}")
+    if b.ranks != a.ranks:
+        notes.append(f"different rank counts: {b.ranks} vs {a.ranks}")
+    return notes
+
+
+# Rendering -------------------------------------------------------------------------------------
+
+
+def render_comparison(result: Comparison, fmt: str, output: Path | None = None) -> None:
+    """Write the comparison as ``terminal`` (rich), ``md`` or ``json`` to ``output``
+    (atomically) or stdout."""
+    if fmt == "terminal":
+        text = _terminal(result, to_string=output is not None)
+        if text is None:
+            return
+    elif fmt == "md":
+        text = comparison_markdown(result)
+    elif fmt == "json":
+        text = json.dumps(result.to_dict(), indent=2) + "\n"
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        write_atomic(output, text)
+
+
+VERDICT_STYLE = {"regression": "bold red", "improvement": "bold green"}
+
+
+def _terminal(result: Comparison, to_string: bool) -> str | None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    buffer = io.StringIO() if to_string else None
+    console = Console(file=buffer, highlight=False, force_terminal=False if to_string else None)
+    if not console.is_terminal:
+        console.width = 120
+    b, a = result.before, result.after
+    console.print(Text(f"{Path(b.source).name} → {Path(a.source).name}", style="bold"))
+    console.print(Text(result.summary, style=VERDICT_STYLE.get(result.verdict, "bold")))
+    steps = Table(show_edge=False, title="Step time", title_justify="left")
+    for col in ("", "before", "after", "change"):
+        steps.add_column(col, justify="left" if not col else "right")
+    for row in _step_rows(result):
+        steps.add_row(*row)
+    console.print(steps)
+    console.print(_bound_line(result))
+    moved = Table(show_edge=False, title="Measures that moved", title_justify="left")
+    for col in ("measure", "before", "after", "change"):
+        moved.add_column(col, justify="left" if col == "measure" else "right")
+    for m in result.moved:
+        moved.add_row(m.label, m.value(m.before), m.value(m.after), m.delta())
+    console.print(moved if result.moved else Text("No measure moved materially."))
+    for note in result.notes:
+        console.print(Text(f"Not directly comparable: {note}", style="yellow"))
+    return buffer.getvalue() if buffer else None
+
+
+def comparison_markdown(result: Comparison) -> str:
+    b, a = result.before, result.after
+    lines = [
+        f"# traceclf compare: {result.verdict}",
+        "",
+        f"`{Path(b.source).name}` → `{Path(a.source).name}`",
+        "",
+        f"**{result.summary}**",
+        "",
+        "## Step time",
+        "",
+        "|  | before | after | change |",
+        "| --- | ---: | ---: | ---: |",
+        *(f"| {' | '.join(row)} |" for row in _step_rows(result)),
+        "",
+        _bound_line(result),
+        "",
+        "## Measures that moved",
+        "",
+    ]
+    if result.moved:
+        lines += ["| measure | before | after | change |", "| --- | ---: | ---: | ---: |"]
+        lines += [
+            f"| {m.label} | {m.value(m.before)} | {m.value(m.after)} | {m.delta()} |"
+            for m in result.moved
+        ]
+    else:
+        lines.append("No measure moved materially.")
+    if result.notes:
+        lines += ["", "## Not directly comparable", ""] + [f"- {n}" for n in result.notes]
+    lines += [
+        "",
+        "## Runs",
+        "",
+        *(
+            f"- **{side}:** `{r.source}` ({_run_line(r)})"
+            for side, r in (("before", b), ("after", a))
+        ),
+        "",
+        f"Noise band: 2 standard errors of the difference of mean step times "
+        f"(SE = CV · mean / √steps); threshold {result.threshold:.0%}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _step_rows(result: Comparison) -> list[tuple[str, str, str, str]]:
+    b, a = result.before, result.after
+    noise = f"±{fmt_ms(result.noise_ms)}" if result.noise_ms is not None else "–"
+    noise_frac = f" (±{result.noise_frac:.1%})" if result.noise_frac is not None else ""
+    return [
+        ("mean", fmt_ms(b.step_mean_ms), fmt_ms(a.step_mean_ms), _signed(result.step_change_frac)),
+        (
+            "median",
+            fmt_ms(b.step_median_ms),
+            fmt_ms(a.step_median_ms),
+            _signed(result.median_change_frac),
+        ),
+        ("spread (CV)", pct(b.step_cv), pct(a.step_cv), ""),
+        ("steady steps", str(b.steps_used), str(a.steps_used), ""),
+        ("noise band", "", "", noise + noise_frac),
+    ]
+
+
+def _bound_line(result: Comparison) -> str:
+    b, a = result.before, result.after
+    if result.bound_changed:
+        return f"Bound changed: {b.bound} → {a.bound} (confidence {_conf(b)} → {_conf(a)})."
+    return f"Bound unchanged: {a.bound} (confidence {_conf(b)} → {_conf(a)})."
+
+
+def _run_line(r: Run) -> str:
+    return (
+        f"{r.bound}-bound, {r.ranks} rank{'s' if r.ranks != 1 else ''}, "
+        f"{', '.join(r.gpus) or 'unknown GPU'}, steps from {r.step_source or 'none'}"
+    )
+
+
+def _conf(r: Run) -> str:
+    return f"{r.confidence:.2f}" if r.confidence is not None else "–"
+
+
+def _factor(ratio: float) -> str:
+    return f"{ratio:,.0f}" if ratio >= 100 else f"{ratio:.3g}"
+
+
+def _signed(v: float | None) -> str:
+    if v is None:
+        return "–"
+    return f"{v:+.0%}" if abs(v) >= 1 else f"{v:+.1%}"
