@@ -30,6 +30,7 @@ OUT = HERE / "out"
 DEFAULT_SOURCES = (
     ROOT / "fixtures" / "h100_host_launch_gpumetrics.sqlite",
     Path("/work/shared/traces/h100_host_launch_gpumetrics.sqlite"),
+    ROOT / "fixtures" / "h100_host_launch_gpumetrics_trimmed.sqlite",
 )
 UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 PER_RUN_TIMEOUT_S = 900

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from realtraces import trace_path
 
 from traceclf import cache
 from traceclf.cache import load_trace_cached
@@ -17,17 +18,7 @@ from traceclf.errors import TraceError
 from traceclf.load import load_trace
 from traceclf.model import Trace
 
-ROOT = Path(__file__).resolve().parent.parent
-TRACE_DIRS = (ROOT / "fixtures", ROOT / "fixtures" / "traces", Path("/work/shared/traces"))
 SMALL = "h100_comm_ep2.sqlite"
-
-
-def real_trace(name: str) -> Path:
-    """A real export from fixtures/, else from the shared trace folder."""
-    for folder in TRACE_DIRS:
-        if (folder / name).is_file():
-            return folder / name
-    pytest.skip(f"real trace {name} not found in {', '.join(map(str, TRACE_DIRS))}")
 
 
 @pytest.fixture
@@ -36,7 +27,7 @@ def export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("TRACECLF_CACHE_DIR", str(tmp_path / "global-cache"))
     folder = tmp_path / "run"
     folder.mkdir()
-    return Path(shutil.copy2(real_trace(SMALL), folder / SMALL))
+    return Path(shutil.copy2(trace_path(SMALL), folder / SMALL))
 
 
 def assert_same_trace(a: Trace, b: Trace, *, exact_order: bool = False) -> None:

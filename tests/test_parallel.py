@@ -7,6 +7,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+from realtraces import trace_path
 
 from traceclf import parallel
 from traceclf.errors import TraceError
@@ -15,17 +16,7 @@ from traceclf.model import Trace
 from traceclf.parallel import map_exports
 from traceclf.schema import inspect_export
 
-ROOT = Path(__file__).resolve().parent.parent
-TRACE_DIRS = (ROOT / "fixtures", ROOT / "fixtures" / "traces", Path("/work/shared/traces"))
 SMALL = ("h100_host_input_stall.sqlite", "h100_compute_low_occupancy.sqlite")
-
-
-def real_trace(name: str) -> Path:
-    """A real export from fixtures/, else from the shared trace folder."""
-    for folder in TRACE_DIRS:
-        if (folder / name).is_file():
-            return folder / name
-    pytest.skip(f"real trace {name} not found in {', '.join(map(str, TRACE_DIRS))}")
 
 
 def _round_trips(error: Exception) -> bool:
@@ -69,7 +60,7 @@ def test_local_pool_reraises_original_type() -> None:
 
 
 def test_local_pool_runs_real_loads_like_in_process() -> None:
-    paths = [real_trace(name) for name in SMALL]
+    paths = [trace_path(name) for name in SMALL]
     assert_same_traces(
         map_exports(load_trace, paths, jobs=2, quiet=True), [load_trace(p) for p in paths]
     )
@@ -83,7 +74,7 @@ def test_trace_error_pickles() -> None:
 
 @needs_picklable_trace_error
 def test_trace_error_from_local_worker(tmp_path: Path) -> None:
-    paths = [real_trace(SMALL[0]), tmp_path / "absent.sqlite"]
+    paths = [trace_path(SMALL[0]), tmp_path / "absent.sqlite"]
     with pytest.raises(TraceError, match="no such file"):
         map_exports(inspect_export, paths, jobs=2, quiet=True)
 
@@ -108,7 +99,7 @@ def dask_address():
 
 
 def test_dask_runs_real_loads_like_in_process(dask_address: str) -> None:
-    paths = [real_trace(name) for name in SMALL]
+    paths = [trace_path(name) for name in SMALL]
     assert_same_traces(
         map_exports(load_trace, paths, dask_address=dask_address, quiet=True),
         [load_trace(p) for p in paths],
