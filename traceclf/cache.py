@@ -92,8 +92,8 @@ def export_key(path: Path) -> str:
 
 @functools.cache
 def _code_fingerprint() -> str:
-    """Cache format, version and the source of the modules that shape the trace model."""
-    digest = hashlib.sha256(f"{CACHE_FORMAT}:{traceclf.__version__}".encode())
+    """Cache format, versions and the source of the modules that shape the trace model."""
+    digest = hashlib.sha256(f"{CACHE_FORMAT}:{traceclf.__version__}:{pl.__version__}".encode())
     for module in (load, model, schema):
         with contextlib.suppress(OSError, TypeError):  # no source shipped: version must do
             digest.update(Path(module.__file__).read_bytes())  # type: ignore[arg-type]
