@@ -8,7 +8,7 @@ optional ones that an export lacks become typed nulls.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -228,12 +228,15 @@ class Reader:
             [pl.col(c.name).cast(c.dtype, strict=False) for c in cols]
         )
 
-    def small_table(self, table: str) -> pl.DataFrame:
-        """A whole small metadata table (GPU info, processes), or an empty frame."""
-        if not self.info.has(table):
+    def small_table(self, table: str, columns: Iterable[str]) -> pl.DataFrame:
+        """Those of ``columns`` that a small metadata table (GPU info, processes) has, or an
+        empty frame. Only named columns: connectorx fails on an all-NULL column it cannot
+        type, and newer exports may add such columns anywhere."""
+        present = [c for c in dict.fromkeys(columns) if c in self.info.columns.get(table, ())]
+        if not present:
             return pl.DataFrame()
-        cols = ", ".join(f'"{c}"' for c in self.info.columns[table])
-        return self.sql(f"SELECT {cols} FROM {table}")
+        select = ", ".join(f'"{c}"' for c in present)
+        return self.sql(f"SELECT {select} FROM {table}")
 
 
 def empty_frame(cols: tuple[Col, ...]) -> pl.DataFrame:
@@ -440,7 +443,9 @@ def _read_gpu_metrics(reader: Reader, window: tuple[int, int] | None) -> pl.Data
     columns = reader.info.columns
     if any(not need <= set(columns.get(t, ())) for t, need in METRIC_TABLE_COLUMNS.items()):
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
-    names = reader.small_table("TARGET_INFO_GPU_METRICS")
+    names = reader.small_table(
+        "TARGET_INFO_GPU_METRICS", METRIC_TABLE_COLUMNS["TARGET_INFO_GPU_METRICS"]
+    )
     wanted = names.filter(pl.col("metricName").is_in(METRIC_NAMES))
     if wanted.is_empty():
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
@@ -492,7 +497,8 @@ GPU_SCHEMA = {
 
 def _gpus(reader: Reader) -> pl.DataFrame:
     table = next((t for t in GPU_TABLES if reader.info.has(t)), None)
-    raw = reader.small_table(table) if table else pl.DataFrame()
+    wanted = (src for sources in GPU_COLUMNS.values() for src in sources)
+    raw = reader.small_table(table, wanted) if table else pl.DataFrame()
     if raw.is_empty():
         return pl.DataFrame(schema=GPU_SCHEMA)
 
@@ -506,7 +512,7 @@ def _gpus(reader: Reader) -> pl.DataFrame:
 
 
 def _processes(reader: Reader) -> pl.DataFrame:
-    raw = reader.small_table("PROCESSES")
+    raw = reader.small_table("PROCESSES", ("globalPid", "name"))
     if raw.is_empty() or not {"globalPid", "name"} <= set(raw.columns):
         return pl.DataFrame(schema={"pid": pl.Int64, "process_name": pl.String})
     return raw.select(
@@ -516,7 +522,7 @@ def _processes(reader: Reader) -> pl.DataFrame:
 
 def _device_map(reader: Reader) -> pl.DataFrame:
     """(pid, CUDA device ordinal) -> physical GPU id, for ranks that each see their GPU as 0."""
-    raw = reader.small_table("TARGET_INFO_CUDA_DEVICE")
+    raw = reader.small_table("TARGET_INFO_CUDA_DEVICE", ("gpuId", "cudaId", "pid"))
     schema = {"pid": pl.Int64, "device_id": pl.Int64, "gpu_id": pl.Int64}
     if raw.is_empty() or not {"gpuId", "cudaId", "pid"} <= set(raw.columns):
         return pl.DataFrame(schema=schema)
