@@ -1,0 +1,188 @@
+"""Bad input of every kind ends in one clear line naming the file, exit code 2, and no change
+to anything on disk: through the Python API and through ``traceclf analyze``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import SMALL_TRACE, fixture_trace
+from helpers.cli import CliResult, run_cli, run_cli_process
+from helpers.fake_nsys import write_fake_nsys, write_fake_report
+from helpers.files import (
+    copy_export,
+    corrupt_middle,
+    drop_tables,
+    file_state,
+    folder_listing,
+    garbled_header_page,
+    plain_sqlite,
+    truncated,
+)
+
+from traceclf.errors import TraceError
+from traceclf.inputs import resolve_inputs
+from traceclf.load import load_trace
+from traceclf.schema import GPU_ACTIVITY_TABLES, inspect_export
+
+
+def real() -> Path:
+    return fixture_trace(SMALL_TRACE)
+
+
+def empty_folder(d: Path) -> Path:
+    (d / "traces").mkdir()
+    (d / "traces" / "notes.txt").write_text("profiles go here\n")
+    return d / "traces"
+
+
+def written(name: str, content: str | bytes) -> Callable[[Path], Path]:
+    def make(d: Path) -> Path:
+        path = d / name
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+        return path
+
+    return make
+
+
+def without_gpu_tables(d: Path) -> Path:
+    return drop_tables(copy_export(real(), d / "cpu_only.sqlite"), GPU_ACTIVITY_TABLES)
+
+
+def fake_report(d: Path) -> Path:
+    return write_fake_report(d / "run.nsys-rep", real())
+
+
+@dataclass(frozen=True)
+class Case:
+    make: Callable[[Path], Path]  # builds the input inside the folder it is given
+    problem: str  # what the one-line message must say
+    nsys: str | None = None  # behaviour of the stand-in nsys; None: no nsys anywhere
+
+
+CASES = {
+    "missing path": Case(lambda d: d / "absent.sqlite", "no such file"),
+    "folder without exports": Case(empty_folder, "no .sqlite or .nsys-rep"),
+    "empty file": Case(written("empty.sqlite", b""), "empty file"),
+    "text file": Case(written("notes.txt", "step 1 took 20 ms\n"), "neither an nsys report"),
+    "text named .sqlite": Case(written("run.sqlite", "not a database\n"), "not an SQLite"),
+    "truncated database": Case(lambda d: truncated(real(), d / "half.sqlite"), "truncated"),
+    "corrupt pages": Case(lambda d: corrupt_middle(real(), d / "bad.sqlite"), "corrupt"),
+    "garbled header page": Case(lambda d: garbled_header_page(real(), d / "hdr.sqlite"), "corrupt"),
+    "SQLite but not nsys": Case(lambda d: plain_sqlite(d / "recipes.db"), "not an Nsight Systems"),
+    "no GPU activity": Case(without_gpu_tables, "no GPU activity"),
+    "random .nsys-rep": Case(
+        written("random.nsys-rep", os.urandom(4096)), "cannot open report file", nsys="export"
+    ),
+    "nsys missing": Case(fake_report, "nsys export --type sqlite -o run.sqlite run.nsys-rep"),
+    "nsys export failing": Case(fake_report, "Importer error: the report file is damaged", "fail"),
+    "nsys writes nothing": Case(fake_report, "produced no SQLite file", nsys="nofile"),
+}
+# Cases a load of the file itself must reject, whatever checked it before.
+SQLITE_CASES = (
+    "empty file",
+    "text named .sqlite",
+    "truncated database",
+    "corrupt pages",
+    "garbled header page",
+    "SQLite but not nsys",
+    "no GPU activity",
+)
+
+
+@pytest.fixture
+def bad_input(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch) -> Path:
+    """The case's input in tmp_path/in, with the case's nsys (or none) installed."""
+    case: Case = CASES[request.param]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    monkeypatch.delenv("NSYS", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-nsys-here"))
+    monkeypatch.setenv("TRACECLF_CACHE_DIR", str(tmp_path / "cache"))
+    if case.nsys is not None:
+        nsys = write_fake_nsys(tmp_path / "nsys", tmp_path / "nsys.log", behaviour=case.nsys)
+        monkeypatch.setenv("NSYS", str(nsys))
+    return case.make(folder)
+
+
+def assert_one_clear_line(message: str, path: Path, problem: str) -> None:
+    assert len(message.splitlines()) == 1, message
+    assert path.name in message, message
+    assert problem in message, message
+    assert "Traceback" not in message
+
+
+def snapshot(path: Path) -> tuple:
+    folder = path.parent
+    state = file_state(path) if path.is_file() else None
+    return folder_listing(folder), state
+
+
+def analyze(path: Path) -> None:
+    """What `traceclf analyze PATH` does with its input before any analysis."""
+    for export in resolve_inputs([str(path)], quiet=True):
+        inspect_export(export)
+        load_trace(export)
+
+
+@pytest.mark.parametrize("bad_input", CASES, indirect=True)
+def test_api_raises_one_line_trace_error(bad_input: Path, request) -> None:
+    case = CASES[request.node.callspec.params["bad_input"]]
+    before = snapshot(bad_input)
+    with pytest.raises(TraceError) as err:
+        analyze(bad_input)
+    assert_one_clear_line(str(err.value), bad_input, case.problem)
+    assert snapshot(bad_input) == before
+
+
+@pytest.mark.parametrize("bad_input", SQLITE_CASES, indirect=True)
+def test_load_trace_alone_raises_trace_error(bad_input: Path) -> None:
+    """Also without inspect_export's page check: damage met while reading the tables."""
+    with pytest.raises(TraceError) as err:
+        load_trace(bad_input)
+    assert_one_clear_line(str(err.value), bad_input, "")
+
+
+def assert_cli_rejects(result: CliResult, path: Path, problem: str) -> None:
+    assert result.code == 2, result
+    assert result.stdout == ""
+    (line,) = result.stderr_lines
+    assert line.startswith("traceclf: error: "), line
+    assert_one_clear_line(line, path, problem)
+
+
+@pytest.mark.parametrize("bad_input", CASES, indirect=True)
+def test_cli_exits_2_with_one_line(bad_input: Path, request) -> None:
+    case = CASES[request.node.callspec.params["bad_input"]]
+    before = snapshot(bad_input)
+    assert_cli_rejects(run_cli("analyze", bad_input), bad_input, case.problem)
+    assert snapshot(bad_input) == before
+
+
+@pytest.mark.parametrize(
+    "bad_input", ["corrupt pages", "garbled header page", "random .nsys-rep"], indirect=True
+)
+def test_cli_process_prints_nothing_else(bad_input: Path, request) -> None:
+    """In a real process: no Rust panic text, no interpreter traceback on stderr."""
+    case = CASES[request.node.callspec.params["bad_input"]]
+    before = snapshot(bad_input)
+    assert_cli_rejects(run_cli_process("analyze", bad_input), bad_input, case.problem)
+    assert snapshot(bad_input) == before
+
+
+def test_one_bad_file_among_good_ones_is_named(tmp_path: Path) -> None:
+    good = copy_export(real(), tmp_path / "rank_0.sqlite")
+    bad = truncated(real(), tmp_path / "rank_1.sqlite")
+    result = run_cli("analyze", good, bad)
+    assert_cli_rejects(result, bad, "truncated")
+    assert good.name not in result.stderr
+
+
+def test_unexpanded_glob_without_matches(tmp_path: Path) -> None:
+    pattern = tmp_path / "rank_*.sqlite"
+    with pytest.raises(TraceError, match="no file matches"):
+        resolve_inputs([str(pattern)])
+    assert_cli_rejects(run_cli("analyze", pattern), pattern, "no file matches")
