@@ -173,7 +173,7 @@ def comm_overlap(series: Sequence[dict]) -> Figure:
     if not ranks:
         raise ValueError("no steps in this report: the overlap figure needs steady steps")
     parts = [_overlap_parts(s["step_breakdown"]) for s in ranks]
-    labels = [f"rank {s['rank']}" for s in ranks]
+    labels = [str(s["rank"]) for s in ranks]
     bars = (
         ("compute alone", WALL_COLORS["compute"], None),
         ("communication hidden under compute", "#8fd3da", "//"),
@@ -208,6 +208,7 @@ def comm_overlap(series: Sequence[dict]) -> Figure:
             fontsize=9,
         )
     ax.set_yticks(y, labels)
+    ax.set_ylabel("rank")
     ax.invert_yaxis()  # rank 0 on top, as in the step timeline
     ax.set_xlabel("time per step (ms, mean over steady steps)")
     ax.set_xlim(0, max(left) * 1.25 or 1)  # room for the note right of the longest bar

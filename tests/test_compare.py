@@ -1,0 +1,245 @@
+"""`traceclf compare`: verdicts on real before/after traces, the noise band, exit codes."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+import traceclf
+from traceclf.compare import compare_reports, comparison_markdown
+from traceclf.report import WALLS, Report
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE_DIRS = (REPO / "fixtures", Path("/work/shared/traces"))
+SLOW, FAST = "h100_host_launch_gpumetrics", "h100_host_cudagraph"  # the same model, unfixed/fixed
+
+
+def real_trace(name: str) -> Path:
+    """A real export: fixtures/ first (trimmed copy if that is what is there), then the
+    shared trace folder; skip when neither has it."""
+    for folder in TRACE_DIRS:
+        for candidate in (f"{name}.sqlite", f"{name}_trimmed.sqlite"):
+            if (folder / candidate).is_file():
+                return folder / candidate
+    pytest.skip(f"real trace {name} not found")
+
+
+def run_cli(*args: str | Path) -> tuple[int, str, str]:
+    """``traceclf ARGS`` in-process through the console entry point: (exit code, out, err)."""
+    from traceclf.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["traceclf", *map(str, args)]
+    with mock.patch.object(sys, "argv", argv), redirect_stdout(out), redirect_stderr(err):
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, Report]:
+    names = (SLOW, FAST, "h100_comm_ep2", "h100_comm_ep2_overlap")
+    return {n: traceclf.analyze(real_trace(n), use_cache=False) for n in names}
+
+
+@pytest.fixture(scope="module")
+def saved(reports: dict[str, Report], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The reports saved as `traceclf analyze --format json -o` would."""
+    folder = tmp_path_factory.mktemp("reports")
+    paths = {}
+    for name, report in reports.items():
+        paths[name] = folder / f"{name}.json"
+        paths[name].write_text(report.to_json(), encoding="utf-8")
+    return paths
+
+
+def synthetic(mean_ms: float, cv: float | None, used: int, **changes) -> Report:
+    """A minimal report with the given step statistics."""
+    data = {
+        "report_version": 1,
+        "gpus": [{"name": "NVIDIA H100 80GB HBM3"}],
+        "steps": {
+            "source": "nvtx",
+            "label": "step",
+            "count": used + 1,
+            "used": used,
+            "mean_ms": mean_ms,
+            "median_ms": mean_ms,
+            "cv": cv,
+        },
+        "ranks": [{"rank": 0, "pid": 1, "metrics": {}}],
+        "metrics": {"gpu_busy_frac": 0.9, "kernels_per_step": 100.0},
+        "classification": {"bound": "compute", "confidence": 0.8},
+    }
+    return Report.from_dict(data | changes)
+
+
+# Real traces, through the command line -------------------------------------------------------
+
+
+def test_fixing_the_host_wall_is_an_improvement(tmp_path: Path) -> None:
+    out = tmp_path / "cmp.json"
+    code, _, err = run_cli(
+        "compare", real_trace(SLOW), real_trace(FAST), "-f", "json", "-o", out, "--no-cache", "-q"
+    )
+    assert code == 0, err
+    result = json.loads(out.read_text(encoding="utf-8"))
+    assert result["verdict"] == "improvement" and result["regression"] is False
+    assert result["step_change_frac"] < -0.9  # ~200 ms -> ~4.5 ms per step
+    assert abs(result["step_change_ms"]) > result["noise_ms"] > 0
+    assert result["before"]["bound"] in WALLS and result["after"]["bound"] in WALLS
+    assert result["bound_changed"] == (result["before"]["bound"] != result["after"]["bound"])
+    moved = {m["key"] for m in result["measures"] if m["material"]}
+    assert {"gpu_busy_frac", "kernels_per_step", "sync_calls_per_step"} <= moved
+    assert result["comparable"] is True and result["notes"] == []
+
+
+def test_undoing_the_fix_is_a_regression() -> None:
+    code, out, err = run_cli("compare", real_trace(FAST), real_trace(SLOW), "--no-cache", "-q")
+    assert code == 1, err
+    assert "Regression: step" in out and "beyond the noise band" in out
+    assert "Measures that moved" in out
+
+
+def test_a_run_compared_with_itself_has_no_change(saved: dict[str, Path]) -> None:
+    code, out, err = run_cli("compare", saved["h100_comm_ep2"], saved["h100_comm_ep2"], "-f", "md")
+    assert code == 0, err
+    assert "# traceclf compare: no significant change" in out
+    assert "No measure moved materially." in out and "Bound unchanged" in out
+
+
+def test_saved_reports_and_traces_mix(saved: dict[str, Path]) -> None:
+    code, out, err = run_cli(
+        "compare", saved[FAST], real_trace(SLOW), "-f", "json", "--no-cache", "-q"
+    )
+    assert code == 1, err
+    assert json.loads(out)["verdict"] == "regression"
+
+
+def test_threshold_option_moves_the_gate(saved: dict[str, Path]) -> None:
+    # ~44x slower clears any sane threshold; a threshold of 100x does not
+    code, out, _ = run_cli("compare", saved[FAST], saved[SLOW], "--threshold", "100", "-f", "json")
+    assert code == 0
+    assert json.loads(out)["verdict"] == "no significant change"
+
+
+@pytest.mark.parametrize("fmt", ["terminal", "md", "json"])
+def test_output_file_is_written_whole(fmt: str, saved: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / f"cmp.{fmt}"
+    code, stdout, err = run_cli("compare", saved[SLOW], saved[FAST], "-f", fmt, "-o", out)
+    assert (code, stdout) == (0, ""), err
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    assert "mprovement" in out.read_text(encoding="utf-8")
+
+
+# Bad input -----------------------------------------------------------------------------------
+
+
+def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
+    not_report = tmp_path / "not_report.json"
+    not_report.write_text('{"hello": 1}', encoding="utf-8")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{", encoding="utf-8")
+    not_sqlite = tmp_path / "notes.sqlite"
+    not_sqlite.write_text("not a database", encoding="utf-8")
+    return {
+        "missing": tmp_path / "missing.sqlite",
+        "missing_json": tmp_path / "missing.json",
+        "not_report": not_report,
+        "broken": broken,
+        "not_sqlite": not_sqlite,
+    }
+
+
+@pytest.mark.parametrize("kind", ["missing", "missing_json", "not_report", "broken", "not_sqlite"])
+@pytest.mark.parametrize("side", ["before", "after"])
+def test_bad_input_exits_2_naming_the_file(
+    kind: str, side: str, saved: dict[str, Path], tmp_path: Path
+) -> None:
+    bad = _bad_inputs(tmp_path)[kind]
+    good = saved["h100_comm_ep2"]
+    pair = (bad, good) if side == "before" else (good, bad)
+    out = tmp_path / "cmp.md"
+    code, stdout, err = run_cli("compare", *pair, "-f", "md", "-o", out, "--no-cache", "-q")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and bad.name in err
+    assert "Traceback" not in err and stdout == ""
+    assert not out.exists()
+
+
+def test_negative_threshold_is_bad_input(saved: dict[str, Path]) -> None:
+    code, _, err = run_cli("compare", saved[FAST], saved[SLOW], "--threshold", "-0.1")
+    assert code == 2 and "threshold" in err
+
+
+# The comparison itself -----------------------------------------------------------------------
+
+
+def test_overlap_change_is_within_noise(reports: dict[str, Report]) -> None:
+    result = compare_reports(reports["h100_comm_ep2"], reports["h100_comm_ep2_overlap"])
+    assert result.verdict == "no significant change" and not result.regression
+    assert abs(result.step_change_frac) < 0.05
+
+
+def test_noise_band_is_two_standard_errors_of_the_difference() -> None:
+    before, after = synthetic(100.0, 0.06, 9), synthetic(104.0, 0.03, 16)
+    result = compare_reports(before, after)
+    se_b, se_a = 0.06 * 100 / math.sqrt(9), 0.03 * 104 / math.sqrt(16)
+    assert result.noise_ms == pytest.approx(2 * math.sqrt(se_b**2 + se_a**2))
+    assert result.noise_frac == pytest.approx(result.noise_ms / 100)
+    assert result.step_change_frac == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize(
+    ("after_ms", "cv", "verdict"),
+    [
+        (106.0, 0.001, "regression"),  # past the threshold and the (tiny) noise
+        (106.0, 0.20, "no significant change"),  # past the threshold, inside the noise
+        (103.0, 0.001, "no significant change"),  # real, but inside the 5% threshold
+        (94.0, 0.001, "improvement"),
+        (100.0, 0.0, "no significant change"),
+    ],
+)
+def test_verdict_needs_both_threshold_and_noise(after_ms: float, cv: float, verdict: str) -> None:
+    result = compare_reports(synthetic(100.0, cv, 10), synthetic(after_ms, cv, 10))
+    assert result.verdict == verdict
+    assert result.regression is (verdict == "regression")
+
+
+def test_runs_without_steps_compare_but_say_so() -> None:
+    no_steps = {"source": "none", "count": 0, "used": 0, "mean_ms": None, "cv": None}
+    result = compare_reports(synthetic(100.0, 0.01, 10), synthetic(100.0, None, 0, steps=no_steps))
+    assert result.verdict == "inconclusive" and not result.regression
+    assert not result.comparable and any("no steps" in n for n in result.notes)
+    assert "Not directly comparable" in comparison_markdown(result)
+
+
+def test_different_gpus_are_noted() -> None:
+    b200 = [{"name": "NVIDIA B200"}]
+    result = compare_reports(synthetic(100.0, 0.01, 10), synthetic(100.0, 0.01, 10, gpus=b200))
+    assert result.verdict == "no significant change"
+    assert result.notes == ["different GPUs: NVIDIA H100 80GB HBM3 vs NVIDIA B200"]
+
+
+def test_measures_compare_in_points_or_relative() -> None:
+    after_metrics = {"gpu_busy_frac": 0.85, "kernels_per_step": 130.0}
+    result = compare_reports(
+        synthetic(100.0, 0.01, 10), synthetic(100.0, 0.01, 10, metrics=after_metrics)
+    )
+    by_key = {m.key: m for m in result.measures}
+    busy, kernels = by_key["gpu_busy_frac"], by_key["kernels_per_step"]
+    assert busy.change == pytest.approx(-0.05) and busy.material
+    assert busy.describe() == "GPU busy 90% → 85% (-5.0 pp)"
+    assert kernels.change == pytest.approx(0.30) and kernels.material
+    assert kernels.describe() == "kernels/step 100 → 130 (+30%)"
+    assert [m.key for m in result.moved] == ["gpu_busy_frac", "kernels_per_step"]
