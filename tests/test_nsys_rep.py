@@ -120,14 +120,22 @@ def test_read_only_folder_exports_into_cache_dir(
     env: Path, report: Path, nsys: Path, log: Path
 ) -> None:
     cache_dir = env / "explicit-cache"
-    before = folder_listing(report.parent), file_state(report)
+    listing = folder_listing(report.parent)
     report.parent.chmod(0o555)  # no write bit: left alone even by root
     try:
         (export,) = resolve_inputs([str(report)], nsys=nsys, cache_dir=cache_dir)
         assert export.parent == cache_dir
         assert resolve_inputs([str(report)], nsys=nsys, cache_dir=cache_dir) == [export]
         assert len(invocations(log)) == 1
-        assert (folder_listing(report.parent), file_state(report)) == before
+        before = file_state(report)
+        assert folder_listing(report.parent) == listing
+
+        write_fake_report(report, fixture_trace(OTHER_TRACE))  # profiled again, same name
+        (newer,) = resolve_inputs([str(report)], nsys=nsys, cache_dir=cache_dir)
+        assert len(invocations(log)) == 2
+        assert kernels_of(newer) == kernels_of(fixture_trace(OTHER_TRACE))
+        assert list(cache_dir.iterdir()) == [newer]  # the old version's export is gone
+        assert file_state(report) != before and folder_listing(report.parent) == listing
     finally:
         report.parent.chmod(0o755)
 

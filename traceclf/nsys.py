@@ -1,12 +1,12 @@
 """Turn an ``.nsys-rep`` into the SQLite export the loader reads, running nsys at most once.
 
-The export goes where nsys users look for it, ``<stem>.sqlite`` beside the report, unless that
-name holds a file traceclf did not make for this very report (the user's own export, or one
-of an older report): then into ``.traceclf-cache/`` beside the report, and when the report's
-folder is read-only into the cache dir. Each export is stamped with the report's identity
-(size, mtime, first MiB) in SQLite's header, so an unchanged report is never exported twice
-and a changed one always is. nsys writes to a temporary name that is renamed into place, so
-two traceclf runs exporting the same report at once both end up with a whole file.
+The export goes where nsys users look for it, ``<stem>.sqlite`` beside the report, unless
+that name holds a file traceclf did not make (the user's own export): then into
+``.traceclf-cache/`` beside the report, and when the report's folder is read-only into the
+cache dir, under a name keyed by the report's path and identity (size, mtime, first MiB).
+Each export is also stamped with that identity in SQLite's header, so an unchanged report is
+never exported twice and a changed one always is. nsys writes to a temporary name that is
+renamed into place, so two traceclf runs exporting one report at once both get a whole file.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def export_report(
         f"Exporting {report.name} to SQLite with nsys (once; reused next time)…", quiet=quiet
     ):
         _export(executable, report, target, key)
+    _prune_older_versions(target, report)
     return target
 
 
@@ -129,7 +130,28 @@ def _read_stamp(path: Path) -> tuple[int, int] | None:
 
 
 def _cache_file(folder: Path, report: Path, key: str) -> Path:
-    return folder / f"{report.stem}-{key}.sqlite"
+    return folder / f"{_cache_prefix(report)}{_digest(key)}.sqlite"
+
+
+def _cache_prefix(report: Path) -> str:
+    """Start of the cache names of every version of the report at this path."""
+    return f"{report.stem}-{_digest(str(report.resolve()))}-"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _prune_older_versions(target: Path, report: Path) -> None:
+    """Delete cached exports of earlier versions of ``report`` beside ``target``: a report
+    re-profiled under the same name must not leave a multi-GB export behind each time."""
+    if target == beside_export(report):
+        return
+    prefix = _cache_prefix(report)
+    for old in target.parent.iterdir():
+        if old != target and old.name.startswith(prefix) and old.suffix == ".sqlite":
+            with contextlib.suppress(OSError):
+                old.unlink()
 
 
 def _target(report: Path, key: str, cache_dir: Path | None) -> Path:
