@@ -80,6 +80,9 @@ CASES = {
     "nsys missing": Case(fake_report, "nsys export --type sqlite -o run.sqlite run.nsys-rep"),
     "nsys export failing": Case(fake_report, "Importer error: the report file is damaged", "fail"),
     "nsys writes nothing": Case(fake_report, "produced no SQLite file", nsys="nofile"),
+    "nsys failing beside the user's export": Case(
+        lambda d: fake_report(plain_sqlite(d / "run.sqlite").parent), "Importer error", "fail"
+    ),
 }
 # Cases a load of the file itself must reject, whatever checked it before.
 SQLITE_CASES = (

@@ -172,6 +172,7 @@ def _writable(folder: Path) -> bool:
 
 def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
     """Run ``nsys export`` into a temporary file beside ``target``, stamp it, rename it."""
+    new_folder = not target.parent.exists()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -200,6 +201,9 @@ def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+        if new_folder and not target.exists():  # a failed export leaves nothing behind
+            with contextlib.suppress(OSError):
+                target.parent.rmdir()
 
 
 def _stamp_export(path: Path, key: str) -> None:
