@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from traceclf.render.text import pct
 
@@ -45,6 +46,7 @@ GPU_METRICS = (  # nsys metric name, label, colour, line style
     ("SM Issue [Throughput %]", "SM Issue", "#66bb6a", "--"),
     ("Tensor Active [Throughput %]", "Tensor Active", "#5e35b1", "-"),
 )
+MAX_STEP_TICKS = 30
 MAX_RANK_PANELS = 8  # beyond this a per-rank panel stack stops being readable
 WIDTH_IN = 9.0
 
@@ -70,7 +72,8 @@ def step_timeline(series: Sequence[dict]) -> Figure:
     ranks = [s for s in series if s.get("step_breakdown")][:MAX_RANK_PANELS]
     if not ranks:
         raise ValueError("no steps in this report: the step timeline needs steady steps")
-    fig = Figure(figsize=(WIDTH_IN, 1.3 + 1.9 * len(ranks)), layout="constrained")
+    panel_in = 1.9 if len(ranks) <= 4 else 1.4  # many ranks: keep the figure on a screen
+    fig = Figure(figsize=(WIDTH_IN, 1.3 + panel_in * len(ranks)), layout="constrained")
     axes = fig.subplots(len(ranks), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     for ax, rank in zip(axes, ranks, strict=True):
         rows = rank["step_breakdown"]
@@ -82,7 +85,10 @@ def step_timeline(series: Sequence[dict]) -> Figure:
             bottom = [b + v for b, v in zip(bottom, ms, strict=True)]
         ax.set_ylabel(f"rank {rank['rank']}\nstep time (ms)")
         ax.set_title(_step_summary(rows), loc="right", fontsize=9, color="#555555")
-        ax.set_xticks(x)
+        if len(x) <= MAX_STEP_TICKS:
+            ax.set_xticks(x)
+        else:  # one tick per step would overlap; integer ticks only
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         _light_grid(ax, "y")
     axes[-1].set_xlabel("steady-state step (index in the trace)")
     _title(fig, "Where each steady-state step goes", _more_ranks(series, len(ranks)))

@@ -337,9 +337,9 @@ def _cell(text: str) -> str:
 
 
 def _escape(text: str) -> str:
-    """Keep rule-written text literal: no accidental emphasis, links or HTML tags. Backticks
-    stay, since rules use them to mark config names."""
-    return re.sub(r"([\\*\[\]<>])", r"\\\1", text)
+    """Keep rule-written text literal: no accidental emphasis, links or HTML tags (only "<"
+    opens one, so ">=" stays readable). Backticks stay: rules use them for config names."""
+    return re.sub(r"([\\*\[\]<])", r"\\\1", text)
 
 
 def _code(text: str) -> str:
