@@ -106,7 +106,7 @@ def idle_gaps(series: Sequence[dict]) -> Figure:
     used = [i for i, n in enumerate(counts) if n] or [0]
     bins = list(range(used[0], used[-1] + 1))
     total_ns = sum(sum(v) for v in per_step.values())
-    unit, scale = ("µs", 1e3) if total_ns < 1e5 else ("ms", 1e6)  # 0.005 ms reads badly
+    unit, scale = _time_unit(total_ns)
 
     fig = Figure(figsize=(WIDTH_IN, 4.6), layout="constrained")
     ax = fig.add_subplot()
@@ -137,14 +137,15 @@ def idle_gaps(series: Sequence[dict]) -> Figure:
             )
     ax.set_xticks(range(len(bins)), [_bin_label(edges, i) for i in bins], rotation=30, ha="right")
     ax.set_xlabel("idle gap length")
-    ax.set_ylabel(f"idle time per step ({unit})")
+    per = "per step" if _has_steps(ranks) else "in the window (no steps found)"
+    ax.set_ylabel(f"idle time {per.split(' (')[0]} ({unit})")
     ax.set_ylim(0, max(bottom) * 1.15 or 1)  # room for the count labels above the bars
     _light_grid(ax, "y")
     step_ns = _mean_step_ns(ranks)
     share = f" ({pct(total_ns / step_ns)} of the step)" if step_ns else ""
     _title(
         fig,
-        f"GPU idle gaps by length and cause: {total_ns / scale:.3g} {unit} per step" + share,
+        f"GPU idle gaps by length and cause: {total_ns / scale:.3g} {unit} {per}" + share,
         "numbers above bars: gaps in the bin over the steady state"
         + (f", {len(ranks)} ranks (time is the mean per rank)" if len(ranks) > 1 else ""),
     )
@@ -308,6 +309,13 @@ def _light_grid(ax: Axes, axis: str) -> None:
 def _more_ranks(series: Sequence[dict], shown: int) -> str | None:
     total = sum(1 for s in series if s.get("step_breakdown"))
     return f"first {shown} of {total} ranks" if total > shown else None
+
+
+def _time_unit(ns: float) -> tuple[str, float]:
+    """The unit that keeps a total readable: not 0.005 ms, not 2.88e+03 ms."""
+    if ns < 1e5:
+        return "µs", 1e3
+    return ("ms", 1e6) if ns < 1e9 else ("s", 1e9)
 
 
 def _step_summary(rows: list[dict]) -> str:
