@@ -1,0 +1,447 @@
+"""Rules and fixes as data (traceclf.rules, rules/*.yaml): the expression language, rule-file
+validation, user overrides, hardware-aware and already-applied fixes, ordering, and the verdict
+on every real trace (../shared/traces/README.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from realtraces import SEARCH, measured
+
+from traceclf.errors import TraceError
+from traceclf.rules import (
+    CONTRACT_FIX_IDS,
+    Expr,
+    ExprError,
+    Template,
+    evaluate,
+    explain_fix,
+    list_rules,
+    load_rules,
+)
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "chip": "GH100", "sm_count": 132,
+        "memory_bytes": 85017493504}  # fmt: skip
+GB200 = {"name": "NVIDIA GB200", "chip": "GB100", "sm_count": 148, "memory_bytes": 199 * 2**30}
+B200 = {"name": "NVIDIA B200", "chip": "GB100", "sm_count": 148, "memory_bytes": 180 * 2**30}
+MYSTERY = {"name": "Acme Tensor Card 9000", "chip": "ACME1", "sm_count": 64, "memory_bytes": 2**36}
+
+
+def ids(verdict) -> list[str]:
+    return [f["id"] for f in verdict.fixes]
+
+
+# ---------------------------------------------------------------------------------------------
+# Expression language
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("1 + 2 * 3", 7),
+        ("(1 + 2) * 3", 9),
+        ("a / b", 0.0625),
+        ("a >= 0.1 and b < 5", True),
+        ("a > 1 or not (b == 4)", False),
+        ("0 < a < 1", True),
+        ('family in ["hopper", "blackwell"]', True),
+        ('"deepep" in libs', False),
+        ('"nccl" not in libs', False),
+        ("min(a, b) + max(a, b) - abs(-1)", 3.25),
+        ("-a", -0.25),
+    ],
+)
+def test_expressions_evaluate(source, expected):
+    env = {"a": 0.25, "b": 4, "family": "hopper", "libs": ["nccl"]}
+    assert Expr.parse(source).value(env) == expected
+
+
+def test_null_or_missing_measure_makes_the_condition_false_not_an_error():
+    env = {"x": None, "one": 1, "zero": 0}
+    for source in ("x > 0.5", "not (x > 0.5)", "x + 1 > 0", "missing >= 0", "min(x, 1) < 2",
+                   "one / zero > 0", "x and one", "x == x"):  # fmt: skip
+        assert Expr.parse(source).holds(env) is False, source
+    # Three-valued logic: a known operand can still decide.
+    assert Expr.parse("x > 1 or one > 0").holds(env) is True
+    assert Expr.parse("x > 1 and zero > 0").value(env) is False
+    assert Expr.parse("x > 1 and one > 0").value(env) is None
+    assert Expr.parse("one / zero").value(env) is None
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "__import__('os').system('true')",
+        "open('/etc/passwd')",
+        "().__class__.__bases__",
+        "x.real",
+        "x[0]",
+        "lambda: 1",
+        "a if b else c",
+        "x ** 2",
+        "[i for i in range(3)]",
+        "eval('1')",
+        "x := 1",
+        "None",
+        "f'{x}'",
+        "max(x, key=abs)",
+    ],
+)
+def test_unsafe_or_unsupported_code_is_rejected_at_parse_time(source):
+    with pytest.raises(ExprError):
+        Expr.parse(source)
+
+
+def test_arithmetic_is_numbers_only():
+    # No way to build huge strings or lists from a rule file.
+    assert Expr.parse('"a" * 1000000000').value({}) is None
+    assert Expr.parse("[1] * 1000000000").value({}) is None
+
+
+def test_templates_render_numbers_and_say_n_a_for_nulls():
+    t = Template.parse("{a:.0%} of {n} rank(s), {a / b:.1f}x, {missing:.0%}, {{literal}}")
+    assert t.names == {"a", "b", "n", "missing"}
+    assert t.render({"a": 0.5, "b": 0.25, "n": 2}) == "50% of 2 rank(s), 2.0x, n/a, {literal}"
+    for bad in ("{a:.0q}", "oops {", "{a.b}"):
+        with pytest.raises(ExprError):
+            Template.parse(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rule files
+
+
+def test_bundled_rules_define_the_contract_vocabulary_and_the_pitfalls():
+    rs = load_rules()
+    assert set(CONTRACT_FIX_IDS) <= set(rs.fixes)
+    assert all(f.title and f.why.source and f.config for f in rs.fixes.values())
+    assert 'moe_token_dispatcher_type = "flex"' in rs.fixes["deepep"].config
+    assert 'moe_token_dispatcher_type = "flex"' in rs.fixes["hybridep"].config
+    assert "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN" in rs.fixes["hybridep"].config
+    overlap = rs.fixes["ep-overlap"]
+    assert "overlap_moe_expert_parallel_comm = True" in overlap.config
+    assert "moe_shared_expert_overlap = False" in overlap.config
+    text = " ".join(overlap.preconditions + overlap.pitfalls)
+    assert "virtual_pipeline_model_parallel_size" in text and "full" in text
+    assert any("silently skipped" in p.lower() for p in rs.fixes["deepep"].pitfalls)
+    assert "reduce-overhead" in rs.fixes["cuda-graphs"].pytorch
+    assert "num_workers" in rs.fixes["input-pipeline"].pytorch
+    assert "fused=True" in rs.fixes["fused-optimizer"].pytorch
+
+
+def test_every_measured_key_is_a_known_name():
+    (_, m), *_ = measured("h100_comm_ep2.sqlite")
+    from traceclf.rules import known_names
+
+    assert set(m.metrics) <= known_names()
+
+
+def write_rules(folder: Path, text: str, name: str = "extra.yaml") -> Path:
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(text)
+    return folder
+
+
+def rule(when: str = "gpu_idle_frac > 0.5", fix: str = "cuda-graphs") -> str:
+    return f"""
+rules:
+  - id: my-rule
+    wall: host
+    when: {when}
+    score: 0.9
+    evidence: "idle {{gpu_idle_frac:.0%}}"
+    fixes: [{fix}]
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("rules: [oops", "not valid YAML at line"),
+        ("- just a list", "top level must be a mapping"),
+        ("rulez: []", "unknown top-level key 'rulez'"),
+        (rule(when="gpu_idel_frac > 0.5"),
+         "rule 'my-rule': 'when': unknown measure 'gpu_idel_frac' (did you mean 'gpu_idle_frac'?)"),
+        (rule(fix="cuda-graph"),
+         "rule 'my-rule': unknown fix id 'cuda-graph' (did you mean 'cuda-graphs'?)"),
+        (rule(when="__import__('os')"), "rule 'my-rule': 'when': call of '__import__'"),
+        (rule(when="gpu_idle_frac >"), "not a valid expression"),
+        (rule().replace("    wall: host\n", ""), "rule 'my-rule': missing 'wall'"),
+        (rule().replace("wall: host", "wall: disk"), "rule 'my-rule': wall 'disk' is not one of"),
+        (rule().replace("score: 0.9", "score: 0.9\n    weight: 2"), "unknown field 'weight'"),
+        ("rules:\n  - wall: host\n", "rule #1: missing 'id'"),
+        ("fixes:\n  - id: f\n    wall: host\n    title: t\n    why: w\n",
+         "fix 'f': missing 'config'"),
+        ("fixes:\n  - {id: f, wall: host, title: t, why: w, config: c, applied: yes sir}\n",
+         "fix 'f': 'applied' needs 'applied_when'"),
+        ("definitions:\n  busy: gpu_busy_fraction > 0.5\n", "definition 'busy': uses"),
+        ("definitions:\n  gpu_busy_frac: 1\n", "a measure or context name"),
+        ("gpu_families:\n  - {family: x, match: '('}\n", "gpu family 'x': 'match' is not a valid"),
+        ("scoring:\n  dominant: 2\n", "scoring: 'dominant' must be a number in [0, 1]"),
+        ("rules:\n  - {id: nope, enabled: false}\n", "rule 'nope': disabled, but no such rule"),
+    ],
+)  # fmt: skip
+def test_malformed_rule_files_raise_one_line_trace_errors(tmp_path, text, problem):
+    folder = write_rules(tmp_path / "rules", text)
+    with pytest.raises(TraceError) as err:
+        load_rules(folder)
+    message = str(err.value)
+    assert "\n" not in message
+    assert str(folder / "extra.yaml") in message
+    assert problem in message
+
+
+def test_missing_or_empty_rules_folder_is_an_error(tmp_path):
+    with pytest.raises(TraceError, match="rules folder not found"):
+        load_rules(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TraceError, match=r"no rule files \(\*\.yaml\)"):
+        load_rules(tmp_path / "empty")
+
+
+def test_user_rules_are_merged_over_the_bundled_ones(tmp_path):
+    folder = write_rules(
+        tmp_path / "mine",
+        """
+definitions:
+  very_idle: gpu_idle_frac >= 0.9
+rules:
+  - id: compute-busy            # same id: replaces the bundled rule
+    wall: compute
+    when: compute_frac >= 0.25
+    score: 0.05
+    evidence: "overridden"
+  - {id: host-launch-bound, enabled: false}   # turns a bundled rule off
+  - id: very-idle
+    wall: host
+    when: very_idle
+    score: gpu_idle_frac
+    evidence: "GPU idle {gpu_idle_frac:.0%}"
+    fixes: [nap]
+fixes:
+  - id: nap
+    wall: host
+    title: Take a nap
+    why: The GPU does.
+    config: "cfg.train.nap = True"
+""",
+    )
+    rs = load_rules(folder)
+    assert rs.rules["compute-busy"].score.source == "0.05"
+    assert not rs.rules["host-launch-bound"].enabled
+    assert "nap" in rs.fixes and "cuda-graphs" in rs.fixes
+    idle = {"metrics": {"gpu_idle_frac": 0.95, "gpu_busy_frac": 0.05, "idle_launch_frac": 0.9}}
+    verdict = evaluate(idle, folder)
+    assert verdict.classification["bound"] == "host"
+    assert "nap" in ids(verdict) and "cuda-graphs" not in ids(verdict)
+    assert "GPU idle 95%" in verdict.classification["evidence"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts on synthetic facts
+
+
+def comm_facts(gpu: dict | None, libraries=("nccl",), **extra) -> dict:
+    """An EP run whose all-to-all is half of the step and not overlapped."""
+    metrics = {
+        "gpu_busy_frac": 0.98, "gpu_idle_frac": 0.02, "compute_frac": 0.45, "comm_frac": 0.55,
+        "exposed_comm_frac": 0.5, "comm_overlap_frac": 0.09, "a2a_frac": 0.55,
+        "a2a_exposed_frac": 0.5, "gemm_time_frac": 0.3, "graph_frac": 0.0,
+    } | extra  # fmt: skip
+    return {
+        "metrics": metrics,
+        "gpu": gpu,
+        "rank_count": 8,
+        "comm_by_kind": {"all_to_all": {"frac": metrics["a2a_frac"], "libraries": list(libraries),
+                                        "exposed_frac": metrics["a2a_exposed_frac"]}},
+    }  # fmt: skip
+
+
+def test_dispatcher_follows_the_hardware():
+    h100 = evaluate(comm_facts(H100))
+    assert h100.classification["bound"] == "communication"
+    assert "deepep" in ids(h100) and "hybridep" not in ids(h100)
+    assert "deepep" in ids(evaluate(comm_facts(B200)))
+    gb200 = evaluate(comm_facts(GB200))
+    assert "hybridep" in ids(gb200) and "deepep" not in ids(gb200)
+    for gpu in (MYSTERY, None):
+        unknown = evaluate(comm_facts(gpu))
+        assert "deepep" not in ids(unknown) and "hybridep" not in ids(unknown)
+        assert {"ep-overlap", "ep-in-nvlink-domain"} <= set(ids(unknown))
+        assert any('"alltoall"' in e for e in unknown.classification["evidence"])
+
+
+def test_fixes_already_applied_are_reported_not_proposed():
+    # DeepEP kernels in the trace: no DeepEP proposal, SM tuning instead.
+    deepep = evaluate(comm_facts(H100, libraries=("deepep",)))
+    assert "deepep" not in ids(deepep)
+    assert "dispatcher-sm-tuning" in ids(deepep)
+    assert any("DeepEP" in a for a in deepep.applied)
+    # A third of the compute runs under all-to-all: EP overlap is in place.
+    overlapped = evaluate(comm_facts(H100, a2a_exposed_frac=0.4, exposed_comm_frac=0.4))
+    assert "ep-overlap" not in ids(overlapped)
+    assert any("overlap alone is not enough" in a for a in overlapped.applied)
+    # CUDA graphs replayed: never proposed, even on a launch-bound GPU.
+    graphs = {"metrics": {"gpu_idle_frac": 0.5, "idle_launch_frac": 0.5, "graph_frac": 0.8,
+                          "uses_cuda_graphs": True}}  # fmt: skip
+    verdict = evaluate(graphs)
+    assert "cuda-graphs" not in ids(verdict)
+    assert any("CUDA graphs in use" in a for a in verdict.applied)
+
+
+def test_fixes_follow_the_workflow_order_and_name_the_next_wall():
+    facts = comm_facts(
+        H100,
+        offload_copy_frac=0.3, exposed_copy_frac=0.25, h2d_bytes_per_step=1e9,
+        d2h_bytes_per_step=1e9, gpu_idle_frac=0.3, idle_launch_frac=0.3,
+        sync_calls_per_step=50, small_d2h_per_step=50,
+    )  # fmt: skip
+    verdict = evaluate(facts)
+    walls = [f["wall"] for f in verdict.fixes]
+    order = ["memory", "communication", "host", "compute"]
+    assert walls == sorted(walls, key=order.index)
+    assert walls[0] == "memory" and "host" in walls
+    assert verdict.classification["bound"] == "communication"
+    assert verdict.next_wall in {"memory", "host"}
+    # A prerequisite goes first: host syncs break CUDA-graph capture.
+    assert ids(verdict).index("remove-host-syncs") < ids(verdict).index("cuda-graphs")
+    assert all(f["rule_ids"] for f in verdict.fixes)
+    for wall in order:  # within a wall by rule score, prerequisites aside
+        scores = [f["score"] for f in verdict.fixes
+                  if f["wall"] == wall and f["id"] != "remove-host-syncs"]  # fmt: skip
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_healthy_run_is_balanced_with_low_confidence():
+    healthy = {
+        "metrics": {"gpu_busy_frac": 0.99, "gpu_idle_frac": 0.01, "compute_frac": 0.99,
+                    "gemm_time_frac": 0.3, "graph_frac": 0.0, "small_grid_kernel_frac": 0.05},
+        "gpu": H100,
+    }  # fmt: skip
+    verdict = evaluate(healthy)
+    c = verdict.classification
+    assert c["bound"] == "compute" and c["confidence"] < 0.5
+    assert c["evidence"][0] == "GPU busy 99%, no wall dominates"
+    assert verdict.fixes == [] and verdict.next_wall is None
+
+
+def test_no_facts_at_all_gives_the_default_bound():
+    verdict = evaluate({"metrics": {}})
+    assert verdict.classification["bound"] == "compute"
+    assert verdict.classification["confidence"] == 0
+    assert verdict.fixes == []
+
+
+def test_rules_and_explain_print(capsys):
+    list_rules()
+    out = capsys.readouterr().out
+    assert "comm-exposed-all-to-all" in out and "selective-recompute" in out
+    explain_fix("deepep")
+    out = capsys.readouterr().out
+    assert 'moe_token_dispatcher_type = "flex"' in out and "Pitfalls" in out
+    with pytest.raises(TraceError, match="unknown fix 'deep-ep'; valid fix ids: cuda-graphs"):
+        explain_fix("deep-ep")
+
+
+# ---------------------------------------------------------------------------------------------
+# The real traces
+
+
+def first_available(*names: str) -> str:
+    for name in names:
+        if any((folder / name).exists() for folder in SEARCH):
+            return name
+    pytest.skip(f"none of {names} available")
+
+
+def facts_of(name: str) -> dict:
+    """What the pipeline hands to evaluate: measures averaged over ranks."""
+    ranks = [m for _, m in measured(name)]
+    keys = dict.fromkeys(k for m in ranks for k in m.metrics)
+    metrics = {}
+    for k in keys:
+        values = [m.metrics[k] for m in ranks if m.metrics.get(k) is not None]
+        bools = values and all(isinstance(v, bool) for v in values)
+        metrics[k] = any(values) if bools else (sum(values) / len(values) if values else None)
+    kinds: dict[str, dict] = {}
+    for m in ranks:
+        for kind, row in m.comm_by_kind.items():
+            kinds.setdefault(kind, {"libraries": []})["libraries"] += row["libraries"]
+    return {
+        "metrics": metrics,
+        "ranks": [{"rank": i, "metrics": m.metrics} for i, m in enumerate(ranks)],
+        "gpu": H100,
+        "rank_count": len(ranks),
+        "comm_by_kind": kinds,
+        "cross_rank": {},
+    }
+
+
+# (trace names, fixtures first) -> bound, fixes a user needs, fixes that must not appear,
+# and what must be reported as already applied.
+REAL = {
+    "host_launch": (
+        ("h100_host_launch_gpumetrics_trimmed.sqlite", "h100_host_launch_gpumetrics.sqlite"),
+        "host", ["remove-host-syncs", "cuda-graphs", "grouped-gemm"], [], None),
+    "host_cudagraph": (
+        ("h100_host_cudagraph.sqlite",),
+        "compute", ["kernel-fusion"], ["cuda-graphs"], "CUDA graphs in use"),
+    "host_cudagraph_nodetrace": (
+        ("h100_host_cudagraph_nodetrace.sqlite",),
+        "compute", ["grouped-gemm", "kernel-fusion"], ["cuda-graphs"], "CUDA graphs in use"),
+    "host_input_stall": (
+        ("h100_host_input_stall.sqlite",),
+        "host", ["input-pipeline", "pinned-memory"], ["cuda-graphs"], None),
+    "compute_dense": (
+        ("h100_compute_dense_gpumetrics_trimmed.sqlite", "h100_compute_dense_gpumetrics.sqlite"),
+        "compute", ["fp8"], ["grouped-gemm", "cuda-graphs", "selective-recompute"], None),
+    "comm_ep2": (
+        ("h100_comm_ep2.sqlite",),
+        "communication", ["deepep", "ep-overlap", "ep-in-nvlink-domain"], ["hybridep"], None),
+    "comm_ep2_overlap": (
+        ("h100_comm_ep2_overlap.sqlite",),
+        "communication", ["deepep", "ep-in-nvlink-domain"], ["ep-overlap", "hybridep"],
+        "overlap alone is not enough"),
+    "memory_offload": (
+        ("h100_memory_offload.sqlite",),
+        "memory", ["selective-recompute", "fine-grained-offload", "keep-allocator-cache"], [],
+        None),
+    "compute_low_occupancy": (
+        ("h100_compute_low_occupancy.sqlite",),
+        "compute", ["grouped-gemm"], ["cuda-graphs"], "CUDA graphs in use"),
+    "comm_a2a_gpumetrics": (
+        ("h100_comm_a2a_gpumetrics.sqlite",),
+        "compute", [], ["deepep", "ep-overlap"], None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REAL)
+def test_real_trace_verdict(case):
+    names, bound, needed, absent, applied = REAL[case]
+    verdict = evaluate(facts_of(first_available(*names)))
+    got = ids(verdict)
+    assert verdict.classification["bound"] == bound, verdict.classification
+    assert set(needed) <= set(got), got
+    assert not set(absent) & set(got), got
+    if applied:
+        assert any(applied in a for a in verdict.applied), verdict.applied
+    assert verdict.classification["evidence"]
+
+
+def test_real_trace_fix_order_and_confidence():
+    def verdict(case):
+        return evaluate(facts_of(first_available(*REAL[case][0])))
+
+    memory = verdict("memory_offload")
+    assert ids(memory)[:2] == ["selective-recompute", "fine-grained-offload"]
+    assert memory.classification["confidence"] >= 0.5
+    comm = verdict("comm_ep2")
+    assert ids(comm)[0] == "deepep" and comm.classification["confidence"] >= 0.9
+    assert any("2 rank(s)" in e for e in comm.classification["evidence"])
+    host = verdict("host_launch")
+    assert ids(host).index("remove-host-syncs") < ids(host).index("cuda-graphs")
+    dense = verdict("compute_dense")  # healthy: nothing alarmist
+    assert dense.classification["confidence"] < 0.5
+    assert "no wall dominates" in dense.classification["evidence"][0]
+    assert [f["wall"] for f in dense.fixes] == ["compute"]
