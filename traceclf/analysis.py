@@ -59,8 +59,10 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
     exports = resolve_inputs(inputs, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
     for path in exports:  # reject bad files before any heavy work starts
         inspect_export(path)
+    # A spinner per worker process would garble stderr: progress only for in-process loads.
+    in_process = len(exports) == 1 or opts.jobs == 1
     results = map_exports(
-        partial(analyze_export, opts=opts),
+        partial(analyze_export, opts=opts, show_progress=in_process and not opts.dask_address),
         exports,
         jobs=opts.jobs,
         dask_address=opts.dask_address,
@@ -69,11 +71,16 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
     return build_report(results, opts)
 
 
-def analyze_export(path: Path, opts: AnalysisOptions) -> ExportResult:
+def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = False) -> ExportResult:
     """Map step: load one export and measure each rank (process with GPU work) in it."""
     from traceclf.cache import load_trace_cached
+    from traceclf.progress import LoadProgress
 
-    trace = load_trace_cached(Path(path), use_cache=opts.use_cache, cache_dir=opts.cache_dir)
+    path = Path(path)
+    with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
+        trace = load_trace_cached(
+            path, use_cache=opts.use_cache, cache_dir=opts.cache_dir, progress=progress
+        )
     names = dict(
         zip(
             trace.processes["pid"].to_list(), trace.processes["process_name"].to_list(), strict=True

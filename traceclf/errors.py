@@ -12,3 +12,6 @@ class TraceError(Exception):
         self.path = str(path) if path is not None else None
         self.problem = problem
         super().__init__(f"{self.path}: {problem}" if self.path else problem)
+
+    def __reduce__(self):  # survive the trip back from worker processes and Dask
+        return (type(self), (self.path, self.problem))
