@@ -161,7 +161,7 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
     for cause in ("launch", "sync", "input", "other"):
         m[f"idle_{cause}_frac"] = float(gaps.filter(pl.col("cause") == cause)["dur"].sum()) / wall
     m |= _kernel_measures(kern, graphs, graph_spans, state["busy"], gpu, n_steps)
-    if kern.is_empty() and not graphs.is_empty():
+    if graph_share_hidden(graphs, state["busy"]):
         # Graph-level tracing hides the kernels of the replays; the same kernels ran eagerly
         # before capture, so their shapes stand in for the kernel mix of the steady state.
         outside = kernels.classify(trace.kernels)
@@ -181,6 +181,12 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
         idle_gaps=_gap_histogram(gaps),
         gpu_metrics_series=_metric_series(trace.gpu_metrics, window),
     )
+
+
+def graph_share_hidden(graphs: pl.DataFrame, busy: int) -> bool:
+    """True when graph-level traced replays (kernels not in the kernel table) are most of the
+    GPU's busy time, so the window's kernel rows do not show what the GPU ran."""
+    return busy > 0 and intervals.total(graphs) > busy / 2
 
 
 def _state_times(tl: pl.DataFrame) -> dict[str, int]:
