@@ -19,7 +19,7 @@ import math
 import operator
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -438,6 +438,10 @@ def load_rules(rules_dir: Path | str | None = None) -> RuleSet:
     for files in docs:
         layer = _parse_layer(files, names)
         rules |= layer["rules"]
+        for rule_id, path in layer["disabled"].items():
+            if rule_id not in rules:
+                raise TraceError(path, f"rule {rule_id!r}: disabled, but no such rule")
+            rules[rule_id] = replace(rules[rule_id], enabled=False)
         fixes |= layer["fixes"]
         # A later folder's families are tried first, so a user can refine the bundled ones.
         taken = {f.family for f in layer["families"]}
@@ -485,9 +489,12 @@ def _parse_definitions(docs: list[list[tuple[Path, dict]]]) -> dict[str, Definit
 
 
 def _parse_layer(files: list[tuple[Path, dict]], names: frozenset[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"rules": {}, "fixes": {}, "families": [], "scoring": {}}
+    out: dict[str, Any] = {"rules": {}, "disabled": {}, "fixes": {}, "families": [], "scoring": {}}
     for path, doc in files:
         for i, raw in enumerate(_entries(doc, "rules", path)):
+            if _is_disable_stub(raw):  # `{id: x, enabled: false}` turns a bundled rule off
+                out["disabled"][raw["id"]] = path
+                continue
             _add_unique(out["rules"], _parse_rule(raw, path, i, names), path, "rule")
         for i, raw in enumerate(_entries(doc, "fixes", path)):
             _add_unique(out["fixes"], _parse_fix(raw, path, i, names), path, "fix")
@@ -499,6 +506,15 @@ def _parse_layer(files: list[tuple[Path, dict]], names: frozenset[str]) -> dict[
             raise TraceError(path, "scoring: must be a mapping of settings")
         out["scoring"] |= {k: (v, path) for k, v in scoring.items()}
     return out
+
+
+def _is_disable_stub(raw: Any) -> bool:
+    return (
+        isinstance(raw, dict)
+        and set(raw) == {"id", "enabled"}
+        and raw["enabled"] is False
+        and isinstance(raw["id"], str)
+    )
 
 
 def _read_yaml(path: Path) -> dict:
