@@ -383,7 +383,8 @@ def facts_of(name: str) -> dict:
 REAL = {
     "host_launch": (
         ("h100_host_launch_gpumetrics_trimmed.sqlite", "h100_host_launch_gpumetrics.sqlite"),
-        "host", ["remove-host-syncs", "cuda-graphs", "grouped-gemm"], [], None),
+        "host", ["remove-host-syncs", "cuda-graphs", "grouped-gemm", "fused-optimizer"], [],
+        None),
     "host_cudagraph": (
         ("h100_host_cudagraph.sqlite",),
         "compute", ["kernel-fusion"], ["cuda-graphs"], "CUDA graphs in use"),
@@ -445,3 +446,14 @@ def test_real_trace_fix_order_and_confidence():
     assert dense.classification["confidence"] < 0.5
     assert "no wall dominates" in dense.classification["evidence"][0]
     assert [f["wall"] for f in dense.fixes] == ["compute"]
+
+
+def test_real_trace_next_wall():
+    """Fixing one wall exposes the next: what is left of the step once the bound is gone."""
+    def next_wall(case):
+        return evaluate(facts_of(first_available(*REAL[case][0]))).next_wall
+
+    assert next_wall("comm_ep2") == "compute"  # 97% all-to-all; nearly all the rest is compute
+    assert next_wall("host_launch") == "compute"
+    assert next_wall("memory_offload") == "compute"
+    assert next_wall("compute_dense") is None  # compute is the last wall: retune

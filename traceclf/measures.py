@@ -60,6 +60,10 @@ MEASURES: dict[str, str] = {
     "because graph-level tracing hides the replays' kernels",
     "recompute_frac": "share of forward GEMM/attention kernels re-run in backward (needs "
     "forward/backward NVTX ranges; null otherwise)",
+    "optimizer_kernels_per_step": "kernels per step launched inside an optimizer NVTX range "
+    "(null without one): dozens mean a per-tensor, unfused optimizer",
+    "fp8_gemm_frac": "share of GEMM time in FP8 GEMM kernels (e4m3/e5m2/fp8/mxfp8 in the name)",
+    "small_grid_gemm_frac": "share of GEMM time in GEMMs whose grid has fewer blocks than SMs",
     "peak_memory_bytes": "peak device memory allocated (CUDA_GPU_MEMORY_USAGE_EVENTS)",
     "peak_memory_frac": "peak_memory_bytes over the GPU's capacity",
     "sm_active_mean": "mean 'SMs Active' GPU metric in the window (0-1)",
@@ -93,6 +97,8 @@ ALLOC_API = (
 )
 FORWARD_NVTX = r"(?i)^(forward|fwd)\b|[_ .:]forward$|\bforward pass"
 BACKWARD_NVTX = r"(?i)^(backward|bwd)\b|[_ .:]backward$|\bbackward pass"
+OPTIMIZER_NVTX = r"(?i)optimi[sz]er|optim\.|\.step$"
+FP8_GEMM = r"(?i)e4m3|e5m2|fp8|mxf8|nvfp4|f8f6f4"
 SMALL_D2H_BYTES = 1024
 INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
 SYNC_SLACK_NS = 20_000  # a sync returns this soon after the GPU drains
@@ -161,15 +167,18 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
     for cause in ("launch", "sync", "input", "other"):
         m[f"idle_{cause}_frac"] = float(gaps.filter(pl.col("cause") == cause)["dur"].sum()) / wall
     m |= _kernel_measures(kern, graphs, graph_spans, state["busy"], gpu, n_steps)
-    if graph_share_hidden(graphs, state["busy"]):
-        # Graph-level tracing hides the kernels of the replays; the same kernels ran eagerly
-        # before capture, so their shapes stand in for the kernel mix of the steady state.
-        outside = kernels.classify(trace.kernels)
-        shape = _kernel_measures(outside, graphs, graph_spans, state["busy"], gpu, n_steps)
+    # Graph-level tracing hides the kernels of the replays; the same kernels ran eagerly
+    # before capture, so their shapes stand in for the kernel mix of the steady state.
+    hidden = graph_share_hidden(graphs, state["busy"])
+    shape_kernels = kernels.classify(trace.kernels) if hidden else kern
+    if hidden:
+        shape = _kernel_measures(shape_kernels, graphs, graph_spans, state["busy"], gpu, n_steps)
         m |= {k: shape[k] for k in KERNEL_SHAPE_MEASURES}
-        m["kernel_stats_outside_window"] = True
-    m.setdefault("kernel_stats_outside_window", False)
+    m["kernel_stats_outside_window"] = hidden
+    m |= _gemm_measures(shape_kernels, gpu)
     m["recompute_frac"] = _recompute_frac(trace, kern)
+    optimizer = _optimizer_kernels(trace, kern)
+    m["optimizer_kernels_per_step"] = optimizer / n_steps if optimizer is not None else None
     m |= _memory_measures(trace, gpu)
     m |= _gpu_metric_means(trace.gpu_metrics, window)
 
@@ -410,6 +419,33 @@ def _kernel_measures(
     return out
 
 
+def _optimizer_kernels(trace: Trace, kern: pl.DataFrame) -> int | None:
+    """Kernels of the window launched inside an optimizer NVTX range: a per-tensor optimizer
+    step shows as many small elementwise kernels, which only the range identifies."""
+    ranges = trace.nvtx.filter(pl.col("text").str.contains(OPTIMIZER_NVTX)).with_columns(
+        opt=pl.lit(True)
+    )
+    if ranges.is_empty():
+        return None
+    return len(kern.join(trace.calls_in(ranges, "opt"), on="correlation_id"))
+
+
+def _gemm_measures(kern: pl.DataFrame, gpu: dict | None) -> dict[str, float | None]:
+    """FP8 share of GEMM time (FP8 already in use?) and small-grid share of GEMM time (many
+    tiny per-expert GEMMs that a grouped GEMM would batch)."""
+    gemm = kern.filter(pl.col("family") == "gemm").with_columns(dur=pl.col("end") - pl.col("start"))
+    total = int(gemm["dur"].sum())
+    sm_count = (gpu or {}).get("sm_count")
+    if not total:
+        return {"fp8_gemm_frac": None, "small_grid_gemm_frac": None}
+    fp8 = int(gemm.filter(pl.col("name").str.contains(FP8_GEMM))["dur"].sum())
+    small = int(gemm.filter(pl.col("grid_blocks") < sm_count)["dur"].sum()) if sm_count else None
+    return {
+        "fp8_gemm_frac": fp8 / total,
+        "small_grid_gemm_frac": small / total if small is not None else None,
+    }
+
+
 def _recompute_frac(trace: Trace, kern: pl.DataFrame) -> float | None:
     """Forward GEMM/attention kernels seen again in backward: a full-recompute signature.
     Without recompute, backward runs different GEMMs (dgrad/wgrad shapes and layouts)."""
@@ -424,16 +460,7 @@ def _recompute_frac(trace: Trace, kern: pl.DataFrame) -> float | None:
         or phases.filter(pl.col("phase") == "bwd").is_empty()
     ):
         return None
-    calls = trace.api.select("start", "correlation_id").sort("start")
-    tagged = (
-        calls.join_asof(
-            phases.select("start", "phase", pend="end").sort("start"),
-            on="start",
-            strategy="backward",
-        )
-        .filter(pl.col("start") <= pl.col("pend"))
-        .select("correlation_id", "phase")
-    )
+    tagged = trace.calls_in(phases, "phase")
     heavy = kern.filter(pl.col("family").is_in(["gemm", "attention"])).join(
         tagged, on="correlation_id"
     )

@@ -378,6 +378,10 @@ class Scoring:
     dominant: float  # below this no wall dominates: the run is reported as balanced
     default_bound: str
     balanced_evidence: Template
+    # Each wall's share of the step; when no later wall scores, the largest remaining share
+    # names the wall the run will hit once the bound is fixed.
+    time_share: dict[str, Expr]
+    next_wall_min_share: float
 
 
 @dataclass(frozen=True)
@@ -701,7 +705,15 @@ def _parse_family(raw: Any, path: Path, index: int) -> GpuFamily:
     return GpuFamily(e.text("family"), pattern, path)
 
 
-_SCORING_KEYS = ("workflow", "meaningful", "dominant", "default_bound", "balanced_evidence")
+_SCORING_KEYS = (
+    "workflow",
+    "meaningful",
+    "dominant",
+    "default_bound",
+    "balanced_evidence",
+    "time_share",
+    "next_wall_min_share",
+)
 
 
 def _parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Scoring:
@@ -717,7 +729,7 @@ def _parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> S
     if not isinstance(workflow, list) or sorted(workflow) != sorted(WALLS):
         raise TraceError(path, f"scoring: 'workflow' must list each of {', '.join(WALLS)} once")
     values = {}
-    for key in ("meaningful", "dominant"):
+    for key in ("meaningful", "dominant", "next_wall_min_share"):
         value, path = get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise TraceError(path, f"scoring: {key!r} must be a number in [0, 1]")
@@ -731,7 +743,24 @@ def _parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> S
         _check_names(balanced.names, names)
     except ExprError as e:
         raise TraceError(path, f"scoring: 'balanced_evidence': {e}") from None
-    return Scoring(tuple(workflow), values["meaningful"], values["dominant"], bound, balanced)
+    shares, path = get("time_share")
+    if not isinstance(shares, dict) or sorted(shares) != sorted(WALLS):
+        raise TraceError(path, f"scoring: 'time_share' must map each of {', '.join(WALLS)}")
+    try:
+        time_share = {w: Expr.parse(str(src)) for w, src in shares.items()}
+        for expr in time_share.values():
+            _check_names(expr.names, names)
+    except ExprError as e:
+        raise TraceError(path, f"scoring: 'time_share': {e}") from None
+    return Scoring(
+        tuple(workflow),
+        values["meaningful"],
+        values["dominant"],
+        bound,
+        balanced,
+        time_share,
+        values["next_wall_min_share"],
+    )
 
 
 def _check_references(rs: RuleSet) -> None:
@@ -783,7 +812,7 @@ def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
         classification=_classification(hits, scores, bound, confidence, shown, rs, env),
         fixes=_propose(hits, shown, rs, env),
         applied=[_applied_sentence(f, env) for f in _by_workflow(rs) if _is_applied(f, env)],
-        next_wall=_next_wall(scores, bound, rs.scoring),
+        next_wall=_next_wall(scores, bound, rs.scoring, env),
     )
 
 
@@ -870,12 +899,29 @@ def _bound(scores: dict[str, float], scoring: Scoring) -> tuple[str, float]:
     return ranked[0], min(max(top - 0.5 * second, 0.0), 1.0)
 
 
-def _next_wall(scores: dict[str, float], bound: str, scoring: Scoring) -> str | None:
+def _next_wall(
+    scores: dict[str, float], bound: str, scoring: Scoring, env: Mapping[str, Any]
+) -> str | None:
+    """The wall the run hits once the bound is fixed: the strongest other wall that scores;
+    else, before the last wall of the workflow, the wall with the largest share of what is
+    left of the step once the bound's share is gone."""
     others = sorted((w for w in WALLS if w != bound), key=lambda w: -scores[w])
     if others and scores[others[0]] >= scoring.meaningful:
         return others[0]
     after = scoring.workflow[scoring.workflow.index(bound) + 1 :]
-    return next((w for w in after if scores[w] > 0), None)
+    scored = next((w for w in after if scores[w] > 0), None)
+    if scored or not after:
+        return scored
+    shares = {w: scoring.time_share[w].value(env) for w in WALLS}
+    if not all(isinstance(v, (int, float)) for v in shares.values()):
+        return None
+    rest = 1 - shares[bound]
+    remaining = {
+        w: shares[w] / rest
+        for w in others
+        if rest > 0 and shares[w] / rest >= scoring.next_wall_min_share
+    }
+    return max(remaining, key=remaining.__getitem__) if remaining else None
 
 
 def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any]) -> list[dict]:
