@@ -129,6 +129,23 @@ class Trace:
         row = self.gpus.filter(pl.col("gpu_id") == gpu_id)
         return (row if len(row) else self.gpus).row(0, named=True)
 
+    def calls_in(self, ranges: pl.DataFrame, key: str) -> pl.DataFrame:
+        """(correlation_id, ``key``) of the CUDA calls made inside each CPU range of ``ranges``
+        (start, end, key) — how a CPU-side NVTX range is projected onto the GPU work it
+        launched. Any thread of the process counts: PyTorch launches backward kernels from its
+        autograd thread, not the thread that pushed the range. Ranges must not overlap."""
+        return (
+            self.api.select("start", "correlation_id")
+            .sort("start")
+            .join_asof(
+                ranges.select("start", key, range_end="end").sort("start"),
+                on="start",
+                strategy="backward",
+            )
+            .filter(pl.col("start") <= pl.col("range_end"))
+            .select("correlation_id", key)
+        )
+
     @property
     def span(self) -> tuple[int, int]:
         """First start and last end of any GPU work."""

@@ -99,13 +99,8 @@ def _nvtx_steps(trace: Trace, step_regex: str | None):
         .with_columns(index=pl.int_range(pl.len()).cast(pl.Int64))
     )
     label = _label(ranges["text"])
-    calls = trace.api.select("start", "correlation_id").sort("start")
-    owned = calls.join_asof(
-        ranges.select("start", range_end="end", index="index").sort("start"),
-        on="start",
-        strategy="backward",
-    ).filter(pl.col("start") <= pl.col("range_end"))
-    work = trace.gpu_work.join(owned.select("correlation_id", "index"), on="correlation_id")
+    owned = trace.calls_in(ranges, "index")
+    work = trace.gpu_work.join(owned, on="correlation_id")
     gpu = work.group_by("index").agg(gpu_start=pl.col("start").min(), gpu_end=pl.col("end").max())
     table = (
         ranges.select("index", name="text", cpu_start="start", cpu_end="end")
