@@ -19,22 +19,6 @@ from traceclf.schema import inspect_export
 SMALL = ("h100_host_input_stall.sqlite", "h100_compute_low_occupancy.sqlite")
 
 
-def _round_trips(error: Exception) -> bool:
-    try:
-        return str(pickle.loads(pickle.dumps(error))) == str(error)
-    except TypeError:
-        return False
-
-
-TRACE_ERROR_PICKLES = _round_trips(TraceError("/x.sqlite", "bad"))
-needs_picklable_trace_error = pytest.mark.xfail(
-    not TRACE_ERROR_PICKLES,
-    strict=True,
-    reason="TraceError cannot be unpickled: errors.py needs "
-    "`def __reduce__(self): return (type(self), (self.path, self.problem))`",
-)
-
-
 def assert_same_traces(a: list[Trace], b: list[Trace]) -> None:
     assert [t.path for t in a] == [t.path for t in b]
     for ta, tb in zip(a, b, strict=True):
@@ -66,13 +50,11 @@ def test_local_pool_runs_real_loads_like_in_process() -> None:
     )
 
 
-@needs_picklable_trace_error
 def test_trace_error_pickles() -> None:
     error = pickle.loads(pickle.dumps(TraceError("/x.sqlite", "bad")))
     assert (error.path, error.problem, str(error)) == ("/x.sqlite", "bad", "/x.sqlite: bad")
 
 
-@needs_picklable_trace_error
 def test_trace_error_from_local_worker(tmp_path: Path) -> None:
     paths = [trace_path(SMALL[0]), tmp_path / "absent.sqlite"]
     with pytest.raises(TraceError, match="no such file"):
