@@ -30,10 +30,7 @@ def export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return Path(shutil.copy2(trace_path(SMALL), folder / SMALL))
 
 
-def assert_same_trace(a: Trace, b: Trace, *, exact_order: bool = False) -> None:
-    """Equal metadata and frames; row order only with ``exact_order``, because two fresh loads
-    may order rows differently (load.py deduplicates some metadata frames without keeping order).
-    """
+def assert_same_trace(a: Trace, b: Trace) -> None:
     assert (a.path, a.nsys_version, a.schema_version, a.tables) == (
         b.path,
         b.nsys_version,
@@ -43,8 +40,6 @@ def assert_same_trace(a: Trace, b: Trace, *, exact_order: bool = False) -> None:
     for name in Trace.FRAMES:
         fa, fb = getattr(a, name), getattr(b, name)
         assert fa.schema == fb.schema, name
-        if not exact_order:
-            fa, fb = fa.sort(fa.columns, nulls_last=True), fb.sort(fb.columns, nulls_last=True)
         assert fa.equals(fb), name
 
 
@@ -70,7 +65,7 @@ def test_hit_equals_fresh_load_and_export_is_untouched(export: Path, monkeypatch
     forbid_sqlite(monkeypatch)
     second = load_trace_cached(export)
     assert_same_trace(fresh, first)
-    assert_same_trace(first, second, exact_order=True)
+    assert_same_trace(first, second)
     assert (export.read_bytes(), export.stat().st_mtime_ns) == before
 
 
@@ -108,7 +103,7 @@ def test_read_only_folder_uses_cache_dir(export: Path, tmp_path: Path, monkeypat
         assert not cache.beside_slot(export).exists()
         assert len(entries(cache.global_slot(export, cache_dir))) == 1
         forbid_sqlite(monkeypatch)
-        assert_same_trace(load_trace_cached(export, cache_dir=cache_dir), first, exact_order=True)
+        assert_same_trace(load_trace_cached(export, cache_dir=cache_dir), first)
     finally:
         export.parent.chmod(0o755)
 
