@@ -12,6 +12,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from traceclf.api import analyze, open  # noqa: A004  (mirrors builtins.open on purpose)
+from traceclf.api import analyze, open  # mirrors builtins.open on purpose
 
 __all__ = ["__version__", "analyze", "open"]

@@ -41,10 +41,10 @@ IDLE_CAUSES = (  # host causes in shades of the host wall's orange; unattributed
     ("input", "input (no CUDA calls)", "#f7d154"),
     ("other", "other / unattributed", WALL_COLORS["idle"]),
 )
-GPU_METRICS = (  # nsys metric name, label, colour, line style
-    ("SMs Active [Throughput %]", "SM Active", "#1b5e20", "-"),
-    ("SM Issue [Throughput %]", "SM Issue", "#66bb6a", "--"),
-    ("Tensor Active [Throughput %]", "Tensor Active", "#5e35b1", "-"),
+GPU_METRICS = (  # metric key (traceclf.load.METRIC_NAMES), label, colour, line style
+    ("sm_active", "SM Active", "#1b5e20", "-"),
+    ("sm_issue", "SM Issue", "#66bb6a", "--"),
+    ("tensor_active", "Tensor Active", "#5e35b1", "-"),
 )
 MAX_STEP_TICKS = 30
 MAX_RANK_PANELS = 8  # beyond this a per-rank panel stack stops being readable

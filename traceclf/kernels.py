@@ -58,7 +58,11 @@ NCCL_NVTX_KINDS: tuple[tuple[str, str], ...] = (
 def _first_match(col: str, table: tuple[tuple[str, str], ...], default: str | None) -> pl.Expr:
     expr = pl.lit(default, dtype=pl.String)
     for label, pattern in reversed(table):
-        expr = pl.when(pl.col(col).str.contains(pattern)).then(pl.lit(label)).otherwise(expr)
+        expr = (
+            pl.when(pl.col(col).cast(pl.String).str.contains(pattern))
+            .then(pl.lit(label))
+            .otherwise(expr)
+        )
     return expr
 
 

@@ -8,6 +8,8 @@ optional ones that an export lacks become typed nulls.
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,6 +166,19 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
     ),
 }
 
+# Tables with more rows than this are read in rowid ranges on several cores (2x on 2 cores).
+PARTITION_MIN_ROWS = 500_000
+
+
+def _read_parallelism() -> int:
+    """Cores for one read: CPUs this process may use (worker processes share them), at most 4."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
 # Tables with a [start, end) extent; the others (memory events) are instants.
 TIMED = {"kernels", "graphs", "memcpy", "memset", "api", "syncs", "nvtx", "overhead"}
 
@@ -185,7 +200,8 @@ class Reader:
         self.info = info
         self.uri = _uri(info.path)
 
-    def sql(self, query: str) -> pl.DataFrame:
+    def sql(self, query: str | list[str]) -> pl.DataFrame:
+        """Run a query (or several whose results are concatenated, read in parallel)."""
         try:
             return pl.from_arrow(cx.read_sql(self.uri, query, return_type="arrow"))  # type: ignore[return-value]
         except BaseException as e:  # connectorx surfaces SQLite corruption as Rust panics
@@ -220,13 +236,29 @@ class Reader:
             lo, hi = window
             end = '"end"' if "end" in present else "start"
             clauses.append(f"start < {int(hi)} AND {end} > {int(lo)}")
-        query = f"SELECT {', '.join(select)} FROM {table}"
-        if clauses:
-            query += " WHERE " + " AND ".join(f"({c})" for c in clauses)
-        df = self.sql(query)
+        df = self.sql(self.partitioned(f"SELECT {', '.join(select)} FROM {table}", table, clauses))
         return df.with_columns([pl.lit(None, dtype=c.dtype).alias(c.name) for c in missing]).select(
             [pl.col(c.name).cast(c.dtype, strict=False) for c in cols]
         )
+
+    def partitioned(self, select: str, table: str, clauses: list[str]) -> str | list[str]:
+        """``select`` with ``clauses``, split into rowid ranges that connectorx reads on
+        several cores when the table is big (SQLite finds max(rowid) without a scan)."""
+        parts = _read_parallelism()
+        if parts > 1:
+            last = self.sql(f"SELECT max(rowid) AS n FROM {table}")["n"][0] or 0
+            parts = parts if last >= PARTITION_MIN_ROWS else 1
+        if parts == 1:
+            return select + "".join(
+                f" {'WHERE' if i == 0 else 'AND'} ({c})" for i, c in enumerate(clauses)
+            )
+        bounds = [last * i // parts for i in range(parts + 1)]
+        return [
+            select
+            + " WHERE "
+            + " AND ".join([f"rowid > {lo} AND rowid <= {hi}", *(f"({c})" for c in clauses)])
+            for lo, hi in itertools.pairwise(bounds)
+        ]
 
     def small_table(self, table: str, columns: Iterable[str]) -> pl.DataFrame:
         """Those of ``columns`` that a small metadata table (GPU info, processes) has, or an
@@ -288,9 +320,10 @@ def load_trace(
     kernels = reader.read("kernels", window)
     kernels = _names(strings, "name_id", "name")(kernels)
     kernels = _names(strings, "short_id", "short_name")(kernels)
+    # Categorical: a few hundred distinct names over millions of rows (~4x less memory).
     kernels = kernels.with_columns(
-        name=pl.coalesce("name", "short_name", pl.lit("<unknown kernel>")),
-        short_name=pl.coalesce("short_name", "name"),
+        name=pl.coalesce("name", "short_name", pl.lit("<unknown kernel>")).cast(pl.Categorical),
+        short_name=pl.coalesce("short_name", "name").cast(pl.Categorical),
         grid_blocks=(
             pl.col("grid_x").fill_null(1)
             * pl.col("grid_y").fill_null(1)
@@ -337,7 +370,7 @@ def load_trace(
     step("CUDA API")
     api = reader.read("api", window)
     api = _names(strings, "name_id", "name")(api).with_columns(
-        name=pl.col("name").fill_null("<unknown api>"),
+        name=pl.col("name").fill_null("<unknown api>").cast(pl.Categorical),
         pid=decode_pid("global_tid"),
         tid=decode_tid("global_tid"),
     )
@@ -411,24 +444,23 @@ def _read_nvtx(
     )
 
 
-# GPU metrics worth keeping; others (clocks, graphics warps) are dropped in the SQL.
-METRIC_NAMES = (
-    "SMs Active [Throughput %]",
-    "SM Issue [Throughput %]",
-    "Tensor Active [Throughput %]",
-    "Compute Warps in Flight [Throughput %]",
-    "Unallocated Warps in Active SMs [Throughput %]",
-    "DRAM Read Bandwidth [Throughput %]",
-    "DRAM Write Bandwidth [Throughput %]",
-    "PCIe RX Throughput [Throughput %]",
-    "PCIe TX Throughput [Throughput %]",
-    "GR Active [Throughput %]",
-)
+# The GPU metrics the measures use, each under the names nsys gives it on different GPUs;
+# the others (clocks, graphics warps, PCIe) are not read: on a 1 GB export GPU_METRICS is most
+# of the rows.
+METRIC_NAMES: dict[str, tuple[str, ...]] = {
+    "sm_active": ("SMs Active [Throughput %]", "SM Active [Throughput %]"),
+    "sm_issue": ("SM Issue [Throughput %]", "SM Issue Active [Throughput %]"),
+    "tensor_active": (
+        "Tensor Active [Throughput %]",
+        "Tensor Active / FP16 Active [Throughput %]",
+        "Tensor Pipe Active [Throughput %]",
+    ),
+}
 GPU_METRICS_SCHEMA = {
     "timestamp": pl.Int64,
     "source": pl.Int64,
-    "metric": pl.String,
-    "value": pl.Float64,
+    "metric": pl.Categorical,
+    "value": pl.Float32,
 }
 
 
@@ -446,14 +478,19 @@ def _read_gpu_metrics(reader: Reader, window: tuple[int, int] | None) -> pl.Data
     names = reader.small_table(
         "TARGET_INFO_GPU_METRICS", METRIC_TABLE_COLUMNS["TARGET_INFO_GPU_METRICS"]
     )
-    wanted = names.filter(pl.col("metricName").is_in(METRIC_NAMES))
+    known = {name: key for key, names in METRIC_NAMES.items() for name in names}
+    wanted = names.filter(pl.col("metricName").is_in(list(known)))
     if wanted.is_empty():
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
     ids = ", ".join(str(i) for i in wanted["metricId"].unique().to_list())
-    where = f"metricId IN ({ids})"
+    clauses = [f"metricId IN ({ids})"]
     if window is not None:
-        where += f" AND timestamp BETWEEN {int(window[0])} AND {int(window[1])}"
-    raw = reader.sql(f"SELECT timestamp, typeId, metricId, value FROM GPU_METRICS WHERE {where}")
+        clauses.append(f"timestamp BETWEEN {int(window[0])} AND {int(window[1])}")
+    raw = reader.sql(
+        reader.partitioned(
+            "SELECT timestamp, typeId, metricId, value FROM GPU_METRICS", "GPU_METRICS", clauses
+        )
+    )
     if raw.is_empty():
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
     return (
@@ -463,8 +500,8 @@ def _read_gpu_metrics(reader: Reader, window: tuple[int, int] | None) -> pl.Data
         .select(
             pl.col("timestamp").cast(pl.Int64),
             source=pl.col("typeId").cast(pl.Int64),
-            metric=pl.col("metricName"),
-            value=pl.col("value").cast(pl.Float64),
+            metric=pl.col("metricName").replace_strict(known).cast(pl.Categorical),
+            value=pl.col("value").cast(pl.Float32),
         )
         .sort("timestamp")
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from traceclf import intervals, kernels
+from traceclf.load import METRIC_NAMES
 from traceclf.model import Trace
 from traceclf.steps import Steps
 
@@ -102,11 +103,7 @@ FP8_GEMM = r"(?i)e4m3|e5m2|fp8|mxf8|nvfp4|f8f6f4"
 SMALL_D2H_BYTES = 1024
 INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
 SYNC_SLACK_NS = 20_000  # a sync returns this soon after the GPU drains
-METRICS_OF_INTEREST = {
-    "sm_active_mean": "SMs Active [Throughput %]",
-    "sm_issue_mean": "SM Issue [Throughput %]",
-    "tensor_active_mean": "Tensor Active [Throughput %]",
-}
+METRICS_OF_INTEREST = {f"{key}_mean": key for key in METRIC_NAMES}
 
 
 @dataclass
@@ -294,9 +291,9 @@ def _classify_api(api: pl.DataFrame) -> pl.DataFrame:
         api.select("name")
         .unique()
         .with_columns(
-            is_sync=pl.col("name").str.contains(SYNC_API),
-            is_launch=pl.col("name").str.contains(LAUNCH_API),
-            is_alloc=pl.col("name").str.contains(ALLOC_API),
+            is_sync=pl.col("name").cast(pl.String).str.contains(SYNC_API),
+            is_launch=pl.col("name").cast(pl.String).str.contains(LAUNCH_API),
+            is_alloc=pl.col("name").cast(pl.String).str.contains(ALLOC_API),
         )
     )
     return api.join(names, on="name", how="left", maintain_order="left")
@@ -438,7 +435,7 @@ def _gemm_measures(kern: pl.DataFrame, gpu: dict | None) -> dict[str, float | No
     sm_count = (gpu or {}).get("sm_count")
     if not total:
         return {"fp8_gemm_frac": None, "small_grid_gemm_frac": None}
-    fp8 = int(gemm.filter(pl.col("name").str.contains(FP8_GEMM))["dur"].sum())
+    fp8 = int(gemm.filter(pl.col("name").cast(pl.String).str.contains(FP8_GEMM))["dur"].sum())
     small = int(gemm.filter(pl.col("grid_blocks") < sm_count)["dur"].sum()) if sm_count else None
     return {
         "fp8_gemm_frac": fp8 / total,

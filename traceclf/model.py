@@ -1,6 +1,8 @@
 """The typed trace model: one object holding every event frame of one export.
 
-All times are integer nanoseconds on the capture's session timeline. Every GPU-side frame has
+All times are integer nanoseconds on the capture's session timeline. Kernel and API names are
+polars Categoricals (millions of rows, a few hundred names): cast to ``pl.String`` before
+string operations, e.g. ``pl.col("name").cast(pl.String).str.contains("nccl")``. Every GPU-side frame has
 ``pid`` (decoded from ``globalPid``), so ranks that share one GPU stay apart.
 
 Frames and their columns
@@ -13,7 +15,8 @@ Frames and their columns
 - ``api``: CUDA runtime/driver calls: start, end, global_tid, pid, tid, correlation_id, name
 - ``syncs``: CUPTI synchronization records: start, end, pid, sync_type
 - ``nvtx``: ranges only: start, end, text, domain, pid, tid, global_tid
-- ``gpu_metrics``: timestamp, source, metric (nsys name), value
+- ``gpu_metrics``: timestamp, source, metric ("sm_active", "sm_issue", "tensor_active": the
+  nsys metric under whatever name this GPU gives it), value (%)
 - ``memory``: allocation events: start, pid, device_id, bytes, op (0 alloc, 1 free)
 - ``gpus``: one row per GPU of TARGET_INFO_GPU; ``processes``: pid, process_name
 """

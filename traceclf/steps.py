@@ -118,8 +118,7 @@ def _label(names: pl.Series) -> str:
 
 def _graph_steps(trace: Trace, _regex: str | None):
     launches = trace.api.filter(
-        pl.col("name").str.starts_with("cudaGraphLaunch")
-        | pl.col("name").str.starts_with("cuGraphLaunch")
+        pl.col("name").cast(pl.String).str.contains("^(cudaGraphLaunch|cuGraphLaunch)")
     )
     if len(launches) < 2:
         return None
