@@ -182,3 +182,28 @@ def test_damaged_entry_is_rebuilt(export: Path, damage) -> None:
 def test_missing_export_is_a_trace_error(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="no such file"):
         load_trace_cached(tmp_path / "absent.sqlite")
+
+
+def test_reanalysis_of_an_unchanged_export_reads_only_the_result(export: Path, monkeypatch):
+    from traceclf.analysis import AnalysisOptions, analyze_export
+
+    opts = AnalysisOptions(quiet=True)
+    first = analyze_export(export, opts)
+    forbid_sqlite(monkeypatch)
+    monkeypatch.setattr(cache, "read_entry", lambda *_a: pytest.fail("trace model was read"))
+    again = analyze_export(export, opts)
+    assert again.to_dict() == first.to_dict()
+    assert any(n.startswith(cache.RESULTS_PREFIX) for n in entries(cache.beside_slot(export)))
+
+
+def test_result_cache_follows_options_and_can_be_bypassed(export: Path, monkeypatch):
+    from traceclf import analysis
+    from traceclf.analysis import AnalysisOptions, analyze_export
+
+    analyze_export(export, AnalysisOptions(quiet=True))
+    measured = []
+    real = analysis._measure_export
+    monkeypatch.setattr(analysis, "_measure_export", lambda *a: measured.append(1) or real(*a))
+    analyze_export(export, AnalysisOptions(quiet=True, step_regex=r"^moe_dispatch$"))
+    analyze_export(export, AnalysisOptions(quiet=True, use_cache=False))
+    assert len(measured) == 2  # another step regex and --no-cache both recompute

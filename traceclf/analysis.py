@@ -7,9 +7,11 @@ returns only small, picklable results, so it can run in worker processes or on D
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import statistics
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from traceclf import __version__
@@ -49,6 +51,24 @@ class ExportResult:
     schema_version: str | None
     ranks: list[RankResult] = field(default_factory=list)
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def named(self, path: Path) -> ExportResult:
+        """The same result under the path the user gave this time (a cache hit may have been
+        written under another spelling of it)."""
+        self.path = str(path)
+        for rank in self.ranks:
+            rank.path = str(path)
+        return self
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ExportResult:
+        ranks = [
+            RankResult(**(r | {"measures": RankMeasures(**r["measures"])})) for r in data["ranks"]
+        ]
+        return cls(data["path"], data["nsys_version"], data["schema_version"], ranks)
+
 
 def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
     """Analyse every export named by ``inputs`` (files, folders, .nsys-rep) into one report."""
@@ -62,7 +82,9 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
     # A spinner per worker process would garble stderr: progress only for in-process loads.
     in_process = len(exports) == 1 or opts.jobs == 1
     results = map_exports(
-        partial(analyze_export, opts=opts, show_progress=in_process and not opts.dask_address),
+        functools.partial(
+            analyze_export, opts=opts, show_progress=in_process and not opts.dask_address
+        ),
         exports,
         jobs=opts.jobs,
         dask_address=opts.dask_address,
@@ -72,11 +94,30 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
 
 
 def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = False) -> ExportResult:
-    """Map step: load one export and measure each rank (process with GPU work) in it."""
+    """Map step: load one export and measure each rank (process with GPU work) in it.
+
+    The result is cached beside the trace model (keyed by the export's identity, the step
+    regex and the analysis code), so re-analysing an unchanged export reads one small file.
+    """
+    from traceclf import cache
+
+    path = Path(path)
+    variant = _result_variant(opts)
+    if opts.use_cache:
+        hit = cache.read_result(path, variant, opts.cache_dir)
+        if hit is not None:
+            with contextlib.suppress(KeyError, TypeError):  # an older layout: recompute
+                return ExportResult.from_dict(hit).named(path)
+    result = _measure_export(path, opts, show_progress)
+    if opts.use_cache:
+        cache.write_result(path, variant, result.to_dict(), opts.cache_dir)
+    return result
+
+
+def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
     from traceclf.cache import load_trace_cached
     from traceclf.progress import LoadProgress
 
-    path = Path(path)
     with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
         trace = load_trace_cached(
             path, use_cache=opts.use_cache, cache_dir=opts.cache_dir, progress=progress
@@ -102,6 +143,26 @@ def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = Fals
             )
         )
     return result
+
+
+ANALYSIS_MODULES = ("analysis", "steps", "measures", "kernels", "intervals", "model", "load")
+
+
+@functools.cache
+def _analysis_fingerprint() -> str:
+    """Version plus the source of every module that shapes a result, so an edit invalidates."""
+    digest = hashlib.sha256(__version__.encode())
+    for name in ANALYSIS_MODULES:
+        source = Path(__file__).with_name(f"{name}.py")
+        with contextlib.suppress(OSError):
+            digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
+def _result_variant(opts: AnalysisOptions) -> str:
+    return hashlib.sha256(
+        f"{_analysis_fingerprint()}:{opts.step_regex or ''}".encode()
+    ).hexdigest()[:24]
 
 
 def _steps_summary(steps) -> dict:

@@ -26,6 +26,7 @@ import polars as pl
 
 import traceclf
 from traceclf import load, model, schema
+from traceclf.atomic import write_atomic
 from traceclf.load import load_trace
 from traceclf.model import Trace
 from traceclf.schema import check_sqlite_file
@@ -75,6 +76,38 @@ def load_trace_cached(
         if _writable(slot) and write_entry(trace, slot, key):
             break
     return trace
+
+
+RESULTS_PREFIX = "results-"
+
+
+def read_result(path: Path, variant: str, cache_dir: Path | None = None) -> dict | None:
+    """A cached analysis result of the export (JSON), for ``variant`` (options and analysis
+    code); None when absent or unreadable. Re-analysing an unchanged export then skips the
+    trace model altogether."""
+    key = export_key(path)
+    for slot in (beside_slot(path), global_slot(path, cache_dir)):
+        file = slot / f"{RESULTS_PREFIX}{key}" / f"{variant}.json"
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(file.read_text(encoding="utf-8"))
+    return None
+
+
+def write_result(path: Path, variant: str, result: dict, cache_dir: Path | None = None) -> None:
+    """Store an analysis result next to the trace-model entry, atomically; failures are
+    ignored (a cache must never fail an analysis)."""
+    key = export_key(path)
+    for slot in (beside_slot(path), global_slot(path, cache_dir)):
+        if not _writable(slot):
+            continue
+        folder = slot / f"{RESULTS_PREFIX}{key}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_atomic(folder / f"{variant}.json", json.dumps(result))
+        except OSError:
+            continue
+        _prune(slot, keep=key)
+        return
 
 
 def export_key(path: Path) -> str:
@@ -190,7 +223,7 @@ def _prune(slot: Path, keep: str) -> None:
     """Remove entries of older versions of the export and leftovers of crashed writers."""
     now = time.time()
     for child in slot.iterdir():
-        if child.name == keep:
+        if child.name in (keep, f"{RESULTS_PREFIX}{keep}"):
             continue
         with contextlib.suppress(OSError):
             if child.name.startswith(TMP_PREFIX) and now - child.stat().st_mtime < STALE_TMP_S:
