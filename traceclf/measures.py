@@ -126,7 +126,9 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
     graphs = intervals.clip(trace.graphs, window)
     graph_spans = intervals.clip(trace.graph_executions, window)
     copies = intervals.clip(trace.copies, window)
-    api = _classify_api(intervals.clip(trace.api, window))
+    api = _classify_api(
+        intervals.clip(trace.api.select("start", "end", "name", "correlation_id"), window)
+    )
 
     compute = pl.concat(
         [kern.filter(~pl.col("is_comm")).select("start", "end"), graph_spans.select("start", "end")]
@@ -326,7 +328,7 @@ def _idle_gaps(tl: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     schema = {"start": pl.Int64, "end": pl.Int64, "dur": pl.Int64, "cause": pl.String}
     if gaps.is_empty():
         return pl.DataFrame(schema=schema)
-    calls = calls.sort("start")
+    calls = calls.select("start", "end", "is_sync").sort("start")
     anchors = gaps.select("gap", gstart="start", gend="end").sort("gstart")
     # Host coverage: CUDA calls that start inside a gap, clipped to it.
     inside = (

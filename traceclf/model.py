@@ -105,6 +105,8 @@ class Trace:
 
     def for_pid(self, pid: int) -> Trace:
         """The same trace restricted to one process (one rank)."""
+        if self.rank_pids == [pid]:  # the usual one-rank-per-file case: no copy of every frame
+            return self
 
         def keep(df: pl.DataFrame) -> pl.DataFrame:
             return df.filter(pl.col("pid") == pid) if "pid" in df.columns else df
