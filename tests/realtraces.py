@@ -12,10 +12,14 @@ SEARCH = (REPO / "fixtures", REPO.parent / "shared" / "traces")
 
 
 def trace_path(name: str) -> Path:
-    """Path of a real trace by file name; skips the test when it is nowhere to be found."""
+    """Path of a real trace by name (``h100_comm_ep2`` or ``h100_comm_ep2.sqlite``): fixtures/
+    first, its trimmed copy there if that is what was kept, then the shared folder; skips the
+    test when it is nowhere to be found."""
+    stem = name.removesuffix(".sqlite")
     for folder in SEARCH:
-        if (folder / name).exists():
-            return folder / name
+        for candidate in (f"{stem}.sqlite", f"{stem}_trimmed.sqlite"):
+            if (folder / candidate).is_file():
+                return folder / candidate
     pytest.skip(f"real trace {name} not available")
 
 

@@ -2,54 +2,25 @@
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import sys
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
-from unittest import mock
 
 import pytest
+from helpers.cli import run_cli
+from realtraces import trace_path
 
 import traceclf
 from traceclf.compare import compare_reports, comparison_markdown
 from traceclf.report import WALLS, Report
 
-REPO = Path(__file__).resolve().parents[1]
-TRACE_DIRS = (REPO / "fixtures", Path("/work/shared/traces"))
 SLOW, FAST = "h100_host_launch_gpumetrics", "h100_host_cudagraph"  # the same model, unfixed/fixed
-
-
-def real_trace(name: str) -> Path:
-    """A real export: fixtures/ first (trimmed copy if that is what is there), then the
-    shared trace folder; skip when neither has it."""
-    for folder in TRACE_DIRS:
-        for candidate in (f"{name}.sqlite", f"{name}_trimmed.sqlite"):
-            if (folder / candidate).is_file():
-                return folder / candidate
-    pytest.skip(f"real trace {name} not found")
-
-
-def run_cli(*args: str | Path) -> tuple[int, str, str]:
-    """``traceclf ARGS`` in-process through the console entry point: (exit code, out, err)."""
-    from traceclf.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    argv = ["traceclf", *map(str, args)]
-    with mock.patch.object(sys, "argv", argv), redirect_stdout(out), redirect_stderr(err):
-        try:
-            main()
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict[str, Report]:
     names = (SLOW, FAST, "h100_comm_ep2", "h100_comm_ep2_overlap")
-    return {n: traceclf.analyze(real_trace(n), use_cache=False) for n in names}
+    return {n: traceclf.analyze(trace_path(n), use_cache=False) for n in names}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +61,7 @@ def synthetic(mean_ms: float, cv: float | None, used: int, **changes) -> Report:
 def test_fixing_the_host_wall_is_an_improvement(tmp_path: Path) -> None:
     out = tmp_path / "cmp.json"
     code, _, err = run_cli(
-        "compare", real_trace(SLOW), real_trace(FAST), "-f", "json", "-o", out, "--no-cache", "-q"
+        "compare", trace_path(SLOW), trace_path(FAST), "-f", "json", "-o", out, "--no-cache", "-q"
     )
     assert code == 0, err
     result = json.loads(out.read_text(encoding="utf-8"))
@@ -105,7 +76,7 @@ def test_fixing_the_host_wall_is_an_improvement(tmp_path: Path) -> None:
 
 
 def test_undoing_the_fix_is_a_regression() -> None:
-    code, out, err = run_cli("compare", real_trace(FAST), real_trace(SLOW), "--no-cache", "-q")
+    code, out, err = run_cli("compare", trace_path(FAST), trace_path(SLOW), "--no-cache", "-q")
     assert code == 1, err
     assert "Regression: step" in out and "beyond the noise band" in out
     assert "Measures that moved" in out
@@ -120,7 +91,7 @@ def test_a_run_compared_with_itself_has_no_change(saved: dict[str, Path]) -> Non
 
 def test_saved_reports_and_traces_mix(saved: dict[str, Path]) -> None:
     code, out, err = run_cli(
-        "compare", saved[FAST], real_trace(SLOW), "-f", "json", "--no-cache", "-q"
+        "compare", saved[FAST], trace_path(SLOW), "-f", "json", "--no-cache", "-q"
     )
     assert code == 1, err
     assert json.loads(out)["verdict"] == "regression"

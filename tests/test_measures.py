@@ -12,12 +12,11 @@ def metrics(name: str) -> list[dict]:
 
 
 def test_host_launch_bound_run():
-    (m,) = metrics("h100_host_launch_gpumetrics.sqlite")
-    ((steps, _),) = measured("h100_host_launch_gpumetrics.sqlite")
+    (m,) = metrics("h100_host_launch_gpumetrics.sqlite")  # the trimmed copy keeps 6 steps
     assert 0.09 <= m["gpu_busy_frac"] <= 0.14
-    assert 50_000 <= m["kernels_per_step"] * steps.used <= 66_000
+    assert 5_000 <= m["kernels_per_step"] <= 6_500  # ~57k kernels over 10 steps
     assert 1.5 <= m["median_kernel_us"] <= 3.0
-    assert m["sync_calls_per_step"] * steps.used > 1000
+    assert m["sync_calls_per_step"] > 100  # a nonzero() sync per expert and layer
     assert m["small_grid_kernel_frac"] > 0.5
     assert m["short_kernel_frac"] > 0.5  # most kernels are shorter than their launch call
     assert m["idle_launch_frac"] + m["idle_sync_frac"] > 0.6

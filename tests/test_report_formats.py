@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import base64
-import io
 import re
-import sys
-from contextlib import redirect_stderr, redirect_stdout
 from html.parser import HTMLParser
 from pathlib import Path
 from unittest import mock
 
 import pytest
+from helpers.cli import run_cli
+from realtraces import trace_path
 
 import traceclf
 from traceclf import figures
@@ -20,50 +19,22 @@ from traceclf.render.html import render_html
 from traceclf.render.markdown import render_markdown
 from traceclf.report import WALLS, Report
 
-REPO = Path(__file__).resolve().parents[1]
-TRACE_DIRS = (REPO / "fixtures", Path("/work/shared/traces"))
-
-
-def real_trace(name: str) -> Path:
-    """A real export: fixtures/ first (trimmed copy if that is what is there), then the
-    shared trace folder; skip when neither has it."""
-    for folder in TRACE_DIRS:
-        for candidate in (f"{name}.sqlite", f"{name}_trimmed.sqlite"):
-            if (folder / candidate).is_file():
-                return folder / candidate
-    pytest.skip(f"real trace {name} not found")
-
-
-def run_cli(*args: str | Path) -> tuple[int, str, str]:
-    """``traceclf ARGS`` in-process through the console entry point: (exit code, out, err)."""
-    from traceclf.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    argv = ["traceclf", *map(str, args)]
-    with mock.patch.object(sys, "argv", argv), redirect_stdout(out), redirect_stderr(err):
-        try:
-            main()
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
-
 
 @pytest.fixture(scope="module")
 def comm_report() -> Report:
     """Two ranks, exposed all-to-all: every figure but GPU metrics."""
-    return traceclf.analyze(real_trace("h100_comm_ep2"), use_cache=False)
+    return traceclf.analyze(trace_path("h100_comm_ep2"), use_cache=False)
 
 
 @pytest.fixture(scope="module")
 def metrics_report() -> Report:
     """One rank, host-bound, with GPU metrics."""
-    return traceclf.analyze(real_trace("h100_host_launch_gpumetrics"), use_cache=False)
+    return traceclf.analyze(trace_path("h100_host_launch_gpumetrics"), use_cache=False)
 
 
 @pytest.fixture(scope="module")
 def memory_report() -> Report:
-    return traceclf.analyze(real_trace("h100_memory_offload"), use_cache=False)
+    return traceclf.analyze(trace_path("h100_memory_offload"), use_cache=False)
 
 
 REPORTS = ("comm_report", "metrics_report", "memory_report")
@@ -269,7 +240,7 @@ def test_figure_functions_refuse_empty_data() -> None:
 def test_cli_writes_one_file(fmt: str, tmp_path: Path) -> None:
     out = tmp_path / f"report.{fmt}"
     code, stdout, stderr = run_cli(
-        "analyze", real_trace("h100_comm_ep2"), "--format", fmt, "-o", out, "--no-cache", "-q"
+        "analyze", trace_path("h100_comm_ep2"), "--format", fmt, "-o", out, "--no-cache", "-q"
     )
     assert (code, stdout) == (0, ""), stderr
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # no temporary file left behind

@@ -450,6 +450,7 @@ def test_real_trace_fix_order_and_confidence():
 
 def test_real_trace_next_wall():
     """Fixing one wall exposes the next: what is left of the step once the bound is gone."""
+
     def next_wall(case):
         return evaluate(facts_of(first_available(*REAL[case][0]))).next_wall
 

@@ -23,12 +23,12 @@ def union(df: pl.DataFrame) -> pl.DataFrame:
     return (
         df.select("start", "end")
         .sort("start")
-        .with_columns(reach=pl.col("end").cum_max().shift(1))
-        .with_columns(group=(pl.col("start") > pl.col("reach")).fill_null(True).cum_sum())
-        .group_by("group")
-        .agg(pl.col("start").min(), pl.col("end").max())
-        .sort("start")
-        .select("start", "end")
+        .with_columns(reach=pl.col("end").cum_max())
+        .with_columns(new=(pl.col("start") > pl.col("reach").shift(1)).fill_null(True))
+        .with_columns(first=pl.when("new").then("start").forward_fill())
+        # the last row of each merged run carries the run's end (its running max)
+        .filter(pl.col("new").shift(-1).fill_null(True))
+        .select(start="first", end="reach")
     )
 
 
@@ -57,16 +57,16 @@ def timeline(
     ]
     bounds = [window[0], window[1], *(cuts or [])]
     events.append(pl.DataFrame({"t": bounds}, schema={"t": pl.Int64}))
-    deltas = (
+    counts = (
         pl.concat(events, how="diagonal")
         .with_columns(pl.col(n).fill_null(0) for n in layers)
-        .group_by("t")
-        .agg(pl.col(n).sum() for n in layers)
         .sort("t")
+        .with_columns(pl.col(n).cum_sum() for n in layers)
+        # several events at one instant: the count after the last of them holds from there on
+        .filter(pl.col("t") != pl.col("t").shift(-1).fill_null(-1))
     )
     return (
-        deltas.with_columns(pl.col(n).cum_sum() for n in layers)
-        .with_columns(end=pl.col("t").shift(-1))
+        counts.with_columns(end=pl.col("t").shift(-1))
         .rename({"t": "start"})
         .filter(
             pl.col("end").is_not_null()

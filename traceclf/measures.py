@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import polars as pl
 
 from traceclf import intervals, kernels
@@ -323,42 +324,28 @@ def _idle_gaps(tl: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     """Idle stretches of the GPU with their host-side cause (see module docstring)."""
     idle = tl.filter((pl.col("compute") == 0) & (pl.col("comm") == 0) & (pl.col("copy") == 0))
     gaps = intervals.union(idle.select("start", "end")).with_columns(
-        dur=pl.col("end") - pl.col("start"), gap=pl.int_range(pl.len())
+        dur=pl.col("end") - pl.col("start")
     )
     schema = {"start": pl.Int64, "end": pl.Int64, "dur": pl.Int64, "cause": pl.String}
     if gaps.is_empty():
         return pl.DataFrame(schema=schema)
-    calls = calls.select("start", "end", "is_sync").sort("start")
-    anchors = gaps.select("gap", gstart="start", gend="end").sort("gstart")
+    gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
+    start, end = calls["start"].to_numpy(), calls["end"].to_numpy()
     # Host coverage: CUDA calls that start inside a gap, clipped to it.
-    inside = (
-        calls.join_asof(anchors, left_on="start", right_on="gstart", strategy="backward")
-        .filter(pl.col("start") < pl.col("gend"))
-        .group_by("gap")
-        .agg(api_ns=(pl.min_horizontal("end", "gend") - pl.col("start")).sum(), calls=pl.len())
-    )
+    idx = np.searchsorted(gstart, start, side="right") - 1
+    inside = (idx >= 0) & (start < gend[np.maximum(idx, 0)])
+    idx_in = idx[inside]
+    covered = np.minimum(end[inside], gend[idx_in]) - start[inside]
+    api_ns = np.bincount(idx_in, weights=covered, minlength=len(gaps))
+    n_calls = np.bincount(idx_in, minlength=len(gaps))
     # A synchronising call that returns at (or just before) the start of a gap drained the queue.
-    syncs = calls.filter(pl.col("is_sync")).sort("end")
-    synced = (
-        syncs.join_asof(
-            anchors.with_columns(lo=pl.col("gstart") - SYNC_SLACK_NS).sort("lo"),
-            left_on="end",
-            right_on="lo",
-            strategy="backward",
-        )
-        .filter(pl.col("end") <= pl.col("gend"))
-        .select("gap")
-        .unique()
-        .with_columns(after_sync=pl.lit(True))
-    )
-    gaps = (
-        gaps.join(inside, on="gap", how="left")
-        .join(synced, on="gap", how="left")
-        .with_columns(
-            pl.col("api_ns").fill_null(0),
-            pl.col("calls").fill_null(0),
-            pl.col("after_sync").fill_null(False),
-        )
+    sync_end = end[calls["is_sync"].fill_null(False).to_numpy()]
+    sidx = np.searchsorted(gstart - SYNC_SLACK_NS, sync_end, side="right") - 1
+    synced = (sidx >= 0) & (sync_end <= gend[np.maximum(sidx, 0)])
+    after_sync = np.zeros(len(gaps), dtype=bool)
+    after_sync[sidx[synced]] = True
+    gaps = gaps.with_columns(
+        api_ns=pl.Series(api_ns), calls=pl.Series(n_calls), after_sync=pl.Series(after_sync)
     )
     return gaps.with_columns(
         cause=pl.when((pl.col("dur") >= INPUT_GAP_NS) & (pl.col("api_ns") * 2 < pl.col("dur")))

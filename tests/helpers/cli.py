@@ -21,6 +21,9 @@ class CliResult:
     def stderr_lines(self) -> list[str]:
         return self.stderr.splitlines()
 
+    def __iter__(self):  # code, out, err = run_cli(...)
+        return iter((self.code, self.stdout, self.stderr))
+
 
 def run_cli(*args: str | Path) -> CliResult:
     """``traceclf ARGS`` in this process, through ``traceclf.cli.main`` (the console script's

@@ -10,15 +10,15 @@ from html import escape
 from matplotlib.figure import Figure
 
 from traceclf.figures import WALL_COLORS, report_figures
-from traceclf.render.markdown import (
+from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
-    config_language,
     detail_rows,
     kernel_rows,
     provenance_rows,
     rank_rows,
 )
+from traceclf.render.markdown import config_language
 from traceclf.render.text import input_names, steps_line
 from traceclf.report import WALLS, Report
 

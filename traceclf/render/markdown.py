@@ -8,26 +8,17 @@ shared with the HTML report so both say the same thing.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-from traceclf.render.text import fmt_bytes, fmt_ms, input_names, pct, steps_line
-from traceclf.report import WALLS, Report
-
-RANK_COLUMNS = (
-    "rank",
-    "pid",
-    "step",
-    "busy",
-    "compute",
-    "exposed comm",
-    "copies",
-    "idle: launch",
-    "sync",
-    "input",
-    "other",
+from traceclf.render.content import (
+    KERNEL_COLUMNS,
+    RANK_COLUMNS,
+    detail_rows,
+    kernel_rows,
+    provenance_rows,
+    rank_rows,
 )
-KERNEL_COLUMNS = ("kernel", "family", "count", "median", "share of step")
-TOP_KERNELS = 8
+from traceclf.render.text import input_names, steps_line
+from traceclf.report import WALLS, Report
 
 
 def render_markdown(report: Report) -> str:
@@ -46,118 +37,6 @@ def render_markdown(report: Report) -> str:
         ),
     ]
     return "\n\n".join(p for p in parts if p) + "\n"
-
-
-# Content shared with the HTML report -------------------------------------------------------
-
-
-def rank_rows(report: Report) -> list[list[str]]:
-    """One row per rank: step time and the share of wall time of each part (RANK_COLUMNS)."""
-    keys = (
-        "gpu_busy_frac",
-        "compute_frac",
-        "exposed_comm_frac",
-        "copy_frac",
-        "idle_launch_frac",
-        "idle_sync_frac",
-        "idle_input_frac",
-        "idle_other_frac",
-    )
-    return [
-        [str(r["rank"]), str(r["pid"]), fmt_ms(r["metrics"].get("step_time_ms"))]
-        + [pct(r["metrics"].get(k)) for k in keys]
-        for r in report.ranks
-    ]
-
-
-def detail_rows(report: Report) -> list[tuple[str, str]]:
-    """(wall, what the measures say) lines, as in the terminal's details table."""
-    m = report.metrics
-    comm = ", ".join(
-        f"{kind} {pct(v['frac'])} ({pct(v['exposed_frac'])} exposed)"
-        for kind, v in report.comm_by_kind.items()
-    )
-    rows = [
-        (
-            "Communication",
-            f"{pct(m.get('comm_frac'))} of the step, {pct(m.get('exposed_comm_frac'))} exposed"
-            f" · {comm or 'none'}",
-        )
-    ]
-    cross = report.cross_rank or {}
-    if cross.get("straggler_rank") is not None:
-        rows.append(
-            (
-                "Across ranks",
-                f"step-time skew {pct(cross.get('step_time_skew_frac'))}, compute skew "
-                f"{pct(cross.get('compute_skew_frac'))}, straggler rank {cross['straggler_rank']}",
-            )
-        )
-    rows.append(
-        (
-            "Host",
-            f"{num(m.get('kernels_per_step'))} kernels/step, median kernel "
-            f"{num(m.get('median_kernel_us'))} µs vs launch {num(m.get('median_launch_us'))} µs, "
-            f"{num(m.get('sync_calls_per_step'))} syncs/step, "
-            f"{num(m.get('small_d2h_per_step'))} tiny D2H copies/step, "
-            f"CUDA graphs {pct(m.get('graph_frac'))} of busy time",
-        )
-    )
-    rows.append(
-        (
-            "Memory",
-            f"H2D+D2H {fmt_bytes(m.get('h2d_d2h_bytes_per_step'))}/step "
-            f"({pct(m.get('offload_copy_frac'))} of the step), "
-            f"{num(m.get('pageable_copies_per_step'))} pageable copies/step, "
-            f"{num(m.get('alloc_calls_per_step'))} cudaMalloc/Free per step, "
-            f"recompute {pct(m.get('recompute_frac'))}, "
-            f"peak memory {pct(m.get('peak_memory_frac'))} of capacity",
-        )
-    )
-    rows.append(("Compute", _compute_line(m)))
-    return rows
-
-
-def kernel_rows(report: Report) -> list[list[str]]:
-    """Top kernels of rank 0 (KERNEL_COLUMNS)."""
-    rows = report.ranks[0].get("top_kernels", []) if report.ranks else []
-    return [
-        [_short(k["name"]), k["family"], str(k["count"]), _duration(k["median_ns"]), pct(k["frac"])]
-        for k in rows[:TOP_KERNELS]
-    ]
-
-
-def provenance_rows(report: Report) -> list[tuple[str, str]]:
-    """Where the numbers come from: files, nsys and schema versions, GPU, steps, window."""
-    rows = [
-        (
-            "Files" if len(report.inputs) > 1 else "File",
-            "; ".join(
-                f"{Path(i['path']).name} (nsys {i.get('nsys_version') or '?'}, schema "
-                f"{i.get('schema_version') or '?'}, {_plural(i.get('ranks', 1), 'rank')})"
-                for i in report.inputs
-            ),
-        ),
-        ("GPU", "; ".join(_gpu(g) for g in report.gpus) or "unknown"),
-        ("Steps", _steps_source(report)),
-        ("Steady-state window", _window(report)),
-        ("traceclf", report.traceclf_version or "?"),
-    ]
-    return rows
-
-
-def _short(name: str, width: int = 60) -> str:
-    return name if len(name) <= width else name[: width - 1] + "…"
-
-
-def _duration(ns: float) -> str:
-    return f"{ns / 1e3:.1f} µs" if ns < 1e6 else fmt_ms(ns / 1e6)
-
-
-def num(v: float | None) -> str:
-    if v is None:
-        return "–"
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
 def score_bar(score: float, top: float, width: int = 20) -> str:
@@ -249,58 +128,6 @@ def config_language(config: str) -> str:
     """Fixes carry Megatron-Bridge Python assignments, or command-line flags and env vars."""
     first = config.strip().splitlines()[0] if config.strip() else ""
     return "bash" if re.match(r"^(--|export |\$ |[A-Z_]+=)", first) else "python"
-
-
-def _compute_line(m: dict) -> str:
-    families = sorted(
-        ((k.removesuffix("_time_frac"), v) for k, v in m.items() if k.endswith("_time_frac") and v),
-        key=lambda kv: -kv[1],
-    )
-    line = (
-        ", ".join(f"{f} {pct(v)}" for f, v in families[:5])
-        + f" of kernel time · small grids {pct(m.get('small_grid_kernel_frac'))}, "
-        f"theoretical occupancy {pct(m.get('theoretical_occupancy_mean'))}"
-    )
-    if m.get("sm_active_mean") is not None:
-        line += (
-            f", SM active {pct(m['sm_active_mean'])}, "
-            f"tensor active {pct(m.get('tensor_active_mean'))}"
-        )
-    return line
-
-
-def _steps_source(report: Report) -> str:
-    s = report.steps
-    if s.get("source") in (None, "none") or not s.get("count"):
-        return "none found: the whole GPU span is one window"
-    label = f' "{s["label"]}"' if s.get("label") else ""
-    spread = f", spread (CV) {pct(s['cv'])}" if s.get("cv") is not None else ""
-    return (
-        f"from {s['source']}{label}: {s['used']} of {s['count']} steps used (warm-up and "
-        f"outliers dropped); mean {fmt_ms(s.get('mean_ms'))}, median "
-        f"{fmt_ms(s.get('median_ms'))}{spread}"
-    )
-
-
-def _window(report: Report) -> str:
-    lo, hi = (report.steps.get("window_ns") or [0, 0])[:2]
-    if hi <= lo:
-        return "–"
-    return f"{lo / 1e9:.3f} s – {hi / 1e9:.3f} s of the capture ({fmt_ms((hi - lo) / 1e6)})"
-
-
-def _gpu(g: dict) -> str:
-    extra = [
-        g.get("chip"),
-        f"{g['sm_count']} SMs" if g.get("sm_count") else None,
-        fmt_bytes(g["memory_bytes"]) if g.get("memory_bytes") else None,
-    ]
-    extra = [e for e in extra if e]
-    return (g.get("name") or "unknown GPU") + (f" ({', '.join(extra)})" if extra else "")
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 def _section(title: str, body: str) -> str:

@@ -11,7 +11,14 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from traceclf.render.text import fmt_bytes, fmt_ms, pct, provenance, steps_line
+from traceclf.render.content import (
+    KERNEL_COLUMNS,
+    RANK_COLUMNS,
+    detail_rows,
+    kernel_rows,
+    rank_rows,
+)
+from traceclf.render.text import provenance, steps_line
 from traceclf.report import WALLS, Report
 
 WALL_STYLE = {"memory": "magenta", "communication": "cyan", "host": "yellow", "compute": "green"}
@@ -83,128 +90,39 @@ def _ranks_table(report: Report) -> Table:
         title_justify="left",
         show_edge=False,
     )
-    for col in (
-        "rank",
-        "pid",
-        "step",
-        "busy",
-        "compute",
-        "exposed comm",
-        "copies",
-        "idle: launch",
-        "sync",
-        "input",
-        "other",
-    ):
+    for col in RANK_COLUMNS:
         table.add_column(col, justify="right", no_wrap=True)
-    for r in report.ranks:
-        m = r["metrics"]
-        table.add_row(
-            str(r["rank"]),
-            str(r["pid"]),
-            fmt_ms(m.get("step_time_ms")),
-            pct(m.get("gpu_busy_frac")),
-            pct(m.get("compute_frac")),
-            pct(m.get("exposed_comm_frac")),
-            pct(m.get("copy_frac")),
-            pct(m.get("idle_launch_frac")),
-            pct(m.get("idle_sync_frac")),
-            pct(m.get("idle_input_frac")),
-            pct(m.get("idle_other_frac")),
-        )
+    for row in rank_rows(report):
+        table.add_row(*row)
     return table
 
 
 def _details(report: Report) -> Table:
-    m = report.metrics
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    comm = (
-        ", ".join(
-            f"{kind} {pct(v['frac'])} ({pct(v['exposed_frac'])} exposed)"
-            for kind, v in report.comm_by_kind.items()
-        )
-        or "none"
-    )
-    table.add_row(
-        "Communication",
-        f"{pct(m.get('comm_frac'))} of the step, "
-        f"{pct(m.get('exposed_comm_frac'))} exposed · {comm}",
-    )
-    cross = report.cross_rank or {}
-    if cross.get("straggler_rank") is not None:
-        table.add_row(
-            "Across ranks",
-            f"step-time skew {pct(cross.get('step_time_skew_frac'))}, "
-            f"compute skew {pct(cross.get('compute_skew_frac'))}, "
-            f"straggler rank {cross['straggler_rank']}",
-        )
-    table.add_row(
-        "Host",
-        f"{_num(m.get('kernels_per_step'))} kernels/step, median kernel "
-        f"{_num(m.get('median_kernel_us'))} µs vs launch "
-        f"{_num(m.get('median_launch_us'))} µs, "
-        f"{_num(m.get('sync_calls_per_step'))} syncs/step, "
-        f"{_num(m.get('small_d2h_per_step'))} tiny D2H copies/step, "
-        f"CUDA graphs {pct(m.get('graph_frac'))} of busy time",
-    )
-    table.add_row(
-        "Memory",
-        f"H2D+D2H {fmt_bytes(m.get('h2d_d2h_bytes_per_step'))}/step "
-        f"({pct(m.get('offload_copy_frac'))} of the step), "
-        f"{_num(m.get('pageable_copies_per_step'))} pageable copies/step, "
-        f"{_num(m.get('alloc_calls_per_step'))} cudaMalloc/Free per step, "
-        f"recompute {pct(m.get('recompute_frac'))}, "
-        f"peak memory {pct(m.get('peak_memory_frac'))} of capacity",
-    )
-    families = sorted(
-        ((k.removesuffix("_time_frac"), v) for k, v in m.items() if k.endswith("_time_frac") and v),
-        key=lambda kv: -kv[1],
-    )
-    table.add_row(
-        "Compute",
-        ", ".join(f"{f} {pct(v)}" for f, v in families[:5])
-        + f" of kernel time · small grids {pct(m.get('small_grid_kernel_frac'))}, "
-        f"theoretical occupancy {pct(m.get('theoretical_occupancy_mean'))}"
-        + (
-            f", SM active {pct(m['sm_active_mean'])}, tensor active "
-            f"{pct(m.get('tensor_active_mean'))}"
-            if m.get("sm_active_mean") is not None
-            else ""
-        ),
-    )
+    for wall, line in detail_rows(report):
+        table.add_row(wall, line)
     return table
 
 
 def _top_kernels(report: Report) -> Table | None:
-    rows = report.ranks[0].get("top_kernels", []) if report.ranks else []
+    rows = kernel_rows(report)
     if not rows:
         return None
     table = Table(title="Top kernels (rank 0, steady state)", title_justify="left", show_edge=False)
-    for col, just in (
-        ("kernel", "left"),
-        ("family", "left"),
-        ("count", "right"),
-        ("median", "right"),
-        ("share of step", "right"),
-    ):
+    for col in KERNEL_COLUMNS:
+        left = col in ("kernel", "family")
         table.add_column(
             col,
-            justify=just,
+            justify="left" if left else "right",
             overflow="ellipsis",
             no_wrap=col == "kernel",
             max_width=60 if col == "kernel" else None,
             min_width=None if col == "kernel" else 6,
         )
-    for k in rows[:8]:
-        table.add_row(
-            k["name"],
-            k["family"],
-            str(k["count"]),
-            f"{k['median_ns'] / 1e3:.1f} µs",
-            pct(k["frac"]),
-        )
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -236,9 +154,3 @@ def _fixes(report: Report) -> Group:
             for item in fix.get(key) or []:
                 parts.append(Text(f"   {label}: {item}", style="dim"))
     return Group(*parts)
-
-
-def _num(v) -> str:
-    if v is None:
-        return "–"
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
