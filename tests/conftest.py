@@ -26,7 +26,11 @@ FULL_TRACES = (
     "h100_memory_offload",
 )
 # Trimmed copies of large traces (see fixtures/README.md): "<source trace>_trimmed".
-TRIMMED_TRACES = ("h100_compute_dense_gpumetrics", "h100_host_launch_gpumetrics")
+TRIMMED_TRACES = (
+    "h100_comm_a2a_gpumetrics",
+    "h100_compute_dense_gpumetrics",
+    "h100_host_launch_gpumetrics",
+)
 SMALL_TRACE = "h100_comm_ep2"  # two ranks, NVTX, copies, syncs: the default test subject
 
 
