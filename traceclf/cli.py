@@ -19,6 +19,40 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+# Options shared by several commands, defined once so their help reads the same everywhere.
+step_range_option = click.option(
+    "--step-range",
+    metavar="REGEX",
+    help="Regular expression for the NVTX ranges that mark one training step "
+    "(default: names like 'step 12', 'iteration 3', 'batch 7', 'ProfilerStep#5').",
+)
+nsys_option = click.option(
+    "--nsys",
+    "nsys_path",
+    type=click.Path(path_type=Path),
+    help="nsys executable used to export .nsys-rep files (default: $NSYS, then nsys on PATH).",
+)
+rules_option = click.option(
+    "--rules",
+    "rules_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Extra rule/fix YAML folder, merged over the bundled rules/.",
+)
+no_cache_option = click.option(
+    "--no-cache",
+    is_flag=True,
+    help="Neither read nor write the caches beside each export (its trace model as Parquet "
+    "and its analysis result).",
+)
+cache_dir_option = click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where caches go when the export's folder is not writable "
+    "(default: $TRACECLF_CACHE_DIR or ~/.cache/traceclf).",
+)
+quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="traceclf")
 def cli() -> None:
@@ -47,33 +81,11 @@ def cli() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write the report to this file (atomically) instead of stdout. Required for html.",
 )
-@click.option(
-    "--step-range",
-    metavar="REGEX",
-    help="Regular expression for the NVTX ranges that mark one training step "
-    "(default: names like 'step 12', 'iteration 3', 'batch 7', 'ProfilerStep#5').",
-)
-@click.option(
-    "--nsys",
-    "nsys_path",
-    type=click.Path(path_type=Path),
-    help="nsys executable used to export .nsys-rep files (default: $NSYS, then nsys on PATH).",
-)
-@click.option(
-    "--rules",
-    "rules_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Extra rule/fix YAML folder, merged over the bundled rules/.",
-)
-@click.option(
-    "--no-cache", is_flag=True, help="Do not read or write the Parquet cache of the trace model."
-)
-@click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Where caches go when the export's folder is not writable "
-    "(default: $TRACECLF_CACHE_DIR or ~/.cache/traceclf).",
-)
+@step_range_option
+@nsys_option
+@rules_option
+@no_cache_option
+@cache_dir_option
 @click.option(
     "-j",
     "--jobs",
@@ -88,7 +100,7 @@ def cli() -> None:
     help="Run the per-file analysis on a Dask distributed cluster at ADDRESS "
     "(e.g. tcp://scheduler:8786) instead of local processes.",
 )
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars or notes on stderr.")
+@quiet_option
 def analyze(
     inputs: tuple[str, ...],
     fmt: str,
@@ -152,10 +164,12 @@ def analyze(
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write to this file (atomically) instead of stdout.",
 )
-@click.option("--step-range", metavar="REGEX", help="As for `analyze`.")
-@click.option("--nsys", "nsys_path", type=click.Path(path_type=Path), help="As for `analyze`.")
-@click.option("--no-cache", is_flag=True, help="As for `analyze`.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@step_range_option
+@nsys_option
+@rules_option
+@no_cache_option
+@cache_dir_option
+@quiet_option
 def compare(
     before: str,
     after: str,
@@ -164,7 +178,9 @@ def compare(
     output: Path | None,
     step_range: str | None,
     nsys_path: Path | None,
+    rules_dir: Path | None,
     no_cache: bool,
+    cache_dir: Path | None,
     quiet: bool,
 ) -> None:
     """Compare two runs: BEFORE and AFTER are traces (any `analyze` input; use a folder for
@@ -173,7 +189,12 @@ def compare(
     from traceclf.compare import compare_runs, render_comparison
 
     opts = AnalysisOptions(
-        step_regex=step_range, nsys=nsys_path, use_cache=not no_cache, quiet=quiet
+        step_regex=step_range,
+        nsys=nsys_path,
+        rules_dir=rules_dir,
+        use_cache=not no_cache,
+        cache_dir=cache_dir,
+        quiet=quiet,
     )
     result = compare_runs(before, after, threshold=threshold, opts=opts)
     render_comparison(result, fmt, output)
@@ -196,12 +217,7 @@ def measures_cmd() -> None:
 
 
 @cli.command("rules")
-@click.option(
-    "--rules",
-    "rules_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Extra rule/fix YAML folder, merged over the bundled rules/.",
-)
+@rules_option
 def rules_cmd(rules_dir: Path | None) -> None:
     """List the classification rules and the fixes they can propose."""
     from traceclf.rules import list_rules
@@ -211,12 +227,7 @@ def rules_cmd(rules_dir: Path | None) -> None:
 
 @cli.command()
 @click.argument("fix_id")
-@click.option(
-    "--rules",
-    "rules_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Extra rule/fix YAML folder, merged over the bundled rules/.",
-)
+@rules_option
 def explain(fix_id: str, rules_dir: Path | None) -> None:
     """Print one fix in full: why, the config to paste, preconditions and pitfalls."""
     from traceclf.rules import explain_fix

@@ -23,13 +23,12 @@ from __future__ import annotations
 import io
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from traceclf.analysis import AnalysisOptions
-from traceclf.atomic import write_atomic
 from traceclf.errors import TraceError
+from traceclf.render import emit
 from traceclf.render.text import fmt_bytes, fmt_ms, pct
 from traceclf.report import Report
 
@@ -340,10 +339,7 @@ def render_comparison(result: Comparison, fmt: str, output: Path | None = None) 
         text = json.dumps(result.to_dict(), indent=2) + "\n"
     else:
         raise ValueError(f"unknown format {fmt!r}")
-    if output is None:
-        sys.stdout.write(text)
-    else:
-        write_atomic(output, text)
+    emit(text, output)
 
 
 VERDICT_STYLE = {"regression": "bold red", "improvement": "bold green"}

@@ -30,6 +30,11 @@ def render(report: Report, fmt: str, output: Path | None = None) -> None:
         text = render_html(report)
     else:
         raise ValueError(f"unknown format {fmt!r}")
+    emit(text, output)
+
+
+def emit(text: str, output: Path | None) -> None:
+    """Write rendered text to ``output`` atomically, or to stdout."""
     if output is None:
         sys.stdout.write(text)
     else:
