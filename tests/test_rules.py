@@ -259,6 +259,20 @@ def comm_facts(gpu: dict | None, libraries=("nccl",), **extra) -> dict:
     }  # fmt: skip
 
 
+def test_straggler_rank_is_named_when_others_wait_for_it():
+    skewed = comm_facts(H100) | {
+        "cross_rank": {"straggler_rank": 3, "step_time_skew_frac": 0.02, "compute_skew_frac": 0.3}
+    }
+    verdict = evaluate(skewed)
+    assert "balance-expert-load" in ids(verdict)
+    assert any("rank 3 is the straggler" in e for e in verdict.classification["evidence"])
+    # the same spread over a step that is 2% compute costs ~nothing: not worth a fix
+    tiny = comm_facts(H100, compute_frac=0.02) | {
+        "cross_rank": {"straggler_rank": 3, "step_time_skew_frac": 0.0, "compute_skew_frac": 0.3}
+    }
+    assert "balance-expert-load" not in ids(evaluate(tiny))
+
+
 def test_dispatcher_follows_the_hardware():
     h100 = evaluate(comm_facts(H100))
     assert h100.classification["bound"] == "communication"
@@ -341,7 +355,9 @@ def test_rules_and_explain_print(capsys):
     explain_fix("deepep")
     out = capsys.readouterr().out
     assert 'moe_token_dispatcher_type = "flex"' in out and "Pitfalls" in out
-    with pytest.raises(TraceError, match="unknown fix 'deep-ep'; valid fix ids: cuda-graphs"):
+    with pytest.raises(
+        TraceError, match="unknown fix 'deep-ep'; valid fix ids: balance-expert-load, cuda-graphs"
+    ):
         explain_fix("deep-ep")
 
 
