@@ -71,7 +71,7 @@ def test_step_range_regex_overrides_the_default():
 
 def test_bad_step_regex_is_a_clean_error():
     trace = load_trace(trace_path("h100_memory_offload.sqlite"))
-    with pytest.raises(TraceError, match="not a valid regex"):
+    with pytest.raises(TraceError, match="not a usable regex"):
         find_steps(trace, "([unclosed")
 
 

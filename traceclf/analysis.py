@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from traceclf import __version__
+from traceclf.errors import TraceError
 from traceclf.measures import RankMeasures, measure_rank
 from traceclf.report import Report
-from traceclf.steps import find_steps
+from traceclf.steps import check_step_regex, find_steps
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,14 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
     """Analyse every export named by ``inputs`` (files, folders, .nsys-rep) into one report."""
     from traceclf.inputs import resolve_inputs
     from traceclf.parallel import map_exports
+    from traceclf.rules import load_rules
     from traceclf.schema import inspect_export
 
+    # Reject bad options and files before any heavy work starts.
+    check_step_regex(opts.step_regex)
+    load_rules(opts.rules_dir)
     exports = resolve_inputs(inputs, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
-    for path in exports:  # reject bad files before any heavy work starts
+    for path in exports:
         inspect_export(path)
     # A spinner per worker process would garble stderr: progress only for in-process loads.
     in_process = len(exports) == 1 or opts.jobs == 1
@@ -127,6 +132,8 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
             trace.processes["pid"].to_list(), trace.processes["process_name"].to_list(), strict=True
         )
     )
+    if not trace.rank_pids:
+        raise TraceError(path, "no process ran GPU work (kernel and copy rows name no process)")
     result = ExportResult(str(path), trace.nsys_version, trace.schema_version)
     for pid in trace.rank_pids:
         rank_trace = trace.for_pid(pid)
@@ -232,7 +239,8 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
         ],
         gpus=gpus,
         steps={
-            "source": first.get("source", "none"),
+            # rank 0's steps; "mixed" when ranks found their steps in different ways
+            "source": _common([r.steps["source"] for r in ranks], first.get("source", "none")),
             "label": first.get("label", ""),
             "count": first.get("count", 0),
             "used": first.get("used", 0),
@@ -304,6 +312,11 @@ def _mean_comm(ranks: list[RankResult]) -> dict:
             "libraries": sorted({lib for row in present for lib in row["libraries"]}),
         }
     return out
+
+
+def _common(values: list[str], default: str) -> str:
+    distinct = set(values)
+    return default if len(distinct) <= 1 else "mixed"
 
 
 def _skew(values: list[float | None]) -> float | None:

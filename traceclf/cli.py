@@ -14,6 +14,12 @@ from traceclf.errors import TraceError
 FORMATS = ("terminal", "json", "md", "html")
 
 
+def _check_output(output: Path | None) -> None:
+    """Fail before the analysis, not after it, when the report could not be written."""
+    if output is not None and not output.parent.is_dir():
+        raise TraceError(output, f"cannot write the report: no folder {output.parent}")
+
+
 def _fail(message: str) -> None:
     click.echo(f"traceclf: error: {message}", err=True)
     sys.exit(2)
@@ -91,7 +97,8 @@ def cli() -> None:
     "--jobs",
     type=click.IntRange(min=1),
     default=None,
-    help="Ranks/files analysed in parallel (default: number of CPUs, at most 4).",
+    help="Files analysed in parallel (default: number of CPUs, at most 4); the ranks inside "
+    "one file are analysed one after another.",
 )
 @click.option(
     "--dask",
@@ -125,6 +132,7 @@ def analyze(
 
     if fmt == "html" and output is None:
         raise click.UsageError("--format html needs -o/--output FILE")
+    _check_output(output)
     opts = AnalysisOptions(
         step_regex=step_range,
         nsys=nsys_path,
@@ -196,6 +204,7 @@ def compare(
         cache_dir=cache_dir,
         quiet=quiet,
     )
+    _check_output(output)
     result = compare_runs(before, after, threshold=threshold, opts=opts)
     render_comparison(result, fmt, output)
     sys.exit(1 if result.regression else 0)

@@ -246,7 +246,7 @@ class Reader:
         several cores when the table is big (SQLite finds max(rowid) without a scan)."""
         parts = _read_parallelism()
         if parts > 1:
-            last = self.sql(f"SELECT max(rowid) AS n FROM {table}")["n"][0] or 0
+            last = self.sql(f"SELECT coalesce(max(rowid), 0) AS n FROM {table}")["n"][0]
             parts = parts if last >= PARTITION_MIN_ROWS else 1
         if parts == 1:
             return select + "".join(

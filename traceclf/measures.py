@@ -162,8 +162,10 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
     m["a2a_frac"] = a2a.get("frac", 0.0)
     m["a2a_exposed_frac"] = a2a.get("exposed_frac", 0.0)
     m |= _copy_measures(copies, wall, n_steps)
-    m |= _host_measures(api, kern, n_steps)
-    gaps = _idle_gaps(tl, api)
+    # Without CUDA API rows (not traced) host-side counts are unknown, not zero.
+    host_traced = not trace.api.is_empty()
+    m |= _host_measures(api, kern, n_steps) if host_traced else dict.fromkeys(HOST_MEASURES)
+    gaps = _idle_gaps(tl, api if host_traced else None)
     for cause in ("launch", "sync", "input", "other"):
         m[f"idle_{cause}_frac"] = float(gaps.filter(pl.col("cause") == cause)["dur"].sum()) / wall
     m |= _kernel_measures(kern, graphs, graph_spans, state["busy"], gpu, n_steps)
@@ -180,7 +182,8 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
     optimizer = _optimizer_kernels(trace, kern)
     m["optimizer_kernels_per_step"] = optimizer / n_steps if optimizer is not None else None
     m |= _memory_measures(trace, gpu)
-    m |= _gpu_metric_means(trace.gpu_metrics, window)
+    gpu_samples = trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
+    m |= _gpu_metric_means(gpu_samples, window)
 
     return RankMeasures(
         metrics={k: _round(v) for k, v in m.items()},
@@ -188,7 +191,7 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
         top_kernels=_top_kernels(kern, wall),
         step_breakdown=_step_breakdown(tl, steps),
         idle_gaps=_gap_histogram(gaps),
-        gpu_metrics_series=_metric_series(trace.gpu_metrics, window),
+        gpu_metrics_series=_metric_series(gpu_samples, window),
     )
 
 
@@ -302,6 +305,15 @@ def _classify_api(api: pl.DataFrame) -> pl.DataFrame:
     return api.join(names, on="name", how="left", maintain_order="left")
 
 
+HOST_MEASURES = (
+    "sync_calls_per_step",
+    "alloc_calls_per_step",
+    "launch_calls_per_step",
+    "median_launch_us",
+    "short_kernel_frac",
+)
+
+
 def _host_measures(api: pl.DataFrame, kern: pl.DataFrame, n_steps: int) -> dict[str, float]:
     launches = api.filter(pl.col("is_launch"))
     launch_ns = launches["end"] - launches["start"]
@@ -320,8 +332,9 @@ def _host_measures(api: pl.DataFrame, kern: pl.DataFrame, n_steps: int) -> dict[
     }
 
 
-def _idle_gaps(tl: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
-    """Idle stretches of the GPU with their host-side cause (see module docstring)."""
+def _idle_gaps(tl: pl.DataFrame, calls: pl.DataFrame | None) -> pl.DataFrame:
+    """Idle stretches of the GPU with their host-side cause (docs/measures.md); all "other"
+    when the CUDA API was not traced (``calls`` None), since the causes are read from it."""
     idle = tl.filter((pl.col("compute") == 0) & (pl.col("comm") == 0) & (pl.col("copy") == 0))
     gaps = intervals.union(idle.select("start", "end")).with_columns(
         dur=pl.col("end") - pl.col("start")
@@ -329,6 +342,8 @@ def _idle_gaps(tl: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     schema = {"start": pl.Int64, "end": pl.Int64, "dur": pl.Int64, "cause": pl.String}
     if gaps.is_empty():
         return pl.DataFrame(schema=schema)
+    if calls is None:
+        return gaps.with_columns(cause=pl.lit("other")).select(list(schema))
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
     start, end = calls["start"].to_numpy(), calls["end"].to_numpy()
     # Host coverage: CUDA calls that start inside a gap, clipped to it.

@@ -105,7 +105,7 @@ class Trace:
 
     def for_pid(self, pid: int) -> Trace:
         """The same trace restricted to one process (one rank)."""
-        if self.rank_pids == [pid]:  # the usual one-rank-per-file case: no copy of every frame
+        if self._only_pid(pid):  # the usual one-rank-per-file case: no copy of every frame
             return self
 
         def keep(df: pl.DataFrame) -> pl.DataFrame:
@@ -118,6 +118,22 @@ class Trace:
                 for n in self.FRAMES
                 if n not in ("gpus", "processes", "gpu_metrics", "device_map")
             },
+        )
+
+    def metrics_of_gpu(self, gpu_id: int | None) -> pl.DataFrame:
+        """GPU-metric samples of one GPU. nsys gives each sampled GPU its own source id, in
+        the GPUs' order; when sources and GPUs don't pair up one to one, all samples are kept."""
+        sources = self.gpu_metrics["source"].unique().sort().to_list()
+        gpu_ids = self.gpus["gpu_id"].drop_nulls().unique().sort().to_list()
+        if len(sources) <= 1 or len(sources) != len(gpu_ids) or gpu_id not in gpu_ids:
+            return self.gpu_metrics
+        source = sources[gpu_ids.index(gpu_id)]
+        return self.gpu_metrics.filter(pl.col("source") == source)
+
+    def _only_pid(self, pid: int) -> bool:
+        frames = (getattr(self, n) for n in self.FRAMES)
+        return all(
+            df.is_empty() or bool((df["pid"] == pid).all()) for df in frames if "pid" in df.columns
         )
 
     def gpu_of(self, pid: int) -> dict | None:
@@ -138,12 +154,13 @@ class Trace:
         """(correlation_id, ``key``) of the CUDA calls made inside each CPU range of ``ranges``
         (start, end, key) — how a CPU-side NVTX range is projected onto the GPU work it
         launched. Any thread of the process counts: PyTorch launches backward kernels from its
-        autograd thread, not the thread that pushed the range. Ranges must not overlap."""
+        autograd thread, not the thread that pushed the range. A range nested in another one
+        is dropped: the outer range already owns its calls."""
         return (
             self.api.select("start", "correlation_id")
             .sort("start")
             .join_asof(
-                ranges.select("start", key, range_end="end").sort("start"),
+                outermost(ranges).select("start", key, range_end="end"),
                 on="start",
                 strategy="backward",
             )
@@ -170,3 +187,13 @@ class Trace:
         for name in self.FRAMES:
             con.register(name, getattr(self, name).to_arrow())
         return con.sql(query).pl()
+
+
+def outermost(ranges: pl.DataFrame) -> pl.DataFrame:
+    """Ranges (start, end) that no earlier range contains or overlaps, sorted by start."""
+    return (
+        ranges.sort("start")
+        .with_columns(_reach=pl.col("end").cum_max().shift(1).fill_null(-1))
+        .filter(pl.col("start") >= pl.col("_reach"))
+        .drop("_reach")
+    )

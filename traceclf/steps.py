@@ -16,12 +16,12 @@ statistics; the window spans the kept steps.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import polars as pl
 
-from traceclf.model import Trace
+from traceclf.errors import TraceError
+from traceclf.model import Trace, outermost
 
 DEFAULT_STEP_REGEX = (
     r"(?i)^\s*(train[_ ]?)?(step|iteration|iter|batch|global[_ ]step|ProfilerStep)"
@@ -82,22 +82,12 @@ def _empty_table() -> pl.DataFrame:
 
 def _nvtx_steps(trace: Trace, step_regex: str | None):
     pattern = step_regex or DEFAULT_STEP_REGEX
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        from traceclf.errors import TraceError
-
-        raise TraceError(None, f"--step-range {pattern!r} is not a valid regex ({e})") from None
+    check_step_regex(pattern)
     ranges = trace.nvtx.filter(pl.col("text").str.contains(pattern))
     if ranges.is_empty():
         return None
     # Nested matches (a "step" inside another "step") would double count: keep the outermost.
-    ranges = (
-        ranges.sort("start")
-        .with_columns(reach=pl.col("end").cum_max().shift(1).fill_null(-1))
-        .filter(pl.col("start") >= pl.col("reach"))
-        .with_columns(index=pl.int_range(pl.len()).cast(pl.Int64))
-    )
+    ranges = outermost(ranges).with_columns(index=pl.int_range(pl.len()).cast(pl.Int64))
     label = _label(ranges["text"])
     owned = trace.calls_in(ranges, "index")
     work = trace.gpu_work.join(owned, on="correlation_id")
@@ -109,6 +99,20 @@ def _nvtx_steps(trace: Trace, step_regex: str | None):
         .sort("index")
     )
     return table, "nvtx", label
+
+
+def check_step_regex(pattern: str | None) -> None:
+    """Reject a --step-range that polars' regex engine (Rust ``regex``: no look-around, no
+    backreferences) cannot run, before any trace is loaded."""
+    if pattern is None:
+        return
+    try:
+        pl.Series([""]).str.contains(pattern)
+    except pl.exceptions.PolarsError as e:
+        detail = " ".join(str(e).split())[:160]
+        raise TraceError(
+            None, f"--step-range {pattern!r} is not a usable regex ({detail})"
+        ) from None
 
 
 def _label(names: pl.Series) -> str:
@@ -201,6 +205,8 @@ def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -
     n = len(table)
     durations = table["duration"].to_list()
     first, last = 0, n - 1
+    if n == 2 and durations[0] > WARMUP_FACTOR * durations[1]:
+        first = 1  # of two steps, a much slower first one is warm-up
     if n >= 3:
         reference = _median(durations[1:])
         first = 1  # the first step always pays for compilation, autotuning, allocation

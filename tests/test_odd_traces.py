@@ -1,0 +1,120 @@
+"""Real exports edited into shapes users bring: one step pair, no CUDA API table, empty tables,
+a second process with host activity only, odd options. Each must give a sensible report or a
+one-line error (exit 2), never a traceback or a misleading verdict."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+from helpers.cli import run_cli
+from realtraces import trace_path
+
+
+def edited(tmp_path: Path, name: str, *sql: str) -> Path:
+    """A copy of a real export with ``sql`` applied."""
+    path = Path(shutil.copy(trace_path(name), tmp_path / f"edited-{name}.sqlite"))
+    with sqlite3.connect(path) as con:
+        for statement in sql:
+            con.execute(statement)
+    return path
+
+
+def report(path: Path, *args: str) -> dict:
+    code, out, err = run_cli("analyze", path, "-f", "json", "-q", "--no-cache", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_two_steps_drop_the_warmup_one(tmp_path):
+    path = edited(
+        tmp_path,
+        "h100_comm_ep2",
+        "DELETE FROM NVTX_EVENTS WHERE text LIKE 'Iteration %' "
+        "AND text NOT IN ('Iteration 0', 'Iteration 1')",
+    )
+    r = report(path)
+    assert r["steps"]["count"] == 2 and r["steps"]["used"] == 1
+    assert r["metrics"]["step_time_ms"] < 200  # the ~700 ms warm-up step is not the step time
+
+
+def test_without_cuda_api_rows_host_counts_are_unknown_not_zero(tmp_path):
+    r = report(edited(tmp_path, "h100_comm_ep2", "DROP TABLE CUPTI_ACTIVITY_KIND_RUNTIME"))
+    m = r["metrics"]
+    assert m["sync_calls_per_step"] is None and m["launch_calls_per_step"] is None
+    assert m["idle_input_frac"] == 0  # gap causes need the API: nothing is called input-bound
+    assert r["steps"]["source"] == "pattern"  # NVTX cannot be projected without correlationIds
+
+
+def test_empty_tables_are_read_on_every_core_count(tmp_path):
+    path = edited(
+        tmp_path,
+        "h100_comm_ep2",
+        "DELETE FROM CUPTI_ACTIVITY_KIND_MEMSET",
+        "DELETE FROM NVTX_EVENTS",
+    )
+    assert report(path)["classification"]["bound"] == "communication"
+
+
+def test_host_only_activity_of_another_process_stays_out_of_the_rank(tmp_path):
+    """Rank 1192's GPU rows are gone; its CUDA calls and NVTX ranges must not count for 1191."""
+    path = edited(
+        tmp_path,
+        "h100_comm_ep2",
+        *(
+            # the pid is bits 24..47 of globalPid
+            f"DELETE FROM {t} WHERE (globalPid >> 24) & 16777215 = 1192"
+            for t in (
+                "CUPTI_ACTIVITY_KIND_KERNEL",
+                "CUPTI_ACTIVITY_KIND_MEMCPY",
+                "CUPTI_ACTIVITY_KIND_MEMSET",
+            )
+        ),
+    )
+    r = report(path)
+    assert [rank["pid"] for rank in r["ranks"]] == [1191]
+    assert r["steps"]["count"] == 10
+    assert r["metrics"]["launch_calls_per_step"] < 200  # 1191's own ~130, not both ranks'
+
+
+def test_no_process_with_gpu_work_is_an_error(tmp_path):
+    path = edited(
+        tmp_path,
+        "h100_comm_ep2",
+        *(
+            f"UPDATE {t} SET globalPid = NULL"
+            for t in (
+                "CUPTI_ACTIVITY_KIND_KERNEL",
+                "CUPTI_ACTIVITY_KIND_MEMCPY",
+                "CUPTI_ACTIVITY_KIND_MEMSET",
+            )
+        ),
+    )
+    code, out, err = run_cli("analyze", path, "--no-cache", "-q")
+    assert code == 2 and out == ""
+    assert err.startswith("traceclf: error:") and "no process ran GPU work" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("regex", ["^Iter(?=ation)", "(unclosed"])
+def test_step_regex_the_engine_cannot_run_fails_before_loading(regex):
+    code, _, err = run_cli("analyze", trace_path("h100_comm_ep2"), "--step-range", regex)
+    assert code == 2 and "--step-range" in err and len(err.strip().splitlines()) == 1
+
+
+def test_output_into_a_missing_folder_fails_up_front(tmp_path):
+    target = tmp_path / "nope" / "report.md"
+    code, _, err = run_cli("analyze", trace_path("h100_comm_ep2"), "-f", "md", "-o", target)
+    assert code == 2 and "report.md" in err and "no folder" in err
+    assert not target.parent.exists()
+
+
+def test_bad_rules_folder_fails_before_loading(tmp_path):
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "bad.yaml").write_text("rules: [ {id: x, wall: nowhere} ]\n")
+    code, _, err = run_cli("analyze", trace_path("h100_comm_ep2"), "--rules", rules)
+    assert code == 2 and "bad.yaml" in err
