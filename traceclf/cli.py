@@ -59,6 +59,15 @@ cache_dir_option = click.option(
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 
 
+def analysis_options(command):
+    """The options of every command that analyses traces."""
+    for option in reversed(
+        (step_range_option, nsys_option, rules_option, no_cache_option, cache_dir_option)
+    ):
+        command = option(command)
+    return command
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="traceclf")
 def cli() -> None:
@@ -87,11 +96,7 @@ def cli() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write the report to this file (atomically) instead of stdout. Required for html.",
 )
-@step_range_option
-@nsys_option
-@rules_option
-@no_cache_option
-@cache_dir_option
+@analysis_options
 @click.option(
     "-j",
     "--jobs",
@@ -172,11 +177,7 @@ def analyze(
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write to this file (atomically) instead of stdout.",
 )
-@step_range_option
-@nsys_option
-@rules_option
-@no_cache_option
-@cache_dir_option
+@analysis_options
 @quiet_option
 def compare(
     before: str,
