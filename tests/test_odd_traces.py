@@ -118,3 +118,18 @@ def test_bad_rules_folder_fails_before_loading(tmp_path):
     (rules / "bad.yaml").write_text("rules: [ {id: x, wall: nowhere} ]\n")
     code, _, err = run_cli("analyze", trace_path("h100_comm_ep2"), "--rules", rules)
     assert code == 2 and "bad.yaml" in err
+
+
+def test_profiler_flushes_are_not_blamed_on_the_host(tmp_path):
+    """An idle gap that nsys's own overhead (a CUPTI buffer flush) covers is not input-bound."""
+    plain = report(edited(tmp_path, "h100_host_input_stall"))
+    assert plain["metrics"]["idle_input_frac"] > 0.8
+    flushed = edited(
+        tmp_path,
+        "h100_host_input_stall",
+        # one overhead range on the training process spanning the whole capture
+        'INSERT INTO PROFILER_OVERHEAD (start, "end", globalTid, nameId, returnValue) '
+        "SELECT 0, 1 << 62, globalTid, 0, 0 FROM CUPTI_ACTIVITY_KIND_RUNTIME LIMIT 1",
+    )
+    m = report(flushed)["metrics"]
+    assert m["idle_input_frac"] == 0 and m["idle_other_frac"] > 0.8

@@ -47,7 +47,8 @@ MEASURES: dict[str, str] = {
     "idle_launch_frac": "idle time while the host was issuing CUDA calls (launch-bound)",
     "idle_sync_frac": "idle time right after a synchronising call returned (sync-bound)",
     "idle_input_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them (input-bound)",
-    "idle_other_frac": "remaining idle time (host work between launches, unattributed)",
+    "idle_other_frac": "remaining idle time (host work between launches, profiler flushes, "
+    "unattributed)",
     "kernels_per_step": "kernel rows per step (kernels inside graph-level traced graphs "
     "are not rows)",
     "graph_launches_per_step": "CUDA-graph executions per step (graph-level tracing)",
@@ -136,8 +137,12 @@ def measure_rank(trace: Trace, steps: Steps, gpu: dict | None) -> RankMeasures:
     )
     comm = kern.filter(pl.col("is_comm")).select("start", "end")
     step_starts = steps.steady["gpu_start"].to_list() if steps.count else []
+    # Profiler overhead (CUPTI buffer flushes, ...) is a layer of its own: not GPU work, but
+    # idle time it covers is the profiler's, not the training loop's.
     tl = intervals.timeline(
-        {"compute": compute, "comm": comm, "copy": copies}, window, cuts=step_starts
+        {"compute": compute, "comm": comm, "copy": copies, "profiler": trace.overhead},
+        window,
+        cuts=step_starts,
     )
     state = _state_times(tl)
 
@@ -345,6 +350,9 @@ def _idle_gaps(tl: pl.DataFrame, calls: pl.DataFrame | None) -> pl.DataFrame:
     if calls is None:
         return gaps.with_columns(cause=pl.lit("other")).select(list(schema))
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
+    profiled = idle.filter(pl.col("profiler") > 0)
+    pidx = np.searchsorted(gstart, profiled["start"].to_numpy(), side="right") - 1
+    profiler_ns = np.bincount(pidx, weights=profiled["dur"].to_numpy(), minlength=len(gaps))
     start, end = calls["start"].to_numpy(), calls["end"].to_numpy()
     # Host coverage: CUDA calls that start inside a gap, clipped to it.
     idx = np.searchsorted(gstart, start, side="right") - 1
@@ -360,10 +368,15 @@ def _idle_gaps(tl: pl.DataFrame, calls: pl.DataFrame | None) -> pl.DataFrame:
     after_sync = np.zeros(len(gaps), dtype=bool)
     after_sync[sidx[synced]] = True
     gaps = gaps.with_columns(
-        api_ns=pl.Series(api_ns), calls=pl.Series(n_calls), after_sync=pl.Series(after_sync)
+        api_ns=pl.Series(api_ns),
+        calls=pl.Series(n_calls),
+        after_sync=pl.Series(after_sync),
+        profiler_ns=pl.Series(profiler_ns),
     )
     return gaps.with_columns(
-        cause=pl.when((pl.col("dur") >= INPUT_GAP_NS) & (pl.col("api_ns") * 2 < pl.col("dur")))
+        cause=pl.when(pl.col("profiler_ns") * 2 >= pl.col("dur"))
+        .then(pl.lit("other"))  # a profiler flush, not the host's doing
+        .when((pl.col("dur") >= INPUT_GAP_NS) & (pl.col("api_ns") * 2 < pl.col("dur")))
         .then(pl.lit("input"))
         .when(pl.col("after_sync"))
         .then(pl.lit("sync"))
