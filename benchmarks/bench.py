@@ -194,7 +194,7 @@ print(json.dumps({"rc": rc, "wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime,
 # What a loader run does inside its own process; prints the time of the call alone.
 LOAD = """
 import json, sys, time
-from traceclf.cache import load_trace_cached
+from traceclf.ingest.cache import load_trace_cached
 t = time.perf_counter()
 trace = load_trace_cached(sys.argv[2], use_cache=sys.argv[1] != "nocache")
 print(json.dumps({"call_s": time.perf_counter() - t}))

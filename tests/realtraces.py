@@ -26,7 +26,7 @@ def trace_path(name: str) -> Path:
 @cache
 def measured(name: str, step_regex: str | None = None):
     """(steps, measures) per rank of a real trace, computed once per test session."""
-    from traceclf.load import load_trace
+    from traceclf.ingest.load import load_trace
     from traceclf.measures import measure_rank
     from traceclf.steps import find_steps
 

@@ -24,9 +24,9 @@ from helpers.files import (
 )
 
 from traceclf.errors import TraceError
-from traceclf.inputs import resolve_inputs
-from traceclf.load import load_trace
-from traceclf.schema import GPU_ACTIVITY_TABLES, inspect_export
+from traceclf.ingest.inputs import resolve_inputs
+from traceclf.ingest.load import load_trace
+from traceclf.ingest.schema import GPU_ACTIVITY_TABLES, inspect_export
 
 
 def real() -> Path:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from realtraces import trace_path
 
-from traceclf import cache
-from traceclf.cache import load_trace_cached
 from traceclf.errors import TraceError
-from traceclf.load import load_trace
+from traceclf.ingest import cache
+from traceclf.ingest.cache import load_trace_cached
+from traceclf.ingest.load import load_trace
 from traceclf.model import Trace
 
 SMALL = "h100_comm_ep2.sqlite"
@@ -118,7 +118,7 @@ def test_default_cache_dir_from_environment(export: Path, tmp_path: Path) -> Non
 
 
 LOAD_IN_CHILD = (
-    "import sys; from traceclf.cache import load_trace_cached; "
+    "import sys; from traceclf.ingest.cache import load_trace_cached; "
     "t = load_trace_cached(sys.argv[1]); print(t.kernels.height, t.api.height)"
 )
 

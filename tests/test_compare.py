@@ -11,7 +11,8 @@ from helpers.cli import run_cli
 from realtraces import trace_path
 
 import traceclf
-from traceclf.compare import compare_reports, comparison_markdown
+from traceclf.compare import compare_reports
+from traceclf.render.compare import comparison_markdown
 from traceclf.report import WALLS, Report
 
 SLOW, FAST = "h100_host_launch_gpumetrics", "h100_host_cudagraph"  # the same model, unfixed/fixed

@@ -19,7 +19,7 @@ import pytest
 from conftest import FIXTURES, FULL_TRACES, fixture_trace, oracle_csv
 from rich.console import Console
 
-from traceclf.load import LOAD_STAGES, load_trace
+from traceclf.ingest.load import LOAD_STAGES, load_trace
 from traceclf.model import Trace
 from traceclf.progress import LoadProgress, status, stderr_console
 

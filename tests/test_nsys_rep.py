@@ -23,9 +23,9 @@ from helpers.fake_nsys import invocations, write_fake_nsys, write_fake_report
 from helpers.files import copy_export, file_state, folder_listing
 
 from traceclf.errors import TraceError
-from traceclf.inputs import resolve_inputs
-from traceclf.load import load_trace
-from traceclf.nsys import CACHE_FOLDER, export_report, find_nsys, is_export_of, report_key
+from traceclf.ingest.inputs import resolve_inputs
+from traceclf.ingest.load import load_trace
+from traceclf.ingest.nsys import CACHE_FOLDER, export_report, find_nsys, is_export_of, report_key
 
 OTHER_TRACE = "h100_host_input_stall"
 
@@ -225,7 +225,7 @@ def test_interrupt_stops_nsys_and_cleans_up(env: Path, report: Path) -> None:
     hanging = write_fake_nsys(env / "hanging-nsys", env / "hang.log", behaviour="hang")
     script = textwrap.dedent(f"""
         from pathlib import Path
-        from traceclf.nsys import export_report
+        from traceclf.ingest.nsys import export_report
         export_report(Path({str(report)!r}), nsys=Path({str(hanging)!r}), quiet=True)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)

@@ -11,10 +11,10 @@ from realtraces import trace_path
 
 from traceclf import parallel
 from traceclf.errors import TraceError
-from traceclf.load import load_trace
+from traceclf.ingest.load import load_trace
+from traceclf.ingest.schema import inspect_export
 from traceclf.model import Trace
 from traceclf.parallel import map_exports
-from traceclf.schema import inspect_export
 
 SMALL = ("h100_host_input_stall.sqlite", "h100_compute_low_occupancy.sqlite")
 

@@ -13,7 +13,7 @@ from helpers.cli import run_cli
 from realtraces import trace_path
 
 import traceclf
-from traceclf import figures
+from traceclf.figures import draw as figures
 from traceclf.render import render
 from traceclf.render.html import render_html
 from traceclf.render.markdown import render_markdown

@@ -24,9 +24,9 @@ from helpers.variants import (
 )
 
 from traceclf.errors import TraceError
-from traceclf.load import load_trace
+from traceclf.ingest.load import load_trace
+from traceclf.ingest.schema import inspect_export
 from traceclf.model import Trace
-from traceclf.schema import inspect_export
 
 VARIANTS: dict[str, tuple[Callable[[Path], Path], str, str]] = {
     "2021.1": (as_nsys_2021_early, "2021.1.1.66", "2.3.0"),

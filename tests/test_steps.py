@@ -7,7 +7,7 @@ import pytest
 from realtraces import measured, trace_path
 
 from traceclf.errors import TraceError
-from traceclf.load import load_trace
+from traceclf.ingest.load import load_trace
 from traceclf.steps import find_steps
 
 

@@ -73,10 +73,10 @@ class ExportResult:
 
 def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
     """Analyse every export named by ``inputs`` (files, folders, .nsys-rep) into one report."""
-    from traceclf.inputs import resolve_inputs
+    from traceclf.ingest.inputs import resolve_inputs
+    from traceclf.ingest.schema import inspect_export
+    from traceclf.judge.schema import load_rules
     from traceclf.parallel import map_exports
-    from traceclf.rules import load_rules
-    from traceclf.schema import inspect_export
 
     # Reject bad options and files before any heavy work starts.
     check_step_regex(opts.step_regex)
@@ -104,7 +104,7 @@ def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = Fals
     The result is cached beside the trace model (keyed by the export's identity, the step
     regex and the analysis code), so re-analysing an unchanged export reads one small file.
     """
-    from traceclf import cache
+    from traceclf.ingest import cache
 
     path = Path(path)
     variant = _result_variant(opts)
@@ -120,7 +120,7 @@ def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = Fals
 
 
 def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
-    from traceclf.cache import load_trace_cached
+    from traceclf.ingest.cache import load_trace_cached
     from traceclf.progress import LoadProgress
 
     with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
@@ -134,10 +134,11 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     )
     if not trace.rank_pids:
         raise TraceError(path, "no process ran GPU work (kernel and copy rows name no process)")
+    taxonomy = _taxonomy(opts)
     result = ExportResult(str(path), trace.nsys_version, trace.schema_version)
     for pid in trace.rank_pids:
         rank_trace = trace.for_pid(pid)
-        steps = find_steps(rank_trace, opts.step_regex)
+        steps = find_steps(rank_trace, opts.step_regex, taxonomy)
         gpu = trace.gpu_of(pid)
         result.ranks.append(
             RankResult(
@@ -146,29 +147,48 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
                 path=str(path),
                 gpu=gpu,
                 steps=_steps_summary(steps),
-                measures=measure_rank(rank_trace, steps, gpu),
+                measures=measure_rank(rank_trace, steps, gpu, taxonomy),
             )
         )
     return result
 
 
-ANALYSIS_MODULES = ("analysis", "steps", "measures", "kernels", "intervals", "model", "load")
+# Sources that shape a result (relative to the package): an edit to any invalidates the cache.
+ANALYSIS_SOURCES = (
+    "analysis.py",
+    "steps.py",
+    "kernels.py",
+    "model.py",
+    "measures",
+    "figures/series.py",
+    "ingest/load.py",
+)
+
+
+def _taxonomy(opts: AnalysisOptions):
+    from traceclf.judge.schema import load_rules
+
+    return load_rules(opts.rules_dir).taxonomy
 
 
 @functools.cache
 def _analysis_fingerprint() -> str:
     """Version plus the source of every module that shapes a result, so an edit invalidates."""
     digest = hashlib.sha256(__version__.encode())
-    for name in ANALYSIS_MODULES:
-        source = Path(__file__).with_name(f"{name}.py")
-        with contextlib.suppress(OSError):
-            digest.update(source.read_bytes())
+    package = Path(__file__).parent
+    for name in ANALYSIS_SOURCES:
+        source = package / name
+        for file in sorted(source.glob("*.py")) if source.is_dir() else [source]:
+            with contextlib.suppress(OSError):
+                digest.update(file.read_bytes())
     return digest.hexdigest()
 
 
 def _result_variant(opts: AnalysisOptions) -> str:
+    """Options and rules that shape the result: the step regex and the taxonomy."""
+    taxonomy = repr(_taxonomy(opts))
     return hashlib.sha256(
-        f"{_analysis_fingerprint()}:{opts.step_regex or ''}".encode()
+        f"{_analysis_fingerprint()}:{opts.step_regex or ''}:{taxonomy}".encode()
     ).hexdigest()[:24]
 
 
@@ -194,7 +214,7 @@ GPU_KEYS = ("name", "chip", "sm_count", "memory_bytes")
 
 def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
     """Reduce step: number the ranks, average their measures, compare them, classify."""
-    from traceclf.rules import evaluate
+    from traceclf.judge.engine import evaluate
 
     ranks = [r for export in results for r in export.ranks]
     rank_dicts = [

@@ -52,8 +52,8 @@ def open(path: str | Path, *, use_cache: bool = True, cache_dir: Path | None = N
     Raises :class:`~traceclf.errors.TraceError` when ``path`` is missing, is not an export,
     or names several exports (a folder): open those one at a time.
     """
-    from traceclf.cache import load_trace_cached
-    from traceclf.inputs import resolve_inputs
+    from traceclf.ingest.cache import load_trace_cached
+    from traceclf.ingest.inputs import resolve_inputs
 
     exports = resolve_inputs([str(path)], cache_dir=cache_dir, quiet=True)
     if len(exports) != 1:
@@ -105,7 +105,7 @@ def load_report(path: str | Path) -> Report:
 def figures(report: Report) -> dict[str, Figure]:
     """The report's figures by name (``step_timeline``, ``comm_overlap``, ``idle_gaps``,
     ``gpu_metrics``), each a matplotlib Figure; only those the report has data for."""
-    from traceclf.figures import report_figures
+    from traceclf.figures.draw import report_figures
 
     return report_figures(report.series)
 

@@ -195,7 +195,8 @@ def compare(
     """Compare two runs: BEFORE and AFTER are traces (any `analyze` input; use a folder for
     several ranks) or saved JSON reports. Exits 1 on a regression beyond --threshold."""
     from traceclf.analysis import AnalysisOptions
-    from traceclf.compare import compare_runs, render_comparison
+    from traceclf.compare import compare_runs
+    from traceclf.render.compare import render_comparison
 
     opts = AnalysisOptions(
         step_regex=step_range,
@@ -230,7 +231,7 @@ def measures_cmd() -> None:
 @rules_option
 def rules_cmd(rules_dir: Path | None) -> None:
     """List the classification rules and the fixes they can propose."""
-    from traceclf.rules import list_rules
+    from traceclf.render.rules import list_rules
 
     list_rules(rules_dir)
 
@@ -240,7 +241,7 @@ def rules_cmd(rules_dir: Path | None) -> None:
 @rules_option
 def explain(fix_id: str, rules_dir: Path | None) -> None:
     """Print one fix in full: why, the config to paste, preconditions and pitfalls."""
-    from traceclf.rules import explain_fix
+    from traceclf.render.rules import explain_fix
 
     explain_fix(fix_id, rules_dir)
 

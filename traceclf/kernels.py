@@ -1,61 +1,82 @@
-"""What a kernel is, from its name and launch configuration: family, communication library and
-collective kind, and theoretical occupancy."""
+"""What a kernel, a CUDA call or an NVTX range is: the taxonomy of rules/kernels.yaml as polars
+expressions (family, communication library and collective kind of a kernel; sync/launch/alloc
+class of a CUDA call; step and phase ranges), plus theoretical occupancy from a launch config.
+
+The taxonomy is data: rules/kernels.yaml holds the bundled one, and a ``taxonomy:`` section in
+a ``--rules`` folder is merged over it by :mod:`traceclf.judge.schema` (``RuleSet.taxonomy``).
+Patterns run in polars (Rust ``regex``: linear time), once per distinct name, never per row.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import polars as pl
 
-# First match wins: communication before GEMM (NCCL kernels mention neither), attention before
-# GEMM (flash attention is built on CUTLASS).
-FAMILIES: tuple[tuple[str, str], ...] = (
-    ("communication", r"(?i)^(void )?(nccl|deep_ep::)|hybrid_?ep|nvshmem|userbuffers"),
-    ("attention", r"(?i)flash|fmha|attention|_attn|attn_|sdpa|mha_"),
-    ("gemm", r"(?i)gemm|nvjet|cutlass|cublas|xmma|wgmma|gemv|matmul|s16816|h16816|s1688"),
-    ("optimizer", r"(?i)adam|sgd|\blamb[_(]|\blion[_(]|optimizer|multi_tensor_apply"),
-    (
-        "permute_moe",
-        r"(?i)permute|row_id_map|moe|topk|router|radix|sort|scatter|gather|index|"
-        r"nonzero|histogram|bincount",
-    ),
-    ("reduction", r"(?i)reduce|norm|softmax|cross_entropy|nll_loss|cumsum|sum_kernel|mean"),
-    (
-        "elementwise",
-        r"(?i)elementwise|vectorized|activation|gelu|silu|relu|fill|copy|cast|"
-        r"dropout|triton|mul|add|where|pow|sqrt|exp",
-    ),
-)
-
-COMM_LIBRARIES: tuple[tuple[str, str], ...] = (
-    ("nccl", r"(?i)^(void )?nccl"),
-    ("deepep", r"deep_ep::"),
-    ("hybridep", r"(?i)hybrid_?ep"),
-    ("nvshmem", r"(?i)nvshmem"),
-    ("userbuffers", r"(?i)userbuffers"),
-)
-
-# Collective kind from the kernel name; grouped send/recv is refined with NCCL's NVTX ranges.
-COMM_KINDS: tuple[tuple[str, str], ...] = (
-    ("all_to_all", r"(?i)alltoall|all_to_all|deep_ep::.*(dispatch|combine)|hybrid_?ep"),
-    ("all_reduce", r"(?i)allreduce|all_reduce"),
-    ("all_gather", r"(?i)allgather|all_gather"),
-    ("reduce_scatter", r"(?i)reducescatter|reduce_scatter"),
-    ("broadcast", r"(?i)broadcast"),
-    ("send_recv", r"(?i)sendrecv|send|recv"),
-    ("reduce", r"(?i)reduce"),
-)
-
-# NCCL's own NVTX range names (domain "NCCL") -> collective kind.
-NCCL_NVTX_KINDS: tuple[tuple[str, str], ...] = (
-    ("all_to_all", r"(?i)alltoall"),
-    ("all_reduce", r"(?i)allreduce"),
-    ("all_gather", r"(?i)allgather"),
-    ("reduce_scatter", r"(?i)reducescatter"),
-    ("broadcast", r"(?i)broadcast"),
-    ("send_recv", r"(?i)^nccl(send|recv)"),
-)
+Table = tuple[tuple[str, str], ...]  # (label, pattern), first match wins
 
 
-def _first_match(col: str, table: tuple[tuple[str, str], ...], default: str | None) -> pl.Expr:
+@dataclass(frozen=True)
+class NvtxCollective:
+    kind: str
+    pattern: str
+    domain: str | None = None  # only ranges of this NVTX domain; None: any domain
+
+
+@dataclass(frozen=True)
+class Taxonomy:
+    families: Table
+    comm_libraries: Table
+    comm_kinds: Table
+    nvtx_collectives: tuple[NvtxCollective, ...]
+    nvtx: dict[str, str] = field(hash=False)  # step, forward, backward, optimizer
+    fp8_gemm: str = ""
+    cuda_api: dict[str, str] = field(default_factory=dict, hash=False)  # sync, launch, ...
+
+    def family(self, col: str = "name") -> pl.Expr:
+        return first_match(col, self.families, "other")
+
+    def comm_library(self, col: str = "name") -> pl.Expr:
+        return first_match(col, self.comm_libraries, None)
+
+    def comm_kind(self, col: str = "name") -> pl.Expr:
+        return first_match(col, self.comm_kinds, "other")
+
+    def nvtx_collective(self, text: str = "text", domain: str = "domain") -> pl.Expr:
+        """Collective kind named by an NVTX range (null when it names none)."""
+        expr = pl.lit(None, dtype=pl.String)
+        for entry in reversed(self.nvtx_collectives):
+            cond = pl.col(text).cast(pl.String).str.contains(entry.pattern)
+            if entry.domain is not None:
+                cond = cond & (pl.col(domain) == entry.domain)
+            expr = pl.when(cond).then(pl.lit(entry.kind)).otherwise(expr)
+        return expr
+
+    def is_api(self, kind: str, col: str = "name") -> pl.Expr:
+        """Whether a CUDA call is of ``kind`` (a key of ``cuda_api``: sync, launch, alloc...)."""
+        return pl.col(col).cast(pl.String).str.contains(self.cuda_api[kind])
+
+    def classify(self, kernels: pl.DataFrame) -> pl.DataFrame:
+        """Add ``family``, ``is_comm``, ``comm_library`` and ``comm_kind`` columns.
+
+        The regexes run once per distinct name (a few hundred), not once per kernel (millions).
+        """
+        names = (
+            kernels.select("name")
+            .unique()
+            .with_columns(family=self.family())
+            .with_columns(
+                is_comm=pl.col("family") == "communication",
+                comm_library=pl.when(pl.col("family") == "communication").then(
+                    self.comm_library()
+                ),
+                comm_kind=pl.when(pl.col("family") == "communication").then(self.comm_kind()),
+            )
+        )
+        return kernels.join(names, on="name", how="left", maintain_order="left")
+
+
+def first_match(col: str, table: Table, default: str | None) -> pl.Expr:
     expr = pl.lit(default, dtype=pl.String)
     for label, pattern in reversed(table):
         expr = (
@@ -66,38 +87,11 @@ def _first_match(col: str, table: tuple[tuple[str, str], ...], default: str | No
     return expr
 
 
-def family(col: str = "name") -> pl.Expr:
-    return _first_match(col, FAMILIES, "other")
+def bundled() -> Taxonomy:
+    """The taxonomy of the bundled rules/ (for API users who pass none)."""
+    from traceclf.judge.schema import load_rules
 
-
-def comm_library(col: str = "name") -> pl.Expr:
-    return _first_match(col, COMM_LIBRARIES, None)
-
-
-def comm_kind(col: str = "name") -> pl.Expr:
-    return _first_match(col, COMM_KINDS, "other")
-
-
-def nccl_nvtx_kind(col: str = "text") -> pl.Expr:
-    return _first_match(col, NCCL_NVTX_KINDS, None)
-
-
-def classify(kernels: pl.DataFrame) -> pl.DataFrame:
-    """Add ``family``, ``is_comm``, ``comm_library`` and ``comm_kind`` columns.
-
-    The regexes run once per distinct name (a few hundred), not once per kernel (millions).
-    """
-    names = (
-        kernels.select("name")
-        .unique()
-        .with_columns(family=family())
-        .with_columns(
-            is_comm=pl.col("family") == "communication",
-            comm_library=pl.when(pl.col("family") == "communication").then(comm_library()),
-            comm_kind=pl.when(pl.col("family") == "communication").then(comm_kind()),
-        )
-    )
-    return kernels.join(names, on="name", how="left", maintain_order="left")
+    return load_rules(None).taxonomy
 
 
 def theoretical_occupancy(gpu: dict | None) -> pl.Expr:

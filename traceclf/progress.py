@@ -38,7 +38,7 @@ def status(message: str, *, quiet: bool = False, console: Console | None = None)
 
 
 class LoadProgress:
-    """A ``progress(stage)`` callback for :func:`traceclf.load.load_trace`.
+    """A ``progress(stage)`` callback for :func:`traceclf.ingest.load.load_trace`.
 
     Shows "Loading NAME: stage" with a spinner, but only once the load has taken ``delay``
     seconds, so the usual sub-second load prints nothing::

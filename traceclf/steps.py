@@ -2,9 +2,10 @@
 
 Sources, in order of preference:
 - ``nvtx``: ranges named like ``step 12`` / ``iteration 3`` / ``batch 7`` / ``ProfilerStep#5``
-  (or ``--step-range REGEX``). A range is CPU time; it is projected onto the GPU through the
-  correlationIds of the CUDA calls made inside it by the same process (any thread: PyTorch
-  launches backward kernels from its autograd thread), as NVIDIA's ``nvtx_gpu_proj_trace`` does.
+  (the ``nvtx.step`` pattern of rules/kernels.yaml, or ``--step-range REGEX``). A range is CPU
+  time; it is projected onto the GPU through the correlationIds of the CUDA calls made inside it
+  by the same process (any thread: PyTorch launches backward kernels from its autograd thread),
+  as NVIDIA's ``nvtx_gpu_proj_trace`` does.
 - ``graph``: each launch of the most frequently replayed CUDA graph is one step.
 - ``pattern``: occurrences of the kernel that repeats most regularly, once per period.
 - ``none``: the whole GPU span is one window.
@@ -21,12 +22,9 @@ from dataclasses import dataclass
 import polars as pl
 
 from traceclf.errors import TraceError
+from traceclf.kernels import Taxonomy
 from traceclf.model import Trace, outermost
 
-DEFAULT_STEP_REGEX = (
-    r"(?i)^\s*(train[_ ]?)?(step|iteration|iter|batch|global[_ ]step|ProfilerStep)"
-    r"\s*[#:=_-]?\s*\d+\s*$"
-)
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the median is warm-up
 OUTLIER_FACTOR = 2.0  # a step outside [median/f, median*f] is left out of the statistics
 
@@ -55,10 +53,16 @@ class Steps:
         return self.steady.filter(~pl.col("outlier"))["duration"]
 
 
-def find_steps(trace: Trace, step_regex: str | None = None) -> Steps:
-    """Steps of a single-rank trace (see :meth:`Trace.for_pid`)."""
+def find_steps(
+    trace: Trace, step_regex: str | None = None, taxonomy: Taxonomy | None = None
+) -> Steps:
+    """Steps of a single-rank trace (see :meth:`Trace.for_pid`); ``taxonomy`` (default: the
+    bundled one) names step ranges and graph launches."""
+    from traceclf import kernels
+
+    taxonomy = taxonomy or kernels.bundled()
     for finder in (_nvtx_steps, _graph_steps, _pattern_steps):
-        found = finder(trace, step_regex)
+        found = finder(trace, step_regex, taxonomy)
         if found is not None and len(found[0]) >= 1:
             table, source, label = found
             return _choose_window(table, source, label, trace)
@@ -80,8 +84,8 @@ def _empty_table() -> pl.DataFrame:
     )
 
 
-def _nvtx_steps(trace: Trace, step_regex: str | None):
-    pattern = step_regex or DEFAULT_STEP_REGEX
+def _nvtx_steps(trace: Trace, step_regex: str | None, taxonomy: Taxonomy):
+    pattern = step_regex or taxonomy.nvtx["step"]
     check_step_regex(pattern)
     ranges = trace.nvtx.filter(pl.col("text").str.contains(pattern))
     if ranges.is_empty():
@@ -120,10 +124,8 @@ def _label(names: pl.Series) -> str:
     return str(stripped.mode()[0]) if len(stripped) else ""
 
 
-def _graph_steps(trace: Trace, _regex: str | None):
-    launches = trace.api.filter(
-        pl.col("name").cast(pl.String).str.contains("^(cudaGraphLaunch|cuGraphLaunch)")
-    )
+def _graph_steps(trace: Trace, _regex: str | None, taxonomy: Taxonomy):
+    launches = trace.api.filter(taxonomy.is_api("graph_launch"))
     if len(launches) < 2:
         return None
     work = trace.gpu_work.join(launches.select("correlation_id"), on="correlation_id")
@@ -155,7 +157,7 @@ def _graph_steps(trace: Trace, _regex: str | None):
     return table, "graph", "cudaGraphLaunch"
 
 
-def _pattern_steps(trace: Trace, _regex: str | None):
+def _pattern_steps(trace: Trace, _regex: str | None, _taxonomy: Taxonomy):
     """Steps from the kernel that recurs most regularly: the steady state of a training loop
     repeats the same sequence, so one kernel of it recurs at the step period."""
     kernels = trace.kernels.select("name", "start", "end").sort("start")

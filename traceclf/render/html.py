@@ -9,7 +9,7 @@ from html import escape
 
 from matplotlib.figure import Figure
 
-from traceclf.figures import WALL_COLORS, report_figures
+from traceclf.figures.draw import WALL_COLORS, report_figures
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,

@@ -19,6 +19,13 @@ def fmt_ms(v: float | None) -> str:
     return f"{v:.3g} ms" if v < 1000 else f"{v / 1000:.3g} s"
 
 
+def signed_pct(v: float | None) -> str:
+    """A relative change: '+3.2%', '-45%'."""
+    if v is None:
+        return "–"
+    return f"{v:+.0%}" if abs(v) >= 1 else f"{v:+.1%}"
+
+
 def fmt_bytes(v: float | None) -> str:
     if v is None:
         return "–"

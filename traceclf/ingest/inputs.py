@@ -1,7 +1,7 @@
 """What the user named on the command line -> the SQLite exports to analyse.
 
 Accepts export files (any name: an SQLite file called run.db is fine), nsys reports
-(``.nsys-rep``, older ``.qdrep``; exported once, see :mod:`traceclf.nsys`), folders of them
+(``.nsys-rep``, older ``.qdrep``; exported once, see :mod:`traceclf.ingest.nsys`), folders of them
 (not recursive) and glob patterns the shell left unexpanded. The result is deduplicated and in
 natural order, so rank_2 comes before rank_10 whatever order the shell produced.
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from traceclf.errors import TraceError
-from traceclf.nsys import (
+from traceclf.ingest.nsys import (
     REPORT_SUFFIXES,
     beside_export,
     export_report,
@@ -22,7 +22,7 @@ from traceclf.nsys import (
     made_by_traceclf,
     report_key,
 )
-from traceclf.schema import is_sqlite_file
+from traceclf.ingest.schema import is_sqlite_file
 
 EXPORT_SUFFIX = ".sqlite"
 GLOB_CHARS = re.compile(r"[*?\[]")

@@ -41,7 +41,7 @@ IDLE_CAUSES = (  # host causes in shades of the host wall's orange; unattributed
     ("input", "input (no CUDA calls)", "#f7d154"),
     ("other", "other / unattributed", WALL_COLORS["idle"]),
 )
-GPU_METRICS = (  # metric key (traceclf.load.METRIC_NAMES), label, colour, line style
+GPU_METRICS = (  # metric key (traceclf.ingest.devices.METRIC_NAMES), label, colour, line style
     ("sm_active", "SM Active", "#1b5e20", "-"),
     ("sm_issue", "SM Issue", "#66bb6a", "--"),
     ("tensor_active", "Tensor Active", "#5e35b1", "-"),

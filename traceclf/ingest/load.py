@@ -19,8 +19,15 @@ import connectorx as cx
 import polars as pl
 
 from traceclf.errors import TraceError
+from traceclf.ingest.devices import (
+    decode_pid,
+    read_device_map,
+    read_gpu_metrics,
+    read_gpus,
+    read_processes,
+)
+from traceclf.ingest.schema import ExportInfo, inspect_export, readonly_uri
 from traceclf.model import Trace
-from traceclf.schema import ExportInfo, inspect_export, readonly_uri
 
 # copyKind values of CUpti_ActivityMemcpyKind
 COPY_KINDS = {
@@ -275,11 +282,6 @@ def empty_frame(cols: tuple[Col, ...]) -> pl.DataFrame:
     return pl.DataFrame(schema={c.name: c.dtype for c in cols})
 
 
-def decode_pid(col: str) -> pl.Expr:
-    """Process id from a serialized globalPid/globalTid: bits 24..47."""
-    return ((pl.col(col) // (1 << 24)) % (1 << 24)).cast(pl.Int64)
-
-
 def decode_tid(col: str) -> pl.Expr:
     return (pl.col(col) % (1 << 24)).cast(pl.Int64)
 
@@ -386,10 +388,10 @@ def load_trace(
     overhead = _names(strings, "name_id", "name")(reader.read("overhead", window))
 
     step("GPU metrics")
-    gpu_metrics = _read_gpu_metrics(reader, window)
+    gpu_metrics = read_gpu_metrics(reader, window)
 
-    gpus = _gpus(reader)
-    processes = _processes(reader)
+    gpus = read_gpus(reader)
+    processes = read_processes(reader)
 
     kernels, graphs, copies, syncs, memory = (
         df.with_columns(pid=decode_pid("global_pid"))
@@ -412,7 +414,7 @@ def load_trace(
         overhead=overhead,
         gpus=gpus,
         processes=processes,
-        device_map=_device_map(reader),
+        device_map=read_device_map(reader),
     )
 
 
@@ -442,129 +444,3 @@ def _read_nvtx(
         )
         .sort("start")
     )
-
-
-# The GPU metrics the measures use, each under the names nsys gives it on different GPUs;
-# the others (clocks, graphics warps, PCIe) are not read: on a 1 GB export GPU_METRICS is most
-# of the rows.
-METRIC_NAMES: dict[str, tuple[str, ...]] = {
-    "sm_active": ("SMs Active [Throughput %]", "SM Active [Throughput %]"),
-    "sm_issue": ("SM Issue [Throughput %]", "SM Issue Active [Throughput %]"),
-    "tensor_active": (
-        "Tensor Active [Throughput %]",
-        "Tensor Active / FP16 Active [Throughput %]",
-        "Tensor Pipe Active [Throughput %]",
-    ),
-}
-GPU_METRICS_SCHEMA = {
-    "timestamp": pl.Int64,
-    "source": pl.Int64,
-    "metric": pl.Categorical,
-    "value": pl.Float32,
-}
-
-
-# Columns the metrics query below needs; an export laid out otherwise is read without metrics.
-METRIC_TABLE_COLUMNS = {
-    "GPU_METRICS": {"timestamp", "typeId", "metricId", "value"},
-    "TARGET_INFO_GPU_METRICS": {"typeId", "metricId", "metricName"},
-}
-
-
-def _read_gpu_metrics(reader: Reader, window: tuple[int, int] | None) -> pl.DataFrame:
-    columns = reader.info.columns
-    if any(not need <= set(columns.get(t, ())) for t, need in METRIC_TABLE_COLUMNS.items()):
-        return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
-    names = reader.small_table(
-        "TARGET_INFO_GPU_METRICS", METRIC_TABLE_COLUMNS["TARGET_INFO_GPU_METRICS"]
-    )
-    known = {name: key for key, names in METRIC_NAMES.items() for name in names}
-    wanted = names.filter(pl.col("metricName").is_in(list(known)))
-    if wanted.is_empty():
-        return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
-    ids = ", ".join(str(i) for i in wanted["metricId"].unique().to_list())
-    clauses = [f"metricId IN ({ids})"]
-    if window is not None:
-        clauses.append(f"timestamp BETWEEN {int(window[0])} AND {int(window[1])}")
-    raw = reader.sql(
-        reader.partitioned(
-            "SELECT timestamp, typeId, metricId, value FROM GPU_METRICS", "GPU_METRICS", clauses
-        )
-    )
-    if raw.is_empty():
-        return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
-    return (
-        raw.join(wanted.select("typeId", "metricId", "metricName"), on=["typeId", "metricId"])
-        # nsys 2025.3 writes some unsigned values as negative: those samples are invalid.
-        .filter(pl.col("value") >= 0)
-        .select(
-            pl.col("timestamp").cast(pl.Int64),
-            source=pl.col("typeId").cast(pl.Int64),
-            metric=pl.col("metricName").replace_strict(known).cast(pl.Categorical),
-            value=pl.col("value").cast(pl.Float32),
-        )
-        .sort("timestamp")
-    )
-
-
-# Logical GPU columns and their physical names: TARGET_INFO_GPU (nsys >= 2021.3) first, then the
-# CUPTI device-record names of TARGET_INFO_CUDA_GPU (older). Units are the same in both.
-GPU_TABLES = ("TARGET_INFO_GPU", "TARGET_INFO_CUDA_GPU")
-GPU_COLUMNS: dict[str, tuple[str, ...]] = {
-    "gpu_id": ("id", "deviceId"),
-    "name": ("name",),
-    "chip": ("chipName",),
-    "sm_count": ("smCount", "numMultiprocessors"),
-    "memory_bytes": ("totalMemory", "globalMemorySize"),
-    "max_warps_per_sm": ("maxWarpsPerSm", "maxWarpsPerMultiprocessor"),
-    "max_blocks_per_sm": ("maxBlocksPerSm", "maxBlocksPerMultiprocessor"),
-    "max_registers_per_sm": ("maxRegistersPerSm", "maxRegistersPerMultiprocessor"),
-    "max_shmem_per_sm": ("maxShmemPerSm", "maxSharedMemoryPerMultiprocessor"),
-    "threads_per_warp": ("threadsPerWarp", "numThreadsPerWarp"),
-    "memory_bandwidth": ("memoryBandwidth",),
-    "clock_rate": ("clockRate",),
-    "compute_major": ("computeMajor", "computeCapabilityMajor"),
-    "compute_minor": ("computeMinor", "computeCapabilityMinor"),
-    "bus": ("busLocation",),
-}
-GPU_SCHEMA = {
-    out: (pl.String if out in ("name", "chip", "bus") else pl.Int64) for out in GPU_COLUMNS
-}
-
-
-def _gpus(reader: Reader) -> pl.DataFrame:
-    table = next((t for t in GPU_TABLES if reader.info.has(t)), None)
-    wanted = (src for sources in GPU_COLUMNS.values() for src in sources)
-    raw = reader.small_table(table, wanted) if table else pl.DataFrame()
-    if raw.is_empty():
-        return pl.DataFrame(schema=GPU_SCHEMA)
-
-    def column(out: str) -> pl.Expr:
-        src = next((s for s in GPU_COLUMNS[out] if s in raw.columns), None)
-        return (pl.col(src) if src else pl.lit(None)).cast(GPU_SCHEMA[out], strict=False)
-
-    return raw.select([column(out).alias(out) for out in GPU_COLUMNS]).unique(
-        "gpu_id", maintain_order=True
-    )
-
-
-def _processes(reader: Reader) -> pl.DataFrame:
-    raw = reader.small_table("PROCESSES", ("globalPid", "name"))
-    if raw.is_empty() or not {"globalPid", "name"} <= set(raw.columns):
-        return pl.DataFrame(schema={"pid": pl.Int64, "process_name": pl.String})
-    return raw.select(
-        pid=decode_pid("globalPid"), process_name=pl.col("name").cast(pl.String)
-    ).unique("pid", maintain_order=True)
-
-
-def _device_map(reader: Reader) -> pl.DataFrame:
-    """(pid, CUDA device ordinal) -> physical GPU id, for ranks that each see their GPU as 0."""
-    raw = reader.small_table("TARGET_INFO_CUDA_DEVICE", ("gpuId", "cudaId", "pid"))
-    schema = {"pid": pl.Int64, "device_id": pl.Int64, "gpu_id": pl.Int64}
-    if raw.is_empty() or not {"gpuId", "cudaId", "pid"} <= set(raw.columns):
-        return pl.DataFrame(schema=schema)
-    return raw.select(
-        pid=pl.col("pid").cast(pl.Int64),
-        device_id=pl.col("cudaId").cast(pl.Int64),
-        gpu_id=pl.col("gpuId").cast(pl.Int64),
-    ).unique(["pid", "device_id"], maintain_order=True)

@@ -25,11 +25,12 @@ from pathlib import Path
 import polars as pl
 
 import traceclf
-from traceclf import load, model, schema
+from traceclf import model
 from traceclf.atomic import write_atomic
-from traceclf.load import load_trace
+from traceclf.ingest import devices, load, schema
+from traceclf.ingest.load import load_trace
+from traceclf.ingest.schema import check_sqlite_file
 from traceclf.model import Trace
-from traceclf.schema import check_sqlite_file
 
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
 CACHE_FORMAT = 1
@@ -50,7 +51,7 @@ def load_trace_cached(
     cache_dir: Path | None = None,
     progress: Progress | None = None,
 ) -> Trace:
-    """:func:`~traceclf.load.load_trace` through the Parquet cache.
+    """:func:`~traceclf.ingest.load.load_trace` through the Parquet cache.
 
     ``use_cache=False`` neither reads nor writes a cache. ``cache_dir`` (default
     ``$TRACECLF_CACHE_DIR``, then ``~/.cache/traceclf``) is used when the export's folder is
@@ -127,7 +128,7 @@ def export_key(path: Path) -> str:
 def _code_fingerprint() -> str:
     """Cache format, versions and the source of the modules that shape the trace model."""
     digest = hashlib.sha256(f"{CACHE_FORMAT}:{traceclf.__version__}:{pl.__version__}".encode())
-    for module in (load, model, schema):
+    for module in (load, devices, model, schema):
         with contextlib.suppress(OSError, TypeError):  # no source shipped: version must do
             digest.update(Path(module.__file__).read_bytes())  # type: ignore[arg-type]
     return digest.hexdigest()

@@ -1,0 +1,219 @@
+"""Fire the rules on a run's facts, score each wall, name the bound and propose the fixes
+(docs/rules.md, "Scoring"), in the workflow order memory -> communication -> host -> compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from traceclf.judge.entries import WALLS, Fix, GpuFamily, Rule, Scoring
+from traceclf.judge.schema import RuleSet, known_names, load_rules
+
+
+@dataclass
+class Verdict:
+    classification: dict  # {"bound", "confidence", "scores": {wall: float}, "evidence": [str]}
+    fixes: list[dict]  # contract fix objects, ordered, each also with "rule_ids" and "score"
+    applied: list[str]  # what the trace shows is already applied
+    next_wall: str | None
+
+
+@dataclass(frozen=True)
+class _Hit:
+    rule: Rule
+    score: float
+    order: int  # definition order, the last tie-breaker
+
+
+def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
+    """Classify a run from its facts (mean metrics, GPU, ranks, communication by kind, cross-rank
+    skew) and propose the fixes, in the workflow order memory -> communication -> host -> compute."""
+    rs = load_rules(rules_dir)
+    env = build_env(facts, rs)
+    hits = _fire(rs, env)
+    scores = {w: _combine(h.score for h in hits if h.rule.wall == w) for w in WALLS}
+    bound, confidence = _bound(scores, rs.scoring)
+    # Walls reported with evidence and fixes: the bound and any other wall that matters.
+    shown = [w for w in rs.scoring.workflow if w == bound or scores[w] >= rs.scoring.meaningful]
+    return Verdict(
+        classification=_classification(hits, scores, bound, confidence, shown, rs, env),
+        fixes=_propose(hits, shown, rs, env),
+        applied=[_applied_sentence(f, env) for f in by_workflow(rs) if _is_applied(f, env)],
+        next_wall=_next_wall(scores, bound, rs.scoring, env),
+    )
+
+
+def _classification(
+    hits: list[_Hit],
+    scores: dict[str, float],
+    bound: str,
+    confidence: float,
+    shown: list[str],
+    rs: RuleSet,
+    env: dict[str, Any],
+) -> dict:
+    """The contract's classification; evidence of the bound first, then workflow order."""
+    workflow = rs.scoring.workflow
+    hits = sorted(
+        hits, key=lambda h: (h.rule.wall != bound, workflow.index(h.rule.wall), -h.score, h.order)
+    )
+    evidence = [h.rule.evidence.render(env) for h in hits if h.rule.wall in shown]
+    if max(scores.values()) < rs.scoring.dominant:
+        evidence.insert(0, rs.scoring.balanced_evidence.render(env))
+    return {
+        "bound": bound,
+        "confidence": round(confidence, 3),
+        "scores": {w: round(scores[w], 3) for w in WALLS},
+        "evidence": [e for e in evidence if e],
+        "rules": [{"id": h.rule.id, "wall": h.rule.wall, "score": round(h.score, 3)} for h in hits],
+    }
+
+
+def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
+    """The names conditions see: every measure (null when absent) plus the context names."""
+    metrics = facts.get("metrics") or {}
+    gpu = facts.get("gpu") or {}
+    kinds = facts.get("comm_by_kind") or {}
+    cross = facts.get("cross_rank") or {}
+    env: dict[str, Any] = dict.fromkeys(known_names()) | dict(metrics)
+    env |= {
+        "gpu_family": gpu_family(gpu, rs.families),
+        "gpu_name": gpu.get("name"),
+        "gpu_chip": gpu.get("chip"),
+        "gpu_sm_count": gpu.get("sm_count"),
+        "gpu_memory_bytes": gpu.get("memory_bytes"),
+        "rank_count": facts.get("rank_count") or len(facts.get("ranks") or []) or 1,
+        "uses_cuda_graphs": bool(metrics.get("uses_cuda_graphs")),
+        "comm_libraries": sorted({lib for k in kinds.values() for lib in k.get("libraries") or []}),
+        "comm_kinds": sorted(kinds),
+        "other_comm_kinds": sorted(k for k in kinds if k != "all_to_all"),
+        "straggler_rank": cross.get("straggler_rank"),
+        "step_time_skew_frac": cross.get("step_time_skew_frac"),
+        "compute_skew_frac": cross.get("compute_skew_frac"),
+    }
+    for name, definition in rs.definitions.items():  # in order: each may use the ones before
+        env[name] = definition.expr.value(env)
+    return env
+
+
+def gpu_family(gpu: dict | None, families: list[GpuFamily]) -> str:
+    """First family whose pattern matches the GPU's name or chip; "unknown" otherwise."""
+    text = " ".join(str(gpu.get(k) or "") for k in ("name", "chip")) if gpu else ""
+    return next((f.family for f in families if text.strip() and f.match.search(text)), "unknown")
+
+
+def _fire(rs: RuleSet, env: dict[str, Any]) -> list[_Hit]:
+    hits = []
+    for order, rule in enumerate(rs.rules.values()):
+        if rule.enabled and rule.when.holds(env):
+            score = rule.score.value(env)
+            ok = isinstance(score, (int, float)) and not isinstance(score, bool)
+            hits.append(_Hit(rule, min(max(float(score), 0.0), 1.0) if ok else 0.0, order))
+    return hits
+
+
+def _combine(scores: Iterable[float]) -> float:
+    """Independent pieces of evidence for one wall: 1 - prod(1 - s) stays in [0, 1] and grows
+    with every rule that fires without letting overlapping rules add past certainty."""
+    return 1.0 - math.prod(1.0 - s for s in scores)
+
+
+def _bound(scores: dict[str, float], scoring: Scoring) -> tuple[str, float]:
+    ranked = sorted(scores, key=lambda w: (-scores[w], scoring.workflow.index(w)))
+    top, second = scores[ranked[0]], scores[ranked[1]]
+    if top <= 0:
+        return scoring.default_bound, 0.0
+    # High when the top wall is strong and clearly ahead; never above the top score itself.
+    return ranked[0], min(max(top - 0.5 * second, 0.0), 1.0)
+
+
+def _next_wall(
+    scores: dict[str, float], bound: str, scoring: Scoring, env: Mapping[str, Any]
+) -> str | None:
+    """The wall the run hits once the bound is fixed: the strongest other wall that scores;
+    else, before the last wall of the workflow, the wall with the largest share of what is
+    left of the step once the bound's share is gone."""
+    others = sorted((w for w in WALLS if w != bound), key=lambda w: -scores[w])
+    if others and scores[others[0]] >= scoring.meaningful:
+        return others[0]
+    after = scoring.workflow[scoring.workflow.index(bound) + 1 :]
+    scored = next((w for w in after if scores[w] > 0), None)
+    if scored or not after:
+        return scored
+    shares = {w: scoring.time_share[w].value(env) for w in WALLS}
+    if not all(isinstance(v, (int, float)) for v in shares.values()):
+        return None
+    rest = 1 - shares[bound]
+    remaining = {
+        w: shares[w] / rest
+        for w in others
+        if rest > 0 and shares[w] / rest >= scoring.next_wall_min_share
+    }
+    return max(remaining, key=remaining.__getitem__) if remaining else None
+
+
+def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any]) -> list[dict]:
+    """Fixes of the reported walls, each placed where its strongest workflow-first rule puts it;
+    fixes whose hardware requirement fails or that the trace shows applied are left out."""
+    hits = sorted(hits, key=lambda h: (rs.scoring.workflow.index(h.rule.wall), -h.score, h.order))
+    found: dict[str, dict] = {}
+    for h in hits:
+        if h.rule.wall not in shown:
+            continue
+        for fix_id in h.rule.fixes:
+            entry = found.setdefault(fix_id, {"wall": h.rule.wall, "score": h.score, "rules": []})
+            entry["score"] = max(entry["score"], h.score)
+            entry["rules"].append(h.rule.id)
+    out = []
+    for fix_id, entry in found.items():
+        fix = rs.fixes[fix_id]
+        if (fix.requires is not None and not fix.requires.holds(env)) or _is_applied(fix, env):
+            continue
+        out.append(_fix_object(fix, entry, env))
+    return _prerequisites_first(out, rs)
+
+
+def _fix_object(fix: Fix, entry: dict, env: dict[str, Any]) -> dict:
+    obj = {
+        "id": fix.id,
+        "wall": entry["wall"],
+        "title": fix.title,
+        "why": fix.why.render(env),
+        "config": fix.config,
+        "preconditions": list(fix.preconditions),
+        "pitfalls": list(fix.pitfalls),
+        "rule_ids": list(dict.fromkeys(entry["rules"])),
+        "score": round(entry["score"], 3),
+    }
+    if fix.pytorch:
+        obj["pytorch"] = " ".join(fix.pytorch.split())
+    return obj
+
+
+def _prerequisites_first(fixes: list[dict], rs: RuleSet) -> list[dict]:
+    """A fix listed in another's ``after`` moves just ahead of it (remove host syncs before CUDA
+    graphs: a sync inside a capture fails)."""
+    ordered = list(fixes)
+    for fix in fixes:
+        for before in rs.fixes[fix["id"]].after:
+            ids = [f["id"] for f in ordered]
+            if before in ids and ids.index(before) > ids.index(fix["id"]):
+                moved = ordered.pop(ids.index(before))
+                ordered.insert(ids.index(fix["id"]), moved)
+    return ordered
+
+
+def _is_applied(fix: Fix, env: dict[str, Any]) -> bool:
+    return fix.applied_when is not None and fix.applied_when.holds(env)
+
+
+def _applied_sentence(fix: Fix, env: dict[str, Any]) -> str:
+    return fix.applied.render(env) if fix.applied else f"{fix.title}: already applied"
+
+
+def by_workflow(rs: RuleSet) -> list[Fix]:
+    return sorted(rs.fixes.values(), key=lambda f: rs.scoring.workflow.index(f.wall))

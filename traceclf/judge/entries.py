@@ -1,0 +1,313 @@
+"""One entry of a rule file, validated into a typed object: a rule, a fix, a GPU family, a
+definition or the scoring settings. Every problem is a one-line ``TraceError`` naming the file
+and the entry (``rule 'x': missing 'when'``)."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from traceclf.errors import TraceError
+from traceclf.judge.expr import Expr, ExprError, Template
+
+WALLS = ("memory", "communication", "host", "compute")
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    wall: str
+    when: Expr
+    score: Expr
+    evidence: Template
+    fixes: tuple[str, ...]
+    description: str
+    enabled: bool
+    source: Path
+
+
+@dataclass(frozen=True)
+class Fix:
+    id: str
+    wall: str
+    title: str
+    why: Template
+    config: str
+    preconditions: tuple[str, ...]
+    pitfalls: tuple[str, ...]
+    pytorch: str | None
+    requires: Expr | None
+    applied_when: Expr | None
+    applied: Template | None
+    after: tuple[str, ...]
+    source: Path
+
+
+@dataclass(frozen=True)
+class GpuFamily:
+    family: str
+    match: re.Pattern[str]
+    source: Path
+
+
+@dataclass(frozen=True)
+class Scoring:
+    workflow: tuple[str, ...]
+    meaningful: float  # a wall at least this strong is reported and its fixes proposed
+    dominant: float  # below this no wall dominates: the run is reported as balanced
+    default_bound: str
+    balanced_evidence: Template
+    # Each wall's share of the step; when no later wall scores, the largest remaining share
+    # names the wall the run will hit once the bound is fixed.
+    time_share: dict[str, Expr]
+    next_wall_min_share: float
+
+
+@dataclass(frozen=True)
+class Definition:
+    name: str
+    expr: Expr
+    source: Path
+
+
+def parse_definitions(
+    docs: list[list[tuple[Path, dict]]], measures: frozenset[str]
+) -> dict[str, Definition]:
+    """Named expressions, merged like rules; each may use the ``measures`` (and context
+    names) and the definitions before it."""
+    merged: dict[str, Definition] = {}
+    for files in docs:
+        seen: set[str] = set()
+        for path, doc in files:
+            raw = doc.get("definitions") or {}
+            if not isinstance(raw, dict):
+                raise TraceError(path, "definitions: must be a mapping of name: expression")
+            for name, source in raw.items():
+                label = f"definition {name!r}"
+                if not isinstance(name, str) or not name.isidentifier():
+                    raise TraceError(path, f"{label}: the name must be an identifier")
+                if name in measures or name in seen:
+                    what = "a measure or context name" if name in measures else "defined twice"
+                    raise TraceError(path, f"{label}: {what}")
+                seen.add(name)
+                try:
+                    merged[name] = Definition(name, Expr.parse(str(source)), path)
+                except ExprError as e:
+                    raise TraceError(path, f"{label}: {e}") from None
+    for i, d in enumerate(merged.values()):
+        earlier = measures | frozenset(list(merged)[:i])
+        for used in sorted(d.expr.names - earlier):
+            where = "a later definition" if used in merged else "unknown"
+            raise TraceError(d.source, f"definition {d.name!r}: uses {used!r} ({where})")
+    return merged
+
+
+class _Entry:
+    """One YAML mapping being parsed; every problem becomes ``TraceError(path, "kind 'id': ...")``."""
+
+    def __init__(
+        self,
+        raw: Any,
+        path: Path,
+        kind: str,
+        index: int,
+        required: Iterable[str],
+        optional: Iterable[str],
+        names: frozenset[str] = frozenset(),
+    ) -> None:
+        self.path, self.kind, self.names = path, kind, names
+        ident = raw.get("id", raw.get("family")) if isinstance(raw, dict) else None
+        self.label = f"{kind} {ident!r}" if isinstance(ident, str) else f"{kind} #{index + 1}"
+        if not isinstance(raw, dict):
+            self.fail("must be a mapping")
+        self.raw = raw
+        missing = [k for k in required if raw.get(k) in (None, "")]
+        if missing:
+            self.fail(f"missing {missing[0]!r}")
+        unknown = set(raw) - set(required) - set(optional)
+        if unknown:
+            self.fail(f"unknown field {sorted(map(str, unknown))[0]!r}")
+
+    def fail(self, problem: str) -> None:
+        raise TraceError(self.path, f"{self.label}: {problem}")
+
+    def text(self, key: str, default: str | None = None) -> str | None:
+        value = self.raw.get(key, default)
+        if value is not None and not isinstance(value, str):
+            self.fail(f"{key!r} must be text")
+        return value
+
+    def texts(self, key: str) -> tuple[str, ...]:
+        value = self.raw.get(key) or []
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            self.fail(f"{key!r} must be a list of text")
+        return tuple(value)
+
+    def wall(self) -> str:
+        wall = self.raw.get("wall")
+        if wall not in WALLS:
+            self.fail(f"wall {wall!r} is not one of {', '.join(WALLS)}")
+        return wall
+
+    def expr(self, key: str) -> Expr | None:
+        value = self.raw.get(key)
+        if value is None:
+            return None
+        if isinstance(value, (bool, int, float)):
+            value = str(value)  # `score: 0.3` and `when: true` are expressions too
+        if not isinstance(value, str):
+            self.fail(f"{key!r} must be an expression")
+        try:
+            parsed = Expr.parse(value)
+            check_names(parsed.names, self.names)
+        except ExprError as e:
+            self.fail(f"{key!r}: {e}")
+        return parsed
+
+    def template(self, key: str) -> Template | None:
+        value = self.text(key)
+        if value is None:
+            return None
+        try:
+            parsed = Template.parse(" ".join(value.split()))
+            check_names(parsed.names, self.names)
+        except ExprError as e:
+            self.fail(f"{key!r}: {e}")
+        return parsed
+
+
+def check_names(used: frozenset[str], known: frozenset[str]) -> None:
+    for name in sorted(used - known):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ExprError(f"unknown measure {name!r}{hint}")
+
+
+_RULE_REQUIRED = ("id", "wall", "when", "score", "evidence")
+_RULE_OPTIONAL = ("fixes", "description", "enabled")
+_FIX_REQUIRED = ("id", "wall", "title", "why", "config")
+_FIX_OPTIONAL = (
+    "preconditions",
+    "pitfalls",
+    "pytorch",
+    "requires",
+    "applied_when",
+    "applied",
+    "after",
+)
+
+
+def parse_rule(raw: Any, path: Path, index: int, names: frozenset[str]) -> Rule:
+    e = _Entry(raw, path, "rule", index, _RULE_REQUIRED, _RULE_OPTIONAL, names)
+    enabled = raw.get("enabled", True)
+    if not isinstance(enabled, bool):
+        e.fail("'enabled' must be true or false")
+    return Rule(
+        id=e.text("id"),
+        wall=e.wall(),
+        when=e.expr("when"),
+        score=e.expr("score"),
+        evidence=e.template("evidence"),
+        fixes=e.texts("fixes"),
+        description=" ".join((e.text("description") or "").split()),
+        enabled=enabled,
+        source=path,
+    )
+
+
+def parse_fix(raw: Any, path: Path, index: int, names: frozenset[str]) -> Fix:
+    e = _Entry(raw, path, "fix", index, _FIX_REQUIRED, _FIX_OPTIONAL, names)
+    applied_when = e.expr("applied_when")
+    applied = e.template("applied")
+    if applied is not None and applied_when is None:
+        e.fail("'applied' needs 'applied_when' (the condition that shows it is applied)")
+    return Fix(
+        id=e.text("id"),
+        wall=e.wall(),
+        title=" ".join(e.text("title").split()),
+        why=e.template("why"),
+        config=e.text("config").strip("\n"),
+        preconditions=tuple(" ".join(p.split()) for p in e.texts("preconditions")),
+        pitfalls=tuple(" ".join(p.split()) for p in e.texts("pitfalls")),
+        pytorch=e.text("pytorch"),
+        requires=e.expr("requires"),
+        applied_when=applied_when,
+        applied=applied,
+        after=e.texts("after"),
+        source=path,
+    )
+
+
+def parse_family(raw: Any, path: Path, index: int) -> GpuFamily:
+    e = _Entry(raw, path, "gpu family", index, ("family", "match"), ())
+    try:
+        pattern = re.compile(e.text("match"), re.IGNORECASE)
+    except re.error as err:
+        e.fail(f"'match' is not a valid regex ({err})")
+    return GpuFamily(e.text("family"), pattern, path)
+
+
+_SCORING_KEYS = (
+    "workflow",
+    "meaningful",
+    "dominant",
+    "default_bound",
+    "balanced_evidence",
+    "time_share",
+    "next_wall_min_share",
+)
+
+
+def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Scoring:
+    def get(key: str) -> tuple[Any, Path]:
+        if key not in raw:
+            raise TraceError(None, f"scoring: missing {key!r} in the rule files")
+        return raw[key]
+
+    for key, (_, path) in raw.items():
+        if key not in _SCORING_KEYS:
+            raise TraceError(path, f"scoring: unknown setting {key!r}")
+    workflow, path = get("workflow")
+    if not isinstance(workflow, list) or sorted(workflow) != sorted(WALLS):
+        raise TraceError(path, f"scoring: 'workflow' must list each of {', '.join(WALLS)} once")
+    values = {}
+    for key in ("meaningful", "dominant", "next_wall_min_share"):
+        value, path = get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise TraceError(path, f"scoring: {key!r} must be a number in [0, 1]")
+        values[key] = float(value)
+    bound, path = get("default_bound")
+    if bound not in WALLS:
+        raise TraceError(path, f"scoring: 'default_bound' must be one of {', '.join(WALLS)}")
+    text, path = get("balanced_evidence")
+    try:
+        balanced = Template.parse(" ".join(str(text).split()))
+        check_names(balanced.names, names)
+    except ExprError as e:
+        raise TraceError(path, f"scoring: 'balanced_evidence': {e}") from None
+    shares, path = get("time_share")
+    if not isinstance(shares, dict) or sorted(shares) != sorted(WALLS):
+        raise TraceError(path, f"scoring: 'time_share' must map each of {', '.join(WALLS)}")
+    try:
+        time_share = {w: Expr.parse(str(src)) for w, src in shares.items()}
+        for expr in time_share.values():
+            check_names(expr.names, names)
+    except ExprError as e:
+        raise TraceError(path, f"scoring: 'time_share': {e}") from None
+    return Scoring(
+        tuple(workflow),
+        values["meaningful"],
+        values["dominant"],
+        bound,
+        balanced,
+        time_share,
+        values["next_wall_min_share"],
+    )
+
+

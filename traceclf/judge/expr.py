@@ -1,0 +1,270 @@
+"""The expression language of rule files: Python syntax parsed with :mod:`ast` and evaluated by
+walking a whitelist of node types (no ``eval``), and ``{expression:format-spec}`` templates.
+
+A null or missing measure makes an expression null, and a null condition is false (three-valued
+logic), so a rule never fires on a measure the trace could not provide.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+_FUNCTIONS: dict[str, Callable[..., Any]] = {"min": min, "max": max, "abs": abs}
+_MAX_EXPR_CHARS = 1000
+
+class ExprError(ValueError):
+    """An expression that cannot be parsed or uses something outside the language."""
+
+
+_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
+_CMPOPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
+_ALLOWED = (
+    ast.Expression,
+    ast.BoolOp,
+    ast.And,
+    ast.Or,
+    ast.UnaryOp,
+    ast.Not,
+    ast.USub,
+    ast.UAdd,
+    ast.BinOp,
+    ast.Compare,
+    ast.Name,
+    ast.Load,
+    ast.Constant,
+    ast.List,
+    ast.Tuple,
+    ast.Call,
+    *_BINOPS,
+    *_CMPOPS,
+)
+
+
+@dataclass(frozen=True)
+class Expr:
+    """A parsed, checked expression. ``value(env)`` is None when the answer is unknown."""
+
+    source: str
+    tree: ast.Expression = field(repr=False, compare=False)
+    names: frozenset[str] = field(compare=False)
+
+    @classmethod
+    def parse(cls, source: str) -> Expr:
+        if len(source) > _MAX_EXPR_CHARS:
+            raise ExprError(f"longer than {_MAX_EXPR_CHARS} characters")
+        try:
+            tree = ast.parse(source.strip(), mode="eval")
+        except SyntaxError as e:
+            raise ExprError(f"{source.strip()!r} is not a valid expression ({e.msg})") from None
+        except (RecursionError, MemoryError):
+            raise ExprError(f"{source.strip()[:40]!r}... is nested too deeply") from None
+        return cls(source.strip(), tree, frozenset(_check(tree)))
+
+    def value(self, env: Mapping[str, Any]) -> Any:
+        return _eval(self.tree.body, env)
+
+    def holds(self, env: Mapping[str, Any]) -> bool:
+        return _truth(self.value(env)) is True
+
+
+def _check(tree: ast.Expression) -> set[str]:
+    """Reject every node outside the whitelist; return the variable names used."""
+    functions = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED):
+            raise ExprError(f"{_describe(node)} is not allowed")
+        if isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else None
+            if name not in _FUNCTIONS or node.keywords or not node.args:
+                shown = name or ast.unparse(node.func)
+                raise ExprError(f"call of {shown!r} is not allowed (only min, max, abs)")
+        elif isinstance(node, ast.Constant) and (
+            node.value is None or not isinstance(node.value, (bool, int, float, str))
+        ):
+            raise ExprError(f"constant {node.value!r} is not allowed (a missing measure is null)")
+        elif isinstance(node, ast.Name) and id(node) not in functions:
+            names.add(node.id)
+    return names
+
+
+def _describe(node: ast.AST) -> str:
+    if isinstance(node, ast.expr):
+        return f"{ast.unparse(node)!r} ({type(node).__name__})"
+    return f"operator {type(node).__name__}"
+
+
+def _truth(value: Any) -> bool | None:
+    return None if value is None else bool(value)
+
+
+def _eval(node: ast.expr, env: Mapping[str, Any]) -> Any:
+    return _EVAL[type(node)](node, env)
+
+
+def _eval_bool(node: ast.BoolOp, env: Mapping[str, Any]) -> bool | None:
+    # Three-valued logic: false and null = false, true or null = true, otherwise null.
+    decisive = isinstance(node.op, ast.Or)
+    unknown = False
+    for part in node.values:
+        t = _truth(_eval(part, env))
+        if t is decisive:
+            return decisive
+        unknown |= t is None
+    return None if unknown else not decisive
+
+
+def _eval_unary(node: ast.UnaryOp, env: Mapping[str, Any]) -> Any:
+    v = _eval(node.operand, env)
+    if v is None:
+        return None
+    if isinstance(node.op, ast.Not):
+        return not v
+    if not _is_number(v):
+        return None
+    return -v if isinstance(node.op, ast.USub) else +v
+
+
+def _eval_binop(node: ast.BinOp, env: Mapping[str, Any]) -> Any:
+    # Numbers only: "x" * 10**9 or list arithmetic would be a way to exhaust memory.
+    a, b = _eval(node.left, env), _eval(node.right, env)
+    if not (_is_number(a) and _is_number(b)):
+        return None
+    return _safe(_BINOPS[type(node.op)], a, b)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float))
+
+
+def _eval_compare(node: ast.Compare, env: Mapping[str, Any]) -> bool | None:
+    left = _eval(node.left, env)
+    unknown = False
+    for op, comparator in zip(node.ops, node.comparators, strict=True):
+        right = _eval(comparator, env)
+        t = None if left is None or right is None else _safe(_CMPOPS[type(op)], left, right)
+        if t is False:
+            return False
+        unknown |= t is None
+        left = right
+    return None if unknown else True
+
+
+def _eval_call(node: ast.Call, env: Mapping[str, Any]) -> Any:
+    args = [_eval(a, env) for a in node.args]
+    if any(a is None for a in args):
+        return None
+    return _safe(_FUNCTIONS[node.func.id], *args)  # type: ignore[attr-defined]
+
+
+def _safe(fn: Callable[..., Any], *args: Any) -> Any:
+    """Type mismatches and division by zero make the value unknown, never an exception."""
+    try:
+        out = fn(*args)
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError):
+        return None
+    return None if isinstance(out, float) and not math.isfinite(out) else out
+
+
+_EVAL: dict[type, Callable[[Any, Mapping[str, Any]], Any]] = {
+    ast.Constant: lambda n, env: n.value,
+    ast.Name: lambda n, env: env.get(n.id),
+    ast.List: lambda n, env: [_eval(e, env) for e in n.elts],
+    ast.Tuple: lambda n, env: [_eval(e, env) for e in n.elts],
+    ast.BoolOp: _eval_bool,
+    ast.UnaryOp: _eval_unary,
+    ast.BinOp: _eval_binop,
+    ast.Compare: _eval_compare,
+    ast.Call: _eval_call,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Templates: text with {expression} or {expression:format-spec} fields; {{ and }} are braces.
+
+_FIELD = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+
+
+@dataclass(frozen=True)
+class Template:
+    source: str
+    parts: tuple[str | tuple[Expr, str], ...] = field(repr=False, compare=False)
+
+    @classmethod
+    def parse(cls, source: str) -> Template:
+        parts: list[str | tuple[Expr, str]] = []
+        pos = 0
+        for m in _FIELD.finditer(source):
+            parts.append(source[pos : m.start()])
+            pos = m.end()
+            token = m.group(0)
+            if token in ("{{", "}}"):
+                parts.append(token[0])
+            elif m.group(1) is None:
+                raise ExprError(f"unmatched {token!r} in {source!r} (write {token * 2} for one)")
+            else:
+                parts.append(_field(m.group(1)))
+        parts.append(source[pos:])
+        return cls(source, tuple(p for p in parts if p != ""))
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset().union(*(p[0].names for p in self.parts if isinstance(p, tuple)))
+
+    def render(self, env: Mapping[str, Any]) -> str:
+        return "".join(
+            p if isinstance(p, str) else _format(p[0].value(env), p[1]) for p in self.parts
+        ).strip()
+
+
+def _field(text: str) -> tuple[Expr, str]:
+    try:
+        return Expr.parse(text), ""
+    except ExprError:
+        if ":" not in text:
+            raise
+    expr, _, spec = text.rpartition(":")
+    parsed = Expr.parse(expr)
+    if not (_formats(0.5, spec) or _formats("x", spec)):
+        raise ExprError(f"bad format spec {spec!r} in {{{text}}}")
+    return parsed, spec
+
+
+def _formats(value: Any, spec: str) -> bool:
+    try:
+        format(value, spec)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _format(value: Any, spec: str) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(v) for v in value) or "none"
+    if spec and _formats(value, spec):
+        return format(value, spec)
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

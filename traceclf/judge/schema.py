@@ -1,0 +1,232 @@
+"""Rule files: read ``rules/*.yaml`` (bundled, then a ``--rules`` folder merged over it) and
+validate every entry into typed objects, with a one-line error naming the file and the entry.
+
+Four kinds of entries (docs/rules.md): ``rules`` (a condition on the measures, a score for one
+wall, an evidence sentence, the fix ids it proposes), ``fixes`` (what to change, when it
+applies, how to tell it is already applied), ``gpu_families`` (GPU name/chip -> family),
+``scoring`` (workflow order and thresholds), ``definitions`` (named expressions) and the
+``taxonomy`` of kernels, CUDA calls and NVTX ranges (rules/kernels.yaml).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from traceclf.errors import TraceError
+from traceclf.judge.entries import (
+    Definition,
+    Fix,
+    GpuFamily,
+    Rule,
+    Scoring,
+    parse_definitions,
+    parse_family,
+    parse_fix,
+    parse_rule,
+    parse_scoring,
+)
+from traceclf.judge.taxonomy import parse_taxonomy
+from traceclf.kernels import Taxonomy
+
+# The stable fix-id vocabulary of the report contract: the bundled rules must define each one.
+CONTRACT_FIX_IDS = (
+    "selective-recompute",
+    "fine-grained-offload",
+    "fp8",
+    "pp-layout",
+    "keep-allocator-cache",
+    "deepep",
+    "hybridep",
+    "ep-overlap",
+    "ep-in-nvlink-domain",
+    "dp-tp-overlap",
+    "cuda-graphs",
+    "remove-host-syncs",
+    "manual-gc",
+    "larger-micro-batch",
+    "fused-optimizer",
+    "input-pipeline",
+    "pinned-memory",
+    "grouped-gemm",
+    "kernel-fusion",
+    "dispatcher-sm-tuning",
+)
+
+# Names a rule may use besides the measures: facts about the run, not about one rank's step.
+CONTEXT_NAMES: dict[str, str] = {
+    "gpu_family": 'GPU family from gpu_families: "hopper", "blackwell", "gb200", ... or "unknown"',
+    "gpu_name": "GPU name from TARGET_INFO_GPU (null when unknown)",
+    "gpu_chip": "GPU chip name, e.g. GH100 (null when unknown)",
+    "gpu_sm_count": "streaming multiprocessors of the GPU",
+    "gpu_memory_bytes": "device memory capacity in bytes",
+    "rank_count": "ranks analysed together",
+    "uses_cuda_graphs": "CUDA-graph executions in the steady state on any rank",
+    "comm_libraries": 'communication libraries seen, e.g. ["nccl"], ["deepep", "nccl"]',
+    "comm_kinds": 'collective kinds seen, e.g. ["all_to_all", "all_reduce"]',
+    "other_comm_kinds": "the collective kinds seen other than all-to-all",
+    "straggler_rank": "rank with the most compute per step (null with one rank)",
+    "step_time_skew_frac": "spread of step time across ranks, as a fraction of the mean",
+    "compute_skew_frac": "spread of compute time per step across ranks, as a fraction",
+}
+
+_TOP_KEYS = ("rules", "fixes", "definitions", "gpu_families", "scoring", "taxonomy")
+
+
+
+
+@dataclass
+class RuleSet:
+    rules: dict[str, Rule]
+    fixes: dict[str, Fix]
+    families: list[GpuFamily]
+    scoring: Scoring
+    definitions: dict[str, Definition]
+    folders: list[Path]
+    taxonomy: Taxonomy
+
+
+def bundled_rules_dir() -> Path:
+    """The rules shipped with traceclf: inside the wheel, else the checkout's rules/."""
+    import traceclf
+
+    for folder in (
+        Path(traceclf.__file__).parent / "rules",
+        Path(__file__).resolve().parents[2] / "rules",
+    ):
+        if folder.is_dir() and any(folder.glob("*.yaml")):
+            return folder
+    raise TraceError(None, "bundled rules not found (reinstall traceclf)")
+
+
+def known_names() -> frozenset[str]:
+    """Every measure (traceclf.measures.MEASURES) and context name a rule may use."""
+    from traceclf.measures import MEASURES
+
+    return frozenset(MEASURES) | frozenset(CONTEXT_NAMES)
+
+
+def load_rules(rules_dir: Path | str | None = None) -> RuleSet:
+    """The bundled rule set, with ``rules_dir`` (if given) merged over it: an entry with the id
+    of a bundled one replaces it. Raises TraceError naming the file for any problem."""
+    folders = [bundled_rules_dir()]
+    if rules_dir is not None:
+        user = Path(rules_dir)
+        if not user.is_dir():
+            raise TraceError(user, "rules folder not found")
+        if not _yaml_files(user):
+            raise TraceError(user, "no rule files (*.yaml) in this folder")
+        folders.append(user)
+    docs = [[(path, _read_yaml(path)) for path in _yaml_files(folder)] for folder in folders]
+    definitions = parse_definitions(docs, known_names())
+    names = known_names() | frozenset(definitions)
+    rules: dict[str, Rule] = {}
+    fixes: dict[str, Fix] = {}
+    families: list[GpuFamily] = []
+    scoring_raw: dict[str, tuple[Any, Path]] = {}
+    for files in docs:
+        layer = _parse_layer(files, names)
+        rules |= layer["rules"]
+        for rule_id, path in layer["disabled"].items():
+            if rule_id not in rules:
+                raise TraceError(path, f"rule {rule_id!r}: disabled, but no such rule")
+            rules[rule_id] = replace(rules[rule_id], enabled=False)
+        fixes |= layer["fixes"]
+        # A later folder's families are tried first, so a user can refine the bundled ones.
+        taken = {f.family for f in layer["families"]}
+        families = layer["families"] + [f for f in families if f.family not in taken]
+        scoring_raw |= layer["scoring"]
+    scoring = parse_scoring(scoring_raw, names)
+    ruleset = RuleSet(rules, fixes, families, scoring, definitions, folders, parse_taxonomy(docs))
+    _check_references(ruleset)
+    return ruleset
+
+
+def _yaml_files(folder: Path) -> list[Path]:
+    return sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
+
+
+def _parse_layer(files: list[tuple[Path, dict]], names: frozenset[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"rules": {}, "disabled": {}, "fixes": {}, "families": [], "scoring": {}}
+    for path, doc in files:
+        for i, raw in enumerate(_entries(doc, "rules", path)):
+            if _is_disable_stub(raw):  # `{id: x, enabled: false}` turns a bundled rule off
+                out["disabled"][raw["id"]] = path
+                continue
+            _add_unique(out["rules"], parse_rule(raw, path, i, names), path, "rule")
+        for i, raw in enumerate(_entries(doc, "fixes", path)):
+            _add_unique(out["fixes"], parse_fix(raw, path, i, names), path, "fix")
+        out["families"] += [
+            parse_family(raw, path, i) for i, raw in enumerate(_entries(doc, "gpu_families", path))
+        ]
+        scoring = doc.get("scoring") or {}
+        if not isinstance(scoring, dict):
+            raise TraceError(path, "scoring: must be a mapping of settings")
+        out["scoring"] |= {k: (v, path) for k, v in scoring.items()}
+    return out
+
+
+def _is_disable_stub(raw: Any) -> bool:
+    return (
+        isinstance(raw, dict)
+        and set(raw) == {"id", "enabled"}
+        and raw["enabled"] is False
+        and isinstance(raw["id"], str)
+    )
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise TraceError(path, f"not valid YAML{where}: {e.problem or e.context}") from None
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
+        problem = " ".join(str(e).split())
+        raise TraceError(path, f"cannot read rule file: {problem}") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise TraceError(path, f"top level must be a mapping with keys {', '.join(_TOP_KEYS)}")
+    unknown = set(doc) - set(_TOP_KEYS)
+    if unknown:
+        raise TraceError(
+            path,
+            f"unknown top-level key {sorted(map(str, unknown))[0]!r} "
+            f"(expected {', '.join(_TOP_KEYS)})",
+        )
+    return doc
+
+
+def _entries(doc: dict, key: str, path: Path) -> list:
+    value = doc.get(key) or []
+    if not isinstance(value, list):
+        raise TraceError(path, f"{key}: must be a list of entries")
+    return value
+
+
+def _add_unique(into: dict, item: Rule | Fix, path: Path, kind: str) -> None:
+    if item.id in into:
+        raise TraceError(path, f"{kind} {item.id!r}: defined twice in {path.parent.name}/")
+    into[item.id] = item
+
+
+def _check_references(rs: RuleSet) -> None:
+    for rule in rs.rules.values():
+        for fix_id in rule.fixes:
+            if fix_id not in rs.fixes:
+                close = difflib.get_close_matches(fix_id, rs.fixes, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TraceError(rule.source, f"rule {rule.id!r}: unknown fix id {fix_id!r}{hint}")
+    for fix in rs.fixes.values():
+        for other in fix.after:
+            if other not in rs.fixes:
+                raise TraceError(fix.source, f"fix {fix.id!r}: unknown fix id {other!r} in 'after'")
+    missing = [f for f in CONTRACT_FIX_IDS if f not in rs.fixes]
+    if missing:
+        raise TraceError(rs.folders[0], f"fix {missing[0]!r}: missing from the bundled fixes")

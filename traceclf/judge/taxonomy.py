@@ -1,0 +1,120 @@
+"""The ``taxonomy:`` section of rule files (rules/kernels.yaml): kernel families, communication
+libraries and collective kinds, NVTX collective and phase names, FP8 GEMMs and CUDA-call classes,
+validated into a :class:`traceclf.kernels.Taxonomy`.
+
+Layers merge like the rest of the rules: a ``--rules`` folder's list entries are tried before the
+bundled ones (first match wins, so a user's new kernel name takes effect), and its single
+patterns replace the bundled ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from traceclf.errors import TraceError
+from traceclf.kernels import NvtxCollective, Taxonomy
+
+MAX_PATTERN_CHARS = 2000
+# list key -> the field naming each entry's label
+LISTS = {
+    "families": "family",
+    "comm_libraries": "library",
+    "comm_kinds": "kind",
+    "nvtx_collectives": "kind",
+}
+PATTERN_MAPS = ("nvtx", "cuda_api")
+NVTX_NAMES = ("step", "forward", "backward", "optimizer")
+CUDA_API_NAMES = ("sync", "launch", "alloc", "graph_launch")
+
+
+def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> Taxonomy:
+    """The taxonomy of every folder's files, later folders over earlier ones."""
+    lists: dict[str, list[tuple[Any, ...]]] = {key: [] for key in LISTS}
+    maps: dict[str, dict[str, str]] = {key: {} for key in PATTERN_MAPS}
+    fp8 = ""
+    for files in layers:
+        layer_lists: dict[str, list[tuple[Any, ...]]] = {key: [] for key in LISTS}
+        for path, doc in files:
+            raw = doc.get("taxonomy")
+            if raw is None:
+                continue
+            if not isinstance(raw, dict):
+                raise TraceError(path, "taxonomy: must be a mapping")
+            unknown = set(raw) - {*LISTS, *PATTERN_MAPS, "fp8_gemm"}
+            if unknown:
+                raise TraceError(path, f"taxonomy: unknown key {sorted(map(str, unknown))[0]!r}")
+            for key, label in LISTS.items():
+                layer_lists[key] += _entries(raw.get(key), key, label, path)
+            for key in PATTERN_MAPS:
+                maps[key] |= _patterns(raw.get(key), key, path)
+            if raw.get("fp8_gemm") is not None:
+                fp8 = _pattern(raw["fp8_gemm"], "taxonomy: fp8_gemm", path)
+        for key in LISTS:  # this folder's entries first: first match wins
+            lists[key] = layer_lists[key] + lists[key]
+    missing = [f"nvtx.{n}" for n in NVTX_NAMES if n not in maps["nvtx"]] + [
+        f"cuda_api.{n}" for n in CUDA_API_NAMES if n not in maps["cuda_api"]
+    ]
+    if missing or not fp8:
+        what = missing[0] if missing else "fp8_gemm"
+        raise TraceError(None, f"taxonomy: missing {what!r} in the rule files")
+    return Taxonomy(
+        families=tuple((e[0], e[1]) for e in lists["families"]),
+        comm_libraries=tuple((e[0], e[1]) for e in lists["comm_libraries"]),
+        comm_kinds=tuple((e[0], e[1]) for e in lists["comm_kinds"]),
+        nvtx_collectives=tuple(NvtxCollective(e[0], e[1], e[2]) for e in lists["nvtx_collectives"]),
+        nvtx=maps["nvtx"],
+        fp8_gemm=fp8,
+        cuda_api=maps["cuda_api"],
+    )
+
+
+def _entries(raw: Any, key: str, label: str, path: Path) -> list[tuple[Any, ...]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise TraceError(path, f"taxonomy: {key} must be a list of entries")
+    out = []
+    for i, entry in enumerate(raw):
+        where = f"taxonomy: {key} #{i + 1}"
+        allowed = {label, "match", "domain"} if key == "nvtx_collectives" else {label, "match"}
+        if not isinstance(entry, dict) or set(entry) - allowed or not {label, "match"} <= set(entry):
+            raise TraceError(path, f"{where}: must be a mapping with {label!r} and 'match'")
+        name = entry[label]
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TraceError(path, f"{where}: {label!r} must be an identifier")
+        domain = entry.get("domain")
+        if domain is not None and not isinstance(domain, str):
+            raise TraceError(path, f"{where}: 'domain' must be text")
+        out.append((name, _pattern(entry["match"], f"{where} ({name})", path), domain))
+    return out
+
+
+def _patterns(raw: Any, key: str, path: Path) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise TraceError(path, f"taxonomy: {key} must be a mapping of name: pattern")
+    known = NVTX_NAMES if key == "nvtx" else CUDA_API_NAMES
+    out = {}
+    for name, pattern in raw.items():
+        if name not in known:
+            raise TraceError(path, f"taxonomy: {key}: unknown name {name!r} ({', '.join(known)})")
+        out[name] = _pattern(pattern, f"taxonomy: {key}.{name}", path)
+    return out
+
+
+def _pattern(raw: Any, where: str, path: Path) -> str:
+    """A regex polars can run (Rust ``regex``: linear time, so no input can make it hang)."""
+    if not isinstance(raw, str) or not raw:
+        raise TraceError(path, f"{where}: the pattern must be non-empty text")
+    if len(raw) > MAX_PATTERN_CHARS:
+        raise TraceError(path, f"{where}: pattern longer than {MAX_PATTERN_CHARS} characters")
+    try:
+        pl.Series([""]).str.contains(raw)
+    except pl.exceptions.PolarsError as e:
+        detail = " ".join(str(e).split())[:160]
+        raise TraceError(path, f"{where}: not a usable regex ({detail})") from None
+    return raw

@@ -1,0 +1,73 @@
+"""The numbers behind the four walls, for one rank over its steady-state window.
+
+One module per wall computes that wall's measures and owns their one-line definitions
+(``MEASURES``): :mod:`.budget` (step time, busy, idle, compute, communication and copies),
+:mod:`.communication`, :mod:`.memory`, :mod:`.host` and :mod:`.compute`; :mod:`.window`
+prepares the clipped, classified frames and the state timeline they all read, and
+:mod:`.timeline` holds the interval arithmetic. ``traceclf measures`` prints the definitions;
+docs/measures.md lists them with the function that computes each.
+
+Every ``*_frac`` is a fraction of the window's wall time unless its definition says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from traceclf.figures import series
+from traceclf.kernels import Taxonomy
+from traceclf.measures import budget, communication, compute, host, memory
+from traceclf.measures.window import prepare
+from traceclf.model import Trace
+from traceclf.steps import Steps
+
+MEASURES: dict[str, str] = (
+    budget.MEASURES | communication.MEASURES | memory.MEASURES | host.MEASURES | compute.MEASURES
+)
+
+
+@dataclass
+class RankMeasures:
+    """Measures of one rank, plus the small series the figures are drawn from."""
+
+    metrics: dict[str, float | int | bool | None]
+    comm_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+    top_kernels: list[dict] = field(default_factory=list)
+    step_breakdown: list[dict] = field(default_factory=list)
+    idle_gaps: dict[str, list] = field(default_factory=dict)
+    gpu_metrics_series: dict[str, list] = field(default_factory=dict)
+
+
+def measure_rank(
+    trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy | None = None
+) -> RankMeasures:
+    """Every measure of one rank (``trace`` restricted to it: :meth:`Trace.for_pid`) over its
+    steady-state window; ``taxonomy`` defaults to the bundled rules/kernels.yaml."""
+    from traceclf import kernels
+
+    w = prepare(trace, steps, gpu, taxonomy or kernels.bundled())
+    m = budget.measure(w)
+    comm_by_kind = communication.by_kind(w)
+    m |= communication.a2a(comm_by_kind)
+    m |= memory.copies(w)
+    m |= host.calls(w)
+    gaps = host.idle_gaps(w)
+    m |= host.idle(gaps, w)
+    m |= compute.kernel_mix(w)
+    m["recompute_frac"] = memory.recompute_frac(w)
+    m["optimizer_kernels_per_step"] = compute.optimizer_kernels_per_step(w)
+    m |= memory.peak(w)
+    gpu_samples = trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
+    m |= compute.gpu_metric_means(gpu_samples, steps.window)
+    return RankMeasures(
+        metrics={k: _round(v) for k, v in m.items()},
+        comm_by_kind=comm_by_kind,
+        top_kernels=compute.top_kernels(w),
+        step_breakdown=series.step_breakdown(w),
+        idle_gaps=series.gap_histogram(gaps),
+        gpu_metrics_series=series.metric_series(gpu_samples, steps.window),
+    )
+
+
+def _round(v):
+    return round(v, 6) if isinstance(v, float) else v

@@ -1,0 +1,73 @@
+"""The communication wall: communication kernels by collective kind, and how much of each
+no compute hides (exposed)."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceclf.measures import timeline
+from traceclf.measures.window import RankWindow
+
+MEASURES: dict[str, str] = {
+    "a2a_frac": "union of all-to-all kernels (EP dispatch/combine)",
+    "a2a_exposed_frac": "all-to-all time with no compute kernel running",
+}
+
+
+def by_kind(w: RankWindow) -> dict[str, dict[str, float]]:
+    """Per collective kind: share of the window, exposed share, kernel count, libraries."""
+    comm = refine_kinds(w.kern.filter(pl.col("is_comm")), w)
+    out: dict[str, dict[str, float]] = {}
+    for (kind,), rows in comm.group_by(["comm_kind"]):
+        tl = timeline.timeline({"compute": w.compute, "comm": rows.select("start", "end")}, w.window)
+        busy = int(tl.filter(pl.col("comm") > 0)["dur"].sum())
+        exposed = int(tl.filter((pl.col("comm") > 0) & (pl.col("compute") == 0))["dur"].sum())
+        out[str(kind)] = {
+            "frac": round(busy / w.wall, 4),
+            "exposed_frac": round(exposed / w.wall, 4),
+            "kernels": len(rows),
+            "libraries": sorted(rows["comm_library"].drop_nulls().unique().to_list()),
+        }
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["frac"]))
+
+
+def a2a(kinds: dict[str, dict[str, float]]) -> dict[str, float]:
+    row = kinds.get("all_to_all", {})
+    return {"a2a_frac": row.get("frac", 0.0), "a2a_exposed_frac": row.get("exposed_frac", 0.0)}
+
+
+def refine_kinds(comm: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
+    """NCCL runs all-to-all and P2P through one SendRecv kernel; the NVTX range around the
+    launching call (NCCL's own, e.g. ``ncclAlltoAll``) says which it was."""
+    trace = w.trace
+    tagged_ranges = trace.nvtx.with_columns(nvtx_kind=w.taxonomy.nvtx_collective()).filter(
+        pl.col("nvtx_kind").is_not_null()
+    )
+    if tagged_ranges.is_empty() or comm.is_empty():
+        return comm
+    launches = trace.api.join(comm.select("correlation_id"), on="correlation_id")
+    tagged = (
+        launches.sort("start")
+        .join_asof(
+            tagged_ranges.select("start", "global_tid", "nvtx_kind", nvtx_end="end").sort("start"),
+            on="start",
+            by="global_tid",
+            strategy="backward",
+            check_sortedness=False,
+        )
+        .filter(pl.col("start") <= pl.col("nvtx_end"))
+        .select("correlation_id", "nvtx_kind")
+        .unique("correlation_id")
+    )
+    return (
+        comm.join(tagged, on="correlation_id", how="left")
+        .with_columns(
+            comm_kind=pl.when(
+                pl.col("comm_kind").is_in(["send_recv", "other"])
+                & pl.col("nvtx_kind").is_not_null()
+            )
+            .then(pl.col("nvtx_kind"))
+            .otherwise(pl.col("comm_kind"))
+        )
+        .drop("nvtx_kind")
+    )

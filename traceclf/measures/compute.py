@@ -1,0 +1,168 @@
+"""The compute wall: the kernel mix of the step (families, sizes, grids, occupancy), CUDA
+graphs, GEMM precision, the optimizer's kernels and what the GPU metrics say."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceclf import kernels
+from traceclf.ingest.devices import METRIC_NAMES
+from traceclf.measures import timeline
+from traceclf.measures.window import RankWindow
+
+# Kernel families in the order the report lists their shares; a family a user's taxonomy adds
+# is listed after them.
+FAMILY_NAMES = (
+    "gemm",
+    "attention",
+    "elementwise",
+    "reduction",
+    "permute_moe",
+    "optimizer",
+    "communication",
+    "other",
+)
+METRICS_OF_INTEREST = {f"{key}_mean": key for key in METRIC_NAMES}
+MEASURES: dict[str, str] = {
+    "kernels_per_step": "kernel rows per step (kernels inside graph-level traced graphs "
+    "are not rows)",
+    "graph_launches_per_step": "CUDA-graph executions per step (graph-level tracing)",
+    "median_kernel_us": "median kernel duration",
+    "small_grid_kernel_frac": "kernels whose grid has fewer blocks than the GPU has SMs",
+    "theoretical_occupancy_mean": "kernel-time-weighted theoretical occupancy from launch "
+    "config and TARGET_INFO_GPU limits",
+    "graph_frac": "share of busy time inside CUDA-graph executions",
+    "uses_cuda_graphs": "any CUDA-graph execution in the window",
+    "kernel_stats_outside_window": "kernel shapes taken from eager kernels outside the window "
+    "because graph-level tracing hides the replays' kernels",
+    "optimizer_kernels_per_step": "kernels per step launched inside an optimizer NVTX range "
+    "(null without one): dozens mean a per-tensor, unfused optimizer",
+    "fp8_gemm_frac": "share of GEMM time in FP8 GEMM kernels (e4m3/e5m2/fp8/mxfp8 in the name)",
+    "small_grid_gemm_frac": "share of GEMM time in GEMMs whose grid has fewer blocks than SMs",
+    "sm_active_mean": "mean 'SMs Active' GPU metric in the window (0-1)",
+    "sm_issue_mean": "mean 'SM Issue' GPU metric in the window (0-1)",
+    "tensor_active_mean": "mean 'Tensor Active' GPU metric in the window (0-1)",
+} | {f"{fam}_time_frac": f"share of kernel time in {fam} kernels" for fam in FAMILY_NAMES}
+KERNEL_SHAPE_MEASURES = (
+    "median_kernel_us",
+    "small_grid_kernel_frac",
+    "theoretical_occupancy_mean",
+    *(f"{fam}_time_frac" for fam in FAMILY_NAMES),
+)
+
+
+def kernel_mix(w: RankWindow) -> dict[str, float | bool | None]:
+    """Kernel counts, shapes and family shares of the window, and its CUDA-graph use.
+
+    Graph-level tracing hides the kernels of the replays; the same kernels ran eagerly before
+    capture, so their shapes stand in for the kernel mix of the steady state."""
+    busy = w.state["busy"]
+    out = _kernel_measures(w.kern, w, busy)
+    hidden = graph_share_hidden(w.graphs, busy)
+    shape_kernels = w.taxonomy.classify(w.trace.kernels) if hidden else w.kern
+    if hidden:
+        shape = _kernel_measures(shape_kernels, w, busy)
+        out |= {k: shape[k] for k in KERNEL_SHAPE_MEASURES}
+    out["kernel_stats_outside_window"] = hidden
+    out |= _gemm_measures(shape_kernels, w)
+    return out
+
+
+def graph_share_hidden(graphs: pl.DataFrame, busy: int) -> bool:
+    """True when graph-level traced replays (kernels not in the kernel table) are most of the
+    GPU's busy time, so the window's kernel rows do not show what the GPU ran."""
+    return busy > 0 and timeline.total(graphs) > busy / 2
+
+
+def _kernel_measures(
+    kern: pl.DataFrame, w: RankWindow, busy: int
+) -> dict[str, float | bool | None]:
+    gpu = w.gpu
+    sm_count = (gpu or {}).get("sm_count")
+    kern = kern.with_columns(
+        dur=pl.col("end") - pl.col("start"), occ=kernels.theoretical_occupancy(gpu)
+    )
+    total = int(kern["dur"].sum())
+    graph_time = timeline.total(w.graph_spans)
+    out: dict[str, float | bool | None] = {
+        "kernels_per_step": len(kern) / w.n_steps,
+        "graph_launches_per_step": len(w.graphs) / w.n_steps if len(w.graphs) else 0.0,
+        "median_kernel_us": float(kern["dur"].median()) / 1e3 if len(kern) else None,
+        "small_grid_kernel_frac": (
+            float((kern["grid_blocks"] < sm_count).mean()) if sm_count and len(kern) else None
+        ),
+        "theoretical_occupancy_mean": (
+            float(
+                (kern["occ"] * kern["dur"]).sum()
+                / kern.filter(pl.col("occ").is_not_null())["dur"].sum()
+            )
+            if len(kern) and kern["occ"].null_count() < len(kern) and total
+            else None
+        ),
+        "graph_frac": graph_time / busy if busy else 0.0,
+        "uses_cuda_graphs": bool(len(w.graph_spans)),
+    }
+    shares = kern.group_by("family").agg(pl.col("dur").sum())
+    by_family = dict(zip(shares["family"].to_list(), shares["dur"].to_list(), strict=True))
+    for fam in families(w.taxonomy):
+        out[f"{fam}_time_frac"] = by_family.get(fam, 0) / total if total else 0.0
+    return out
+
+
+def families(taxonomy: kernels.Taxonomy) -> tuple[str, ...]:
+    """The report's families, then any that the taxonomy adds."""
+    extra = [f for f, _ in taxonomy.families if f not in FAMILY_NAMES]
+    return (*FAMILY_NAMES, *dict.fromkeys(extra))
+
+
+def _gemm_measures(kern: pl.DataFrame, w: RankWindow) -> dict[str, float | None]:
+    """FP8 share of GEMM time (FP8 already in use?) and small-grid share of GEMM time (many
+    tiny per-expert GEMMs that a grouped GEMM would batch)."""
+    gemm = kern.filter(pl.col("family") == "gemm").with_columns(dur=pl.col("end") - pl.col("start"))
+    total = int(gemm["dur"].sum())
+    sm_count = (w.gpu or {}).get("sm_count")
+    if not total:
+        return {"fp8_gemm_frac": None, "small_grid_gemm_frac": None}
+    fp8_filter = pl.col("name").cast(pl.String).str.contains(w.taxonomy.fp8_gemm)
+    fp8 = int(gemm.filter(fp8_filter)["dur"].sum())
+    small = int(gemm.filter(pl.col("grid_blocks") < sm_count)["dur"].sum()) if sm_count else None
+    return {
+        "fp8_gemm_frac": fp8 / total,
+        "small_grid_gemm_frac": small / total if small is not None else None,
+    }
+
+
+def optimizer_kernels_per_step(w: RankWindow) -> float | None:
+    """Kernels of the window launched inside an optimizer NVTX range: a per-tensor optimizer
+    step shows as many small elementwise kernels, which only the range identifies."""
+    trace = w.trace
+    ranges = trace.nvtx.filter(
+        pl.col("text").str.contains(w.taxonomy.nvtx["optimizer"])
+    ).with_columns(opt=pl.lit(True))
+    if ranges.is_empty():
+        return None
+    return len(w.kern.join(trace.calls_in(ranges, "opt"), on="correlation_id")) / w.n_steps
+
+
+def gpu_metric_means(metrics: pl.DataFrame, window: tuple[int, int]) -> dict[str, float | None]:
+    inside = metrics.filter(pl.col("timestamp").is_between(*window))
+    out: dict[str, float | None] = {}
+    for key, name in METRICS_OF_INTEREST.items():
+        values = inside.filter(pl.col("metric") == name)["value"]
+        out[key] = float(values.mean()) / 100 if len(values) else None
+    return out
+
+
+def top_kernels(w: RankWindow, n: int = 10) -> list[dict]:
+    kern = w.kern
+    if kern.is_empty():
+        return []
+    top = (
+        kern.with_columns(dur=pl.col("end") - pl.col("start"))
+        .group_by("short_name", "family")
+        .agg(total_ns=pl.col("dur").sum(), count=pl.len(), median_ns=pl.col("dur").median())
+        .sort("total_ns", descending=True)
+        .head(n)
+        .with_columns(frac=pl.col("total_ns") / w.wall)
+    )
+    return top.rename({"short_name": "name"}).to_dicts()

@@ -1,0 +1,96 @@
+"""The memory wall: host<->device traffic (activation offload), pageable copies, full
+recompute and device memory at capacity."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from traceclf.measures import timeline
+from traceclf.measures.window import RankWindow
+
+MEASURES: dict[str, str] = {
+    "offload_copy_frac": "union of host<->device copy time",
+    "h2d_d2h_bytes_per_step": "bytes copied host<->device per step",
+    "h2d_bytes_per_step": "bytes copied host->device per step",
+    "d2h_bytes_per_step": "bytes copied device->host per step",
+    "pageable_copies_per_step": "memcpys from/to pageable host memory per step",
+    "pageable_bytes_per_step": "bytes of those copies per step",
+    "small_d2h_per_step": "device->host copies of <= 1 KiB per step (.item(), nonzero results)",
+    "recompute_frac": "share of forward GEMM/attention kernels re-run in backward (needs "
+    "forward/backward NVTX ranges; null otherwise)",
+    "peak_memory_bytes": "peak device memory allocated (CUDA_GPU_MEMORY_USAGE_EVENTS)",
+    "peak_memory_frac": "peak_memory_bytes over the GPU's capacity",
+}
+SMALL_D2H_BYTES = 1024
+
+
+def copies(w: RankWindow) -> dict[str, float]:
+    n_steps = w.n_steps
+    memcpy = w.copies.filter(pl.col("op") == "memcpy")
+    h2d = memcpy.filter(pl.col("direction").is_in(["HtoD", "UVM_HtoD"]))
+    d2h = memcpy.filter(pl.col("direction").is_in(["DtoH", "UVM_DtoH"]))
+    offload = pl.concat([h2d, d2h])
+    pageable = memcpy.filter(pl.col("pageable"))
+    return {
+        "h2d_d2h_bytes_per_step": int(offload["bytes"].sum()) / n_steps,
+        "h2d_bytes_per_step": int(h2d["bytes"].sum()) / n_steps,
+        "d2h_bytes_per_step": int(d2h["bytes"].sum()) / n_steps,
+        "offload_copy_frac": timeline.total(offload) / w.wall,
+        "pageable_copies_per_step": len(pageable) / n_steps,
+        "pageable_bytes_per_step": int(pageable["bytes"].sum()) / n_steps,
+        "small_d2h_per_step": len(d2h.filter(pl.col("bytes") <= SMALL_D2H_BYTES)) / n_steps,
+    }
+
+
+def recompute_frac(w: RankWindow) -> float | None:
+    """Forward GEMM/attention kernels seen again in backward: a full-recompute signature.
+    Without recompute, backward runs different GEMMs (dgrad/wgrad shapes and layouts)."""
+    trace, nvtx = w.trace, w.taxonomy.nvtx
+    phases = trace.nvtx.with_columns(
+        phase=pl.when(pl.col("text").str.contains(nvtx["forward"]))
+        .then(pl.lit("fwd"))
+        .when(pl.col("text").str.contains(nvtx["backward"]))
+        .then(pl.lit("bwd"))
+    ).filter(pl.col("phase").is_not_null())
+    if (
+        phases.filter(pl.col("phase") == "fwd").is_empty()
+        or phases.filter(pl.col("phase") == "bwd").is_empty()
+    ):
+        return None
+    tagged = trace.calls_in(phases, "phase")
+    heavy = w.kern.filter(pl.col("family").is_in(["gemm", "attention"])).join(
+        tagged, on="correlation_id"
+    )
+    sig = ["name", "grid_blocks", "block_threads"]
+    counts = (
+        heavy.group_by([*sig, "phase"])
+        .len()
+        .pivot(on="phase", index=sig, values="len")
+        .fill_null(0)
+    )
+    if "fwd" not in counts.columns or "bwd" not in counts.columns:
+        return 0.0 if "fwd" in counts.columns else None
+    forward = int(counts["fwd"].sum())
+    if not forward:
+        return None
+    repeated = int(counts.select(pl.min_horizontal("fwd", "bwd")).to_series().sum())
+    return repeated / forward
+
+
+def peak(w: RankWindow) -> dict[str, float | None]:
+    """Peak of allocated device memory (allocation events over the whole capture, since memory
+    allocated during warm-up is still held in the steady state)."""
+    mem = w.trace.memory
+    capacity = (w.gpu or {}).get("memory_bytes")
+    if mem.is_empty():
+        return {"peak_memory_bytes": None, "peak_memory_frac": None}
+    top = (
+        mem.sort("start")
+        .with_columns(
+            delta=pl.when(pl.col("op") == 0).then(pl.col("bytes")).otherwise(-pl.col("bytes"))
+        )
+        .with_columns(level=pl.col("delta").cum_sum().over("device_id"))["level"]
+        .max()
+    )
+    top = int(top or 0)
+    return {"peak_memory_bytes": top, "peak_memory_frac": top / capacity if capacity else None}

@@ -1,0 +1,142 @@
+"""`traceclf compare` output: the comparison (traceclf/compare.py) as rich terminal text,
+Markdown or JSON."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from traceclf.compare import Comparison, Run
+from traceclf.render import emit
+from traceclf.render.text import fmt_ms, pct, signed_pct
+
+
+def render_comparison(result: Comparison, fmt: str, output: Path | None = None) -> None:
+    """Write the comparison as ``terminal`` (rich), ``md`` or ``json`` to ``output``
+    (atomically) or stdout."""
+    if fmt == "terminal":
+        text = _terminal(result, to_string=output is not None)
+        if text is None:
+            return
+    elif fmt == "md":
+        text = comparison_markdown(result)
+    elif fmt == "json":
+        text = json.dumps(result.to_dict(), indent=2) + "\n"
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
+    emit(text, output)
+
+
+VERDICT_STYLE = {"regression": "bold red", "improvement": "bold green"}
+
+
+def _terminal(result: Comparison, to_string: bool) -> str | None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    buffer = io.StringIO() if to_string else None
+    console = Console(file=buffer, highlight=False, force_terminal=False if to_string else None)
+    if not console.is_terminal:
+        console.width = 120
+    b, a = result.before, result.after
+    console.print(Text(f"{Path(b.source).name} → {Path(a.source).name}", style="bold"))
+    console.print(Text(result.summary, style=VERDICT_STYLE.get(result.verdict, "bold")))
+    steps = Table(show_edge=False, title="Step time", title_justify="left")
+    for col in ("", "before", "after", "change"):
+        steps.add_column(col, justify="left" if not col else "right")
+    for row in _step_rows(result):
+        steps.add_row(*row)
+    console.print(steps)
+    console.print(_bound_line(result))
+    moved = Table(show_edge=False, title="Measures that moved", title_justify="left")
+    for col in ("measure", "before", "after", "change"):
+        moved.add_column(col, justify="left" if col == "measure" else "right")
+    for m in result.moved:
+        moved.add_row(m.label, m.value(m.before), m.value(m.after), m.delta())
+    console.print(moved if result.moved else Text("No measure moved materially."))
+    for note in result.notes:
+        console.print(Text(f"Not directly comparable: {note}", style="yellow"))
+    return buffer.getvalue() if buffer else None
+
+
+def comparison_markdown(result: Comparison) -> str:
+    b, a = result.before, result.after
+    lines = [
+        f"# traceclf compare: {result.verdict}",
+        "",
+        f"`{Path(b.source).name}` → `{Path(a.source).name}`",
+        "",
+        f"**{result.summary}**",
+        "",
+        "## Step time",
+        "",
+        "|  | before | after | change |",
+        "| --- | ---: | ---: | ---: |",
+        *(f"| {' | '.join(row)} |" for row in _step_rows(result)),
+        "",
+        _bound_line(result),
+        "",
+        "## Measures that moved",
+        "",
+    ]
+    if result.moved:
+        lines += ["| measure | before | after | change |", "| --- | ---: | ---: | ---: |"]
+        lines += [
+            f"| {m.label} | {m.value(m.before)} | {m.value(m.after)} | {m.delta()} |"
+            for m in result.moved
+        ]
+    else:
+        lines.append("No measure moved materially.")
+    if result.notes:
+        lines += ["", "## Not directly comparable", ""] + [f"- {n}" for n in result.notes]
+    lines += [
+        "",
+        "## Runs",
+        "",
+        *(
+            f"- **{side}:** `{r.source}` ({_run_line(r)})"
+            for side, r in (("before", b), ("after", a))
+        ),
+        "",
+        f"Noise band: 2 standard errors of the difference of mean step times "
+        f"(SE = CV · mean / √steps); threshold {result.threshold:.0%}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _step_rows(result: Comparison) -> list[tuple[str, str, str, str]]:
+    b, a = result.before, result.after
+    noise = f"±{fmt_ms(result.noise_ms)}" if result.noise_ms is not None else "–"
+    noise_frac = f" (±{result.noise_frac:.1%})" if result.noise_frac is not None else ""
+    return [
+        ("mean", fmt_ms(b.step_mean_ms), fmt_ms(a.step_mean_ms), signed_pct(result.step_change_frac)),
+        (
+            "median",
+            fmt_ms(b.step_median_ms),
+            fmt_ms(a.step_median_ms),
+            signed_pct(result.median_change_frac),
+        ),
+        ("spread (CV)", pct(b.step_cv), pct(a.step_cv), ""),
+        ("steady steps", str(b.steps_used), str(a.steps_used), ""),
+        ("noise band", "", "", noise + noise_frac),
+    ]
+
+
+def _bound_line(result: Comparison) -> str:
+    b, a = result.before, result.after
+    if result.bound_changed:
+        return f"Bound changed: {b.bound} → {a.bound} (confidence {_conf(b)} → {_conf(a)})."
+    return f"Bound unchanged: {a.bound} (confidence {_conf(b)} → {_conf(a)})."
+
+
+def _run_line(r: Run) -> str:
+    return (
+        f"{r.bound}-bound, {r.ranks} rank{'s' if r.ranks != 1 else ''}, "
+        f"{', '.join(r.gpus) or 'unknown GPU'}, steps from {r.step_source or 'none'}"
+    )
+
+
+def _conf(r: Run) -> str:
+    return f"{r.confidence:.2f}" if r.confidence is not None else "–"

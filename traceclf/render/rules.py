@@ -1,0 +1,95 @@
+"""`traceclf rules` and `traceclf explain FIX_ID`: the rule set and one fix, as rich console
+output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from traceclf.errors import TraceError
+from traceclf.judge.engine import by_workflow
+from traceclf.judge.schema import load_rules
+
+
+def list_rules(rules_dir: Path | None = None) -> None:
+    """Print the rules and the fixes they can propose (rich tables, stdout)."""
+    from rich.table import Table
+
+    rs = load_rules(rules_dir)
+    console = _console()
+    rules = Table(
+        title="Rules (a rule adds its score to its wall when its condition holds)",
+        title_justify="left",
+        show_lines=False,
+    )
+    rules.add_column("rule", no_wrap=True)
+    rules.add_column("wall", no_wrap=True)
+    for col, ratio in (("when", 3), ("score", 2), ("fixes", 2)):
+        rules.add_column(col, overflow="fold", ratio=ratio)
+    for rule in sorted(rs.rules.values(), key=lambda r: rs.scoring.workflow.index(r.wall)):
+        when = rule.when.source if rule.enabled else f"(disabled) {rule.when.source}"
+        rules.add_row(rule.id, rule.wall, when, rule.score.source, ", ".join(rule.fixes))
+    fixes = Table(title="Fixes (traceclf explain FIX_ID shows one in full)", title_justify="left")
+    for col in ("fix", "wall", "title", "requires", "applied when"):
+        fixes.add_column(col, overflow="fold")
+    for fix in by_workflow(rs):
+        fixes.add_row(
+            fix.id,
+            fix.wall,
+            fix.title,
+            fix.requires.source if fix.requires else "",
+            fix.applied_when.source if fix.applied_when else "",
+        )
+    definitions = Table(title="Definitions (named expressions rules can use)", title_justify="left")
+    for col in ("name", "expression"):
+        definitions.add_column(col, overflow="fold")
+    for d in rs.definitions.values():
+        definitions.add_row(d.name, d.expr.source)
+    console.print(rules)
+    console.print(fixes)
+    console.print(definitions)
+    console.print("Rule files: " + ", ".join(str(f) for f in rs.folders))
+
+
+def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
+    """Print one fix in full: why, config to paste, preconditions, pitfalls, what proposes it."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.syntax import Syntax
+    from rich.text import Text
+
+    rs = load_rules(rules_dir)
+    fix = rs.fixes.get(fix_id)
+    if fix is None:
+        raise TraceError(
+            None, f"unknown fix {fix_id!r}; valid fix ids: {', '.join(sorted(rs.fixes))}"
+        )
+    proposers = [r.id for r in rs.rules.values() if fix.id in r.fixes]
+    parts: list[Any] = [
+        Text(fix.why.source),
+        Text(""),
+        Syntax(fix.config, "python", theme="ansi_dark", word_wrap=True),
+    ]
+    for label, items in (("Preconditions", fix.preconditions), ("Pitfalls", fix.pitfalls)):
+        if items:
+            parts += [Text(""), Text(label, style="bold")] + [Text(f"• {i}") for i in items]
+    extra = [
+        ("Plain PyTorch", fix.pytorch and " ".join(fix.pytorch.split())),
+        ("Proposed only when", fix.requires and fix.requires.source),
+        ("Detected as applied when", fix.applied_when and fix.applied_when.source),
+        ("Proposed by rules", ", ".join(proposers)),
+    ]
+    for label, value in extra:
+        if value:
+            parts += [Text(""), Text.assemble((f"{label}: ", "bold"), value)]
+    title = f"{fix.title}  [{fix.id} · {fix.wall}]"
+    _console().print(Panel(Group(*parts), title=title, title_align="left"))
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:  # piped or saved: rich would assume 80 columns
+        console.width = 120
+    return console
