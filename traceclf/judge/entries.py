@@ -309,5 +309,3 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
         time_share,
         values["next_wall_min_share"],
     )
-
-

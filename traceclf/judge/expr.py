@@ -18,6 +18,7 @@ from typing import Any
 _FUNCTIONS: dict[str, Callable[..., Any]] = {"min": min, "max": max, "abs": abs}
 _MAX_EXPR_CHARS = 1000
 
+
 class ExprError(ValueError):
     """An expression that cannot be parsed or uses something outside the language."""
 

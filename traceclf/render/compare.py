@@ -111,7 +111,12 @@ def _step_rows(result: Comparison) -> list[tuple[str, str, str, str]]:
     noise = f"±{fmt_ms(result.noise_ms)}" if result.noise_ms is not None else "–"
     noise_frac = f" (±{result.noise_frac:.1%})" if result.noise_frac is not None else ""
     return [
-        ("mean", fmt_ms(b.step_mean_ms), fmt_ms(a.step_mean_ms), signed_pct(result.step_change_frac)),
+        (
+            "mean",
+            fmt_ms(b.step_mean_ms),
+            fmt_ms(a.step_mean_ms),
+            signed_pct(result.step_change_frac),
+        ),
         (
             "median",
             fmt_ms(b.step_median_ms),
