@@ -108,7 +108,7 @@ def test_one_rank_all_to_all_is_a_copy_not_communication():
 def test_wall_time_shares_add_up(name):
     for _, m in measured(name):
         x = m.metrics
-        idle = sum(x[f"idle_{c}_frac"] for c in ("launch", "sync", "input", "other"))
+        idle = sum(x[f"idle_{c}_frac"] for c in ("launch", "sync", "input", "host", "other"))
         assert idle == pytest.approx(x["gpu_idle_frac"], abs=1e-3)
         assert x["gpu_busy_frac"] + x["gpu_idle_frac"] == pytest.approx(1, abs=1e-6)
         assert x["exposed_comm_frac"] <= x["comm_frac"] + 1e-9

@@ -43,6 +43,9 @@ class RankResult:
     gpu: dict | None
     steps: dict
     measures: RankMeasures
+    # which GPU: device ordinal, whether the export maps it to a physical GPU, and a key that
+    # is equal for two ranks on one GPU (judge/capture.py: gpu_assignment)
+    placement: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -51,6 +54,7 @@ class ExportResult:
     nsys_version: str | None
     schema_version: str | None
     ranks: list[RankResult] = field(default_factory=list)
+    gpu_count: int = 0  # GPUs the export describes (TARGET_INFO_GPU rows)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,7 +72,9 @@ class ExportResult:
         ranks = [
             RankResult(**(r | {"measures": RankMeasures(**r["measures"])})) for r in data["ranks"]
         ]
-        return cls(data["path"], data["nsys_version"], data["schema_version"], ranks)
+        return cls(
+            data["path"], data["nsys_version"], data["schema_version"], ranks, data["gpu_count"]
+        )
 
 
 def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
@@ -134,8 +140,16 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     )
     if not trace.rank_pids:
         raise TraceError(path, "no process ran GPU work (kernel and copy rows name no process)")
+    if trace.kernels.is_empty() and trace.graphs.is_empty():
+        raise TraceError(
+            path,
+            f"no kernel ran in this capture (only {len(trace.copies)} memcpy/memset rows): "
+            "nothing to judge",
+        )
     taxonomy = _taxonomy(opts)
-    result = ExportResult(str(path), trace.nsys_version, trace.schema_version)
+    result = ExportResult(
+        str(path), trace.nsys_version, trace.schema_version, gpu_count=len(trace.gpus)
+    )
     for pid in trace.rank_pids:
         rank_trace = trace.for_pid(pid)
         steps = find_steps(rank_trace, opts.step_regex, taxonomy)
@@ -148,9 +162,21 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
                 gpu=gpu,
                 steps=_steps_summary(steps),
                 measures=measure_rank(rank_trace, steps, gpu, taxonomy),
+                placement=_placement(trace, pid, gpu, path),
             )
         )
     return result
+
+
+def _placement(trace, pid: int, gpu: dict | None, path: Path) -> dict:
+    """Where a rank ran: ranks with equal ``key`` ran on one GPU when ``mapped`` (the export
+    maps their device to a physical GPU, whose UUID names it across files)."""
+    device, mapped = trace.device_of(pid)
+    if mapped and gpu:
+        key = gpu.get("uuid") or f"{path}#gpu{gpu.get('gpu_id')}"
+    else:
+        key = f"{path}#device{device}"
+    return {"device": device, "mapped": mapped, "key": key}
 
 
 # Sources that shape a result (relative to the package): an edit to any invalidates the cache.
@@ -210,11 +236,16 @@ def _steps_summary(steps) -> dict:
 
 
 GPU_KEYS = ("name", "chip", "sm_count", "memory_bytes")
+REPORT_VERSION = 2
+# A straggler's compute skew must exceed twice the step-time spread, and at least this.
+STRAGGLER_MIN_SKEW = 0.05
 
 
 def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
-    """Reduce step: number the ranks, average their measures, compare them, classify."""
-    from traceclf.judge.engine import evaluate
+    """Reduce step: number the ranks, average their measures, compare them, say what the
+    capture supports, then classify — or abstain (docs/judgement.md)."""
+    from traceclf.judge.capture import abstain_reason, capture_block
+    from traceclf.judge.engine import abstained, evaluate
 
     ranks = [r for export in results for r in export.ranks]
     rank_dicts = [
@@ -228,13 +259,28 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
             "metrics": r.measures.metrics,
             "comm_by_kind": r.measures.comm_by_kind,
             "top_kernels": r.measures.top_kernels,
+            "idle_nvtx": r.measures.idle_nvtx,
+            "capture": r.measures.capture,
         }
         for i, r in enumerate(ranks)
     ]
     metrics = mean_metrics([r.measures.metrics for r in ranks])
     gpus = _unique([{k: r.gpu.get(k) for k in GPU_KEYS} for r in ranks if r.gpu])
-    cross = cross_rank(rank_dicts)
+    capture = capture_block(ranks, results)
+    cross = cross_rank(rank_dicts, capture)
     comm_by_kind = _mean_comm(ranks)
+    first = ranks[0].steps if ranks else {}
+    steps = {
+        # rank 0's steps; "mixed" when ranks found their steps in different ways
+        "source": _common([r.steps["source"] for r in ranks], first.get("source", "none")),
+        "label": first.get("label", ""),
+        "count": first.get("count", 0),
+        "used": first.get("used", 0),
+        "mean_ms": _mean([r.steps["mean_ms"] for r in ranks]),
+        "median_ms": _mean([r.steps["median_ms"] for r in ranks]),
+        "cv": _mean([r.steps["cv"] for r in ranks]),
+        "window_ns": first.get("window_ns", [0, 0]),
+    }
     facts = {
         "metrics": metrics,
         "ranks": rank_dicts,
@@ -242,11 +288,14 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
         "rank_count": len(ranks),
         "comm_by_kind": comm_by_kind,
         "cross_rank": cross,
+        "capture": capture,
+        "steps": steps,
+        "idle_nvtx": _top_idle_nvtx(ranks),
     }
-    verdict = evaluate(facts, opts.rules_dir)
-    first = ranks[0].steps if ranks else {}
+    reason = abstain_reason(capture, ranks)
+    verdict = abstained(reason) if reason else evaluate(facts, opts.rules_dir)
     return Report(
-        report_version=1,
+        report_version=REPORT_VERSION,
         traceclf_version=__version__,
         inputs=[
             {
@@ -258,17 +307,8 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
             for e in results
         ],
         gpus=gpus,
-        steps={
-            # rank 0's steps; "mixed" when ranks found their steps in different ways
-            "source": _common([r.steps["source"] for r in ranks], first.get("source", "none")),
-            "label": first.get("label", ""),
-            "count": first.get("count", 0),
-            "used": first.get("used", 0),
-            "mean_ms": _mean([r.steps["mean_ms"] for r in ranks]),
-            "median_ms": _mean([r.steps["median_ms"] for r in ranks]),
-            "cv": _mean([r.steps["cv"] for r in ranks]),
-            "window_ns": first.get("window_ns", [0, 0]),
-        },
+        capture=capture,
+        steps=steps,
         ranks=rank_dicts,
         metrics=metrics,
         cross_rank=cross,
@@ -289,6 +329,15 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
     )
 
 
+def _top_idle_nvtx(ranks: list[RankResult]) -> dict | None:
+    """The NVTX range that covers the most idle time on any rank (with its rank)."""
+    rows = [(row, i) for i, r in enumerate(ranks) for row in r.measures.idle_nvtx[:1]]
+    if not rows:
+        return None
+    row, rank = max(rows, key=lambda x: x[0]["frac"])
+    return row | {"rank": rank}
+
+
 def mean_metrics(per_rank: list[dict]) -> dict:
     """Mean over ranks of each measure; booleans are true if true on any rank."""
     keys = list(dict.fromkeys(k for m in per_rank for k in m))
@@ -302,9 +351,11 @@ def mean_metrics(per_rank: list[dict]) -> dict:
     return out
 
 
-def cross_rank(ranks: list[dict]) -> dict:
-    """Skew between ranks: the straggler is the rank with the most compute per step (the
-    others wait for it inside their collectives)."""
+def cross_rank(ranks: list[dict], capture: dict | None = None) -> dict:
+    """Skew between ranks, and the straggler: the rank with the most compute per step (the
+    others wait for it inside their collectives) — named only when the ranks have GPUs of
+    their own (ranks sharing one GPU time-slice it: their compute skew is the slicing) and its
+    compute skew is beyond the noise of the step times."""
     if len(ranks) < 2:
         return {"straggler_rank": None, "step_time_skew_frac": None, "compute_skew_frac": None}
     step = [r["metrics"].get("step_time_ms") for r in ranks]
@@ -312,10 +363,26 @@ def cross_rank(ranks: list[dict]) -> dict:
         (r["metrics"].get("compute_frac") or 0) * (r["metrics"].get("step_time_ms") or 0)
         for r in ranks
     ]
+    compute_skew = _skew(compute)
+    cvs = [r["metrics"].get("step_time_cv") for r in ranks]
+    noise = max(STRAGGLER_MIN_SKEW, 2 * (_mean(cvs) or 0))
+    assignment = (capture or {}).get("gpu_assignment", "own")
+    if assignment == "shared":
+        note = "ranks share one GPU: they time-slice it, so compute skew is not imbalance"
+    elif assignment == "unknown":
+        note = "ranks report the same device and the export cannot say whether it is one GPU"
+    elif compute_skew is None or compute_skew <= noise:
+        note = f"compute skew within the noise band ({noise:.0%}: 2 x step-time spread, min 5%)"
+    else:
+        note = None
     return {
-        "straggler_rank": max(range(len(ranks)), key=lambda i: compute[i]),
+        "straggler_rank": max(range(len(ranks)), key=lambda i: compute[i])
+        if note is None
+        else None,
         "step_time_skew_frac": _skew(step),
-        "compute_skew_frac": _skew(compute),
+        "compute_skew_frac": compute_skew,
+        "noise_band_frac": round(noise, 4),
+        "straggler_note": note,
     }
 
 

@@ -21,6 +21,7 @@ class NvtxCollective:
     kind: str
     pattern: str
     domain: str | None = None  # only ranges of this NVTX domain; None: any domain
+    source: str = "nvtx"  # who wrote the range (pytorch, nccl): earlier sources win
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,11 @@ class Taxonomy:
     comm_libraries: Table
     comm_kinds: Table
     nvtx_collectives: tuple[NvtxCollective, ...]
+    host_activities: Table
     nvtx: dict[str, str] = field(hash=False)  # step, forward, backward, optimizer
     fp8_gemm: str = ""
     cuda_api: dict[str, str] = field(default_factory=dict, hash=False)  # sync, launch, ...
+    training: dict[str, str] = field(default_factory=dict, hash=False)  # backward_kernel, ...
 
     def family(self, col: str = "name") -> pl.Expr:
         return first_match(col, self.families, "other")
@@ -42,15 +45,26 @@ class Taxonomy:
     def comm_kind(self, col: str = "name") -> pl.Expr:
         return first_match(col, self.comm_kinds, "other")
 
-    def nvtx_collective(self, text: str = "text", domain: str = "domain") -> pl.Expr:
-        """Collective kind named by an NVTX range (null when it names none)."""
+    @property
+    def collective_sources(self) -> tuple[str, ...]:
+        """Sources of collective NVTX ranges, strongest first."""
+        return tuple(dict.fromkeys(e.source for e in self.nvtx_collectives))
+
+    def nvtx_collective(self, source: str, text: str = "text", domain: str = "domain") -> pl.Expr:
+        """Collective kind that an NVTX range of ``source`` names (null when it names none)."""
         expr = pl.lit(None, dtype=pl.String)
         for entry in reversed(self.nvtx_collectives):
+            if entry.source != source:
+                continue
             cond = pl.col(text).cast(pl.String).str.contains(entry.pattern)
             if entry.domain is not None:
                 cond = cond & (pl.col(domain) == entry.domain)
             expr = pl.when(cond).then(pl.lit(entry.kind)).otherwise(expr)
         return expr
+
+    def host_activity(self, col: str = "text") -> pl.Expr:
+        """What an NVTX range says the host was doing (compile, data, ...; null: unknown)."""
+        return first_match(col, self.host_activities, None)
 
     def is_api(self, kind: str, col: str = "name") -> pl.Expr:
         """Whether a CUDA call is of ``kind`` (a key of ``cuda_api``: sync, launch, alloc...)."""
@@ -67,9 +81,7 @@ class Taxonomy:
             .with_columns(family=self.family())
             .with_columns(
                 is_comm=pl.col("family") == "communication",
-                comm_library=pl.when(pl.col("family") == "communication").then(
-                    self.comm_library()
-                ),
+                comm_library=pl.when(pl.col("family") == "communication").then(self.comm_library()),
                 comm_kind=pl.when(pl.col("family") == "communication").then(self.comm_kind()),
             )
         )

@@ -19,6 +19,7 @@ Frames and their columns
   nsys metric under whatever name this GPU gives it), value (%)
 - ``memory``: allocation events: start, pid, device_id, bytes, op (0 alloc, 1 free)
 - ``gpus``: one row per GPU of TARGET_INFO_GPU; ``processes``: pid, process_name
+- ``threads``: global_tid, pid, tid, thread_name (ThreadNames)
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class Trace:
     gpus: pl.DataFrame
     processes: pl.DataFrame
     device_map: pl.DataFrame = field(default_factory=pl.DataFrame)
+    threads: pl.DataFrame = field(default_factory=pl.DataFrame)
+    # "values" | "declared_empty" | "absent": NCCL's NVTX payload (ingest/devices.nccl_payload)
+    nccl_payload: str = "absent"
 
     FRAMES = (
         "kernels",
@@ -61,7 +65,11 @@ class Trace:
         "gpus",
         "processes",
         "device_map",
+        "threads",
     )
+    # Frames of events that belong to one process (for_pid keeps only that process's rows);
+    # the others describe the machine (GPUs, metrics, processes, threads).
+    PER_PROCESS = ("kernels", "graphs", "copies", "api", "syncs", "nvtx", "memory", "overhead")
 
     @property
     def gpu_work(self) -> pl.DataFrame:
@@ -111,14 +119,7 @@ class Trace:
         def keep(df: pl.DataFrame) -> pl.DataFrame:
             return df.filter(pl.col("pid") == pid) if "pid" in df.columns else df
 
-        return replace(
-            self,
-            **{
-                n: keep(getattr(self, n))
-                for n in self.FRAMES
-                if n not in ("gpus", "processes", "gpu_metrics", "device_map")
-            },
-        )
+        return replace(self, **{n: keep(getattr(self, n)) for n in self.PER_PROCESS})
 
     def metrics_of_gpu(self, gpu_id: int | None) -> pl.DataFrame:
         """GPU-metric samples of one GPU. nsys gives each sampled GPU its own source id, in
@@ -131,10 +132,21 @@ class Trace:
         return self.gpu_metrics.filter(pl.col("source") == source)
 
     def _only_pid(self, pid: int) -> bool:
-        frames = (getattr(self, n) for n in self.FRAMES)
+        frames = (getattr(self, n) for n in self.PER_PROCESS)
         return all(
             df.is_empty() or bool((df["pid"] == pid).all()) for df in frames if "pid" in df.columns
         )
+
+    def device_of(self, pid: int) -> tuple[int | None, bool]:
+        """The CUDA device ordinal a process ran its kernels on, and whether the export maps it
+        to a physical GPU (TARGET_INFO_CUDA_DEVICE): without that map, two ranks that each see
+        "device 0" may or may not be on one GPU."""
+        devices = self.kernels.filter(pl.col("pid") == pid)["device_id"].drop_nulls()
+        device = int(devices.mode()[0]) if len(devices) else None
+        mapped = not self.device_map.filter(
+            (pl.col("pid") == pid) & (pl.col("device_id") == device)
+        ).is_empty()
+        return device, mapped
 
     def gpu_of(self, pid: int) -> dict | None:
         """The TARGET_INFO_GPU row of the GPU a process ran on (first GPU if unknown)."""

@@ -11,6 +11,23 @@ from pathlib import Path
 from traceclf.errors import TraceError
 
 WALLS = ("memory", "communication", "host", "compute")
+ORDER = (
+    "report_version",
+    "traceclf_version",
+    "inputs",
+    "gpus",
+    "capture",
+    "steps",
+    "classification",
+    "fixes",
+    "applied",
+    "next_wall",
+    "metrics",
+    "cross_rank",
+    "comm_by_kind",
+    "ranks",
+    "series",
+)
 
 
 @dataclass
@@ -24,6 +41,7 @@ class Report:
     metrics: dict
     classification: dict
     fixes: list[dict]
+    capture: dict = field(default_factory=dict)
     cross_rank: dict = field(default_factory=dict)
     comm_by_kind: dict = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)
@@ -31,11 +49,20 @@ class Report:
     series: list[dict] = field(default_factory=list)
 
     @property
-    def bound(self) -> str:
-        return self.classification.get("bound", "unknown")
+    def bound(self) -> str | None:
+        """The wall that bounds the run; None when traceclf abstained (see
+        ``classification["abstain_reason"]``)."""
+        return self.classification.get("bound")
+
+    @property
+    def abstained(self) -> bool:
+        return self.classification.get("bound") is None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The contract's JSON object, in reading order: what was read and what it supports,
+        the verdict and fixes, then the numbers behind them."""
+        data = asdict(self)
+        return {k: data[k] for k in ORDER if k in data} | data
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=_jsonable)

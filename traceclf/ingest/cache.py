@@ -33,7 +33,7 @@ from traceclf.ingest.schema import check_sqlite_file
 from traceclf.model import Trace
 
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 HEAD_BYTES = 1 << 20
 SUFFIX = ".traceclf"
 META = "meta.json"
@@ -180,6 +180,7 @@ def read_entry(entry: Path, path: Path) -> Trace | None:
         nsys_version=meta["nsys_version"],
         schema_version=meta["schema_version"],
         tables=frozenset(meta["tables"]),
+        nccl_payload=meta["nccl_payload"],
         **dict(zip(Trace.FRAMES, frames, strict=True)),
     )
 
@@ -203,6 +204,7 @@ def write_entry(trace: Trace, slot: Path, key: str) -> bool:
             "nsys_version": trace.nsys_version,
             "schema_version": trace.schema_version,
             "tables": sorted(trace.tables),
+            "nccl_payload": trace.nccl_payload,
         }
         # meta.json is written last, but the rename below is what publishes the entry.
         (tmp / META).write_text(json.dumps(meta), encoding="utf-8")

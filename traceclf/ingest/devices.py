@@ -99,9 +99,10 @@ GPU_COLUMNS: dict[str, tuple[str, ...]] = {
     "compute_major": ("computeMajor", "computeCapabilityMajor"),
     "compute_minor": ("computeMinor", "computeCapabilityMinor"),
     "bus": ("busLocation",),
+    "uuid": ("uuid",),
 }
 GPU_SCHEMA = {
-    out: (pl.String if out in ("name", "chip", "bus") else pl.Int64) for out in GPU_COLUMNS
+    out: (pl.String if out in ("name", "chip", "bus", "uuid") else pl.Int64) for out in GPU_COLUMNS
 }
 
 
@@ -128,6 +129,58 @@ def read_processes(reader: Reader) -> pl.DataFrame:
     return raw.select(
         pid=decode_pid("globalPid"), process_name=pl.col("name").cast(pl.String)
     ).unique("pid", maintain_order=True)
+
+
+def read_threads(reader: Reader, strings: pl.DataFrame) -> pl.DataFrame:
+    """Thread names (``ThreadNames``): which thread launched what, e.g. PyTorch's autograd
+    threads ``pt_autograd_N`` that run the backward pass."""
+    raw = reader.small_table("ThreadNames", ("globalTid", "nameId"))
+    schema = {"global_tid": pl.Int64, "pid": pl.Int64, "tid": pl.Int64, "thread_name": pl.String}
+    if raw.is_empty() or not {"globalTid", "nameId"} <= set(raw.columns):
+        return pl.DataFrame(schema=schema)
+    return (
+        raw.select(
+            global_tid=pl.col("globalTid").cast(pl.Int64), id=pl.col("nameId").cast(pl.Int64)
+        )
+        .join(strings, on="id", how="left")
+        .select(
+            "global_tid",
+            pid=decode_pid("global_tid"),
+            tid=(pl.col("global_tid") % (1 << 24)).cast(pl.Int64),
+            thread_name=pl.col("value").cast(pl.String),
+        )
+        .unique("global_tid", maintain_order=True)
+    )
+
+
+PAYLOAD_COLUMNS = (
+    "uint64Value",
+    "int64Value",
+    "doubleValue",
+    "uint32Value",
+    "int32Value",
+    "floatValue",
+    "jsonTextId",
+    "jsonText",
+    "binaryData",
+)
+
+
+def nccl_payload(reader: Reader) -> str:
+    """Whether NCCL's NVTX ranges carry their payload (message sizes, peers...): ``"values"``,
+    ``"declared_empty"`` (payload schemas declared, no range carries a value) or ``"absent"``."""
+    columns = reader.info.columns.get("NVTX_EVENTS", ())
+    present = [c for c in PAYLOAD_COLUMNS if c in columns]
+    if present and {"text", "textId"} <= set(columns) and reader.info.has("StringIds"):
+        any_value = " OR ".join(f'e."{c}" IS NOT NULL' for c in present)
+        hit = reader.sql(
+            "SELECT count(*) AS n FROM (SELECT 1 FROM NVTX_EVENTS e "
+            "LEFT JOIN StringIds s ON s.id = e.textId "
+            f"WHERE COALESCE(e.text, s.value) LIKE 'nccl%' AND ({any_value}) LIMIT 1)"
+        )
+        if int(hit["n"][0]):
+            return "values"
+    return "declared_empty" if reader.info.has("NVTX_PAYLOAD_SCHEMAS") else "absent"
 
 
 def read_device_map(reader: Reader) -> pl.DataFrame:

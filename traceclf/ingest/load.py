@@ -21,10 +21,12 @@ import polars as pl
 from traceclf.errors import TraceError
 from traceclf.ingest.devices import (
     decode_pid,
+    nccl_payload,
     read_device_map,
     read_gpu_metrics,
     read_gpus,
     read_processes,
+    read_threads,
 )
 from traceclf.ingest.schema import ExportInfo, inspect_export, readonly_uri
 from traceclf.model import Trace
@@ -392,6 +394,7 @@ def load_trace(
 
     gpus = read_gpus(reader)
     processes = read_processes(reader)
+    threads = read_threads(reader, strings)
 
     kernels, graphs, copies, syncs, memory = (
         df.with_columns(pid=decode_pid("global_pid"))
@@ -415,6 +418,8 @@ def load_trace(
         gpus=gpus,
         processes=processes,
         device_map=read_device_map(reader),
+        threads=threads,
+        nccl_payload=nccl_payload(reader),
     )
 
 

@@ -36,7 +36,8 @@ def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
     env = build_env(facts, rs)
     hits = _fire(rs, env)
     scores = {w: _combine(h.score for h in hits if h.rule.wall == w) for w in WALLS}
-    bound, confidence = _bound(scores, rs.scoring)
+    bound = _bound(scores, rs.scoring)
+    confidence = _confidence(bound, env, facts.get("steps") or {}, rs.scoring)
     # Walls reported with evidence and fixes: the bound and any other wall that matters.
     shown = [w for w in rs.scoring.workflow if w == bound or scores[w] >= rs.scoring.meaningful]
     return Verdict(
@@ -47,11 +48,50 @@ def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
     )
 
 
+def abstained(reason: str) -> Verdict:
+    """The verdict when the trace cannot support one: no bound, no fixes, the reason."""
+    return Verdict(
+        classification={
+            "bound": None,
+            "confidence": None,
+            "abstain_reason": reason,
+            "scores": dict.fromkeys(WALLS, 0.0),
+            "evidence": [],
+            "rules": [],
+        },
+        fixes=[],
+        applied=[],
+        next_wall=None,
+    )
+
+
+def _confidence(bound: str, env: dict[str, Any], steps: dict, scoring: Scoring) -> dict:
+    """How much of the step the bound's evidence explains (its time share) times how far the
+    window can be trusted (step anchor, number of steady steps, their spread)."""
+    share = scoring.time_share[bound].value(env)
+    explained = min(max(float(share), 0.0), 1.0) if isinstance(share, (int, float)) else 0.0
+    source = steps.get("source") or "none"
+    used = steps.get("used") or 0
+    cv = steps.get("cv") or 0.0
+    reliability = (
+        scoring.step_source_weight.get(source, scoring.step_source_weight.get("none", 0.5))
+        * min(1.0, used / scoring.full_confidence_steps)
+        / (1.0 + cv)
+    )
+    if source == "none":  # the whole capture is the window: no step to count
+        reliability = scoring.step_source_weight.get("none", 0.5) / (1.0 + cv)
+    return {
+        "value": round(explained * reliability, 3),
+        "explained": round(explained, 3),
+        "reliability": round(reliability, 3),
+    }
+
+
 def _classification(
     hits: list[_Hit],
     scores: dict[str, float],
     bound: str,
-    confidence: float,
+    confidence: dict,
     shown: list[str],
     rs: RuleSet,
     env: dict[str, Any],
@@ -62,11 +102,12 @@ def _classification(
         hits, key=lambda h: (h.rule.wall != bound, workflow.index(h.rule.wall), -h.score, h.order)
     )
     evidence = [h.rule.evidence.render(env) for h in hits if h.rule.wall in shown]
-    if max(scores.values()) < rs.scoring.dominant:
+    if max(scores.values()) < rs.scoring.dominant and confidence["explained"] < 0.5:
         evidence.insert(0, rs.scoring.balanced_evidence.render(env))
     return {
         "bound": bound,
-        "confidence": round(confidence, 3),
+        "confidence": confidence["value"],
+        "confidence_basis": {k: confidence[k] for k in ("explained", "reliability")},
         "scores": {w: round(scores[w], 3) for w in WALLS},
         "evidence": [e for e in evidence if e],
         "rules": [{"id": h.rule.id, "wall": h.rule.wall, "score": round(h.score, 3)} for h in hits],
@@ -79,6 +120,9 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
     gpu = facts.get("gpu") or {}
     kinds = facts.get("comm_by_kind") or {}
     cross = facts.get("cross_rank") or {}
+    capture = facts.get("capture") or {}
+    steps = facts.get("steps") or {}
+    idle = facts.get("idle_nvtx") or {}
     env: dict[str, Any] = dict.fromkeys(known_names()) | dict(metrics)
     env |= {
         "gpu_family": gpu_family(gpu, rs.families),
@@ -94,10 +138,30 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
         "straggler_rank": cross.get("straggler_rank"),
         "step_time_skew_frac": cross.get("step_time_skew_frac"),
         "compute_skew_frac": cross.get("compute_skew_frac"),
-    }
+        "training_loop": capture.get("training_loop") or "unknown",
+        "ranks_share_gpu": bool(capture.get("ranks_share_gpu")),
+        "graph_trace_mode": capture.get("graph_trace_mode") or "none",
+        "steps_used": steps.get("used") or 0,
+        "step_source": steps.get("source") or "none",
+        "idle_top_nvtx": idle.get("name"),
+        "idle_top_activity": idle.get("activity"),
+        "idle_top_nvtx_frac": idle.get("frac") or 0.0,
+    } | host_link(gpu, rs)
     for name, definition in rs.definitions.items():  # in order: each may use the ones before
         env[name] = definition.expr.value(env)
     return env
+
+
+def host_link(gpu: dict, rs: RuleSet) -> dict[str, Any]:
+    """The GPU's link to host memory from hardware.yaml's ``host_links`` (PCIe generation or
+    NVLink-C2C; the export itself does not record it): ``link_name``, ``link_gbps`` (GB/s per
+    direction), or nulls for an unknown GPU."""
+    text = " ".join(str(gpu.get(k) or "") for k in ("name", "chip")) if gpu else ""
+    link = next((ln for ln in rs.host_links if text.strip() and ln.match.search(text)), None)
+    return {
+        "link_name": link.name if link else None,
+        "link_gbps": link.gbps if link else None,
+    }
 
 
 def gpu_family(gpu: dict | None, families: list[GpuFamily]) -> str:
@@ -122,13 +186,10 @@ def _combine(scores: Iterable[float]) -> float:
     return 1.0 - math.prod(1.0 - s for s in scores)
 
 
-def _bound(scores: dict[str, float], scoring: Scoring) -> tuple[str, float]:
+def _bound(scores: dict[str, float], scoring: Scoring) -> str:
+    """The strongest wall (workflow order breaks ties); the default when no rule fired."""
     ranked = sorted(scores, key=lambda w: (-scores[w], scoring.workflow.index(w)))
-    top, second = scores[ranked[0]], scores[ranked[1]]
-    if top <= 0:
-        return scoring.default_bound, 0.0
-    # High when the top wall is strong and clearly ahead; never above the top score itself.
-    return ranked[0], min(max(top - 0.5 * second, 0.0), 1.0)
+    return ranked[0] if scores[ranked[0]] > 0 else scoring.default_bound
 
 
 def _next_wall(
@@ -168,30 +229,67 @@ def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any
             entry = found.setdefault(fix_id, {"wall": h.rule.wall, "score": h.score, "rules": []})
             entry["score"] = max(entry["score"], h.score)
             entry["rules"].append(h.rule.id)
+    framework = rs.scoring.framework_advice_when.holds(env)
     out = []
     for fix_id, entry in found.items():
         fix = rs.fixes[fix_id]
         if (fix.requires is not None and not fix.requires.holds(env)) or _is_applied(fix, env):
             continue
-        out.append(_fix_object(fix, entry, env))
+        if not framework and fix.generic is None:
+            continue  # framework advice only, and this is not a framework's loop
+        out.append(_fix_object(fix, entry, env, framework, rs))
     return _prerequisites_first(out, rs)
 
 
-def _fix_object(fix: Fix, entry: dict, env: dict[str, Any]) -> dict:
+def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs: RuleSet) -> dict:
+    config = fix.config if framework else fix.generic
+    extra = [lines for when, lines in fix.config_when if framework and when.holds(env)]
     obj = {
         "id": fix.id,
         "wall": entry["wall"],
         "title": fix.title,
         "why": fix.why.render(env),
-        "config": fix.config,
+        "config": "\n".join([config or "", *extra]).strip("\n"),
+        "advice": "framework" if framework else "generic",
         "preconditions": list(fix.preconditions),
         "pitfalls": list(fix.pitfalls),
+        "evidence": _evidence(fix, entry["rules"], env, rs),
         "rule_ids": list(dict.fromkeys(entry["rules"])),
         "score": round(entry["score"], 3),
     }
-    if fix.pytorch:
+    if fix.pytorch and framework:
         obj["pytorch"] = " ".join(fix.pytorch.split())
     return obj
+
+
+def _evidence(fix: Fix, rule_ids: list[str], env: dict[str, Any], rs: RuleSet) -> dict:
+    """The measured facts that triggered a fix: every name in the conditions of the rules that
+    proposed it and in its own ``requires``, with its value (definitions are expanded into the
+    names they use, so each fact is a measure or a context fact)."""
+    names: set[str] = set()
+    for rule_id in rule_ids:
+        names |= rs.rules[rule_id].when.names
+    if fix.requires is not None:
+        names |= fix.requires.names
+    names = _expand(names, rs)
+    return {n: _fact(env.get(n)) for n in sorted(names) if env.get(n) is not None}
+
+
+def _expand(names: set[str], rs: RuleSet) -> set[str]:
+    out: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in out:
+            continue
+        out.add(name)
+        if name in rs.definitions:
+            todo += rs.definitions[name].expr.names
+    return {n for n in out if n not in rs.definitions}
+
+
+def _fact(value: Any) -> Any:
+    return round(value, 4) if isinstance(value, float) else value
 
 
 def _prerequisites_first(fixes: list[dict], rs: RuleSet) -> list[dict]:

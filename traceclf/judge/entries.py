@@ -45,11 +45,23 @@ class Fix:
     applied: Template | None
     after: tuple[str, ...]
     source: Path
+    generic: str | None = None  # the advice for a loop that is not a DL framework's
+    config_when: tuple[tuple[Expr, str], ...] = ()  # config lines added when the expr holds
 
 
 @dataclass(frozen=True)
 class GpuFamily:
     family: str
+    match: re.Pattern[str]
+    source: Path
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """The link between a GPU and host memory: its name and GB/s per direction."""
+
+    name: str
+    gbps: float
     match: re.Pattern[str]
     source: Path
 
@@ -65,6 +77,11 @@ class Scoring:
     # names the wall the run will hit once the bound is fixed.
     time_share: dict[str, Expr]
     next_wall_min_share: float
+    # Confidence = the bound's time share x how far the window can be trusted (docs/judgement.md)
+    step_source_weight: dict[str, float]
+    full_confidence_steps: int
+    # When a fix's framework config (Megatron-Bridge, PyTorch) applies; else its generic advice
+    framework_advice_when: Expr
 
 
 @dataclass(frozen=True)
@@ -193,6 +210,8 @@ _RULE_REQUIRED = ("id", "wall", "when", "score", "evidence")
 _RULE_OPTIONAL = ("fixes", "description", "enabled")
 _FIX_REQUIRED = ("id", "wall", "title", "why", "config")
 _FIX_OPTIONAL = (
+    "generic",
+    "config_when",
     "preconditions",
     "pitfalls",
     "pytorch",
@@ -241,7 +260,35 @@ def parse_fix(raw: Any, path: Path, index: int, names: frozenset[str]) -> Fix:
         applied=applied,
         after=e.texts("after"),
         source=path,
+        generic=_text_block(e, "generic"),
+        config_when=_config_when(e),
     )
+
+
+def _text_block(e: _Entry, key: str) -> str | None:
+    text = e.text(key)
+    return text.strip("\n") if text else None
+
+
+def _config_when(e: _Entry) -> tuple[tuple[Expr, str], ...]:
+    """``config_when: [{when: expr, config: lines}]``: config lines that apply only when the
+    trace shows what they need (delay_wgrad_compute needs a backward pass)."""
+    raw = e.raw.get("config_when") or []
+    if not isinstance(raw, list):
+        e.fail("'config_when' must be a list of {when, config}")
+    out = []
+    for item in raw:
+        if not isinstance(item, dict) or set(item) != {"when", "config"}:
+            e.fail("'config_when' entries need exactly 'when' and 'config'")
+        if not isinstance(item["config"], str) or not isinstance(item["when"], (str, bool)):
+            e.fail("'config_when': 'when' is an expression and 'config' text")
+        try:
+            expr = Expr.parse(str(item["when"]))
+            check_names(expr.names, e.names)
+        except ExprError as err:
+            e.fail(f"'config_when': {err}")
+        out.append((expr, item["config"].strip("\n")))
+    return tuple(out)
 
 
 def parse_family(raw: Any, path: Path, index: int) -> GpuFamily:
@@ -253,6 +300,18 @@ def parse_family(raw: Any, path: Path, index: int) -> GpuFamily:
     return GpuFamily(e.text("family"), pattern, path)
 
 
+def parse_host_link(raw: Any, path: Path, index: int) -> HostLink:
+    e = _Entry(raw, path, "host link", index, ("link", "gbps", "match"), ())
+    try:
+        pattern = re.compile(e.text("match"), re.IGNORECASE)
+    except re.error as err:
+        e.fail(f"'match' is not a valid regex ({err})")
+    gbps = raw["gbps"]
+    if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not 0 < gbps < 1e5:
+        e.fail("'gbps' must be a positive number (GB/s per direction)")
+    return HostLink(e.text("link"), float(gbps), pattern, path)
+
+
 _SCORING_KEYS = (
     "workflow",
     "meaningful",
@@ -261,6 +320,9 @@ _SCORING_KEYS = (
     "balanced_evidence",
     "time_share",
     "next_wall_min_share",
+    "step_source_weight",
+    "full_confidence_steps",
+    "framework_advice_when",
 )
 
 
@@ -300,6 +362,24 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
             check_names(expr.names, names)
     except ExprError as e:
         raise TraceError(path, f"scoring: 'time_share': {e}") from None
+    weights, path = get("step_source_weight")
+    if not isinstance(weights, dict) or not all(
+        isinstance(k, str)
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and 0 <= v <= 1
+        for k, v in weights.items()
+    ):
+        raise TraceError(path, "scoring: 'step_source_weight' must map step sources to [0, 1]")
+    steps, path = get("full_confidence_steps")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:
+        raise TraceError(path, "scoring: 'full_confidence_steps' must be an integer in [1, 1000]")
+    advice, path = get("framework_advice_when")
+    try:
+        framework = Expr.parse(str(advice))
+        check_names(framework.names, names)
+    except ExprError as e:
+        raise TraceError(path, f"scoring: 'framework_advice_when': {e}") from None
     return Scoring(
         tuple(workflow),
         values["meaningful"],
@@ -308,4 +388,7 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
         balanced,
         time_share,
         values["next_wall_min_share"],
+        {k: float(v) for k, v in weights.items()},
+        steps,
+        framework,
     )

@@ -11,7 +11,7 @@ applies, how to tell it is already applied), ``gpu_families`` (GPU name/chip -> 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,13 @@ from traceclf.judge.entries import (
     Definition,
     Fix,
     GpuFamily,
+    HostLink,
     Rule,
     Scoring,
     parse_definitions,
     parse_family,
     parse_fix,
+    parse_host_link,
     parse_rule,
     parse_scoring,
 )
@@ -72,11 +74,27 @@ CONTEXT_NAMES: dict[str, str] = {
     "straggler_rank": "rank with the most compute per step (null with one rank)",
     "step_time_skew_frac": "spread of step time across ranks, as a fraction of the mean",
     "compute_skew_frac": "spread of compute time per step across ranks, as a fraction",
+    "training_loop": 'capture: "training", "forward_only", "not_a_loop" or "unknown"',
+    "ranks_share_gpu": "capture: two or more ranks ran on one GPU (time-slicing it)",
+    "graph_trace_mode": 'capture: CUDA-graph tracing, "graph", "node" or "none"',
+    "steps_used": "steady-state steps in the window",
+    "step_source": 'how steps were found: "nvtx", "graph", "pattern", "mixed" or "none"',
+    "idle_top_nvtx": "the NVTX range the host was in for the most idle GPU time (null: none)",
+    "idle_top_activity": "what that range was doing per the taxonomy (compile, data, mpi, ...)",
+    "idle_top_nvtx_frac": "the share of the step that range covers while the GPU idles",
+    "link_name": "the GPU's link to host memory (hardware.yaml host_links), e.g. PCIe Gen5 x16",
+    "link_gbps": "that link's bandwidth per direction in GB/s (null for an unknown GPU)",
 }
 
-_TOP_KEYS = ("rules", "fixes", "definitions", "gpu_families", "scoring", "taxonomy")
-
-
+_TOP_KEYS = (
+    "rules",
+    "fixes",
+    "definitions",
+    "gpu_families",
+    "host_links",
+    "scoring",
+    "taxonomy",
+)
 
 
 @dataclass
@@ -88,6 +106,7 @@ class RuleSet:
     definitions: dict[str, Definition]
     folders: list[Path]
     taxonomy: Taxonomy
+    host_links: list[HostLink] = field(default_factory=list)
 
 
 def bundled_rules_dir() -> Path:
@@ -127,6 +146,7 @@ def load_rules(rules_dir: Path | str | None = None) -> RuleSet:
     rules: dict[str, Rule] = {}
     fixes: dict[str, Fix] = {}
     families: list[GpuFamily] = []
+    host_links: list[HostLink] = []
     scoring_raw: dict[str, tuple[Any, Path]] = {}
     for files in docs:
         layer = _parse_layer(files, names)
@@ -139,9 +159,12 @@ def load_rules(rules_dir: Path | str | None = None) -> RuleSet:
         # A later folder's families are tried first, so a user can refine the bundled ones.
         taken = {f.family for f in layer["families"]}
         families = layer["families"] + [f for f in families if f.family not in taken]
+        host_links = layer["host_links"] + host_links
         scoring_raw |= layer["scoring"]
     scoring = parse_scoring(scoring_raw, names)
-    ruleset = RuleSet(rules, fixes, families, scoring, definitions, folders, parse_taxonomy(docs))
+    ruleset = RuleSet(
+        rules, fixes, families, scoring, definitions, folders, parse_taxonomy(docs), host_links
+    )
     _check_references(ruleset)
     return ruleset
 
@@ -151,7 +174,14 @@ def _yaml_files(folder: Path) -> list[Path]:
 
 
 def _parse_layer(files: list[tuple[Path, dict]], names: frozenset[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"rules": {}, "disabled": {}, "fixes": {}, "families": [], "scoring": {}}
+    out: dict[str, Any] = {
+        "rules": {},
+        "disabled": {},
+        "fixes": {},
+        "families": [],
+        "host_links": [],
+        "scoring": {},
+    }
     for path, doc in files:
         for i, raw in enumerate(_entries(doc, "rules", path)):
             if _is_disable_stub(raw):  # `{id: x, enabled: false}` turns a bundled rule off
@@ -160,6 +190,9 @@ def _parse_layer(files: list[tuple[Path, dict]], names: frozenset[str]) -> dict[
             _add_unique(out["rules"], parse_rule(raw, path, i, names), path, "rule")
         for i, raw in enumerate(_entries(doc, "fixes", path)):
             _add_unique(out["fixes"], parse_fix(raw, path, i, names), path, "fix")
+        out["host_links"] += [
+            parse_host_link(raw, path, i) for i, raw in enumerate(_entries(doc, "host_links", path))
+        ]
         out["families"] += [
             parse_family(raw, path, i) for i, raw in enumerate(_entries(doc, "gpu_families", path))
         ]

@@ -24,10 +24,16 @@ LISTS = {
     "comm_libraries": "library",
     "comm_kinds": "kind",
     "nvtx_collectives": "kind",
+    "host_activities": "activity",
 }
-PATTERN_MAPS = ("nvtx", "cuda_api")
-NVTX_NAMES = ("step", "forward", "backward", "optimizer")
-CUDA_API_NAMES = ("sync", "launch", "alloc", "graph_launch")
+# optional extra fields of list entries
+EXTRA_FIELDS = {"nvtx_collectives": ("domain", "source")}
+# single-pattern maps and the names each must define
+PATTERN_MAPS = {
+    "nvtx": ("step", "forward", "backward", "optimizer"),
+    "cuda_api": ("sync", "launch", "alloc", "graph_launch"),
+    "training": ("backward_kernel", "autograd_thread", "backward_nvtx", "framework_kernel"),
+}
 
 
 def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> Taxonomy:
@@ -54,9 +60,7 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> Taxonomy:
                 fp8 = _pattern(raw["fp8_gemm"], "taxonomy: fp8_gemm", path)
         for key in LISTS:  # this folder's entries first: first match wins
             lists[key] = layer_lists[key] + lists[key]
-    missing = [f"nvtx.{n}" for n in NVTX_NAMES if n not in maps["nvtx"]] + [
-        f"cuda_api.{n}" for n in CUDA_API_NAMES if n not in maps["cuda_api"]
-    ]
+    missing = [f"{m}.{n}" for m, names in PATTERN_MAPS.items() for n in names if n not in maps[m]]
     if missing or not fp8:
         what = missing[0] if missing else "fp8_gemm"
         raise TraceError(None, f"taxonomy: missing {what!r} in the rule files")
@@ -64,10 +68,15 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> Taxonomy:
         families=tuple((e[0], e[1]) for e in lists["families"]),
         comm_libraries=tuple((e[0], e[1]) for e in lists["comm_libraries"]),
         comm_kinds=tuple((e[0], e[1]) for e in lists["comm_kinds"]),
-        nvtx_collectives=tuple(NvtxCollective(e[0], e[1], e[2]) for e in lists["nvtx_collectives"]),
+        nvtx_collectives=tuple(
+            NvtxCollective(e[0], e[1], e[2].get("domain"), e[2].get("source") or "nvtx")
+            for e in lists["nvtx_collectives"]
+        ),
+        host_activities=tuple((e[0], e[1]) for e in lists["host_activities"]),
         nvtx=maps["nvtx"],
         fp8_gemm=fp8,
         cuda_api=maps["cuda_api"],
+        training=maps["training"],
     )
 
 
@@ -79,16 +88,21 @@ def _entries(raw: Any, key: str, label: str, path: Path) -> list[tuple[Any, ...]
     out = []
     for i, entry in enumerate(raw):
         where = f"taxonomy: {key} #{i + 1}"
-        allowed = {label, "match", "domain"} if key == "nvtx_collectives" else {label, "match"}
-        if not isinstance(entry, dict) or set(entry) - allowed or not {label, "match"} <= set(entry):
+        extra = EXTRA_FIELDS.get(key, ())
+        allowed = {label, "match", *extra}
+        if (
+            not isinstance(entry, dict)
+            or set(entry) - allowed
+            or not {label, "match"} <= set(entry)
+        ):
             raise TraceError(path, f"{where}: must be a mapping with {label!r} and 'match'")
         name = entry[label]
         if not isinstance(name, str) or not name.isidentifier():
             raise TraceError(path, f"{where}: {label!r} must be an identifier")
-        domain = entry.get("domain")
-        if domain is not None and not isinstance(domain, str):
-            raise TraceError(path, f"{where}: 'domain' must be text")
-        out.append((name, _pattern(entry["match"], f"{where} ({name})", path), domain))
+        fields = {f: entry.get(f) for f in extra}
+        if any(v is not None and not isinstance(v, str) for v in fields.values()):
+            raise TraceError(path, f"{where}: {', '.join(map(repr, extra))} must be text")
+        out.append((name, _pattern(entry["match"], f"{where} ({name})", path), fields))
     return out
 
 
@@ -97,7 +111,7 @@ def _patterns(raw: Any, key: str, path: Path) -> dict[str, str]:
         return {}
     if not isinstance(raw, dict):
         raise TraceError(path, f"taxonomy: {key} must be a mapping of name: pattern")
-    known = NVTX_NAMES if key == "nvtx" else CUDA_API_NAMES
+    known = PATTERN_MAPS[key]
     out = {}
     for name, pattern in raw.items():
         if name not in known:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from traceclf.figures import series
 from traceclf.kernels import Taxonomy
-from traceclf.measures import budget, communication, compute, host, memory
+from traceclf.measures import budget, capture, communication, compute, host, memory
 from traceclf.measures.window import prepare
 from traceclf.model import Trace
 from traceclf.steps import Steps
@@ -36,6 +36,8 @@ class RankMeasures:
     step_breakdown: list[dict] = field(default_factory=list)
     idle_gaps: dict[str, list] = field(default_factory=dict)
     gpu_metrics_series: dict[str, list] = field(default_factory=dict)
+    idle_nvtx: list[dict] = field(default_factory=list)
+    capture: dict = field(default_factory=dict)
 
 
 def measure_rank(
@@ -53,19 +55,23 @@ def measure_rank(
     m |= host.calls(w)
     gaps = host.idle_gaps(w)
     m |= host.idle(gaps, w)
-    m |= compute.kernel_mix(w)
+    mix, mix_source = compute.kernel_mix(w)
+    m |= mix
     m["recompute_frac"] = memory.recompute_frac(w)
     m["optimizer_kernels_per_step"] = compute.optimizer_kernels_per_step(w)
     m |= memory.peak(w)
     gpu_samples = trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
     m |= compute.gpu_metric_means(gpu_samples, steps.window)
+    facts = capture.capture_facts(w) | {"kernel_mix_source": mix_source}
     return RankMeasures(
         metrics={k: _round(v) for k, v in m.items()},
+        capture=facts,
         comm_by_kind=comm_by_kind,
         top_kernels=compute.top_kernels(w),
         step_breakdown=series.step_breakdown(w),
         idle_gaps=series.gap_histogram(gaps),
         gpu_metrics_series=series.metric_series(gpu_samples, steps.window),
+        idle_nvtx=host.idle_by_nvtx(gaps, w),
     )
 
 

@@ -19,7 +19,9 @@ def by_kind(w: RankWindow) -> dict[str, dict[str, float]]:
     comm = refine_kinds(w.kern.filter(pl.col("is_comm")), w)
     out: dict[str, dict[str, float]] = {}
     for (kind,), rows in comm.group_by(["comm_kind"]):
-        tl = timeline.timeline({"compute": w.compute, "comm": rows.select("start", "end")}, w.window)
+        tl = timeline.timeline(
+            {"compute": w.compute, "comm": rows.select("start", "end")}, w.window
+        )
         busy = int(tl.filter(pl.col("comm") > 0)["dur"].sum())
         exposed = int(tl.filter((pl.col("comm") > 0) & (pl.col("compute") == 0))["dur"].sum())
         out[str(kind)] = {
@@ -37,28 +39,42 @@ def a2a(kinds: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def refine_kinds(comm: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
-    """NCCL runs all-to-all and P2P through one SendRecv kernel; the NVTX range around the
-    launching call (NCCL's own, e.g. ``ncclAlltoAll``) says which it was."""
+    """NCCL runs all-to-all and P2P through one SendRecv kernel; the NVTX ranges around the
+    launching call say which it was. Sources are tried strongest first (rules/kernels.yaml:
+    PyTorch's ``nccl:all_to_all`` before NCCL's own ``ncclAlltoAll``); within one source the
+    ranges do not nest, so the latest one starting before the launch is the only candidate."""
     trace = w.trace
-    tagged_ranges = trace.nvtx.with_columns(nvtx_kind=w.taxonomy.nvtx_collective()).filter(
-        pl.col("nvtx_kind").is_not_null()
-    )
-    if tagged_ranges.is_empty() or comm.is_empty():
+    if comm.is_empty() or trace.nvtx.is_empty():
         return comm
-    launches = trace.api.join(comm.select("correlation_id"), on="correlation_id")
-    tagged = (
-        launches.sort("start")
-        .join_asof(
-            tagged_ranges.select("start", "global_tid", "nvtx_kind", nvtx_end="end").sort("start"),
-            on="start",
-            by="global_tid",
-            strategy="backward",
-            check_sortedness=False,
-        )
-        .filter(pl.col("start") <= pl.col("nvtx_end"))
-        .select("correlation_id", "nvtx_kind")
-        .unique("correlation_id")
+    launches = (
+        trace.api.join(comm.select("correlation_id"), on="correlation_id")
+        .select("correlation_id", "start", "global_tid")
+        .sort("start")
     )
+    found = []
+    for source in w.taxonomy.collective_sources:
+        ranges = (
+            trace.nvtx.with_columns(nvtx_kind=w.taxonomy.nvtx_collective(source))
+            .filter(pl.col("nvtx_kind").is_not_null())
+            .select("start", "global_tid", "nvtx_kind", nvtx_end="end")
+            .sort("start")
+        )
+        if ranges.is_empty():
+            continue
+        found.append(
+            launches.join_asof(
+                ranges, on="start", by="global_tid", strategy="backward", check_sortedness=False
+            )
+            .filter(pl.col("start") <= pl.col("nvtx_end"))
+            .select("correlation_id", pl.col("nvtx_kind").alias(source))
+            .unique("correlation_id")
+        )
+    if not found:
+        return comm
+    tagged = comm.select("correlation_id").unique()
+    for table in found:
+        tagged = tagged.join(table, on="correlation_id", how="left")
+    tagged = tagged.select("correlation_id", nvtx_kind=pl.coalesce([t.columns[1] for t in found]))
     return (
         comm.join(tagged, on="correlation_id", how="left")
         .with_columns(

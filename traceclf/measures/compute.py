@@ -23,6 +23,11 @@ FAMILY_NAMES = (
     "other",
 )
 METRICS_OF_INTEREST = {f"{key}_mean": key for key in METRIC_NAMES}
+CAPTURE_API = "^(cudaStreamBeginCapture|cuStreamBeginCapture)"
+# The warm-up burst before capture ends at a GPU pause longer than this many graph replays (an
+# eager iteration runs a few times slower than its replay; setup pauses are far longer).
+WARMUP_PAUSE_REPLAYS = 4
+WARMUP_PAUSE_MIN_NS = 20_000_000
 MEASURES: dict[str, str] = {
     "kernels_per_step": "kernel rows per step (kernels inside graph-level traced graphs "
     "are not rows)",
@@ -34,7 +39,13 @@ MEASURES: dict[str, str] = {
     "graph_frac": "share of busy time inside CUDA-graph executions",
     "uses_cuda_graphs": "any CUDA-graph execution in the window",
     "kernel_stats_outside_window": "kernel shapes taken from eager kernels outside the window "
-    "because graph-level tracing hides the replays' kernels",
+    "because graph-level tracing hides the replays' kernels (capture.kernel_mix_source says "
+    "which: the eager warm-up right before graph capture)",
+    "graph_internal_gap_frac": "node-level graph tracing: share of the graph replays' spans with "
+    "no node kernel running (device-side gaps inside graphs; null without node tracing)",
+    "gemm_kernels_per_step": "GEMM kernel launches per step",
+    "small_gemm_repeats_per_step": "launches per step of the most repeated GEMM shape (name and "
+    "grid) whose grid has fewer blocks than SMs: a loop over experts repeats one small GEMM",
     "optimizer_kernels_per_step": "kernels per step launched inside an optimizer NVTX range "
     "(null without one): dozens mean a per-tensor, unfused optimizer",
     "fp8_gemm_frac": "share of GEMM time in FP8 GEMM kernels (e4m3/e5m2/fp8/mxfp8 in the name)",
@@ -51,21 +62,74 @@ KERNEL_SHAPE_MEASURES = (
 )
 
 
-def kernel_mix(w: RankWindow) -> dict[str, float | bool | None]:
-    """Kernel counts, shapes and family shares of the window, and its CUDA-graph use.
+def kernel_mix(w: RankWindow) -> tuple[dict[str, float | bool | None], str]:
+    """Kernel counts, shapes and family shares of the window, its CUDA-graph use, and where
+    the kernel mix came from (the capture block's ``kernel_mix_source``).
 
-    Graph-level tracing hides the kernels of the replays; the same kernels ran eagerly before
-    capture, so their shapes stand in for the kernel mix of the steady state."""
+    Graph-level tracing hides the kernels of the replays; the same kernels ran eagerly in the
+    warm-up iterations right before the graph was captured, so those stand in for the mix of
+    the steady state — never initialisation kernels, never kernels between replays."""
     busy = w.state["busy"]
     out = _kernel_measures(w.kern, w, busy)
     hidden = graph_share_hidden(w.graphs, busy)
-    shape_kernels = w.taxonomy.classify(w.trace.kernels) if hidden else w.kern
+    shape_kernels, per_step, source = w.kern, float(w.n_steps), "window"
     if hidden:
+        shape_kernels, per_step, source = warmup_kernels(w)
         shape = _kernel_measures(shape_kernels, w, busy)
         out |= {k: shape[k] for k in KERNEL_SHAPE_MEASURES}
     out["kernel_stats_outside_window"] = hidden
-    out |= _gemm_measures(shape_kernels, w)
-    return out
+    out["graph_internal_gap_frac"] = graph_internal_gap_frac(w)
+    out |= _gemm_measures(shape_kernels, w, per_step)
+    return out, source
+
+
+def warmup_kernels(w: RankWindow) -> tuple[pl.DataFrame, float, str]:
+    """The eager kernels of the warm-up iterations right before the first graph capture: the
+    contiguous burst of GPU work (split at a pause longer than ``WARMUP_PAUSE_REPLAYS`` replays
+    of the graph, at least 20 ms) launched before ``cudaStreamBeginCapture``. Returns the
+    kernels, the number of iterations they hold (their GPU span over one replay: eager runs
+    slower, so counts per iteration come out low, never high) and a description."""
+    trace = w.trace
+    capture = trace.api.filter(pl.col("name").cast(pl.String).str.contains(CAPTURE_API))
+    replay_ns = float(w.graph_spans.select((pl.col("end") - pl.col("start")).median()).item() or 0)
+    launched = trace.kernels.join(
+        trace.api.select("correlation_id", api_start="start"), on="correlation_id", how="left"
+    )
+    if capture.is_empty():
+        before = launched.filter(pl.col("end") <= w.window[0])
+        what = "eager kernels before the first graph replay"
+    else:
+        before = launched.filter(pl.col("api_start") < int(capture["start"].min()))
+        what = "the eager warm-up right before graph capture"
+    before = before.sort("start")
+    if before.is_empty():
+        return w.kern.clear(), 1.0, "unknown (graph replays hide every kernel)"
+    pause = max(WARMUP_PAUSE_REPLAYS * replay_ns, WARMUP_PAUSE_MIN_NS)
+    gaps = before["start"] - before["end"].cum_max().shift(1)
+    breaks = before.filter(gaps > pause)["start"]
+    burst = before.filter(pl.col("start") >= (breaks[-1] if len(breaks) else before["start"][0]))
+    span = int(burst["end"].max() - burst["start"].min())
+    iterations = max(span / replay_ns, 1.0) if replay_ns else 1.0
+    kern = w.taxonomy.classify(burst.drop("api_start"))
+    return kern, iterations, f"{what} ({len(kern)} kernels)"
+
+
+def graph_internal_gap_frac(w: RankWindow) -> float | None:
+    """With node-level tracing, the time inside graph replays when no node kernel runs."""
+    nodes = w.kern.filter(pl.col("graph_node_id").is_not_null())
+    if nodes.is_empty():
+        return None
+    per = (
+        nodes.sort("correlation_id", "start")
+        .with_columns(reach=pl.col("end").cum_max().shift(1).over("correlation_id"))
+        .group_by("correlation_id")
+        .agg(
+            span=pl.col("end").max() - pl.col("start").min(),
+            gaps=(pl.col("start") - pl.col("reach")).clip(lower_bound=0).sum(),
+        )
+    )
+    span = int(per["span"].sum())
+    return int(per["gaps"].sum()) / span if span else None
 
 
 def graph_share_hidden(graphs: pl.DataFrame, busy: int) -> bool:
@@ -115,21 +179,28 @@ def families(taxonomy: kernels.Taxonomy) -> tuple[str, ...]:
     return (*FAMILY_NAMES, *dict.fromkeys(extra))
 
 
-def _gemm_measures(kern: pl.DataFrame, w: RankWindow) -> dict[str, float | None]:
-    """FP8 share of GEMM time (FP8 already in use?) and small-grid share of GEMM time (many
-    tiny per-expert GEMMs that a grouped GEMM would batch)."""
+def _gemm_measures(kern: pl.DataFrame, w: RankWindow, per_step: float) -> dict[str, float | None]:
+    """FP8 share of GEMM time (FP8 already in use?), small-grid share of GEMM time, and how
+    often one small GEMM shape repeats per step (many tiny per-expert GEMMs that a grouped GEMM
+    would batch, rather than a few already-batched ones)."""
     gemm = kern.filter(pl.col("family") == "gemm").with_columns(dur=pl.col("end") - pl.col("start"))
     total = int(gemm["dur"].sum())
     sm_count = (w.gpu or {}).get("sm_count")
+    small_gemms = gemm.filter(pl.col("grid_blocks") < sm_count) if sm_count else gemm.clear()
+    repeats = small_gemms.group_by("name", "grid_blocks").len()["len"].max()
+    counts = {
+        "gemm_kernels_per_step": len(gemm) / per_step,
+        "small_gemm_repeats_per_step": (repeats or 0) / per_step if sm_count else None,
+    }
     if not total:
-        return {"fp8_gemm_frac": None, "small_grid_gemm_frac": None}
+        return {"fp8_gemm_frac": None, "small_grid_gemm_frac": None} | counts
     fp8_filter = pl.col("name").cast(pl.String).str.contains(w.taxonomy.fp8_gemm)
     fp8 = int(gemm.filter(fp8_filter)["dur"].sum())
     small = int(gemm.filter(pl.col("grid_blocks") < sm_count)["dur"].sum()) if sm_count else None
     return {
         "fp8_gemm_frac": fp8 / total,
         "small_grid_gemm_frac": small / total if small is not None else None,
-    }
+    } | counts
 
 
 def optimizer_kernels_per_step(w: RankWindow) -> float | None:

@@ -17,9 +17,17 @@ MEASURES: dict[str, str] = {
     "short_kernel_frac": "kernels shorter than the median launch call",
     "idle_launch_frac": "idle time while the host was issuing CUDA calls (launch-bound)",
     "idle_sync_frac": "idle time right after a synchronising call returned (sync-bound)",
-    "idle_input_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them (input-bound)",
+    "idle_input_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them and evidence "
+    "of data loading: an NVTX data range over the gap, or the gap ends with a host->device copy "
+    "of >= 1 MiB (the next batch) (input-bound)",
+    "idle_host_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them and no "
+    "evidence of data loading: the host is busy elsewhere (see idle_nvtx for what NVTX says)",
+    "idle_host_nvtx_frac": "the part of idle_input_frac + idle_host_frac that an NVTX range "
+    "(other than steps and forward/backward/optimizer phases) on the process covers",
     "idle_other_frac": "remaining idle time (host work between launches, profiler flushes, "
     "unattributed)",
+    "alloc_idle_frac": "GPU idle time while the host is inside cudaMalloc/cudaFree (what the "
+    "allocator calls cost the GPU; the calls themselves can last longer, waiting for it)",
 }
 CALL_MEASURES = (
     "sync_calls_per_step",
@@ -27,10 +35,13 @@ CALL_MEASURES = (
     "launch_calls_per_step",
     "median_launch_us",
     "short_kernel_frac",
+    "alloc_idle_frac",
 )
-IDLE_CAUSES = ("launch", "sync", "input", "other")
+IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
 INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
 SYNC_SLACK_NS = 20_000  # a sync returns this soon after the GPU drains
+BATCH_COPY_BYTES = 1 << 20  # a host->device copy this big after a gap is the next batch
+TOP_NVTX = 5
 
 
 def calls(w: RankWindow) -> dict[str, float | None]:
@@ -53,31 +64,57 @@ def calls(w: RankWindow) -> dict[str, float | None]:
             if launch_median is not None and len(kern)
             else None
         ),
+        "alloc_idle_frac": _idle_during(api.filter(pl.col("is_alloc")), w) / w.wall,
     }
+
+
+def _idle_during(calls: pl.DataFrame, w: RankWindow) -> int:
+    """ns of the window in which the GPU is idle and one of ``calls`` is in flight."""
+    if calls.is_empty():
+        return 0
+    work = pl.concat([w.compute, w.comm, w.copies.select("start", "end")])
+    tl = timeline.timeline({"work": work, "calls": calls.select("start", "end")}, w.window)
+    return int(tl.filter((pl.col("calls") > 0) & (pl.col("work") == 0))["dur"].sum())
 
 
 def idle(gaps: pl.DataFrame, w: RankWindow) -> dict[str, float]:
     """Share of the window idle for each cause (gaps from :func:`idle_gaps`)."""
-    return {
+    out = {
         f"idle_{cause}_frac": float(gaps.filter(pl.col("cause") == cause)["dur"].sum()) / w.wall
         for cause in IDLE_CAUSES
     }
+    out["idle_host_nvtx_frac"] = float(gaps["nvtx_ns"].sum()) / w.wall
+    return out
 
 
 def idle_gaps(w: RankWindow) -> pl.DataFrame:
-    """Idle stretches of the GPU with their host-side cause (docs/measures.md); all "other"
-    when the CUDA API was not traced, since the causes are read from it."""
+    """Idle stretches of the GPU with their host-side cause (docs/measures.md) and, for the
+    long ones, the NVTX range the host was in (``nvtx``, ``activity``, ``nvtx_ns``); every cause
+    is "other" when the CUDA API was not traced, since the causes are read from it."""
     tl = w.timeline
     calls = w.api if w.host_traced else None
     idle = tl.filter((pl.col("compute") == 0) & (pl.col("comm") == 0) & (pl.col("copy") == 0))
     gaps = timeline.union(idle.select("start", "end")).with_columns(
         dur=pl.col("end") - pl.col("start")
     )
-    schema = {"start": pl.Int64, "end": pl.Int64, "dur": pl.Int64, "cause": pl.String}
+    schema = {
+        "start": pl.Int64,
+        "end": pl.Int64,
+        "dur": pl.Int64,
+        "cause": pl.String,
+        "nvtx": pl.String,
+        "activity": pl.String,
+        "nvtx_ns": pl.Int64,
+    }
     if gaps.is_empty():
         return pl.DataFrame(schema=schema)
     if calls is None:
-        return gaps.with_columns(cause=pl.lit("other")).select(list(schema))
+        return gaps.with_columns(
+            cause=pl.lit("other"),
+            nvtx=pl.lit(None, pl.String),
+            activity=pl.lit(None, pl.String),
+            nvtx_ns=pl.lit(0, pl.Int64),
+        ).select(list(schema))
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
     profiled = idle.filter(pl.col("profiler") > 0)
     pidx = np.searchsorted(gstart, profiled["start"].to_numpy(), side="right") - 1
@@ -102,14 +139,93 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
         after_sync=pl.Series(after_sync),
         profiler_ns=pl.Series(profiler_ns),
     )
+    long_gap = (pl.col("dur") >= INPUT_GAP_NS) & (pl.col("api_ns") * 2 < pl.col("dur"))
+    gaps = _attribute_nvtx(gaps.with_columns(long=long_gap), w)
+    data = (pl.col("activity") == "data").fill_null(False) | pl.col("batch_copy")
     return gaps.with_columns(
         cause=pl.when(pl.col("profiler_ns") * 2 >= pl.col("dur"))
         .then(pl.lit("other"))  # a profiler flush, not the host's doing
-        .when((pl.col("dur") >= INPUT_GAP_NS) & (pl.col("api_ns") * 2 < pl.col("dur")))
+        .when(pl.col("long") & data)
         .then(pl.lit("input"))
+        .when(pl.col("long"))
+        .then(pl.lit("host"))
         .when(pl.col("after_sync"))
         .then(pl.lit("sync"))
         .when(pl.col("calls") > 0)
         .then(pl.lit("launch"))
         .otherwise(pl.lit("other"))
     ).select(list(schema))
+
+
+def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
+    """For each long gap: the innermost NVTX range of the process that covers at least half
+    of it (``nvtx``, its ``activity`` from the taxonomy, the ns it covers), and whether the gap
+    ends with a big host->device copy (``batch_copy``: the next batch going in).
+
+    Step ranges and forward/backward/optimizer phases are skipped: that the host is "in step
+    7" says nothing about what it is doing."""
+    nvtx, tax = w.taxonomy.nvtx, w.taxonomy
+    generic = "|".join(f"(?:{nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
+    step_names = w.steps.table["name"].unique().implode()
+    ranges = w.trace.nvtx.filter(
+        ~pl.col("text").is_in(step_names) & ~pl.col("text").str.contains(generic)
+    ).select("text", r_start="start", r_end="end")
+    long = gaps.filter("long").select("start", "end", "dur")
+    best = pl.DataFrame(
+        schema={"start": pl.Int64, "nvtx": pl.String, "nvtx_ns": pl.Int64, "activity": pl.String}
+    )
+    if not long.is_empty() and not ranges.is_empty():
+        cover = (
+            long.join_where(
+                ranges, pl.col("r_start") < pl.col("end"), pl.col("r_end") > pl.col("start")
+            )
+            .with_columns(
+                nvtx_ns=pl.min_horizontal("end", "r_end") - pl.max_horizontal("start", "r_start")
+            )
+            .filter(pl.col("nvtx_ns") * 2 >= pl.col("dur"))
+            .with_columns(activity=tax.host_activity())
+        )
+        # innermost = latest start; its activity, or the nearest enclosing range's that has one
+        best = (
+            cover.sort("r_start", descending=True)
+            .group_by("start", maintain_order=True)
+            .agg(
+                nvtx=pl.col("text").first(),
+                nvtx_ns=pl.col("nvtx_ns").first(),
+                activity=pl.col("activity").drop_nulls().first(),
+            )
+        )
+    # the capture's copies, not the window's: the last gap ends where the next step's copy
+    # starts, which is the window's end
+    batch = w.trace.copies.filter(
+        pl.col("direction").is_in(["HtoD", "UVM_HtoD"]) & (pl.col("bytes") >= BATCH_COPY_BYTES)
+    )["start"]
+    return gaps.join(best, on="start", how="left").with_columns(
+        nvtx_ns=pl.col("nvtx_ns").fill_null(0),
+        batch_copy=pl.col("long") & pl.col("end").is_in(batch.implode()),
+    )
+
+
+def idle_by_nvtx(gaps: pl.DataFrame, w: RankWindow) -> list[dict]:
+    """The NVTX ranges the host was in during long idle gaps, most idle time first: what the
+    report names instead of guessing "input" (``name``, ``activity``, ``frac`` of the window,
+    ``ms_per_step``, ``gaps``)."""
+    named = gaps.filter(pl.col("nvtx").is_not_null())
+    if named.is_empty():
+        return []
+    top = (
+        named.group_by("nvtx", "activity")
+        .agg(ns=pl.col("nvtx_ns").sum(), gaps=pl.len())
+        .sort(["ns", "nvtx"], descending=[True, False])
+        .head(TOP_NVTX)
+    )
+    return [
+        {
+            "name": row["nvtx"],
+            "activity": row["activity"],
+            "frac": round(row["ns"] / w.wall, 6),
+            "ms_per_step": round(row["ns"] / 1e6 / w.n_steps, 4),
+            "gaps": row["gaps"],
+        }
+        for row in top.iter_rows(named=True)
+    ]

@@ -16,12 +16,20 @@ MEASURES: dict[str, str] = {
     "pageable_copies_per_step": "memcpys from/to pageable host memory per step",
     "pageable_bytes_per_step": "bytes of those copies per step",
     "small_d2h_per_step": "device->host copies of <= 1 KiB per step (.item(), nonzero results)",
+    "pageable_copy_frac": "union of the time of copies from/to pageable host memory",
+    "h2d_frac": "union of host->device copy time",
+    "d2h_frac": "union of device->host copy time",
+    "exposed_offload_frac": "host<->device copy time with no kernel (compute or communication) "
+    "running",
+    "h2d_gbps": "achieved host->device bandwidth (GB/s) of copies >= 1 MiB (null: none)",
+    "d2h_gbps": "achieved device->host bandwidth (GB/s) of copies >= 1 MiB (null: none)",
     "recompute_frac": "share of forward GEMM/attention kernels re-run in backward (needs "
     "forward/backward NVTX ranges; null otherwise)",
     "peak_memory_bytes": "peak device memory allocated (CUDA_GPU_MEMORY_USAGE_EVENTS)",
     "peak_memory_frac": "peak_memory_bytes over the GPU's capacity",
 }
 SMALL_D2H_BYTES = 1024
+BANDWIDTH_MIN_BYTES = 1 << 20  # smaller copies are latency-bound: their rate says nothing
 
 
 def copies(w: RankWindow) -> dict[str, float]:
@@ -39,7 +47,28 @@ def copies(w: RankWindow) -> dict[str, float]:
         "pageable_copies_per_step": len(pageable) / n_steps,
         "pageable_bytes_per_step": int(pageable["bytes"].sum()) / n_steps,
         "small_d2h_per_step": len(d2h.filter(pl.col("bytes") <= SMALL_D2H_BYTES)) / n_steps,
+        "pageable_copy_frac": timeline.total(pageable) / w.wall,
+        "h2d_frac": timeline.total(h2d) / w.wall,
+        "d2h_frac": timeline.total(d2h) / w.wall,
+        "exposed_offload_frac": _exposed(offload, w) / w.wall,
+        "h2d_gbps": _gbps(h2d),
+        "d2h_gbps": _gbps(d2h),
     }
+
+
+def _exposed(copies: pl.DataFrame, w: RankWindow) -> int:
+    """ns of the window with a copy of ``copies`` in flight and no kernel running."""
+    if copies.is_empty():
+        return 0
+    kernels = pl.concat([w.compute, w.comm])
+    tl = timeline.timeline({"kernels": kernels, "copies": copies.select("start", "end")}, w.window)
+    return int(tl.filter((pl.col("copies") > 0) & (pl.col("kernels") == 0))["dur"].sum())
+
+
+def _gbps(copies: pl.DataFrame) -> float | None:
+    big = copies.filter(pl.col("bytes") >= BANDWIDTH_MIN_BYTES)
+    ns = int((big["end"] - big["start"]).sum())
+    return int(big["bytes"].sum()) / ns if ns else None  # bytes per ns = GB/s
 
 
 def recompute_frac(w: RankWindow) -> float | None:

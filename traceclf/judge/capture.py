@@ -1,0 +1,148 @@
+"""What the traces can support, decided before any wall is judged (docs/judgement.md): the
+report's ``capture`` block, and whether to abstain.
+
+traceclf abstains (``classification.bound`` null, no fixes, exit 0) when the capture holds too
+little GPU work to judge, or nothing repeats (no step, no graph replay, no regularly recurring
+kernel): a verdict on one-off work would be a guess. An export without any kernel at all is bad
+input (exit 2) and never reaches this module.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+# Less GPU work than this in the whole capture is launch and profiler noise, not a workload
+# (a real training step alone is milliseconds of GPU time).
+MIN_GPU_WORK_MS = 1.0
+LOOP_ORDER = ("training", "forward_only", "unknown", "not_a_loop")
+
+
+def capture_block(ranks: list, exports: list) -> dict:
+    """The contract's ``capture`` block from the per-rank facts (``RankResult``s)."""
+    facts = [r.measures.capture for r in ranks]
+    steps = [r.steps for r in ranks]
+    first = steps[0] if steps else {}
+    assignment = gpu_assignment(ranks, exports)
+    return {
+        "inputs": len(exports),
+        "ranks": len(ranks),
+        "gpus_per_rank": [
+            {
+                "rank": i,
+                "pid": r.pid,
+                "gpu": (r.gpu or {}).get("name"),
+                "device": r.placement.get("device"),
+            }
+            for i, r in enumerate(ranks)
+        ],
+        "ranks_share_gpu": assignment == "shared",
+        "gpu_assignment": assignment,
+        "training_loop": _loop(facts),
+        "training_evidence": facts[0].get("training_evidence") if facts else {},
+        "step_anchor": _anchor(first),
+        "steps_found": first.get("count", 0),
+        "steps_used": first.get("used", 0),
+        "steps_analysed": first.get("analysed", first.get("used", 0)),
+        "warmup_dropped": _warmup(first),
+        "window_ns": first.get("window_ns", [0, 0]),
+        "window_share_of_capture": _min(f.get("window_share_of_capture") for f in facts),
+        "graph_trace_mode": _common(f.get("graph_trace_mode") for f in facts),
+        "kernel_mix_source": _common(f.get("kernel_mix_source") for f in facts),
+        "gpu_metrics": any(f.get("gpu_metrics") for f in facts),
+        "nccl_payload": _payload(f.get("nccl_payload") for f in facts),
+        "gpu_work_ms": round(sum(f.get("gpu_work_ms") or 0 for f in facts), 4),
+        "capture_ms": max((f.get("capture_ms") or 0 for f in facts), default=0),
+        "kernels": sum(f.get("kernels") or 0 for f in facts),
+        "unusable_rows": _sum_counts(f.get("unusable_rows") or {} for f in facts),
+    }
+
+
+def gpu_assignment(ranks: list, exports: list) -> str:
+    """ "own" (every rank has a GPU of its own), "shared" (two ranks ran on one GPU: they
+    time-slice it, so their compute times say nothing about imbalance) or "unknown" (two ranks
+    saw the same device ordinal and the export cannot say whether it is one GPU)."""
+    groups = Counter(r.placement.get("key") for r in ranks)
+    shared = [key for key, n in groups.items() if n > 1]
+    if not shared:
+        return "own"
+    members = [r for r in ranks if r.placement.get("key") in shared]
+    if all(r.placement.get("mapped") for r in members):
+        return "shared"
+    # Pigeonhole: more ranks in one export than it has GPUs.
+    gpus = {e.path: e.gpu_count for e in exports}
+    per_export = Counter(r.path for r in members)
+    if any(gpus.get(path) and n > gpus[path] for path, n in per_export.items()):
+        return "shared"
+    return "unknown"
+
+
+def abstain_reason(capture: dict, ranks: list) -> str | None:
+    """A sentence naming the facts when the trace cannot support a verdict, else None."""
+    work, span, kernels = capture["gpu_work_ms"], capture["capture_ms"], capture["kernels"]
+    facts = f"{kernels} kernel{'s' if kernels != 1 else ''}, {_ms(work)} of GPU work in {_ms(span)}"
+    host = _host_story(ranks)
+    if work < MIN_GPU_WORK_MS:
+        return f"too little GPU work to judge: {facts}{host}"
+    if capture["training_loop"] == "not_a_loop":
+        return f"no repeating step (no NVTX step, graph replay or regularly recurring kernel): {facts}{host}"
+    return None
+
+
+def _host_story(ranks: list) -> str:
+    """'; 313 ms of host time is NVTX 'X'' from the rank whose idle NVTX range is longest."""
+    best = None
+    for r in ranks:
+        for row in r.measures.idle_nvtx[:1]:
+            ms = row["ms_per_step"] * max(r.steps.get("used") or 1, 1)
+            if best is None or ms > best[0]:
+                best = (ms, row["name"], row.get("activity"))
+    if best is None:
+        return ""
+    ms, name, activity = best
+    what = f" ({activity})" if activity else ""
+    return f"; {_ms(ms)} of the idle GPU time the host was in NVTX '{name}'{what}"
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.3g} ms" if ms < 1000 else f"{ms / 1000:.3g} s"
+
+
+def _loop(facts: list[dict]) -> str:
+    loops = [f.get("training_loop") or "unknown" for f in facts]
+    return min(loops, key=LOOP_ORDER.index) if loops else "unknown"
+
+
+def _anchor(steps: dict) -> dict:
+    return {"source": steps.get("source", "none"), "label": steps.get("label", "")}
+
+
+def _warmup(steps: dict) -> int:
+    steady = steps.get("steady") or []
+    return next((i for i, s in enumerate(steady) if s), len(steady))
+
+
+def _common(values) -> str | None:
+    distinct = set(values)
+    if not distinct:
+        return None
+    return distinct.pop() if len(distinct) == 1 else "mixed"
+
+
+def _payload(values) -> str:
+    seen = set(values)
+    for state in ("values", "declared_empty"):
+        if state in seen:
+            return state
+    return "absent"
+
+
+def _min(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return min(vals) if vals else None
+
+
+def _sum_counts(dicts) -> dict:
+    total: Counter = Counter()
+    for d in dicts:
+        total.update(d)
+    return dict(total)
