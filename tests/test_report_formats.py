@@ -66,7 +66,8 @@ def test_markdown_has_verdict_evidence_and_provenance(name: str, request) -> Non
     report: Report = request.getfixturevalue(name)
     md = render_markdown(report)
     cls = report.classification
-    assert f"**{report.bound.upper()}-bound** (confidence {cls['confidence']:.2f})" in md
+    assert f"**{report.bound.upper()}-bound**" in md
+    assert f"confidence {_confidence_word(cls['confidence'])}: {cls['confidence']:.2f}" in md
     for wall in WALLS:
         assert f"| {cls['scores'].get(wall, 0):.2f} |" in md
     assert "## Where the steady-state step goes" in md
@@ -78,6 +79,10 @@ def test_markdown_has_verdict_evidence_and_provenance(name: str, request) -> Non
     assert report.gpus[0]["name"] in provenance
     assert f"from {report.steps['source']}" in provenance
     assert "Steady-state window" in provenance
+
+
+def _confidence_word(value: float) -> str:
+    return "high" if value >= 0.75 else "medium" if value >= 0.5 else "low"
 
 
 @pytest.mark.parametrize("name", REPORTS)

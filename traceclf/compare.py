@@ -73,7 +73,7 @@ class Run:
     """One side of a comparison: where it came from and its step statistics."""
 
     source: str
-    bound: str
+    bound: str | None  # None: traceclf abstained on this run
     confidence: float | None
     step_mean_ms: float | None
     step_median_ms: float | None

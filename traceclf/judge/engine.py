@@ -106,6 +106,7 @@ def _classification(
         evidence.insert(0, rs.scoring.balanced_evidence.render(env))
     return {
         "bound": bound,
+        "headline": rs.scoring.headline[bound].render(env),
         "confidence": confidence["value"],
         "confidence_basis": {k: confidence[k] for k in ("explained", "reliability")},
         "scores": {w: round(scores[w], 3) for w in WALLS},

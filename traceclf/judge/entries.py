@@ -82,6 +82,8 @@ class Scoring:
     full_confidence_steps: int
     # When a fix's framework config (Megatron-Bridge, PyTorch) applies; else its generic advice
     framework_advice_when: Expr
+    # One sentence per wall saying how much of the step the bound takes (the report's headline)
+    headline: dict[str, Template]
 
 
 @dataclass(frozen=True)
@@ -323,6 +325,7 @@ _SCORING_KEYS = (
     "step_source_weight",
     "full_confidence_steps",
     "framework_advice_when",
+    "headline",
 )
 
 
@@ -380,6 +383,15 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
         check_names(framework.names, names)
     except ExprError as e:
         raise TraceError(path, f"scoring: 'framework_advice_when': {e}") from None
+    lines, path = get("headline")
+    if not isinstance(lines, dict) or sorted(lines) != sorted(WALLS):
+        raise TraceError(path, f"scoring: 'headline' must map each of {', '.join(WALLS)}")
+    try:
+        headline = {w: Template.parse(" ".join(str(t).split())) for w, t in lines.items()}
+        for template in headline.values():
+            check_names(template.names, names)
+    except ExprError as e:
+        raise TraceError(path, f"scoring: 'headline': {e}") from None
     return Scoring(
         tuple(workflow),
         values["meaningful"],
@@ -391,4 +403,5 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
         {k: float(v) for k, v in weights.items()},
         steps,
         framework,
+        headline,
     )

@@ -132,13 +132,20 @@ def _step_rows(result: Comparison) -> list[tuple[str, str, str, str]]:
 def _bound_line(result: Comparison) -> str:
     b, a = result.before, result.after
     if result.bound_changed:
-        return f"Bound changed: {b.bound} → {a.bound} (confidence {_conf(b)} → {_conf(a)})."
-    return f"Bound unchanged: {a.bound} (confidence {_conf(b)} → {_conf(a)})."
+        return (
+            f"Bound changed: {_bound(b)} → {_bound(a)} (confidence {_conf(b)} → {_conf(a)})."
+        )
+    return f"Bound unchanged: {_bound(a)} (confidence {_conf(b)} → {_conf(a)})."
+
+
+def _bound(r: Run) -> str:
+    return r.bound or "no verdict (abstained)"
 
 
 def _run_line(r: Run) -> str:
     return (
-        f"{r.bound}-bound, {r.ranks} rank{'s' if r.ranks != 1 else ''}, "
+        f"{f'{r.bound}-bound' if r.bound else 'no verdict'}, "
+        f"{r.ranks} rank{'s' if r.ranks != 1 else ''}, "
         f"{', '.join(r.gpus) or 'unknown GPU'}, steps from {r.step_source or 'none'}"
     )
 

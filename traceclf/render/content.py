@@ -20,10 +20,99 @@ RANK_COLUMNS = (
     "idle: launch",
     "sync",
     "input",
+    "host",
     "other",
 )
 KERNEL_COLUMNS = ("kernel", "family", "count", "median", "share of step")
 TOP_KERNELS = 8
+
+
+CONFIDENCE_WORDS = ((0.75, "high"), (0.5, "medium"), (0.0, "low"))
+
+
+def verdict_title(report: Report) -> str:
+    """'COMPUTE-bound' or 'No verdict' (traceclf abstained)."""
+    return "No verdict" if report.abstained else f"{report.bound.upper()}-bound"
+
+
+def verdict_line(report: Report) -> str:
+    """The headline under the title: what the bound takes and how sure that is, or why
+    traceclf abstained."""
+    cls = report.classification
+    if report.abstained:
+        return f"traceclf abstains: {cls.get('abstain_reason') or 'the trace cannot support a verdict'}"
+    confidence = cls.get("confidence")
+    word = next((w for floor, w in CONFIDENCE_WORDS if (confidence or 0) >= floor), "low")
+    basis = cls.get("confidence_basis") or {}
+    why = (
+        f" (the bound explains {pct(basis.get('explained'))} of the step; window reliability "
+        f"{basis.get('reliability', 0):.2f})"
+        if basis
+        else ""
+    )
+    headline = cls.get("headline") or ""
+    conf = f"confidence {word}: {confidence:.2f}{why}" if confidence is not None else ""
+    return "; ".join(p for p in (headline, conf) if p)
+
+
+LOOPS = {
+    "training": "a training loop",
+    "forward_only": "forward passes only (no backward, no optimizer)",
+    "not_a_loop": "not a repeating loop",
+    "unknown": "a repeating loop, not a deep-learning framework's (framework fixes off)",
+}
+
+
+def capture_rows(report: Report) -> list[tuple[str, str]]:
+    """What the trace can support, shown before any number that depends on it."""
+    c = report.capture or {}
+    if not c:
+        return []
+    s = report.steps
+    anchor = c.get("step_anchor") or {}
+    label = f' "{anchor.get("label")}"' if anchor.get("label") else ""
+    steps = (
+        f"{c.get('steps_used', 0)} steady of {c.get('steps_found', 0)} found, from "
+        f"{anchor.get('source', 'none')}{label}; {c.get('warmup_dropped', 0)} warm-up dropped; "
+        f"window {_window(report)}, {pct(c.get('window_share_of_capture'))} of the capture"
+        if c.get("steps_found")
+        else "no repeating step found: the whole capture is one window"
+    )
+    if s.get("cv") is not None and c.get("steps_found"):
+        steps += f"; step spread (CV) {pct(s['cv'])}"
+    evidence = c.get("training_evidence") or {}
+    loop = LOOPS.get(c.get("training_loop"), c.get("training_loop") or "unknown")
+    loop += (
+        f" — {evidence.get('backward_kernels', 0)} backward kernels, "
+        f"{evidence.get('autograd_launches', 0)} launches from autograd threads, "
+        f"{evidence.get('optimizer_kernels', 0)} optimizer kernels"
+    )
+    gpus = {
+        "shared": "ranks share one GPU (they time-slice it: no straggler is named)",
+        "own": "one GPU per rank",
+        "unknown": "ranks report the same device; whether it is one GPU is unknown",
+    }.get(c.get("gpu_assignment"), "–")
+    graphs = {"graph": "graph-level (kernels inside graphs hidden)", "node": "node-level"}.get(
+        c.get("graph_trace_mode"), "no CUDA graphs"
+    )
+    if c.get("graph_trace_mode") == "graph":
+        graphs += f"; kernel mix from {c.get('kernel_mix_source')}"
+    unusable = c.get("unusable_rows") or {}
+    rows = [
+        ("Inputs", f"{c.get('inputs', 0)} file(s), {c.get('ranks', 0)} rank(s): {gpus}"),
+        ("Work", f"{c.get('kernels', 0):,} kernels, {fmt_ms(c.get('gpu_work_ms'))} of GPU work in "
+         f"{fmt_ms(c.get('capture_ms'))} captured"),
+        ("Steps", steps),
+        ("Loop", loop),
+        ("CUDA graphs", graphs),
+        ("GPU metrics", "present" if c.get("gpu_metrics") else "absent"),
+        ("NCCL payload", {"values": "message sizes recorded",
+                          "declared_empty": "declared but empty (no message sizes)",
+                          "absent": "absent"}.get(c.get("nccl_payload"), "–")),
+    ]  # fmt: skip
+    if any(unusable.values()):
+        rows.append(("Unusable rows", ", ".join(f"{k} {v:,}" for k, v in unusable.items() if v)))
+    return rows
 
 
 def rank_rows(report: Report) -> list[list[str]]:
@@ -36,6 +125,7 @@ def rank_rows(report: Report) -> list[list[str]]:
         "idle_launch_frac",
         "idle_sync_frac",
         "idle_input_frac",
+        "idle_host_frac",
         "idle_other_frac",
     )
     return [
@@ -68,9 +158,10 @@ def detail_rows(report: Report) -> list[tuple[str, str]]:
                 f"{pct(cross.get('compute_skew_frac'))}, straggler rank {cross['straggler_rank']}",
             )
         )
+    rows.append(("Host", _host_line(report)))
     rows.append(
         (
-            "Host",
+            "Launches",
             f"{num(m.get('kernels_per_step'))} kernels/step, median kernel "
             f"{num(m.get('median_kernel_us'))} µs vs launch {num(m.get('median_launch_us'))} µs, "
             f"{num(m.get('sync_calls_per_step'))} syncs/step, "
@@ -91,6 +182,22 @@ def detail_rows(report: Report) -> list[tuple[str, str]]:
     )
     rows.append(("Compute", _compute_line(m)))
     return rows
+
+
+def _host_line(report: Report) -> str:
+    """What the host did while the GPU idled, from NVTX (the longest ranges of any rank)."""
+    rows = sorted(
+        (row for r in report.ranks for row in r.get("idle_nvtx") or []), key=lambda x: -x["frac"]
+    )
+    if not rows:
+        return "no NVTX range covers the GPU's long idle gaps"
+    parts = [
+        f"NVTX '{_short(row['name'], 50)}'"
+        + (f" ({row['activity']})" if row.get("activity") else "")
+        + f" {pct(row['frac'])} of the step"
+        for row in rows[:3]
+    ]
+    return "GPU idle while the host was in " + "; ".join(parts)
 
 
 def kernel_rows(report: Report) -> list[list[str]]:

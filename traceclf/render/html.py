@@ -13,10 +13,13 @@ from traceclf.figures.draw import WALL_COLORS, report_figures
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
+    capture_rows,
     detail_rows,
     kernel_rows,
     provenance_rows,
     rank_rows,
+    verdict_line,
+    verdict_title,
 )
 from traceclf.render.markdown import config_language
 from traceclf.render.text import input_names, steps_line
@@ -63,6 +66,7 @@ def render_html(report: Report) -> str:
         for part in (
             _header(report),
             _verdict(report),
+            _capture(report),
             _ranks(report),
             _figures(report),
             _details(report),
@@ -72,7 +76,7 @@ def render_html(report: Report) -> str:
         )
         if part
     )
-    title = escape(f"traceclf: {report.bound}-bound · {input_names(report)}")
+    title = escape(f"traceclf: {verdict_title(report)} · {input_names(report)}")
     return (
         f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
@@ -89,7 +93,7 @@ def figure_png(fig: Figure) -> bytes:
 
 def _header(report: Report) -> str:
     return (
-        f"<h1>traceclf: {escape(report.bound)}-bound · {escape(input_names(report))}</h1>\n"
+        f"<h1>traceclf: {escape(verdict_title(report))} · {escape(input_names(report))}</h1>\n"
         f'<p class="sub">{escape(steps_line(report))}</p>'
     )
 
@@ -105,10 +109,11 @@ def _verdict(report: Report) -> str:
         for w in WALLS
     )
     parts = [
-        f"<h2>{escape(report.bound.upper())}-bound "
-        f"<small>(confidence {cls.get('confidence', 0):.2f})</small></h2>",
-        f'<div class="scores">{rows}</div>',
+        f"<h2>{escape(verdict_title(report))}</h2>",
+        f"<p><b>{escape(verdict_line(report))}</b></p>",
     ]
+    if not report.abstained:
+        parts.append(f'<div class="scores">{rows}</div>')
     if cls.get("evidence"):
         parts.append("<h3>Evidence</h3>" + _list(cls["evidence"]))
     if report.applied:
@@ -120,6 +125,14 @@ def _verdict(report: Report) -> str:
         + "".join(parts)
         + "</section>"
     )
+
+
+def _capture(report: Report) -> str | None:
+    rows = capture_rows(report)
+    if not rows:
+        return None
+    items = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in rows)
+    return f"<h2>Capture</h2><dl>{items}</dl>"
 
 
 def _ranks(report: Report) -> str:
@@ -161,8 +174,13 @@ def _kernels(report: Report) -> str | None:
 
 
 def _fixes(report: Report) -> str:
+    if report.abstained:
+        return (
+            "<h2>What to change, in order</h2><p>No fixes: traceclf does not judge a trace it "
+            "cannot read as a loop.</p>"
+        )
     if not report.fixes:
-        return "<h2>What to change, in order</h2><p>Nothing urgent: no wall dominates this run.</p>"
+        return "<h2>What to change, in order</h2><p>Nothing the trace shows evidence for.</p>"
     return "<h2>What to change, in order</h2>" + "".join(
         _fix(i, fix) for i, fix in enumerate(report.fixes, 1)
     )
@@ -222,5 +240,5 @@ def _list(items: list[str]) -> str:
     return "<ul>" + "".join(f"<li>{escape(item)}</li>" for item in items) + "</ul>"
 
 
-def _wall_color(wall: str) -> str:
+def _wall_color(wall: str | None) -> str:
     return WALL_COLORS.get(wall, "#666666")

@@ -12,10 +12,13 @@ import re
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
+    capture_rows,
     detail_rows,
     kernel_rows,
     provenance_rows,
     rank_rows,
+    verdict_line,
+    verdict_title,
 )
 from traceclf.render.text import input_names, steps_line
 from traceclf.report import WALLS, Report
@@ -25,6 +28,12 @@ def render_markdown(report: Report) -> str:
     parts = [
         _title(report),
         _verdict(report),
+        _section(
+            "Capture",
+            _table(("fact", "what the trace holds"), capture_rows(report), bold_first=True),
+        )
+        if report.capture
+        else None,
         _section("Where the steady-state step goes", _ranks_table(report)),
         _section(
             "Details",
@@ -47,9 +56,8 @@ def score_bar(score: float, top: float, width: int = 20) -> str:
 
 
 def _title(report: Report) -> str:
-    bound = report.bound
     return (
-        f"# traceclf: {bound}-bound · {_escape(input_names(report))}\n\n"
+        f"# traceclf: {verdict_title(report)} · {_escape(input_names(report))}\n\n"
         f"{_escape(steps_line(report))}"
     )
 
@@ -58,8 +66,10 @@ def _verdict(report: Report) -> str:
     cls = report.classification
     scores = cls.get("scores", {})
     top = max(scores.values(), default=0)
-    lines = [
-        f"## Verdict: **{report.bound.upper()}-bound** (confidence {cls.get('confidence', 0):.2f})",
+    lines = [f"## Verdict: **{verdict_title(report)}**", "", _escape(verdict_line(report))]
+    if report.abstained:
+        return "\n".join(lines)
+    lines += [
         "",
         _table(
             ("wall", "score", ""),
@@ -102,8 +112,10 @@ def _top_kernels(report: Report) -> str | None:
 
 
 def _fixes(report: Report) -> str:
+    if report.abstained:
+        return "No fixes: traceclf does not judge a trace it cannot read as a loop."
     if not report.fixes:
-        return "Nothing urgent: no wall dominates this run."
+        return "Nothing the trace shows evidence for."
     return "\n\n".join(_fix(i, fix) for i, fix in enumerate(report.fixes, 1))
 
 

@@ -14,9 +14,12 @@ from rich.text import Text
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
+    capture_rows,
     detail_rows,
     kernel_rows,
     rank_rows,
+    verdict_line,
+    verdict_title,
 )
 from traceclf.render.text import provenance, steps_line
 from traceclf.report import WALLS, Report
@@ -32,6 +35,7 @@ def render_terminal(report: Report, to_string: bool = False) -> str | None:
     for part in (
         _header(report),
         _verdict(report),
+        _capture(report),
         _ranks_table(report),
         _details(report),
         _top_kernels(report),
@@ -54,7 +58,7 @@ def _header(report: Report) -> Text:
 
 def _verdict(report: Report) -> Panel:
     cls = report.classification
-    bound = cls.get("bound", "unknown")
+    bound = cls.get("bound")
     style = WALL_STYLE.get(bound, "white")
     scores = cls.get("scores", {})
     top = max(scores.values(), default=0) or 1
@@ -77,11 +81,23 @@ def _verdict(report: Report) -> Panel:
     if report.next_wall:
         tail.append("Next wall once this one is fixed: ", style="bold")
         tail.append(report.next_wall, style=WALL_STYLE.get(report.next_wall, ""))
-    title = Text(f" {bound.upper()}-bound ", style=f"bold {style}")
-    title.append(f"(confidence {cls.get('confidence', 0):.2f}) ", style="dim")
-    return Panel(
-        Group(bars, Text(""), evidence, tail), title=title, title_align="left", border_style=style
-    )
+    title = Text(f" {verdict_title(report)} ", style=f"bold {style}")
+    headline = Text(verdict_line(report) + "\n", style="bold" if report.abstained else "")
+    body = [headline] if report.abstained else [headline, bars, Text(""), evidence, tail]
+    return Panel(Group(*body), title=title, title_align="left", border_style=style)
+
+
+def _capture(report: Report) -> Table | None:
+    rows = capture_rows(report)
+    if not rows:
+        return None
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row(Text("Capture", style="bold underline"), "")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
 
 
 def _ranks_table(report: Report) -> Table:
@@ -128,8 +144,10 @@ def _top_kernels(report: Report) -> Table | None:
 
 def _fixes(report: Report) -> Group:
     parts: list = [Text("What to change, in order", style="bold underline")]
-    if not report.fixes:
-        parts.append(Text("Nothing urgent: no wall dominates this run."))
+    if report.abstained:
+        parts.append(Text("No fixes: traceclf does not judge a trace it cannot read as a loop."))
+    elif not report.fixes:
+        parts.append(Text("Nothing the trace shows evidence for."))
     for i, fix in enumerate(report.fixes, 1):
         head = Text(f"{i}. ", style="bold")
         head.append(fix.get("title", fix["id"]), style="bold")
