@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SEARCH = (REPO / "fixtures", REPO.parent / "shared" / "traces")
+SEARCH = (
+    REPO / "fixtures",
+    REPO / "fixtures" / "external",
+    REPO.parent / "shared" / "traces",
+    REPO.parent / "shared" / "traces" / "external",
+)
 
 
 def trace_path(name: str) -> Path:

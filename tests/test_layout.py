@@ -55,7 +55,10 @@ def _normalised(report_json: str) -> str:
     return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
 
-@pytest.mark.parametrize("export", sorted(FIXTURES.glob("*.sqlite")), ids=lambda p: p.stem)
+EXPORTS = sorted(FIXTURES.glob("*.sqlite")) + sorted((FIXTURES / "external").glob("*.sqlite"))
+
+
+@pytest.mark.parametrize("export", EXPORTS, ids=lambda p: p.stem)
 def test_report_matches_snapshot(export: Path, tmp_path: Path):
     code, out, err = run_cli("analyze", export, "--format", "json", "--no-cache", "-q")
     assert code == 0, err

@@ -101,7 +101,8 @@ def _classification(
     hits = sorted(
         hits, key=lambda h: (h.rule.wall != bound, workflow.index(h.rule.wall), -h.score, h.order)
     )
-    evidence = [h.rule.evidence.render(env) for h in hits if h.rule.wall in shown]
+    noted = [w for w in WALLS if w in shown or scores[w] >= rs.scoring.noteworthy]
+    evidence = [h.rule.evidence.render(env) for h in hits if h.rule.wall in noted]
     if max(scores.values()) < rs.scoring.dominant and confidence["explained"] < 0.5:
         evidence.insert(0, rs.scoring.balanced_evidence.render(env))
     return {
@@ -273,7 +274,7 @@ def _evidence(fix: Fix, rule_ids: list[str], env: dict[str, Any], rs: RuleSet) -
     if fix.requires is not None:
         names |= fix.requires.names
     names = _expand(names, rs)
-    return {n: _fact(env.get(n)) for n in sorted(names) if env.get(n) is not None}
+    return {n: env[n] for n in sorted(names) if env.get(n) is not None}
 
 
 def _expand(names: set[str], rs: RuleSet) -> set[str]:
@@ -287,10 +288,6 @@ def _expand(names: set[str], rs: RuleSet) -> set[str]:
         if name in rs.definitions:
             todo += rs.definitions[name].expr.names
     return {n for n in out if n not in rs.definitions}
-
-
-def _fact(value: Any) -> Any:
-    return round(value, 4) if isinstance(value, float) else value
 
 
 def _prerequisites_first(fixes: list[dict], rs: RuleSet) -> list[dict]:

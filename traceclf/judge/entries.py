@@ -70,6 +70,7 @@ class HostLink:
 class Scoring:
     workflow: tuple[str, ...]
     meaningful: float  # a wall at least this strong is reported and its fixes proposed
+    noteworthy: float  # a wall at least this strong has its evidence reported (no fixes)
     dominant: float  # below this no wall dominates: the run is reported as balanced
     default_bound: str
     balanced_evidence: Template
@@ -317,6 +318,7 @@ def parse_host_link(raw: Any, path: Path, index: int) -> HostLink:
 _SCORING_KEYS = (
     "workflow",
     "meaningful",
+    "noteworthy",
     "dominant",
     "default_bound",
     "balanced_evidence",
@@ -342,7 +344,7 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
     if not isinstance(workflow, list) or sorted(workflow) != sorted(WALLS):
         raise TraceError(path, f"scoring: 'workflow' must list each of {', '.join(WALLS)} once")
     values = {}
-    for key in ("meaningful", "dominant", "next_wall_min_share"):
+    for key in ("meaningful", "noteworthy", "dominant", "next_wall_min_share"):
         value, path = get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise TraceError(path, f"scoring: {key!r} must be a number in [0, 1]")
@@ -395,6 +397,7 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
     return Scoring(
         tuple(workflow),
         values["meaningful"],
+        values["noteworthy"],
         values["dominant"],
         bound,
         balanced,

@@ -132,9 +132,7 @@ def _step_rows(result: Comparison) -> list[tuple[str, str, str, str]]:
 def _bound_line(result: Comparison) -> str:
     b, a = result.before, result.after
     if result.bound_changed:
-        return (
-            f"Bound changed: {_bound(b)} → {_bound(a)} (confidence {_conf(b)} → {_conf(a)})."
-        )
+        return f"Bound changed: {_bound(b)} → {_bound(a)} (confidence {_conf(b)} → {_conf(a)})."
     return f"Bound unchanged: {_bound(a)} (confidence {_conf(b)} → {_conf(a)})."
 
 
