@@ -1,7 +1,10 @@
-"""Across ranks (draft; moves to traceclf/measures/cross_rank.py): clock alignment, collective
-instances matched across ranks, wait vs transfer, rank survey, groups and representatives.
+"""Across ranks: clocks put on one timeline, collective instances matched across ranks, wait
+vs transfer in collectives, the rank survey (fingerprints, groups of like ranks,
+representatives) and skew only between like ranks. Ranks that time-slice one GPU are
+recognised, so no straggler or jitter claim is made from time-slicing.
 
-Input: one dict per rank (from the map step, small and picklable):
+The map step (:func:`collectives_of`) keeps each rank's collective kernels; the reduce step
+(:func:`cross_rank`) takes one dict per rank (small and picklable):
 - ``rank``: its number in the report;
 - ``collectives``: columns stream_id, kind, start, end (ns, the export's session timeline) of
   every collective kernel of the rank in the capture;
@@ -17,9 +20,16 @@ import statistics
 
 import polars as pl
 
+from traceclf.measures import communication
+from traceclf.measures.window import RankWindow
+
 MAX_SHIFT = 8  # instances a rank's capture may start early or late relative to the reference
 WAIT_DOMINATES = 0.5  # share of communication time above which waiting, not transfer, is the cost
 FINGERPRINT_TOLERANCE = 0.1  # relative difference under which two ranks' counts match
+# A straggler's compute skew must exceed twice the step-time spread, and at least this.
+STRAGGLER_MIN_SKEW = 0.05
+
+MEASURES: dict[str, str] = {}  # cross-rank results are the report's cross_rank block
 
 INSTANCE_SCHEMA = {
     "rank": pl.Int64,
@@ -30,6 +40,19 @@ INSTANCE_SCHEMA = {
     "end": pl.Int64,
     "in_window": pl.Boolean,
 }
+
+
+def collectives_of(w: RankWindow) -> dict[str, list]:
+    """Every collective kernel of the rank in the capture (not only the window: matching
+    across ranks needs the order from the start), as columns stream_id, kind, start, end."""
+    kern = w.taxonomy.classify(w.trace.kernels).filter(pl.col("is_comm"))
+    comm = communication.refine_kinds(kern, w).sort("start")
+    return {
+        "stream_id": comm["stream_id"].fill_null(-1).to_list(),
+        "kind": comm["comm_kind"].cast(pl.String).to_list(),
+        "start": comm["start"].to_list(),
+        "end": comm["end"].to_list(),
+    }
 
 
 def rank_collectives(rank: dict) -> pl.DataFrame:
@@ -184,7 +207,7 @@ def realign(matched: pl.DataFrame, offsets: dict[int, int]) -> pl.DataFrame:
     )
 
 
-def wait_transfer(matched: pl.DataFrame, n_ranks_by_key: pl.DataFrame | None = None) -> dict:
+def wait_transfer(matched: pl.DataFrame) -> dict:
     """Per matched instance (every rank that uses that stream ordinal and kind took part) the
     transfer proxy is the shortest participant's duration and each rank's jitter wait is its
     duration minus that; totals per kind over instances inside every participant's window,
@@ -242,14 +265,21 @@ def wait_transfer(matched: pl.DataFrame, n_ranks_by_key: pl.DataFrame | None = N
     }
 
 
-def shared_gpus(ranks: list[dict]) -> list[list[int]]:
-    """Groups of ranks that ran on one physical GPU (time-slicing it)."""
+def shared_gpus(ranks: list[dict], capture: dict | None = None) -> tuple[list, list]:
+    """Groups of ranks with one GPU identity (``clock.gpu``): (shared, unsure). They
+    time-slice one GPU when the capture block says so (``gpu_assignment`` "shared": the
+    export maps their devices to one physical GPU); "unknown" (two ranks saw the same device
+    ordinal, unmapped) leaves them unsure; without a capture block equal identities share."""
     by_gpu: dict[str, list[int]] = {}
     for r in ranks:
         gpu = r["clock"].get("gpu")
         if gpu is not None:
             by_gpu.setdefault(str(gpu), []).append(r["rank"])
-    return [sorted(v) for v in by_gpu.values() if len(v) > 1]
+    groups = [sorted(v) for v in by_gpu.values() if len(v) > 1]
+    assignment = (capture or {}).get("gpu_assignment", "shared" if groups else "own")
+    if assignment == "unknown":
+        return [], groups
+    return (groups if assignment == "shared" else []), []
 
 
 def fingerprint(rank: dict) -> dict:
@@ -260,6 +290,7 @@ def fingerprint(rank: dict) -> dict:
     return {
         "rank": rank["rank"],
         "step_ms": step,
+        "step_cv": m.get("step_time_cv"),
         "compute_ms": (m.get("compute_frac") or 0) * step if step is not None else None,
         "kernels_per_step": m.get("kernels_per_step"),
         "collectives_per_step": {
@@ -307,27 +338,52 @@ def representatives(prints: list[dict], groups: list[list[int]]) -> list[int]:
     return sorted(set(chosen))
 
 
-def skews(prints: list[dict], groups: list[list[int]], shared: list[list[int]]) -> dict:
-    """Step-time and compute spread within each group of like ranks (the largest), and the
-    straggler (most compute per step) of the group with the largest compute spread. Never
-    across unlike ranks, and never between ranks that share a GPU (time-slicing, not a late
-    rank)."""
+def skews(prints: list[dict], groups: list[list[int]], apart: set[int]) -> dict:
+    """Step-time and compute spread within each group of like ranks (the one with the largest
+    compute spread), and its straggler (most compute per step) when that spread is beyond the
+    noise: twice the step-time spread (CV), at least STRAGGLER_MIN_SKEW. Never across unlike
+    ranks, and never with ranks in ``apart`` (sharing a GPU, or unsure whether they do:
+    time-slicing is not a late rank)."""
     by_rank = {p["rank"]: p for p in prints}
-    sharing = {r for g in shared for r in g}
-    best: dict = {"straggler_rank": None, "step_time_skew_frac": None, "compute_skew_frac": None}
+    best: dict = {
+        "straggler_rank": None,
+        "step_time_skew_frac": None,
+        "compute_skew_frac": None,
+        "noise_band_frac": None,
+    }
     for g in groups:
-        members = [r for r in g if r not in sharing]
+        members = [r for r in g if r not in apart]
         if len(members) < 2:
             continue
-        step = _skew([by_rank[r]["step_ms"] for r in members])
         compute = _skew([by_rank[r]["compute_ms"] for r in members])
         if compute is not None and (best["compute_skew_frac"] or -1) < compute:
+            cvs = [by_rank[r]["step_cv"] for r in members if by_rank[r]["step_cv"] is not None]
+            noise = max(STRAGGLER_MIN_SKEW, 2 * (statistics.fmean(cvs) if cvs else 0))
             best = {
-                "straggler_rank": max(members, key=lambda r: by_rank[r]["compute_ms"] or 0),
-                "step_time_skew_frac": step,
+                "straggler_rank": max(members, key=lambda r: by_rank[r]["compute_ms"] or 0)
+                if compute > noise
+                else None,
+                "step_time_skew_frac": _skew([by_rank[r]["step_ms"] for r in members]),
                 "compute_skew_frac": compute,
+                "noise_band_frac": round(noise, 4),
             }
     return best
+
+
+def _straggler_note(cr: dict, unsure: list[list[int]]) -> str | None:
+    """Why no straggler is named, when none is."""
+    if cr["straggler_rank"] is not None:
+        return None
+    if cr["shared_gpu"]:
+        return "ranks share one GPU: they time-slice it, so compute skew is not imbalance"
+    if unsure:
+        return "ranks report the same device and the export cannot say whether it is one GPU"
+    if cr["compute_skew_frac"] is None:
+        return "no two like ranks to compare" if len(cr["fingerprints"]) > 1 else None
+    return (
+        f"compute skew within the noise band ({cr['noise_band_frac']:.0%}: 2 x step-time "
+        "spread, min 5%)"
+    )
 
 
 def _skew(values: list[float | None]) -> float | None:
@@ -337,18 +393,20 @@ def _skew(values: list[float | None]) -> float | None:
     return round((max(vals) - min(vals)) / statistics.mean(vals), 4)
 
 
-def cross_rank(ranks: list[dict]) -> dict:
-    """The report's ``cross_rank`` block."""
+def cross_rank(ranks: list[dict], capture: dict | None = None) -> dict:
+    """The report's ``cross_rank`` block (``capture``: the report's capture block, which says
+    whether ranks with one GPU identity share that GPU)."""
     prints = [fingerprint(r) for r in ranks]
     groups = rank_groups(prints)
-    shared = shared_gpus(ranks)
+    shared, unsure = shared_gpus(ranks, capture)
     out: dict = {
         "rank_groups": groups,
         "representatives": representatives(prints, groups),
         "shared_gpu": shared,
         "fingerprints": prints,
     }
-    out |= skews(prints, groups, shared)
+    out |= skews(prints, groups, {r for g in shared + unsure for r in g})
+    out["straggler_note"] = _straggler_note(out, unsure)
     empty = {
         "collectives_matched": 0,
         "collectives_unmatched": 0,
@@ -357,7 +415,12 @@ def cross_rank(ranks: list[dict]) -> dict:
         "comm_by_kind": {},
         "last_arriver_rank": None,
         "last_arriver_share": None,
-        "clock": {"aligned_by": None, "offsets_us": {}, "alignment_error_us": None},
+        "clock": {
+            "aligned_by": None,
+            "offsets_us": {},
+            "alignment_error_us": None,
+            "end_spread_us": None,
+        },
     }
     if len(ranks) < 2:
         return out | empty | {"verdict": None}
@@ -368,12 +431,15 @@ def cross_rank(ranks: list[dict]) -> dict:
     if refined != offsets:
         how = f"{how} + matched collective ends"
         matched = realign(matched, refined)
-    error = alignment_error_us(matched, ranks[0]["rank"])
+    spread = alignment_error_us(matched, ranks[0]["rank"])
+    # One export: one clock, nothing to align; the end spread is the collectives' own.
+    error = 0.0 if how == "one export" else spread
     out |= wait_transfer(matched)
     out["clock"] = {
         "aligned_by": how,
         "offsets_us": {str(r): round(o / 1e3, 3) for r, o in refined.items()},
         "alignment_error_us": error,
+        "end_spread_us": spread,
     }
     out["verdict"] = _verdict(out)
     return out
