@@ -73,11 +73,7 @@ BUDGET_COLUMNS = (
 
 def measure(w: RankWindow) -> tuple[dict[str, float | int | None], list[dict]]:
     """The critical-path measures of one rank and its per-step budget (ms per step)."""
-    ops, api = _rank_ops(w)
-    gaps = compute_gaps(ops, w.window)
-    pieces = attribute_gaps(gaps, ops, api.select("pid", "correlation_id", "end"), _host_holds(w))
-    steps = w.steps.steady["gpu_start"].to_list() if w.steps.count else []
-    per_step = step_budget(ops, pieces, w.window, steps)
+    ops, per_step = budget_ns(w)
     total = per_step.drop("step_start").sum().row(0, named=True)
     wall = w.wall
 
@@ -101,6 +97,16 @@ def measure(w: RankWindow) -> tuple[dict[str, float | int | None], list[dict]]:
         m |= dict.fromkeys(("launch_starved_frac", "dependency_stalled_frac"))
     rows = (per_step.with_columns(pl.col(c) / 1e6 for c in BUDGET_COLUMNS)).to_dicts()
     return m, [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+
+
+def budget_ns(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The rank's operations with their dependencies, and the budget of every steady step in
+    ns (:func:`step_budget`; one row for the whole window when there are no steps)."""
+    ops, api = _rank_ops(w)
+    gaps = compute_gaps(ops, w.window)
+    pieces = attribute_gaps(gaps, ops, api.select("pid", "correlation_id", "end"), _host_holds(w))
+    steps = w.steps.steady["gpu_start"].to_list() if w.steps.count else []
+    return ops, step_budget(ops, pieces, w.window, steps)
 
 
 def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -241,13 +247,24 @@ def _split_host_syncs(
     in_ls = tl.filter(pl.col("ls") > 0)
     free = in_ls.filter(pl.col("sync") == 0).select("start", "end", cls=pl.lit("launch_starved"))
     held = timeline.union(in_ls.filter(pl.col("sync") > 0).select("start", "end"))
-    finished = info.select(x_end="end", x_op="op_id").sort("x_end")
-    # The awaited work ends at most SYNC_SLACK_NS after the call returns (a pageable copy's
+    # The awaited work: the last operation to finish by the time the call returned, or the
+    # last one started before it if that ends within SYNC_SLACK_NS after (a pageable copy's
     # last bytes land just after its call returns).
+    finished = info.select(x_end="end", x_op="op_id").sort("x_end")
+    started = info.select(y_start="start", y_end="end", y_op="op_id").sort("y_start")
     held = (
-        held.with_columns(reach=pl.col("end") + SYNC_SLACK_NS)
-        .sort("reach")
-        .join_asof(finished, left_on="reach", right_on="x_end", strategy="backward")
+        held.sort("end")
+        .join_asof(finished, left_on="end", right_on="x_end", strategy="backward")
+        .with_columns(before=pl.col("end") - 1)
+        .join_asof(started, left_on="before", right_on="y_start", strategy="backward")
+        .with_columns(
+            late=(pl.col("y_end") > pl.col("end"))
+            & (pl.col("y_end") <= pl.col("end") + SYNC_SLACK_NS)
+        )
+        .with_columns(
+            x_op=pl.when("late").then("y_op").otherwise("x_op"),
+            x_end=pl.when("late").then("y_end").otherwise("x_end"),
+        )
         .with_columns(x_end=pl.col("x_end").clip(pl.col("start"), pl.col("end")))
     )
     latency = held.select(start=pl.col("x_end").fill_null(pl.col("start")), end="end").with_columns(
