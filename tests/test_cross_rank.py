@@ -17,6 +17,8 @@ from helpers.constructed import Export
 from realtraces import trace_path
 
 from traceclf.measures.cross_rank import cross_rank
+from traceclf.render.content import budget_rows
+from traceclf.report import Report
 
 TWO_RANKS = ("h100_comm_ep2", "h100_comm_ep2_overlap")
 
@@ -65,6 +67,9 @@ def test_two_ranks_on_one_gpu_are_matched_and_no_straggler_is_claimed(name):
     assert a2a["wait_ms"] + a2a["transfer_ms"] == pytest.approx(a2a["comm_ms"], rel=1e-3)
     assert cr["last_arriver_rank"] in (0, 1)
     assert not any(r["id"] == "comm-straggler-rank" for r in r["classification"]["rules"])
+    lines = dict(budget_rows(Report.from_dict(r)))
+    assert "time-slice one GPU" in lines["Across ranks"]
+    assert lines["Compute-absent"].startswith("launch-starved 0 ms · blocking")
 
 
 def split_rank(src: Path, dst: Path, keep_pid: int, shift_ns: int = 0) -> Path:
