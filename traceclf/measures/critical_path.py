@@ -104,7 +104,9 @@ def budget_ns(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
     ns (:func:`step_budget`; one row for the whole window when there are no steps)."""
     ops, api = _rank_ops(w)
     gaps = compute_gaps(ops, w.window)
-    pieces = attribute_gaps(gaps, ops, api.select("pid", "correlation_id", "end"), _host_holds(w))
+    keys = ["pid", "correlation_id"]
+    launches = api.select(*keys, "end").join(ops.select(keys), on=keys, how="semi")
+    pieces = attribute_gaps(gaps, ops, launches, _host_holds(w))
     steps = w.steps.steady["gpu_start"].to_list() if w.steps.count else []
     return ops, step_budget(ops, pieces, w.window, steps)
 
@@ -114,7 +116,8 @@ def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
     inside the window; the compute that ends the last gap may start after it), with their
     dependencies resolved."""
     trace, lo = w.trace, w.window[0]
-    kern = w.taxonomy.classify(trace.kernels.filter(pl.col("end") > lo))
+    cols = ("pid", "device_id", "stream_id", "correlation_id", "start", "end", "graph_node_id")
+    kern = w.taxonomy.classify(trace.kernels.filter(pl.col("end") > lo).select(*cols, "name"))
     graphs = trace.graphs.filter(pl.col("end") > lo)
     copies = trace.copies.filter(pl.col("end") > lo)
     ops = dependencies.gpu_ops(kern, graphs, copies)
@@ -312,6 +315,34 @@ def _walk(seeds: pl.DataFrame, info: pl.DataFrame, max_hops: int) -> list[pl.Dat
     return pieces
 
 
+def _classes_per_step(
+    pieces: pl.DataFrame, starts: list[int], window: tuple[int, int]
+) -> pl.DataFrame:
+    """ns of each class per step: the pieces are disjoint, so each is cut at the step
+    boundaries it spans (rare) and summed, without sweeping a timeline per class."""
+    bounds = pl.Series([*starts, window[1]], dtype=pl.Int64)
+    cut = (
+        timeline.clip(pieces, window)
+        .with_columns(
+            first=pl.lit(bounds).search_sorted(pl.col("start"), side="right").cast(pl.Int64) - 1,
+            last=pl.lit(bounds).search_sorted(pl.col("end"), side="left").cast(pl.Int64) - 1,
+        )
+        .with_columns(step=pl.int_ranges("first", pl.col("last") + 1))
+        .explode("step")
+        .with_columns(
+            lo=pl.lit(bounds).gather(pl.col("step")), hi=pl.lit(bounds).gather(pl.col("step") + 1)
+        )
+        .with_columns(
+            dur=pl.min_horizontal("end", "hi") - pl.max_horizontal("start", "lo"),
+            step_start=pl.col("lo"),
+        )
+    )
+    sums = cut.group_by("step_start").agg(
+        **{cls: pl.col("dur").filter(pl.col("cls") == cls).sum() for cls in CLASSES}
+    )
+    return sums.cast({cls: pl.Int64 for cls in CLASSES})  # type: ignore[arg-type]
+
+
 def step_budget(
     ops: pl.DataFrame, pieces: pl.DataFrame, window: tuple[int, int], step_starts: list[int]
 ) -> pl.DataFrame:
@@ -330,8 +361,9 @@ def step_budget(
         "comm": ops.filter(kind == "collective"),
         "xfer": ops.filter((kind == "copy") & pl.col("transfer")),
         "local": ops.filter((kind == "copy") & ~pl.col("transfer")),
-    } | {cls: pieces.filter(pl.col("cls") == cls) for cls in CLASSES}
+    }
     starts = sorted({s for s in step_starts if window[0] <= s < window[1]} | {window[0]})
+    steps = pl.DataFrame({"step_start": starts}, schema={"step_start": pl.Int64})
     tl = timeline.timeline(layers, window, cuts=starts).sort("start")
     c, k, x, o = (pl.col(n) > 0 for n in ("compute", "comm", "xfer", "local"))
 
@@ -339,12 +371,7 @@ def step_budget(
         return pl.col("dur").filter(cond).sum()
 
     per = (
-        tl.join_asof(
-            pl.DataFrame({"step_start": starts}, schema={"step_start": pl.Int64}),
-            left_on="start",
-            right_on="step_start",
-            strategy="backward",
-        )
+        tl.join_asof(steps, left_on="start", right_on="step_start", strategy="backward")
         .group_by("step_start")
         .agg(
             iteration=pl.col("dur").sum(),
@@ -354,8 +381,9 @@ def step_budget(
             exposed_comm=ns(k & ~c),
             exposed_copy=ns((x | o) & ~c & ~k),
             in_graph=ns(pl.col("graph") > 0),
-            **{cls: ns(pl.col(cls) > 0) for cls in CLASSES},
         )
+        .join(_classes_per_step(pieces, starts, window), on="step_start", how="left")
+        .with_columns(pl.col(CLASSES).fill_null(0))
         .sort("step_start")
     )
     return (

@@ -45,7 +45,9 @@ INSTANCE_SCHEMA = {
 def collectives_of(w: RankWindow) -> dict[str, list]:
     """Every collective kernel of the rank in the capture (not only the window: matching
     across ranks needs the order from the start), as columns stream_id, kind, start, end."""
-    kern = w.taxonomy.classify(w.trace.kernels).filter(pl.col("is_comm"))
+    kern = w.taxonomy.classify(
+        w.trace.kernels.select("name", "stream_id", "correlation_id", "start", "end")
+    ).filter(pl.col("is_comm"))
     comm = communication.refine_kinds(kern, w).sort("start")
     return {
         "stream_id": comm["stream_id"].fill_null(-1).to_list(),

@@ -28,9 +28,11 @@ def stream_waits(syncs: pl.DataFrame, api: pl.DataFrame) -> pl.DataFrame:
     """The cudaStreamWaitEvent rows of ``syncs``: named so by the CUDA call they came from
     (nsys 2025.3 gives cudaStreamSynchronize the same syncType), or, without the CUDA API,
     by syncType 2 with an event."""
+    keys = ["pid", "correlation_id"]
+    calls = api.select(*keys, "name").join(syncs.select(keys), on=keys, how="semi")
     named = syncs.join(
-        api.select("pid", "correlation_id", api_name=pl.col("name").cast(pl.String)),
-        on=["pid", "correlation_id"],
+        calls.select(*keys, api_name=pl.col("name").cast(pl.String)).unique(keys),
+        on=keys,
         how="left",
     )
     is_wait = (
@@ -125,12 +127,26 @@ def resolve_dependencies(
         )
         .sort(*KEY, "correlation_id", "etype")
         .with_row_index("row")
-        .with_columns(seg=(pl.col("etype") == 0).cast(pl.Int32).cum_sum().over(KEY))
-        .with_columns(wait_end=pl.lit(-1, sid), wait_op=pl.lit(None, sid))
+        .with_columns(first=pl.any_horizontal(pl.col(c) != pl.col(c).shift(1) for c in KEY))
+        .with_columns(
+            first=pl.col("first").fill_null(True),
+            # a segment: one operation and the waits/records after it, on one stream
+            seg=((pl.col("etype") == 0) | pl.col("first").fill_null(True)).cum_sum(),
+            wait_end=pl.lit(-1, sid),
+            wait_op=pl.lit(None, sid),
+        )
     )
     record_keys = entries.filter(pl.col("etype") == 2).select("pid", "event_sync_id", "row")
     wait_keys = entries.filter(pl.col("etype") == 1).select("row", "pid", "event_sync_id")
-    for _ in range(MAX_RELAY_HOPS + 1):
+    matched = wait_keys.join(
+        record_keys.select("pid", "event_sync_id"), on=["pid", "event_sync_id"], how="semi"
+    )
+    entries = entries.with_columns(
+        unresolved=(pl.col("etype") == 1) & ~pl.col("row").is_in(matched["row"].implode())
+    )
+    # Waits take the completion of their record, which may itself follow waits on its stream:
+    # one more round per relay hop, until nothing changes.
+    for _ in range(MAX_RELAY_HOPS + 1 if len(matched) else 0):
         swept = _sweep(entries)
         completion = (
             record_keys.join(swept.select("row", "dep_end", "dep_op"), on="row")
@@ -147,16 +163,10 @@ def resolve_dependencies(
         entries = updated.drop("new_end", "new_op")
         if not changed:
             break
-    matched = wait_keys.join(
-        record_keys.select("pid", "event_sync_id"), on=["pid", "event_sync_id"], how="semi"
-    )
-    swept = _sweep(
-        entries.with_columns(
-            unresolved=(pl.col("etype") == 1) & ~pl.col("row").is_in(matched["row"].implode())
-        )
-    )
-    deps = swept.filter(pl.col("etype") == 0).select(
-        "op_id", "dep_end", "dep_op", "unresolved_wait"
+    deps = (
+        _sweep(entries)
+        .filter(pl.col("etype") == 0)
+        .select("op_id", "dep_end", "dep_op", "unresolved_wait")
     )
     return ops.join(deps, on="op_id", how="left").with_columns(
         pl.col("unresolved_wait").fill_null(False)
@@ -165,45 +175,46 @@ def resolve_dependencies(
 
 def _sweep(entries: pl.DataFrame) -> pl.DataFrame:
     """Per entry, the latest completion among what precedes it on its stream since the last
-    operation before it (that operation included): cumulative max within each segment (an op
-    and the waits/records after it), read one row back."""
-    seg = [*KEY, "seg"]
-    has_unres = "unresolved" in entries.columns
+    operation before it (that operation included), and the operation that completes then:
+    a cumulative maximum within each segment, read one row back.
+
+    Segments are contiguous and numbered in order, so one global cumulative maximum of
+    ``seg * B + code`` (``code``: the completion's rank, < B) restarts at every segment without
+    a window function per group (tens of thousands of groups)."""
     cand_end = (
         pl.when(pl.col("etype") == 0)
         .then(pl.col("end"))
         .when(pl.col("etype") == 1)
         .then(pl.col("wait_end"))
         .otherwise(pl.lit(-1))
+        .fill_null(-1)
     )
-    cand_op = (
-        pl.when(pl.col("etype") == 0)
-        .then(pl.col("op_id"))
-        .when(pl.col("etype") == 1)
-        .then(pl.col("wait_op"))
+    cand_op = pl.when(pl.col("etype") == 0).then(pl.col("op_id")).otherwise(pl.col("wait_op"))
+    out = entries.with_columns(cand_end=cand_end, cand_op=cand_op).with_columns(
+        code=pl.col("cand_end").rank("dense").cast(pl.Int64)
     )
-    out = entries.with_columns(cand_end=cand_end.fill_null(-1), cand_op=cand_op).with_columns(
-        cm=pl.col("cand_end").cum_max().over(seg)
-    )
-    out = out.with_columns(
-        prod=pl.when((pl.col("cand_end") == pl.col("cm")) & (pl.col("cm") >= 0))
-        .then(pl.col("cand_op"))
-        .forward_fill()
-        .over(seg),
-        **(
-            {"unres_cm": pl.col("unresolved").cast(pl.Int8).cum_max().over(seg)}
-            if has_unres
-            else {}
-        ),
-    )
-    shifted = {
-        "dep_end": pl.col("cm").shift(1).over(list(KEY)),
-        "dep_op": pl.col("prod").shift(1).over(list(KEY)),
-    }
-    if has_unres:
-        shifted["unresolved_wait"] = (pl.col("unres_cm").shift(1).over(list(KEY)) == 1).fill_null(
-            False
+    base = int(out["code"].max() or 0) + 1
+    decode = out.select("code", cm="cand_end").unique("code")
+    out = (
+        out.with_columns(key=pl.col("seg") * base + pl.col("code"))
+        .with_columns(cm_key=pl.col("key").cum_max())
+        .with_columns(
+            code=pl.col("cm_key") - pl.col("seg") * base,
+            new=(pl.col("key") == pl.col("cm_key")) & (pl.col("cand_end") >= 0),
+            unres=(pl.col("seg") * 2 + pl.col("unresolved").cast(pl.Int64)).cum_max()
+            - pl.col("seg") * 2,
         )
-    return out.with_columns(**shifted).with_columns(
-        dep_end=pl.when(pl.col("dep_end") >= 0).then(pl.col("dep_end"))
+        .drop("cm", strict=False)
+        .join(decode, on="code", how="left", maintain_order="left")
+        .with_columns(
+            prod_seg=pl.when("new").then(pl.col("seg")).forward_fill(),
+            prod=pl.when("new").then(pl.col("cand_op")).forward_fill(),
+        )
+        .with_columns(prod=pl.when(pl.col("prod_seg") == pl.col("seg")).then(pl.col("prod")))
+    )
+    back = ~pl.col("first")  # the row before belongs to the same stream
+    return out.with_columns(
+        dep_end=pl.when(back & (pl.col("cm").shift(1) >= 0)).then(pl.col("cm").shift(1)),
+        dep_op=pl.when(back).then(pl.col("prod").shift(1)),
+        unresolved_wait=(back & (pl.col("unres").shift(1) == 1)).fill_null(False),
     )
