@@ -219,3 +219,24 @@ def test_ranks_sharing_a_gpu_are_left_out_of_the_skew():
     cr = cross_rank(ranks)
     assert cr["shared_gpu"] == [[0, 1]]
     assert cr["straggler_rank"] is None  # only rank 2 is left unshared: nothing to compare
+
+
+def test_ranks_that_may_share_a_gpu_get_no_jitter_verdict():
+    """Two ranks that saw "device 0" in exports that do not map it to a GPU (capture block:
+    gpu_assignment "unknown"): maybe one GPU, maybe two, so neither skew nor verdict."""
+    ranks = [rank(i, 100.0 + 5 * i, 0.5 + 0.2 * i, {"all_reduce": 2}, 400) for i in range(2)]
+    for r in ranks:
+        r["clock"]["gpu"] = "device0"
+    cr = cross_rank(ranks, {"gpu_assignment": "unknown"})
+    assert cr["shared_gpu"] == [] and cr["straggler_rank"] is None
+    assert "cannot say whether it is one GPU" in cr["straggler_note"]
+    assert "no straggler or jitter verdict" in cr["verdict"]
+
+
+def test_straggler_needs_a_skew_beyond_the_noise():
+    ranks = [rank(i, 100.0, 0.5 + 0.01 * i, {"all_reduce": 2}, 400) for i in range(2)]
+    for r in ranks:
+        r["metrics"]["step_time_cv"] = 0.1  # steps vary by 10%: a 2% compute skew is noise
+    cr = cross_rank(ranks, {"gpu_assignment": "own"})
+    assert cr["straggler_rank"] is None and cr["noise_band_frac"] == pytest.approx(0.2)
+    assert "noise band" in cr["straggler_note"]

@@ -425,7 +425,7 @@ def cross_rank(ranks: list[dict], capture: dict | None = None) -> dict:
         },
     }
     if len(ranks) < 2:
-        return out | empty | {"verdict": None}
+        return out | empty | {"verdict": _verdict(out | empty, unsure)}
     coll = pl.concat([rank_collectives(r) for r in ranks])
     offsets, how = clock_offsets(ranks)
     matched = match_instances(coll, offsets)
@@ -443,11 +443,17 @@ def cross_rank(ranks: list[dict], capture: dict | None = None) -> dict:
         "alignment_error_us": error,
         "end_spread_us": spread,
     }
-    out["verdict"] = _verdict(out)
+    out["verdict"] = _verdict(out, unsure)
     return out
 
 
-def _verdict(cr: dict) -> str | None:
+def _verdict(cr: dict, unsure: list[list[int]]) -> str | None:
+    if unsure:
+        groups = "; ".join(", ".join(map(str, g)) for g in unsure)
+        return (
+            f"ranks {groups} report the same device and the export cannot say whether it is "
+            "one GPU: no straggler or jitter verdict"
+        )
     if cr["shared_gpu"]:
         groups = "; ".join(", ".join(map(str, g)) for g in cr["shared_gpu"])
         return (
