@@ -9,8 +9,8 @@ The map step (:func:`collectives_of`) keeps each rank's collective kernels; the 
 - ``collectives``: columns stream_id, kind, start, end (ns, the export's session timeline) of
   every collective kernel of the rank in the capture;
 - ``clock``: ``utc_offset_ns`` (add to a timestamp for UTC ns; null when the export has no
-  session start time), ``host`` (hostname or null), ``export`` (its path), ``gpu`` (an
-  identity of the physical GPU: uuid, else bus location, else export + device);
+  session start time), ``host`` (hostname or null), ``export`` (its path), ``gpu`` (the
+  placement key of the capture block: equal for two ranks on one GPU);
 - ``window``: [start, end] of its steady state; ``metrics``, ``comm_by_kind``, ``steps``.
 """
 
@@ -28,8 +28,6 @@ WAIT_DOMINATES = 0.5  # share of communication time above which waiting, not tra
 FINGERPRINT_TOLERANCE = 0.1  # relative difference under which two ranks' counts match
 # A straggler's compute skew must exceed twice the step-time spread, and at least this.
 STRAGGLER_MIN_SKEW = 0.05
-
-MEASURES: dict[str, str] = {}  # cross-rank results are the report's cross_rank block
 
 INSTANCE_SCHEMA = {
     "rank": pl.Int64,
