@@ -17,6 +17,7 @@ from pathlib import Path
 from traceclf import __version__
 from traceclf.errors import TraceError
 from traceclf.measures import RankMeasures, measure_rank
+from traceclf.measures.cross_rank import cross_rank
 from traceclf.report import Report
 from traceclf.steps import check_step_regex, find_steps
 
@@ -46,6 +47,8 @@ class RankResult:
     # which GPU: device ordinal, whether the export maps it to a physical GPU, and a key that
     # is equal for two ranks on one GPU (judge/capture.py: gpu_assignment)
     placement: dict = field(default_factory=dict)
+    # utc_offset_ns, host, export, gpu (physical GPU identity): to align and compare ranks
+    clock: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -163,6 +166,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
                 steps=_steps_summary(steps),
                 measures=measure_rank(rank_trace, steps, gpu, taxonomy),
                 placement=_placement(trace, pid, gpu, path),
+                clock=_clock(trace, path),
             )
         )
     return result
@@ -177,6 +181,16 @@ def _placement(trace, pid: int, gpu: dict | None, path: Path) -> dict:
     else:
         key = f"{path}#device{device}"
     return {"device": device, "mapped": mapped, "key": key}
+
+
+def _clock(trace, path: Path) -> dict:
+    """What puts this rank on a common clock with the ranks of other exports."""
+    session = trace.session or {}
+    return {
+        "utc_offset_ns": session.get("utc_offset_ns"),
+        "host": session.get("host"),
+        "export": str(path),
+    }
 
 
 # Sources that shape a result (relative to the package): an edit to any invalidates the cache.
@@ -237,14 +251,13 @@ def _steps_summary(steps) -> dict:
 
 GPU_KEYS = ("name", "chip", "sm_count", "memory_bytes")
 REPORT_VERSION = 2
-# A straggler's compute skew must exceed twice the step-time spread, and at least this.
-STRAGGLER_MIN_SKEW = 0.05
 
 
 def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
     """Reduce step: number the ranks, average their measures, compare them, say what the
     capture supports, then classify — or abstain (docs/judgement.md)."""
     from traceclf.judge.capture import abstain_reason, capture_block
+    from traceclf.judge.ceiling import combined
     from traceclf.judge.engine import abstained, evaluate
 
     ranks = [r for export in results for r in export.ranks]
@@ -267,7 +280,18 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
     metrics = mean_metrics([r.measures.metrics for r in ranks])
     gpus = _unique([{k: r.gpu.get(k) for k in GPU_KEYS} for r in ranks if r.gpu])
     capture = capture_block(ranks, results)
-    cross = cross_rank(rank_dicts, capture)
+    cross = cross_rank(
+        [
+            d
+            | {
+                "collectives": r.measures.collectives,
+                "clock": r.clock | {"gpu": r.placement.get("key")},
+                "window": r.steps.get("window_ns"),
+            }
+            for d, r in zip(rank_dicts, ranks, strict=True)
+        ],
+        capture,
+    )
     comm_by_kind = _mean_comm(ranks)
     first = ranks[0].steps if ranks else {}
     steps = {
@@ -317,12 +341,14 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
         fixes=verdict.fixes,
         applied=verdict.applied,
         next_wall=verdict.next_wall,
+        combined_ceiling=combined(verdict.fixes, metrics.get("step_time_ms")),
         series=[
             {
                 "rank": i,
                 "step_breakdown": r.measures.step_breakdown,
                 "idle_gaps": r.measures.idle_gaps,
                 "gpu_metrics": r.measures.gpu_metrics_series,
+                "step_budget": r.measures.step_budget,
             }
             for i, r in enumerate(ranks)
         ],
@@ -351,41 +377,6 @@ def mean_metrics(per_rank: list[dict]) -> dict:
     return out
 
 
-def cross_rank(ranks: list[dict], capture: dict | None = None) -> dict:
-    """Skew between ranks, and the straggler: the rank with the most compute per step (the
-    others wait for it inside their collectives) — named only when the ranks have GPUs of
-    their own (ranks sharing one GPU time-slice it: their compute skew is the slicing) and its
-    compute skew is beyond the noise of the step times."""
-    if len(ranks) < 2:
-        return {"straggler_rank": None, "step_time_skew_frac": None, "compute_skew_frac": None}
-    step = [r["metrics"].get("step_time_ms") for r in ranks]
-    compute = [
-        (r["metrics"].get("compute_frac") or 0) * (r["metrics"].get("step_time_ms") or 0)
-        for r in ranks
-    ]
-    compute_skew = _skew(compute)
-    cvs = [r["metrics"].get("step_time_cv") for r in ranks]
-    noise = max(STRAGGLER_MIN_SKEW, 2 * (_mean(cvs) or 0))
-    assignment = (capture or {}).get("gpu_assignment", "own")
-    if assignment == "shared":
-        note = "ranks share one GPU: they time-slice it, so compute skew is not imbalance"
-    elif assignment == "unknown":
-        note = "ranks report the same device and the export cannot say whether it is one GPU"
-    elif compute_skew is None or compute_skew <= noise:
-        note = f"compute skew within the noise band ({noise:.0%}: 2 x step-time spread, min 5%)"
-    else:
-        note = None
-    return {
-        "straggler_rank": max(range(len(ranks)), key=lambda i: compute[i])
-        if note is None
-        else None,
-        "step_time_skew_frac": _skew(step),
-        "compute_skew_frac": compute_skew,
-        "noise_band_frac": round(noise, 4),
-        "straggler_note": note,
-    }
-
-
 def _mean_comm(ranks: list[RankResult]) -> dict:
     kinds = list(dict.fromkeys(k for r in ranks for k in r.measures.comm_by_kind))
     out = {}
@@ -404,13 +395,6 @@ def _mean_comm(ranks: list[RankResult]) -> dict:
 def _common(values: list[str], default: str) -> str:
     distinct = set(values)
     return default if len(distinct) <= 1 else "mixed"
-
-
-def _skew(values: list[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    if len(vals) < 2 or not statistics.mean(vals):
-        return None
-    return round((max(vals) - min(vals)) / statistics.mean(vals), 4)
 
 
 def _mean(values: list) -> float | None:

@@ -13,7 +13,11 @@ Frames and their columns
 - ``copies``: memcpy and memset rows: start, end, device_id, stream_id, correlation_id, pid,
   bytes, op ("memcpy"/"memset"), copy_kind, direction ("HtoD", "DtoH", "DtoD", ...), pageable
 - ``api``: CUDA runtime/driver calls: start, end, global_tid, pid, tid, correlation_id, name
-- ``syncs``: CUPTI synchronization records: start, end, pid, sync_type
+- ``syncs``: CUPTI synchronization records: start, end, pid, device_id, stream_id,
+  correlation_id, sync_type, event_id, event_sync_id (cudaStreamWaitEvent rows name the
+  waiting stream and the event record they wait for)
+- ``events``: cudaEventRecord records (CUPTI_ACTIVITY_KIND_CUDA_EVENT): pid, device_id,
+  stream_id, correlation_id, event_id, event_sync_id
 - ``nvtx``: ranges only: start, end, text, domain, pid, tid, global_tid
 - ``gpu_metrics``: timestamp, source, metric ("sm_active", "sm_issue", "tensor_active": the
   nsys metric under whatever name this GPU gives it), value (%)
@@ -51,6 +55,9 @@ class Trace:
     threads: pl.DataFrame = field(default_factory=pl.DataFrame)
     # "values" | "declared_empty" | "absent": NCCL's NVTX payload (ingest/devices.nccl_payload)
     nccl_payload: str = "absent"
+    events: pl.DataFrame = field(default_factory=pl.DataFrame)
+    # utc_offset_ns (session timestamp + offset = UTC ns) and host: to align several exports
+    session: dict = field(default_factory=dict)
 
     FRAMES = (
         "kernels",
@@ -66,6 +73,7 @@ class Trace:
         "processes",
         "device_map",
         "threads",
+        "events",
     )
     # Frames of events that belong to one process (for_pid keeps only that process's rows);
     # the others describe the machine (GPUs, metrics, processes, threads).

@@ -47,6 +47,8 @@ class Report:
     applied: list[str] = field(default_factory=list)
     next_wall: str | None = None
     series: list[dict] = field(default_factory=list)
+    # what the proposed fixes can recover together, over disjoint interval classes only
+    combined_ceiling: dict = field(default_factory=dict)
 
     @property
     def bound(self) -> str | None:

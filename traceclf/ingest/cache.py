@@ -181,6 +181,7 @@ def read_entry(entry: Path, path: Path) -> Trace | None:
         schema_version=meta["schema_version"],
         tables=frozenset(meta["tables"]),
         nccl_payload=meta["nccl_payload"],
+        session=meta["session"],
         **dict(zip(Trace.FRAMES, frames, strict=True)),
     )
 
@@ -205,6 +206,7 @@ def write_entry(trace: Trace, slot: Path, key: str) -> bool:
             "schema_version": trace.schema_version,
             "tables": sorted(trace.tables),
             "nccl_payload": trace.nccl_payload,
+            "session": trace.session,
         }
         # meta.json is written last, but the rename below is what publishes the entry.
         (tmp / META).write_text(json.dumps(meta), encoding="utf-8")

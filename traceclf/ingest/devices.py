@@ -194,3 +194,22 @@ def read_device_map(reader: Reader) -> pl.DataFrame:
         device_id=pl.col("cudaId").cast(pl.Int64),
         gpu_id=pl.col("gpuId").cast(pl.Int64),
     ).unique(["pid", "device_id"], maintain_order=True)
+
+
+def read_session(reader: Reader) -> dict:
+    """Where this export's clock sits and on which host it ran, to put ranks from several
+    exports on one clock: ``utc_offset_ns`` is added to a session timestamp to get UTC ns
+    (TARGET_INFO_SESSION_START_TIME.utcEpochNs is the UTC time of session time 0, or of
+    ``systemClockNs`` where newer exports give it: their timestamps are the system clock's);
+    ``host`` is the Hostname of TARGET_INFO_SYSTEM_ENV. Either is None when absent."""
+    start = reader.small_table("TARGET_INFO_SESSION_START_TIME", ("utcEpochNs", "systemClockNs"))
+    offset = None
+    if "utcEpochNs" in start.columns and len(start) and start["utcEpochNs"][0] is not None:
+        clock = start["systemClockNs"][0] if "systemClockNs" in start.columns else None
+        offset = int(start["utcEpochNs"][0]) - int(clock or 0)
+    env = reader.small_table("TARGET_INFO_SYSTEM_ENV", ("name", "value"))
+    host = None
+    if {"name", "value"} <= set(env.columns):
+        hit = env.filter(pl.col("name") == "Hostname")["value"]
+        host = str(hit[0]) if len(hit) and hit[0] else None
+    return {"utc_offset_ns": offset, "host": host}

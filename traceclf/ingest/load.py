@@ -26,6 +26,7 @@ from traceclf.ingest.devices import (
     read_gpu_metrics,
     read_gpus,
     read_processes,
+    read_session,
     read_threads,
 )
 from traceclf.ingest.schema import ExportInfo, inspect_export, readonly_uri
@@ -139,7 +140,26 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
     ),
     "syncs": (
         ("CUPTI_ACTIVITY_KIND_SYNCHRONIZATION",),
-        (*GPU_ROW, _c("sync_type", "syncType", "deprecatedSyncType")),
+        (
+            *GPU_ROW,
+            _c("sync_type", "syncType", "deprecatedSyncType"),
+            _c("event_id", "eventId"),
+            # Unique per record of an event (nsys >= 2023); eventId is a handle CUDA reuses.
+            _c("event_sync_id", "eventSyncId"),
+        ),
+    ),
+    # cudaEventRecord: on which stream, after which launch (no time of its own: completion is
+    # read from the stream's work).
+    "events": (
+        ("CUPTI_ACTIVITY_KIND_CUDA_EVENT",),
+        (
+            _c("device_id", "deviceId"),
+            _c("stream_id", "streamId"),
+            _c("correlation_id", "correlationId", required=True),
+            _c("global_pid", "globalPid"),
+            _c("event_id", "eventId"),
+            _c("event_sync_id", "eventSyncId"),
+        ),
     ),
     "nvtx": (
         ("NVTX_EVENTS",),
@@ -381,6 +401,7 @@ def load_trace(
 
     step("syncs")
     syncs = reader.read("syncs", window)
+    events = reader.read("events")
 
     step("NVTX")
     nvtx = _read_nvtx(reader, strings, window)
@@ -396,9 +417,9 @@ def load_trace(
     processes = read_processes(reader)
     threads = read_threads(reader, strings)
 
-    kernels, graphs, copies, syncs, memory = (
+    kernels, graphs, copies, syncs, events, memory = (
         df.with_columns(pid=decode_pid("global_pid"))
-        for df in (kernels, graphs, copies, syncs, memory)
+        for df in (kernels, graphs, copies, syncs, events, memory)
     )
     overhead = overhead.with_columns(pid=decode_pid("global_tid"))
     return Trace(
@@ -411,6 +432,7 @@ def load_trace(
         copies=copies,
         api=api,
         syncs=syncs,
+        events=events,
         nvtx=nvtx,
         gpu_metrics=gpu_metrics,
         memory=memory,
@@ -420,6 +442,7 @@ def load_trace(
         device_map=read_device_map(reader),
         threads=threads,
         nccl_payload=nccl_payload(reader),
+        session=read_session(reader),
     )
 
 

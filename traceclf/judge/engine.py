@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from traceclf.judge import ceiling
 from traceclf.judge.entries import WALLS, Fix, GpuFamily, Rule, Scoring
 from traceclf.judge.schema import RuleSet, known_names, load_rules
 
@@ -148,6 +149,9 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
         "idle_top_nvtx": idle.get("name"),
         "idle_top_activity": idle.get("activity"),
         "idle_top_nvtx_frac": idle.get("frac") or 0.0,
+        "comm_wait_frac": cross.get("comm_wait_frac"),
+        "comm_transfer_frac": cross.get("comm_transfer_frac"),
+        "last_arriver_rank": cross.get("last_arriver_rank"),
     } | host_link(gpu, rs)
     for name, definition in rs.definitions.items():  # in order: each may use the ones before
         env[name] = definition.expr.value(env)
@@ -240,6 +244,8 @@ def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any
         if not framework and fix.generic is None:
             continue  # framework advice only, and this is not a framework's loop
         out.append(_fix_object(fix, entry, env, framework, rs))
+    # By workflow wall, then by what each can recover (stable: rule order breaks ties).
+    out.sort(key=lambda f: (rs.scoring.workflow.index(f["wall"]), ceiling.order_key(f)))
     return _prerequisites_first(out, rs)
 
 
@@ -258,6 +264,7 @@ def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs:
         "evidence": _evidence(fix, entry["rules"], env, rs),
         "rule_ids": list(dict.fromkeys(entry["rules"])),
         "score": round(entry["score"], 3),
+        "ceiling": ceiling.ceiling(fix, env),
     }
     if fix.pytorch and framework:
         obj["pytorch"] = " ".join(fix.pytorch.split())

@@ -31,6 +31,16 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class Recovers:
+    """What a fix can win back: ``frac`` (an expression: a share of the step) of the interval
+    classes ``classes`` (e.g. ``compute-absent/blocking/comm``; classes whose paths do not
+    nest are disjoint, so their ceilings may be added)."""
+
+    frac: Expr
+    classes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Fix:
     id: str
     wall: str
@@ -47,6 +57,7 @@ class Fix:
     source: Path
     generic: str | None = None  # the advice for a loop that is not a DL framework's
     config_when: tuple[tuple[Expr, str], ...] = ()  # config lines added when the expr holds
+    recovers: Recovers | None = None
 
 
 @dataclass(frozen=True)
@@ -222,6 +233,7 @@ _FIX_OPTIONAL = (
     "applied_when",
     "applied",
     "after",
+    "recovers",
 )
 
 
@@ -265,6 +277,7 @@ def parse_fix(raw: Any, path: Path, index: int, names: frozenset[str]) -> Fix:
         source=path,
         generic=_text_block(e, "generic"),
         config_when=_config_when(e),
+        recovers=_recovers(e),
     )
 
 
@@ -292,6 +305,20 @@ def _config_when(e: _Entry) -> tuple[tuple[Expr, str], ...]:
             e.fail(f"'config_when': {err}")
         out.append((expr, item["config"].strip("\n")))
     return tuple(out)
+
+
+def _recovers(e: _Entry) -> Recovers | None:
+    raw = e.raw.get("recovers")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"frac", "from"}:
+        e.fail("'recovers' must be a mapping with 'frac' (expression) and 'from' (class)")
+    sub = _Entry(raw, e.path, e.kind, 0, ("frac", "from"), (), e.names)
+    sub.label = e.label
+    classes = sub.texts("from")
+    if not classes or not all(c.strip() for c in classes):
+        e.fail("'recovers': 'from' must name at least one interval class")
+    return Recovers(frac=sub.expr("frac"), classes=classes)
 
 
 def parse_family(raw: Any, path: Path, index: int) -> GpuFamily:

@@ -71,9 +71,15 @@ CONTEXT_NAMES: dict[str, str] = {
     "comm_libraries": 'communication libraries seen, e.g. ["nccl"], ["deepep", "nccl"]',
     "comm_kinds": 'collective kinds seen, e.g. ["all_to_all", "all_reduce"]',
     "other_comm_kinds": "the collective kinds seen other than all-to-all",
-    "straggler_rank": "rank with the most compute per step (null with one rank)",
-    "step_time_skew_frac": "spread of step time across ranks, as a fraction of the mean",
-    "compute_skew_frac": "spread of compute time per step across ranks, as a fraction",
+    "straggler_rank": "rank with the most compute per step among like ranks (null with one "
+    "rank, unlike ranks, ranks that share a GPU, or a skew within the noise)",
+    "step_time_skew_frac": "spread of step time across like ranks, as a fraction of the mean",
+    "compute_skew_frac": "spread of compute time per step across like ranks, as a fraction",
+    "comm_wait_frac": "share of matched collective time spent waiting for the last rank "
+    "(duration minus the shortest participant's; null without matched collectives)",
+    "comm_transfer_frac": "share of matched collective time that is transfer (shortest "
+    "participant's duration)",
+    "last_arriver_rank": "rank that starts matched collectives last most often",
     "training_loop": 'capture: "training", "forward_only", "not_a_loop" or "unknown"',
     "ranks_share_gpu": "capture: two or more ranks ran on one GPU (time-slicing it)",
     "graph_trace_mode": 'capture: CUDA-graph tracing, "graph", "node" or "none"',

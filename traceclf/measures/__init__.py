@@ -2,7 +2,8 @@
 
 One module per wall computes that wall's measures and owns their one-line definitions
 (``MEASURES``): :mod:`.budget` (step time, busy, idle, compute, communication and copies),
-:mod:`.communication`, :mod:`.memory`, :mod:`.host` and :mod:`.compute`; :mod:`.window`
+:mod:`.critical_path` (what blocked compute), :mod:`.communication`, :mod:`.memory`,
+:mod:`.host` and :mod:`.compute`; :mod:`.cross_rank` is the reduce across ranks; :mod:`.window`
 prepares the clipped, classified frames and the state timeline they all read, and
 :mod:`.timeline` holds the interval arithmetic. ``traceclf measures`` prints the definitions;
 docs/measures.md lists them with the function that computes each.
@@ -16,13 +17,27 @@ from dataclasses import dataclass, field
 
 from traceclf.figures import series
 from traceclf.kernels import Taxonomy
-from traceclf.measures import budget, capture, communication, compute, host, memory
+from traceclf.measures import (
+    budget,
+    capture,
+    communication,
+    compute,
+    critical_path,
+    cross_rank,
+    host,
+    memory,
+)
 from traceclf.measures.window import prepare
 from traceclf.model import Trace
 from traceclf.steps import Steps
 
 MEASURES: dict[str, str] = (
-    budget.MEASURES | communication.MEASURES | memory.MEASURES | host.MEASURES | compute.MEASURES
+    budget.MEASURES
+    | critical_path.MEASURES
+    | communication.MEASURES
+    | memory.MEASURES
+    | host.MEASURES
+    | compute.MEASURES
 )
 
 
@@ -38,6 +53,8 @@ class RankMeasures:
     gpu_metrics_series: dict[str, list] = field(default_factory=dict)
     idle_nvtx: list[dict] = field(default_factory=list)
     capture: dict = field(default_factory=dict)
+    step_budget: list[dict] = field(default_factory=list)  # ms per step (critical_path)
+    collectives: dict[str, list] = field(default_factory=dict)  # for the cross-rank reduce
 
 
 def measure_rank(
@@ -49,6 +66,8 @@ def measure_rank(
 
     w = prepare(trace, steps, gpu, taxonomy or kernels.bundled())
     m = budget.measure(w)
+    path_measures, step_budget = critical_path.measure(w)
+    m |= path_measures
     comm_by_kind = communication.by_kind(w)
     m |= communication.a2a(comm_by_kind)
     m |= memory.copies(w)
@@ -72,6 +91,8 @@ def measure_rank(
         idle_gaps=series.gap_histogram(gaps),
         gpu_metrics_series=series.metric_series(gpu_samples, steps.window),
         idle_nvtx=host.idle_by_nvtx(gaps, w),
+        step_budget=step_budget,
+        collectives=cross_rank.collectives_of(w),
     )
 
 

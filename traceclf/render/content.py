@@ -200,6 +200,73 @@ def _host_line(report: Report) -> str:
     return "GPU idle while the host was in " + "; ".join(parts)
 
 
+def budget_rows(report: Report) -> list[tuple[str, str]]:
+    """The per-step budget in NVIDIA's order (docs/measures.md, "Critical path"): what the step
+    is made of, what kept compute away, blocking against exposed time, across ranks and what
+    the fixes can recover together; ms per step, averaged over ranks."""
+    m = report.metrics
+    step = m.get("step_time_ms")
+    used = report.steps.get("used") or 0
+
+    def ms(key: str) -> str:
+        v = m.get(key)
+        return fmt_ms(v * step) if v is not None and step is not None else "–"
+
+    rows = [
+        (
+            "Budget per step",
+            f"iteration {fmt_ms(step)} (n = {used}) · device busy {ms('gpu_busy_frac')} · "
+            f"non-transfer busy {ms('non_transfer_busy_frac')} · compute busy "
+            f"{ms('compute_frac')} · compute-absent {ms('compute_absent_frac')}",
+        ),
+        (
+            "Compute-absent",
+            f"launch-starved {ms('launch_starved_frac')} · blocking {ms('blocking_frac')} "
+            f"(communication {ms('blocking_comm_frac')}, copies {ms('blocking_copy_frac')}, "
+            f"compute {ms('blocking_compute_frac')}, host sync {ms('blocking_host_sync_frac')})"
+            f" · dependency-stalled {ms('dependency_stalled_frac')} · unresolved "
+            f"{ms('attribution_residual_frac')}",
+        ),
+        (
+            "Blocking vs exposed",
+            f"communication {ms('blocking_comm_frac')} blocking of {ms('exposed_comm_frac')} "
+            f"exposed · copies {ms('blocking_copy_frac')} of {ms('exposed_copy_frac')}",
+        ),
+    ]
+    if m.get("graph_unresolved_frac"):
+        rows.append(
+            (
+                "CUDA graphs",
+                f"{pct(m['graph_unresolved_frac'])} of the step inside graph replays: their "
+                "launches and dependencies are not in the trace, gaps inside are not split",
+            )
+        )
+    cross = report.cross_rank or {}
+    if len(report.ranks) > 1:
+        wait = cross.get("comm_wait_frac")
+        rows.append(
+            (
+                "Across ranks",
+                f"{cross.get('collectives_matched', 0)} collectives matched, "
+                f"{cross.get('collectives_unmatched', 0)} unmatched · wait {pct(wait)}, "
+                f"transfer {pct(cross.get('comm_transfer_frac'))} · groups "
+                f"{cross.get('rank_groups')}, representatives {cross.get('representatives')}"
+                + (f" · {cross['verdict']}" if cross.get("verdict") else ""),
+            )
+        )
+    together = getattr(report, "combined_ceiling", None) or {}
+    if together.get("recoverable_ms") is not None:
+        rows.append(
+            (
+                "Ceiling, all fixes",
+                f"{fmt_ms(together['recoverable_ms'])} per step, throughput "
+                f"+{pct(together.get('throughput_gain'))} at most (disjoint classes only: "
+                f"{', '.join(together.get('from') or [])})",
+            )
+        )
+    return rows
+
+
 def kernel_rows(report: Report) -> list[list[str]]:
     """Top kernels of rank 0 (KERNEL_COLUMNS)."""
     rows = report.ranks[0].get("top_kernels", []) if report.ranks else []

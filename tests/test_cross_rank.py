@@ -1,0 +1,242 @@
+"""Across ranks: collective matching, wait vs transfer, clock alignment, the rank survey and
+shared GPUs, on the real two-rank traces (h100_comm_ep2*: two processes time-slicing one H100),
+on per-rank files split from them inside the test, and on CONSTRUCTED exports (tests/helpers/
+constructed.py) for what no real trace shows: ranks on two hosts with skewed clocks and a late
+rank, and ranks with unlike work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+from helpers.cli import run_cli
+from helpers.constructed import Export
+from realtraces import trace_path
+
+from traceclf.measures.cross_rank import cross_rank
+from traceclf.render.content import budget_rows
+from traceclf.report import Report
+
+TWO_RANKS = ("h100_comm_ep2", "h100_comm_ep2_overlap")
+
+
+def analyze(*paths: Path) -> dict:
+    code, out, err = run_cli("analyze", *paths, "-f", "json", "-q", "--no-cache")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def nccl_counts(path: Path) -> dict[int, dict[str, int]]:
+    """Independent count: NCCL kernels per process and kernel name, straight from SQLite."""
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    rows = con.execute(
+        "SELECT (k.globalPid >> 24) & 16777215, s.value, count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k"
+        " JOIN StringIds s ON s.id = k.demangledName WHERE s.value LIKE 'ncclDevKernel%'"
+        " GROUP BY 1, 2"
+    ).fetchall()
+    con.close()
+    out: dict[int, dict[str, int]] = {}
+    for pid, name, n in rows:
+        out.setdefault(pid, {})[name] = n
+    return out
+
+
+@pytest.mark.parametrize("name", TWO_RANKS)
+def test_two_ranks_on_one_gpu_are_matched_and_no_straggler_is_claimed(name):
+    path = trace_path(name)
+    r = analyze(path)
+    cr = r["cross_rank"]
+    counts = list(nccl_counts(path).values())
+    # every collective kernel has its partner on the other rank (same names, same counts)
+    assert counts[0] == counts[1]
+    assert cr["collectives_matched"] == sum(counts[0].values())
+    assert cr["collectives_unmatched"] == 0
+    # both processes time-slice GPU 0: recognised, so no straggler, skew or jitter verdict
+    assert cr["shared_gpu"] == [[0, 1]]
+    assert cr["straggler_rank"] is None and cr["compute_skew_frac"] is None
+    assert "time-slice one GPU" in cr["verdict"] and "no straggler" in cr["verdict"]
+    assert cr["rank_groups"] == [[0, 1]] and cr["representatives"] == [0, 1]
+    assert cr["clock"]["aligned_by"] == "one export" and cr["clock"]["alignment_error_us"] == 0
+    assert cr["comm_wait_frac"] + cr["comm_transfer_frac"] == pytest.approx(1, abs=1e-3)
+    kinds = cr["comm_by_kind"]
+    assert set(kinds) == {"all_to_all"}  # NCCL's NVTX ranges: the SendRecv kernels are all-to-all
+    a2a = kinds["all_to_all"]
+    assert a2a["wait_ms"] + a2a["transfer_ms"] == pytest.approx(a2a["comm_ms"], rel=1e-3)
+    assert cr["last_arriver_rank"] in (0, 1)
+    assert not any(r["id"] == "comm-straggler-rank" for r in r["classification"]["rules"])
+    lines = dict(budget_rows(Report.from_dict(r)))
+    assert "time-slice one GPU" in lines["Across ranks"]
+    assert lines["Compute-absent"].startswith("launch-starved 0 ms · blocking")
+
+
+def split_rank(src: Path, dst: Path, keep_pid: int, shift_ns: int = 0) -> Path:
+    """A copy of ``src`` holding one process only (rows of the other processes deleted), its
+    timestamps shifted by ``shift_ns`` and its session start moved back by the same amount, as
+    if the rank had been captured by its own nsys session started ``shift_ns`` earlier."""
+    shutil.copyfile(src, dst)
+    with sqlite3.connect(dst) as con:
+        tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        for table in tables:
+            cols = {r[1] for r in con.execute(f"PRAGMA table_info('{table}')")}
+            for col in ("globalPid", "globalTid"):
+                if col in cols:
+                    con.execute(
+                        f'DELETE FROM "{table}" WHERE {col} IS NOT NULL'
+                        f" AND (({col} >> 24) & 16777215) != {keep_pid}"
+                    )
+            if table == "TARGET_INFO_CUDA_DEVICE":
+                con.execute(f"DELETE FROM {table} WHERE pid != {keep_pid}")
+            if shift_ns and table.startswith(("CUPTI_", "NVTX_", "PROFILER_", "CUDA_GPU_")):
+                for col in ("start", "end", "timestamp"):
+                    if col in cols:
+                        con.execute(f'UPDATE "{table}" SET "{col}" = "{col}" + {shift_ns}')
+        if shift_ns:
+            con.execute(
+                f"UPDATE TARGET_INFO_SESSION_START_TIME SET utcEpochNs = utcEpochNs - {shift_ns}"
+            )
+    con.close()
+    return dst
+
+
+@pytest.mark.parametrize("shift_ns", [0, 3_600_000_000_123])
+@pytest.mark.parametrize("name", TWO_RANKS)
+def test_per_rank_files_give_the_same_cross_rank_result(tmp_path, name, shift_ns):
+    src = trace_path(name)
+    together = analyze(src)
+    pids = sorted(nccl_counts(src))
+    files = [
+        split_rank(src, tmp_path / f"rank{i}.sqlite", pid, shift_ns if i else 0)
+        for i, pid in enumerate(pids)
+    ]
+    apart = analyze(*files)
+    a, b = together["cross_rank"], apart["cross_rank"]
+    # two exports, one host: rebased on TARGET_INFO_SESSION_START_TIME, nothing else
+    assert b["clock"]["aligned_by"] == "session start"
+    assert b["clock"]["offsets_us"]["1"] == pytest.approx(-shift_ns / 1e3, abs=1e-3)
+    for key in (
+        "collectives_matched",
+        "collectives_unmatched",
+        "shared_gpu",
+        "rank_groups",
+        "representatives",
+        "straggler_rank",
+        "last_arriver_rank",
+    ):
+        assert a[key] == b[key], key
+    assert b["comm_wait_frac"] == pytest.approx(a["comm_wait_frac"], abs=1e-4)
+    assert b["clock"]["end_spread_us"] == pytest.approx(a["clock"]["end_spread_us"], abs=0.01)
+    for rank in (0, 1):
+        ma, mb = together["ranks"][rank]["metrics"], apart["ranks"][rank]["metrics"]
+        for key in ("compute_absent_frac", "blocking_comm_frac", "launch_starved_frac"):
+            assert mb[key] == pytest.approx(ma[key], abs=1e-6), key
+
+
+def two_hosts(tmp_path: Path, clock_error_ns: int) -> list[Path]:
+    """CONSTRUCTED: ranks 0 and 1 on two hosts (own GPUs), ten all-reduces each; rank 1 reaches
+    every one 600 µs late, so rank 0 waits inside each (700 µs against rank 1's 100 µs). Rank 1's session clock is read
+    ``clock_error_ns`` wrong (its utcEpochNs is off by that much)."""
+    paths = []
+    for rank in (0, 1):
+        x = Export(pid=100 + rank, host=f"node{rank}", gpu_uuid=f"GPU-{rank}")
+        base = 50_000_000 * rank  # rank 1's session started 50 ms earlier: its times are later
+        x.utc_epoch_ns = 1_700_000_000_000_000_000 - base + (clock_error_ns if rank else 0)
+        for i in range(10):
+            t = base + i * 1_000_000
+            x.step(i, t, t + 10_000)
+            late = 600_000 if rank else 0
+            x.kernel("gemm", t + 1_000, t + 200_000 + late, launch_at=t + 100)
+            name = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+            x.kernel(name, t + 200_000 + late, t + 900_000, launch_at=t + 200, stream=13)
+        paths.append(x.write(tmp_path / f"rank{rank}.sqlite"))
+    return paths
+
+
+@pytest.mark.parametrize("clock_error_ns", [0, 40_000])
+def test_two_hosts_are_aligned_on_collective_ends_and_the_late_rank_named(tmp_path, clock_error_ns):
+    r = analyze(*two_hosts(tmp_path, clock_error_ns))
+    cr = r["cross_rank"]
+    assert cr["shared_gpu"] == []
+    assert cr["collectives_matched"] == 10 and cr["collectives_unmatched"] == 0
+    # rebased on the session starts, then refined: the 40 µs clock error is found and removed
+    assert cr["clock"]["aligned_by"] == "session start + matched collective ends" or (
+        clock_error_ns == 0 and cr["clock"]["aligned_by"] == "session start"
+    )
+    # rank 1's session truly started 50 ms before rank 0's
+    assert cr["clock"]["offsets_us"]["1"] == pytest.approx(-50_000, abs=0.01)
+    assert cr["clock"]["alignment_error_us"] == pytest.approx(0, abs=0.01)
+    # transfer proxy: rank 1's 100 µs; rank 0 waited 600 µs more in each of the steady ones
+    used = cr["comm_by_kind"]["all_reduce"]
+    assert used["transfer_ms"] == pytest.approx(2 * 0.1 * used["instances"], rel=1e-6)
+    assert used["wait_ms"] == pytest.approx(0.6 * used["instances"], rel=1e-6)
+    assert cr["comm_wait_frac"] == pytest.approx(0.6 / 0.8, abs=1e-3)
+    assert cr["last_arriver_rank"] == 1 and cr["last_arriver_share"] == 1.0
+    assert "rank 1 arrives last" in cr["verdict"] and "not the fabric" in cr["verdict"]
+
+
+def rank(i: int, step_ms: float, compute_frac: float, kinds: dict[str, int], kernels: float):
+    """CONSTRUCTED reduce-step input of one rank (what the map step hands over)."""
+    return {
+        "rank": i,
+        "metrics": {
+            "step_time_ms": step_ms,
+            "compute_frac": compute_frac,
+            "kernels_per_step": kernels,
+        },
+        "comm_by_kind": {k: {"kernels": n * 4} for k, n in kinds.items()},
+        "steps": {"used": 4},
+        "clock": {"export": f"r{i}.sqlite", "host": f"node{i}", "gpu": f"GPU-{i}"},
+        "collectives": {},
+        "window": [0, 1],
+    }
+
+
+def test_survey_groups_like_ranks_and_never_compares_unlike_ones():
+    # ranks 0-2 do the same work (rank 2 computes 30% more: a straggler); rank 3 is another
+    # pipeline stage (send/recv, fewer kernels) and is slower still, but not comparable
+    ranks = [
+        rank(0, 100.0, 0.5, {"all_reduce": 2}, 400),
+        rank(1, 101.0, 0.5, {"all_reduce": 2}, 410),
+        rank(2, 102.0, 0.65, {"all_reduce": 2}, 400),
+        rank(3, 130.0, 0.9, {"send_recv": 6}, 150),
+    ]
+    cr = cross_rank(ranks)
+    assert cr["rank_groups"] == [[0, 1, 2], [3]]
+    assert cr["representatives"] == [1, 3]  # slowest (3) + the median-step rank of [0, 1, 2]
+    assert cr["straggler_rank"] == 2
+    # skew within the group only: (65 - 50) / mean(50, 50.5, 66.3)
+    compute = [50.0, 50.5, 66.3]
+    assert cr["compute_skew_frac"] == pytest.approx((66.3 - 50) / (sum(compute) / 3), abs=1e-3)
+    assert cr["step_time_skew_frac"] == pytest.approx(2 / 101, abs=1e-3)
+
+
+def test_ranks_sharing_a_gpu_are_left_out_of_the_skew():
+    ranks = [rank(i, 100.0 + i, 0.5 + 0.1 * i, {"all_to_all": 8}, 129) for i in range(3)]
+    for r in ranks[:2]:
+        r["clock"]["gpu"] = "GPU-shared"
+    cr = cross_rank(ranks)
+    assert cr["shared_gpu"] == [[0, 1]]
+    assert cr["straggler_rank"] is None  # only rank 2 is left unshared: nothing to compare
+
+
+def test_ranks_that_may_share_a_gpu_get_no_jitter_verdict():
+    """Two ranks that saw "device 0" in exports that do not map it to a GPU (capture block:
+    gpu_assignment "unknown"): maybe one GPU, maybe two, so neither skew nor verdict."""
+    ranks = [rank(i, 100.0 + 5 * i, 0.5 + 0.2 * i, {"all_reduce": 2}, 400) for i in range(2)]
+    for r in ranks:
+        r["clock"]["gpu"] = "device0"
+    cr = cross_rank(ranks, {"gpu_assignment": "unknown"})
+    assert cr["shared_gpu"] == [] and cr["straggler_rank"] is None
+    assert "cannot say whether it is one GPU" in cr["straggler_note"]
+    assert "no straggler or jitter verdict" in cr["verdict"]
+
+
+def test_straggler_needs_a_skew_beyond_the_noise():
+    ranks = [rank(i, 100.0, 0.5 + 0.01 * i, {"all_reduce": 2}, 400) for i in range(2)]
+    for r in ranks:
+        r["metrics"]["step_time_cv"] = 0.1  # steps vary by 10%: a 2% compute skew is noise
+    cr = cross_rank(ranks, {"gpu_assignment": "own"})
+    assert cr["straggler_rank"] is None and cr["noise_band_frac"] == pytest.approx(0.2)
+    assert "noise band" in cr["straggler_note"]
