@@ -15,7 +15,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-_FUNCTIONS: dict[str, Callable[..., Any]] = {"min": min, "max": max, "abs": abs}
+
+def _coalesce(*args: Any) -> Any:
+    return next((a for a in args if a is not None), None)
+
+
+_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "min": min,
+    "max": max,
+    "abs": abs,
+    "coalesce": _coalesce,  # the first argument that is not null: a fallback for a measure
+}
+_NULL_SAFE = {"coalesce"}  # functions that take null arguments (the others return null)
 _MAX_EXPR_CHARS = 1000
 
 
@@ -99,7 +110,7 @@ def _check(tree: ast.Expression) -> set[str]:
             name = node.func.id if isinstance(node.func, ast.Name) else None
             if name not in _FUNCTIONS or node.keywords or not node.args:
                 shown = name or ast.unparse(node.func)
-                raise ExprError(f"call of {shown!r} is not allowed (only min, max, abs)")
+                raise ExprError(f"call of {shown!r} is not allowed (only {', '.join(_FUNCTIONS)})")
         elif isinstance(node, ast.Constant) and (
             node.value is None or not isinstance(node.value, (bool, int, float, str))
         ):
@@ -173,7 +184,7 @@ def _eval_compare(node: ast.Compare, env: Mapping[str, Any]) -> bool | None:
 
 def _eval_call(node: ast.Call, env: Mapping[str, Any]) -> Any:
     args = [_eval(a, env) for a in node.args]
-    if any(a is None for a in args):
+    if node.func.id not in _NULL_SAFE and any(a is None for a in args):  # type: ignore[attr-defined]
         return None
     return _safe(_FUNCTIONS[node.func.id], *args)  # type: ignore[attr-defined]
 

@@ -13,6 +13,7 @@ from traceclf.figures.draw import WALL_COLORS, report_figures
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
+    budget_rows,
     capture_rows,
     detail_rows,
     kernel_rows,
@@ -67,6 +68,7 @@ def render_html(report: Report) -> str:
             _header(report),
             _verdict(report),
             _capture(report),
+            _budget(report),
             _ranks(report),
             _figures(report),
             _details(report),
@@ -128,11 +130,18 @@ def _verdict(report: Report) -> str:
 
 
 def _capture(report: Report) -> str | None:
-    rows = capture_rows(report)
+    return _facts("Capture", capture_rows(report))
+
+
+def _budget(report: Report) -> str | None:
+    return None if report.abstained else _facts("Per-step budget", budget_rows(report))
+
+
+def _facts(title: str, rows: list[tuple[str, str]]) -> str | None:
     if not rows:
         return None
     items = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in rows)
-    return f"<h2>Capture</h2><dl>{items}</dl>"
+    return f"<h2>{escape(title)}</h2><dl>{items}</dl>"
 
 
 def _ranks(report: Report) -> str:

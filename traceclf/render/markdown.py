@@ -12,6 +12,7 @@ import re
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
+    budget_rows,
     capture_rows,
     detail_rows,
     kernel_rows,
@@ -34,6 +35,14 @@ def render_markdown(report: Report) -> str:
         )
         if report.capture
         else None,
+        None
+        if report.abstained
+        else _section(
+            "Per-step budget",
+            _table(
+                ("part", "ms per step, averaged over ranks"), budget_rows(report), bold_first=True
+            ),
+        ),
         _section("Where the steady-state step goes", _ranks_table(report)),
         _section(
             "Details",

@@ -14,6 +14,7 @@ from rich.text import Text
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
+    budget_rows,
     capture_rows,
     detail_rows,
     kernel_rows,
@@ -36,6 +37,7 @@ def render_terminal(report: Report, to_string: bool = False) -> str | None:
         _header(report),
         _verdict(report),
         _capture(report),
+        _budget(report),
         _ranks_table(report),
         _details(report),
         _top_kernels(report),
@@ -88,13 +90,20 @@ def _verdict(report: Report) -> Panel:
 
 
 def _capture(report: Report) -> Table | None:
-    rows = capture_rows(report)
+    return _facts("Capture", capture_rows(report))
+
+
+def _budget(report: Report) -> Table | None:
+    return None if report.abstained else _facts("Per-step budget", budget_rows(report))
+
+
+def _facts(title: str, rows: list[tuple[str, str]]) -> Table | None:
     if not rows:
         return None
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    table.add_row(Text("Capture", style="bold underline"), "")
+    table.add_row(Text(title, style="bold underline"), "")
     for key, value in rows:
         table.add_row(key, value)
     return table
