@@ -511,3 +511,22 @@ def test_real_trace_next_wall():
     assert next_wall("host_launch") == "compute"
     assert next_wall("memory_offload") == "compute"
     assert next_wall("compute_dense") is None  # compute is the last wall: retune
+
+
+def test_collectives_waiting_for_a_late_rank_point_at_the_rank_not_the_fabric():
+    """Issue 11: when matched collectives mostly wait for the last rank, the fix is that
+    rank's load; when ranks time-slice one GPU, no such claim (synthetic facts)."""
+    waiting = comm_facts(H100, blocking_comm_frac=0.5) | {
+        "cross_rank": {"comm_wait_frac": 0.7, "comm_transfer_frac": 0.3, "last_arriver_rank": 5}
+    }
+    verdict = evaluate(waiting)
+    assert "balance-expert-load" in ids(verdict)
+    assert any("rank 5 arrives last" in e for e in verdict.classification["evidence"])
+    shared = waiting | {"capture": {"training_loop": "training", "ranks_share_gpu": True}}
+    assert "balance-expert-load" not in ids(evaluate(shared))
+    transfer = comm_facts(H100, blocking_comm_frac=0.5) | {
+        "cross_rank": {"comm_wait_frac": 0.1, "comm_transfer_frac": 0.9, "last_arriver_rank": 0}
+    }
+    verdict = evaluate(transfer)
+    assert "balance-expert-load" not in ids(verdict)
+    assert any("exchange itself is slow" in e for e in verdict.classification["evidence"])
