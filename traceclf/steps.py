@@ -113,10 +113,20 @@ def check_step_regex(pattern: str | None) -> None:
     try:
         pl.Series([""]).str.contains(pattern)
     except pl.exceptions.PolarsError as e:
-        detail = " ".join(str(e).split())[:160]
         raise TraceError(
-            None, f"--step-range {pattern!r} is not a usable regex ({detail})"
+            None,
+            f"--step-range {pattern!r} is not a valid regular expression ({_regex_problem(e)})",
         ) from None
+
+
+def _regex_problem(error: Exception) -> str:
+    """The regex engine's own one-line reason ("unclosed character class"), without the
+    polars expression it was raised from."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    reason = next(
+        (line[len("error:") :].strip() for line in lines if line.startswith("error:")), ""
+    )
+    return reason or "not supported by the regex engine (no look-around, no backreferences)"
 
 
 def _label(names: pl.Series) -> str:
