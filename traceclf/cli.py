@@ -172,8 +172,8 @@ def analyze(
 
 
 @cli.command()
-@click.argument("before", metavar="BEFORE")
-@click.argument("after", metavar="AFTER")
+@click.argument("before", metavar="BASELINE")
+@click.argument("after", metavar="CANDIDATE...", nargs=-1, required=True)
 @click.option(
     "--threshold",
     type=float,
@@ -200,7 +200,7 @@ def analyze(
 @quiet_option
 def compare(
     before: str,
-    after: str,
+    after: tuple[str, ...],
     threshold: float,
     fmt: str,
     output: Path | None,
@@ -211,10 +211,13 @@ def compare(
     cache_dir: Path | None,
     quiet: bool,
 ) -> None:
-    """Compare two runs: BEFORE and AFTER are traces (any `analyze` input; use a folder for
-    several ranks) or saved JSON reports. Exits 1 on a regression beyond --threshold."""
+    """Compare runs: BASELINE and each CANDIDATE are traces (any `analyze` input; use a
+    folder for several ranks) or saved JSON reports (report_version 1 or 2). Says what
+    explains the change (measures that moved, overlap, fixes that became applied, CUDA-graph
+    tracing mode). With several candidates, prints one row each against the baseline. Exits 1
+    if any candidate regresses beyond --threshold."""
     from traceclf.analysis import AnalysisOptions
-    from traceclf.compare import compare_runs
+    from traceclf.compare import compare_many
     from traceclf.render.compare import render_comparison
 
     opts = AnalysisOptions(
@@ -226,7 +229,7 @@ def compare(
         quiet=quiet,
     )
     _check_output(output)
-    result = compare_runs(before, after, threshold=threshold, opts=opts)
+    result = compare_many(before, list(after), threshold=threshold, opts=opts)
     render_comparison(result, fmt, output)
     sys.exit(1 if result.regression else 0)
 
