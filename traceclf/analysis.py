@@ -11,17 +11,16 @@ import contextlib
 import functools
 import hashlib
 import statistics
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from traceclf import __version__
-from traceclf.errors import TraceError, TraceWarning
+from traceclf.errors import TraceError
 from traceclf.measures import RankMeasures, measure_rank
 from traceclf.measures.cross_rank import cross_rank
 from traceclf.report import Report
-from traceclf.steps import check_step_regex, find_steps
+from traceclf.steps import check_step_regex, find_steps, warn_unmatched_step_regex
 
 if TYPE_CHECKING:
     from traceclf.runs import RunSet
@@ -159,7 +158,9 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
         dask_address=opts.dask_address,
         quiet=opts.quiet,
     )
-    _warn_unmatched_step_regex(results, opts)
+    warn_unmatched_step_regex(
+        [r.ranks for r in results], [r.path for r in results], opts.step_regex
+    )
     # A report exported into the cache is reported under the name the user gave.
     results = [r.named(named) for r, (_export, named) in zip(results, sources, strict=True)]
     grouping = group(results, opts.grouping)
@@ -171,23 +172,6 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     if len(reports) == 1:
         return reports[0]
     return RunSet(reports, grouping.for_report())
-
-
-def _warn_unmatched_step_regex(results: list[ExportResult], opts: AnalysisOptions) -> None:
-    """--step-range names NVTX ranges; where it matched none, steps came from elsewhere."""
-    if opts.step_regex is None:
-        return
-    for export in results:
-        missed = [r for r in export.ranks if r.steps.get("source") != "nvtx"]
-        if missed:
-            found = missed[0].steps.get("source") or "none"
-            instead = "no steps were found" if found == "none" else f"steps came from {found}"
-            warnings.warn(
-                f"{export.path}: --step-range {opts.step_regex!r} matched no NVTX range "
-                f"on {len(missed)} of {len(export.ranks)} rank(s); {instead} instead",
-                TraceWarning,
-                stacklevel=2,
-            )
 
 
 def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = False) -> ExportResult:
@@ -216,6 +200,7 @@ def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = Fals
 
 def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
     from traceclf.ingest.cache import load_trace_cached
+    from traceclf.ingest.session import job_evidence
     from traceclf.progress import LoadProgress
 
     with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
@@ -241,7 +226,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
         trace.nsys_version,
         trace.schema_version,
         gpu_count=len(trace.gpus),
-        job=_job_evidence(path, trace),
+        job=job_evidence(path, trace),
     )
     for pid in trace.rank_pids:
         rank_trace = trace.for_pid(pid)
@@ -281,16 +266,6 @@ def _clock(trace, path: Path) -> dict:
         "host": session.get("host"),
         "export": str(path),
     }
-
-
-def _job_evidence(path: Path, trace) -> dict:
-    """Session identity and the span of GPU work: whether exports are ranks of one job."""
-    from traceclf.ingest.session import session_info
-
-    starts = [f["start"].min() for f in (trace.kernels, trace.graphs, trace.copies) if f.height]
-    ends = [f["end"].max() for f in (trace.kernels, trace.graphs, trace.copies) if f.height]
-    span = [int(min(starts)), int(max(ends))] if starts and ends else None
-    return session_info(path) | {"gpu_span_ns": span}
 
 
 # Sources that shape a result (relative to the package): an edit to any invalidates the cache.

@@ -17,11 +17,12 @@ statistics; the window spans the kept steps.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import polars as pl
 
-from traceclf.errors import TraceError
+from traceclf.errors import TraceError, TraceWarning
 from traceclf.kernels import Taxonomy
 from traceclf.model import Trace, outermost
 
@@ -255,3 +256,23 @@ def _median(values: list[int]) -> float:
     s = sorted(values)
     mid = len(s) // 2
     return float(s[mid]) if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def warn_unmatched_step_regex(
+    ranks_per_export: list[list], paths: list[str], step_regex: str | None
+) -> None:
+    """--step-range names NVTX ranges: say where it matched none (steps then came from CUDA
+    graphs or a repeating kernel, or there were none), rather than stay silent."""
+    if step_regex is None:
+        return
+    for ranks, path in zip(ranks_per_export, paths, strict=True):
+        missed = [r for r in ranks if r.steps.get("source") != "nvtx"]
+        if missed:
+            found = missed[0].steps.get("source") or "none"
+            instead = "no steps were found" if found == "none" else f"steps came from {found}"
+            warnings.warn(
+                f"{path}: --step-range {step_regex!r} matched no NVTX range "
+                f"on {len(missed)} of {len(ranks)} rank(s); {instead} instead",
+                TraceWarning,
+                stacklevel=3,
+            )

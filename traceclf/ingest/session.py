@@ -24,6 +24,17 @@ RANK_KEY = re.compile(r"^rank$", re.IGNORECASE)
 RANK_ENV = re.compile(r"^(?:RANK|OMPI_COMM_WORLD_RANK|SLURM_PROCID|PMI_RANK|PMIX_RANK)=(\d+)$")
 
 
+def job_evidence(path: Path, trace) -> dict:
+    """:func:`session_info` plus the span of the export's GPU work (ns, session time)."""
+    frames = [f for f in (trace.kernels, trace.graphs, trace.copies) if f.height]
+    span = (
+        [int(min(f["start"].min() for f in frames)), int(max(f["end"].max() for f in frames))]
+        if frames
+        else None
+    )
+    return session_info(path) | {"gpu_span_ns": span}
+
+
 def session_info(path: Path) -> dict:
     """``{"session_uuid", "start_utc_ns", "hostname", "nccl_ranks", "env_ranks"}`` of an
     export (values None or empty when the export does not say)."""
