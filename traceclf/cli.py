@@ -258,11 +258,23 @@ def rules_cmd(rules_dir: Path | None) -> None:
     list_rules(rules_dir)
 
 
+def _complete_fix_ids(_ctx, _param, incomplete: str) -> list[str]:
+    """Shell completion of fix ids (bundled rules)."""
+    from traceclf.judge.schema import load_rules
+
+    try:
+        ids = load_rules(None).fixes
+    except TraceError:
+        return []
+    return [i for i in sorted(ids) if i.startswith(incomplete.lower())]
+
+
 @cli.command()
-@click.argument("fix_id")
+@click.argument("fix_id", shell_complete=_complete_fix_ids)
 @rules_option
 def explain(fix_id: str, rules_dir: Path | None) -> None:
-    """Print one fix in full: why, the config to paste, preconditions and pitfalls."""
+    """Print one fix in full: why, the config to paste, preconditions and pitfalls.
+    FIX_ID is case-insensitive (`traceclf rules` lists them)."""
     from traceclf.render.rules import explain_fix
 
     explain_fix(fix_id, rules_dir)
