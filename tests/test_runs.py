@@ -135,3 +135,11 @@ def _results(paths):
     from traceclf.analysis import AnalysisOptions, analyze_export
 
     return [analyze_export(p, AnalysisOptions(quiet=True)) for p in paths]
+
+
+@pytest.mark.parametrize("fmt", ["terminal", "md", "html"])
+def test_merged_report_says_why_it_merged(rank_files, cli, fmt, tmp_path: Path) -> None:
+    out = tmp_path / f"r.{fmt}"
+    code, _, err = cli("analyze", "-q", "-f", fmt, "-o", out, *rank_files)
+    assert code == 0, err
+    assert "2 files treated as ranks of one job" in " ".join(out.read_text().split())
