@@ -284,7 +284,7 @@ def explain(fix_id: str, rules_dir: Path | None) -> None:
 def cache_group() -> None:
     """Show or clear traceclf's cache (trace models, analysis results, exports of
     .nsys-rep reports). It lives in --cache-dir, else $TRACECLF_CACHE_DIR, else the user
-    cache directory; nothing else is ever written there or deleted from there."""
+    cache directory. Only names traceclf creates there are ever deleted."""
 
 
 @cache_group.command("info")
