@@ -113,7 +113,7 @@ class Run:
         )
         return cls(
             source=source,
-            bound=bound if isinstance(bound, str) else "abstained",
+            bound=bound if isinstance(bound, str) else None,
             confidence=_float(cls_.get("confidence")),
             step_mean_ms=_float(s.get("mean_ms")),
             step_median_ms=_float(s.get("median_ms")),
@@ -416,7 +416,7 @@ def _comparability(b: Run, a: Run) -> list[str]:
     if b.ranks != a.ranks:
         notes.append(f"different rank counts: {b.ranks} vs {a.ranks}")
     for run in (b, a):
-        if run.bound == "abstained":
+        if run.bound is None:
             why = f" ({run.abstain_reason})" if run.abstain_reason else ""
             notes.append(f"{run.source}: traceclf did not name a bound{why}")
     return notes

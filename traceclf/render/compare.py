@@ -137,7 +137,7 @@ def _many_rows(result: MultiComparison) -> list[tuple[str, ...]]:
             fmt_ms(c.after.step_mean_ms),
             signed_pct(c.step_change_frac),
             c.verdict,
-            f"{c.before.bound} → {c.after.bound}" if c.bound_changed else c.after.bound,
+            f"{_bound(c.before)} → {_bound(c.after)}" if c.bound_changed else _bound(c.after),
         )
         for c in result.comparisons
     ]
