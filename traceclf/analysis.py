@@ -123,6 +123,7 @@ def _well_typed(result: ExportResult) -> bool:
             and isinstance(m.idle_gaps, dict)
             and isinstance(m.gpu_metrics_series, dict)
             and isinstance(r.placement, dict)
+            and isinstance(getattr(r, "clock", {}), dict)
         )
         if not ok:
             return False
