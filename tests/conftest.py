@@ -69,3 +69,19 @@ def private_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cache_dir = tmp_path / "user-cache"
     monkeypatch.setenv("TRACECLF_CACHE_DIR", str(cache_dir))
     return cache_dir
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Every test caches into one session folder, never into the user's cache directory
+    (tests that check the cache's location point $TRACECLF_CACHE_DIR elsewhere themselves)."""
+    import os
+
+    cache_dir = tmp_path_factory.mktemp("session-cache")
+    old = os.environ.get("TRACECLF_CACHE_DIR")
+    os.environ["TRACECLF_CACHE_DIR"] = str(cache_dir)
+    yield cache_dir
+    if old is None:
+        os.environ.pop("TRACECLF_CACHE_DIR", None)
+    else:
+        os.environ["TRACECLF_CACHE_DIR"] = old

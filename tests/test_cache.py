@@ -1,4 +1,6 @@
-"""The Parquet cache of the trace model: hits, invalidation, placement, races and corruption."""
+"""The Parquet cache of the trace model: hits, invalidation, placement, races and corruption.
+
+Hostile and damaged caches (issue 13) are in test_cache_safety.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 from realtraces import trace_path
 
 from traceclf.errors import TraceError
-from traceclf.ingest import cache
+from traceclf.ingest import cache, cachedir
 from traceclf.ingest.cache import load_trace_cached
 from traceclf.ingest.load import load_trace
 from traceclf.model import Trace
@@ -61,7 +63,7 @@ def test_hit_equals_fresh_load_and_export_is_untouched(export: Path, monkeypatch
     before = (export.read_bytes(), export.stat().st_mtime_ns)
     fresh = load_trace(export)
     first = load_trace_cached(export)
-    assert len(entries(cache.beside_slot(export))) == 1
+    assert len(entries(cachedir.slot_of(export))) == 1
     forbid_sqlite(monkeypatch)
     second = load_trace_cached(export)
     assert_same_trace(fresh, first)
@@ -71,11 +73,11 @@ def test_hit_equals_fresh_load_and_export_is_untouched(export: Path, monkeypatch
 
 def test_touch_invalidates(export: Path) -> None:
     load_trace_cached(export)
-    old = entries(cache.beside_slot(export))
+    old = entries(cachedir.slot_of(export))
     st = export.stat()
     os.utime(export, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     load_trace_cached(export)
-    new = entries(cache.beside_slot(export))
+    new = entries(cachedir.slot_of(export))
     assert len(new) == 1 and new != old  # the stale entry was replaced, not kept beside
 
 
@@ -95,26 +97,78 @@ def test_use_cache_false_writes_nothing(export: Path, tmp_path: Path) -> None:
     assert sorted(tmp_path.rglob("*")) == before
 
 
-def test_read_only_folder_uses_cache_dir(export: Path, tmp_path: Path, monkeypatch) -> None:
+def test_nothing_is_written_beside_the_export(export: Path, tmp_path: Path) -> None:
+    from traceclf.analysis import AnalysisOptions, analyze_export
+
+    analyze_export(export, AnalysisOptions(quiet=True))
+    assert sorted(p.name for p in export.parent.iterdir()) == [SMALL]
+    slot = cachedir.slot_of(export)
+    assert slot.parent == tmp_path / "global-cache"  # $TRACECLF_CACHE_DIR
+    assert any(n.startswith(cache.RESULTS_PREFIX) for n in entries(slot))
+
+
+def test_cache_dir_is_always_honoured(export: Path, tmp_path: Path, monkeypatch) -> None:
     cache_dir = tmp_path / "explicit-cache"
-    export.parent.chmod(0o555)  # no write bit: skipped even by root, whom access(2) allows
-    try:
-        first = load_trace_cached(export, cache_dir=cache_dir)
-        assert not cache.beside_slot(export).exists()
-        assert len(entries(cache.global_slot(export, cache_dir))) == 1
-        forbid_sqlite(monkeypatch)
-        assert_same_trace(load_trace_cached(export, cache_dir=cache_dir), first)
-    finally:
-        export.parent.chmod(0o755)
+    first = load_trace_cached(export, cache_dir=cache_dir)  # writable folder: still cache_dir
+    assert len(entries(cachedir.slot_of(export, cache_dir))) == 1
+    assert not (tmp_path / "global-cache").exists()
+    forbid_sqlite(monkeypatch)
+    assert_same_trace(load_trace_cached(export, cache_dir=cache_dir), first)
 
 
-def test_default_cache_dir_from_environment(export: Path, tmp_path: Path) -> None:
-    export.parent.chmod(0o555)
+def test_cache_dir_dot_keeps_the_cache_in_the_current_folder(export: Path, monkeypatch) -> None:
+    monkeypatch.chdir(export.parent)
+    load_trace_cached(export, cache_dir=Path("."))
+    assert cachedir.slot_of(export, Path(".")).parent == export.parent
+    assert len(entries(cachedir.slot_of(export, Path(".")))) == 1
+
+
+def test_default_is_the_user_cache_directory(export: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("TRACECLF_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = cachedir.cache_root()
+    assert (root.path, root.origin) == (tmp_path / "xdg" / "traceclf", "user cache directory")
+    load_trace_cached(export)
+    assert len(entries(tmp_path / "xdg" / "traceclf")) == 1
+
+
+def test_read_only_cache_dir_means_no_cache(export: Path, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "ro-cache"
+    cache_dir.mkdir()
+    cache_dir.chmod(0o555)  # no write bit: skipped even by root, whom access(2) allows
     try:
-        load_trace_cached(export)
+        assert_same_trace(load_trace_cached(export, cache_dir=cache_dir), load_trace(export))
+        assert list(cache_dir.iterdir()) == []
     finally:
-        export.parent.chmod(0o755)
-    assert len(entries(cache.global_slot(export, tmp_path / "global-cache"))) == 1
+        cache_dir.chmod(0o755)
+    assert sorted(p.name for p in export.parent.iterdir()) == [SMALL]
+
+
+def test_key_is_the_exports_identity(export: Path, tmp_path: Path) -> None:
+    key = cachedir.export_key(export)
+    twin = Path(shutil.copy2(export, tmp_path / "twin.sqlite"))  # same bytes, size and mtime
+    assert cachedir.export_key(twin) != key  # another path is another export
+    assert cachedir.slot_of(twin) != cachedir.slot_of(export)
+    with export.open("r+b") as f:  # same size and mtime, other content
+        f.seek(100)
+        f.write(b"\x01")
+    os.utime(export, ns=(twin.stat().st_atime_ns, twin.stat().st_mtime_ns))
+    assert cachedir.export_key(export) != key
+
+
+def test_cache_info_and_clear(export: Path, tmp_path: Path, cli) -> None:
+    from traceclf.analysis import AnalysisOptions, analyze_export
+
+    analyze_export(export, AnalysisOptions(quiet=True))
+    info = cli("cache", "info")
+    assert info.code == 0, info.stderr
+    assert str(tmp_path / "global-cache") in info.stdout
+    assert "$TRACECLF_CACHE_DIR" in info.stdout
+    assert "1 export cached (1 trace model, 1 result set)" in info.stdout
+    cleared = cli("cache", "clear")
+    assert cleared.code == 0 and "removed 1 item" in cleared.stdout
+    assert list((tmp_path / "global-cache").iterdir()) == []
+    assert "0 exports cached" in cli("cache", "info").stdout
 
 
 LOAD_IN_CHILD = (
@@ -136,7 +190,7 @@ def test_two_processes_at_once(export: Path) -> None:
     outputs = [child.communicate(timeout=120) for child in children]
     assert [child.returncode for child in children] == [0, 0], outputs
     assert outputs[0][0] == outputs[1][0]
-    slot = cache.beside_slot(export)
+    slot = cachedir.slot_of(export)
     assert len(entries(slot)) == 1  # one entry, no temporary folder left behind
     entry = slot / entries(slot)[0]
     assert_same_trace(cache.read_entry(entry, export), load_trace(export))
@@ -144,7 +198,7 @@ def test_two_processes_at_once(export: Path) -> None:
 
 def test_losing_the_rename_race_keeps_the_winner(export: Path) -> None:
     trace = load_trace(export)
-    slot, key = cache.beside_slot(export), cache.export_key(export)
+    slot, key = cachedir.slot_of(export), cache.export_key(export)
     assert cache.write_entry(trace, slot, key)
     winner = (slot / key / "kernels.parquet").stat().st_mtime_ns
     assert cache.write_entry(trace, slot, key)
@@ -172,7 +226,7 @@ def _old_format(entry: Path) -> None:
 @pytest.mark.parametrize("damage", [_truncate, _garble_meta, _drop_frame, _old_format])
 def test_damaged_entry_is_rebuilt(export: Path, damage) -> None:
     load_trace_cached(export)
-    slot = cache.beside_slot(export)
+    slot = cachedir.slot_of(export)
     entry = slot / entries(slot)[0]
     damage(entry)
     assert_same_trace(load_trace_cached(export), load_trace(export))
@@ -193,7 +247,7 @@ def test_reanalysis_of_an_unchanged_export_reads_only_the_result(export: Path, m
     monkeypatch.setattr(cache, "read_entry", lambda *_a: pytest.fail("trace model was read"))
     again = analyze_export(export, opts)
     assert again.to_dict() == first.to_dict()
-    assert any(n.startswith(cache.RESULTS_PREFIX) for n in entries(cache.beside_slot(export)))
+    assert any(n.startswith(cache.RESULTS_PREFIX) for n in entries(cachedir.slot_of(export)))
 
 
 def test_result_cache_follows_options_and_can_be_bypassed(export: Path, monkeypatch):

@@ -215,3 +215,103 @@ def test_measures_compare_in_points_or_relative() -> None:
     assert kernels.change == pytest.approx(0.30) and kernels.material
     assert kernels.describe() == "kernels/step 100 → 130 (+30%)"
     assert [m.key for m in result.moved] == ["gpu_busy_frac", "kernels_per_step"]
+
+
+# What explains a result (issue 14) ----------------------------------------------------------
+
+
+def test_overlap_and_applied_fix_changes_are_reported(reports: dict[str, Report]) -> None:
+    result = compare_reports(reports["h100_comm_ep2"], reports["h100_comm_ep2_overlap"])
+    under = next(m for m in result.moved if m.key == "compute_under_comm_frac")
+    m_before = reports["h100_comm_ep2"].metrics["compute_under_comm_frac"]
+    m_after = reports["h100_comm_ep2_overlap"].metrics["compute_under_comm_frac"]
+    assert (
+        (under.before, under.after) == (m_before, m_after) == (0.0, pytest.approx(0.35, abs=0.02))
+    )
+    assert any(e.startswith("now applied: EP overlap present") for e in result.explanations)
+    assert "no longer proposed: ep-overlap" in result.explanations
+    md = comparison_markdown(result)
+    assert "## What changed besides the measures" in md and "compute under communication" in md
+
+
+def test_tracing_mode_difference_is_noted_not_flagged() -> None:
+    graph = traceclf.analyze(trace_path("h100_host_cudagraph"))
+    node = traceclf.analyze(trace_path("h100_host_cudagraph_nodetrace"))
+    assert (graph.metrics["kernels_per_step"], node.metrics["kernels_per_step"]) == (1.0, 290.0)
+    result = compare_reports(graph, node)
+    assert "kernels_per_step" not in {m.key for m in result.moved}
+    assert (result.before.graph_tracing, result.after.graph_tracing) == ("graph", "node")
+    assert "graph-level → node-level" in result.explanations[0]
+    assert result.comparable  # a tracing difference is explained, not a reason to distrust
+
+
+def test_graph_launches_count_as_launches(reports: dict[str, Report]) -> None:
+    fast = reports[FAST].metrics
+    assert fast["launch_calls_per_step"] == 0.0 and fast["graph_launches_per_step"] == 1.0
+    result = compare_reports(reports[SLOW], reports[FAST])
+    launches = next(m for m in result.measures if m.key == "launches_per_step")
+    assert launches.after == 1.0  # the one cudaGraphLaunch per step, not zero
+    assert launches.before == reports[SLOW].metrics["launch_calls_per_step"] + (
+        reports[SLOW].metrics["graph_launches_per_step"] or 0
+    )
+
+
+def test_baseline_and_several_candidates(saved: dict[str, Path], tmp_path: Path) -> None:
+    code, out, err = run_cli("compare", saved[FAST], saved[FAST], saved[SLOW], "-f", "json")
+    assert code == 1, err  # one of the two regresses
+    data = json.loads(out)
+    assert data["regression"] is True and data["baseline"] == str(saved[FAST])
+    assert [c["verdict"] for c in data["comparisons"]] == ["no significant change", "regression"]
+    code, out, _ = run_cli("compare", saved[SLOW], saved[FAST], saved[SLOW])
+    assert code == 0
+    assert "No regression in 2 candidates" in out
+    for column in ("candidate", "step before", "step after", "change", "verdict", "bound"):
+        assert column in out
+    code, out, _ = run_cli("compare", saved[FAST], saved[FAST], saved[SLOW], "-f", "md")
+    assert code == 1 and "| candidate | step before |" in out
+    assert "\n## traceclf compare: regression" in out  # each comparison below, demoted
+
+
+def test_saved_report_version_2_that_abstains(saved: dict[str, Path]) -> None:
+    v2 = json.loads(saved[FAST].read_text())
+    v2 |= {
+        "report_version": 2,
+        "capture": {"cuda_graph_trace": "graph"},
+        "classification": v2["classification"]
+        | {"bound": None, "abstain_reason": "too few steady steps"},
+    }
+    candidate = saved[FAST].with_name("v2.json")
+    candidate.write_text(json.dumps(v2))
+    code, out, err = run_cli("compare", saved[FAST], candidate, "-f", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["after"]["bound"] is None and data["after"]["report_version"] == 2
+    assert any("did not name a bound (too few steady steps)" in n for n in data["notes"])
+    code, out, err = run_cli("compare", saved[FAST], candidate)
+    assert code == 0 and "abstained" in out
+
+
+def test_saved_report_with_wrong_types_does_not_crash(saved: dict[str, Path]) -> None:
+    data = json.loads(saved[FAST].read_text())
+    data["steps"] = ["not", "a", "dict"]
+    data["metrics"]["kernels_per_step"] = "many"
+    data["applied"] = [{"id": 3}, None, "graphs"]
+    odd = saved[FAST].with_name("odd.json")
+    odd.write_text(json.dumps(data))
+    code, out, err = run_cli("compare", saved[FAST], odd, "-f", "json")
+    assert code == 0, err
+    assert json.loads(out)["verdict"] == "inconclusive"
+
+
+@pytest.mark.parametrize("threshold", ["nan", "inf"])
+def test_threshold_must_be_finite(saved: dict[str, Path], threshold: str) -> None:
+    code, _, err = run_cli("compare", saved[FAST], saved[SLOW], "--threshold", threshold)
+    assert code == 2 and "threshold" in err
+
+
+def test_a_folder_of_unrelated_runs_is_not_one_side(saved: dict[str, Path], tmp_path) -> None:
+    for name in (FAST, "h100_comm_ep2"):
+        (tmp_path / f"{name}.sqlite").write_bytes(trace_path(name).read_bytes())
+    code, out, err = run_cli("compare", saved[FAST], tmp_path, "-q")
+    assert code == 2 and out == ""
+    assert "holds 2 separate runs; compare one run at a time" in err

@@ -25,7 +25,7 @@ from helpers.files import copy_export, file_state, folder_listing
 from traceclf.errors import TraceError
 from traceclf.ingest.inputs import resolve_inputs
 from traceclf.ingest.load import load_trace
-from traceclf.ingest.nsys import CACHE_FOLDER, export_report, find_nsys, is_export_of, report_key
+from traceclf.ingest.nsys import export_report, find_nsys, is_export_of, report_key
 
 OTHER_TRACE = "h100_host_input_stall"
 
@@ -62,9 +62,10 @@ def kernels_of(path: Path) -> int:
     return load_trace(path).kernels.height
 
 
-def test_found_via_nsys_argument(report: Path, nsys: Path, log: Path) -> None:
+def test_found_via_nsys_argument(env: Path, report: Path, nsys: Path, log: Path) -> None:
     (export,) = resolve_inputs([str(report)], nsys=nsys)
-    assert export == report.with_suffix(".sqlite")
+    assert export.parent == env / "user-cache"  # into the cache, not beside the report
+    assert export.name.startswith("run-") and export.suffix == ".sqlite"
     assert kernels_of(export) == kernels_of(fixture_trace(SMALL_TRACE))
     (call,) = invocations(log)
     assert call.startswith("export --type sqlite --output ") and call.endswith(str(report))
@@ -104,7 +105,26 @@ def test_exported_once_then_reused(report: Path, nsys: Path, log: Path) -> None:
     assert len(invocations(log)) == 1
     assert is_export_of(first[0], report_key(report))
     assert file_state(report) == before
-    assert sorted(p.name for p in report.parent.iterdir()) == ["run.nsys-rep", "run.sqlite"]
+    assert sorted(p.name for p in report.parent.iterdir()) == ["run.nsys-rep"]
+
+
+def test_existing_traceclf_export_beside_the_report_is_reused(
+    report: Path, nsys: Path, log: Path
+) -> None:
+    """Exports that earlier versions of traceclf wrote beside the report are still used."""
+    (cached,) = resolve_inputs([str(report)], nsys=nsys)
+    beside = report.with_suffix(".sqlite")
+    cached.rename(beside)
+    assert resolve_inputs([str(report)], nsys=nsys) == [beside]
+    assert len(invocations(log)) == 1
+
+
+def test_users_newer_export_beside_the_report_is_reused(
+    report: Path, nsys: Path, log: Path
+) -> None:
+    theirs = copy_export(fixture_trace(SMALL_TRACE), report.with_suffix(".sqlite"))
+    assert resolve_inputs([str(report)], nsys=nsys) == [theirs]
+    assert invocations(log) == []
 
 
 def test_reexported_when_the_report_changes(report: Path, nsys: Path, log: Path) -> None:
@@ -114,6 +134,14 @@ def test_reexported_when_the_report_changes(report: Path, nsys: Path, log: Path)
     (export,) = resolve_inputs([str(report)], nsys=nsys)
     assert len(invocations(log)) == 2
     assert kernels_of(export) == kernels_of(fixture_trace(OTHER_TRACE))
+
+
+def test_cache_dir_dot_exports_into_the_current_folder(
+    report: Path, nsys: Path, monkeypatch
+) -> None:
+    monkeypatch.chdir(report.parent)
+    (export,) = resolve_inputs([str(report)], nsys=nsys, cache_dir=Path("."))
+    assert export.parent == report.parent and export.name != "run.sqlite"
 
 
 def test_read_only_folder_exports_into_cache_dir(
@@ -146,18 +174,18 @@ def test_users_own_export_beside_the_report_is_kept(report: Path, nsys: Path) ->
     os.utime(theirs, ns=(old, old))  # older than the report: not its export
     before = file_state(theirs)
     (export,) = resolve_inputs([str(report)], nsys=nsys)
-    assert export.parent == report.parent / CACHE_FOLDER
+    assert export.parent == report.parent.parent / "user-cache"
     assert kernels_of(export) == kernels_of(fixture_trace(SMALL_TRACE))
     assert file_state(theirs) == before
 
 
 def test_folder_with_report_and_its_export_yields_one(report: Path, nsys: Path, log: Path) -> None:
-    resolve_inputs([str(report)], nsys=nsys)
-    assert resolve_inputs([str(report.parent)]) == [report.with_suffix(".sqlite")]
-    assert resolve_inputs([str(report), str(report.with_suffix(".sqlite"))]) == [
-        report.with_suffix(".sqlite")
-    ]
-    assert len(invocations(log)) == 1  # and no nsys was needed for the second look
+    (cached,) = resolve_inputs([str(report)], nsys=nsys)
+    assert resolve_inputs([str(report.parent)]) == [cached]  # no nsys needed for the second look
+    theirs = copy_export(fixture_trace(SMALL_TRACE), report.with_suffix(".sqlite"))
+    assert resolve_inputs([str(report.parent)]) == [theirs]
+    assert resolve_inputs([str(report), str(theirs)]) == [theirs]
+    assert len(invocations(log)) == 1
 
 
 def test_folder_with_stale_export_reexports(report: Path, nsys: Path, log: Path) -> None:
@@ -174,8 +202,8 @@ def test_natural_order_across_reports_and_exports(env: Path, nsys: Path) -> None
     for rank in (10, 2, 1):
         write_fake_report(folder / f"rank_{rank}.nsys-rep", fixture_trace(SMALL_TRACE))
     copy_export(fixture_trace(SMALL_TRACE), folder / "rank_3.sqlite")
-    names = [p.name for p in resolve_inputs([str(folder)], nsys=nsys)]
-    assert names == ["rank_1.sqlite", "rank_2.sqlite", "rank_3.sqlite", "rank_10.sqlite"]
+    names = [p.name.split("-")[0] for p in resolve_inputs([str(folder)], nsys=nsys)]
+    assert names == ["rank_1", "rank_2", "rank_3.sqlite", "rank_10"]
 
 
 def test_concurrent_exports_of_one_report_both_succeed(report: Path, env: Path) -> None:
@@ -193,9 +221,10 @@ def test_concurrent_exports_of_one_report_both_succeed(report: Path, env: Path) 
         t.start()
     for t in threads:
         t.join()
-    assert results == [report.with_suffix(".sqlite")] * 2
-    assert kernels_of(report.with_suffix(".sqlite")) == kernels_of(fixture_trace(SMALL_TRACE))
-    assert sorted(p.name for p in report.parent.iterdir()) == ["run.nsys-rep", "run.sqlite"]
+    assert len(set(results)) == 1 and isinstance(results[0], Path)
+    assert kernels_of(results[0]) == kernels_of(fixture_trace(SMALL_TRACE))
+    assert sorted(p.name for p in report.parent.iterdir()) == ["run.nsys-rep"]
+    assert list(results[0].parent.iterdir()) == [results[0]]  # no temporary left behind
 
 
 def test_cli_without_nsys_says_how_to_export(report: Path) -> None:
@@ -229,21 +258,23 @@ def test_interrupt_stops_nsys_and_cleans_up(env: Path, report: Path) -> None:
         export_report(Path({str(report)!r}), nsys=Path({str(hanging)!r}), quiet=True)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
-    (pid_file,) = _wait_for(lambda: list(report.parent.glob(".*.pid")))
+    cache_dir = env / "user-cache"
+    (pid_file,) = _wait_for(lambda: list(cache_dir.glob(".*.pid")))
     pids = [int(p) for p in _wait_for(lambda: pid_file.read_text().split())]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     assert _wait_for(lambda: not any(map(_alive, pids)))  # nsys and the helper it started
-    leftovers = {p.name for p in report.parent.iterdir()} - {report.name, pid_file.name}
+    leftovers = {p.name for p in cache_dir.iterdir()} - {pid_file.name}
     assert leftovers == set()  # the half-written temporary export was removed
+    assert [p.name for p in report.parent.iterdir()] == [report.name]
 
 
 def test_cli_analyzes_a_report(report: Path, nsys: Path) -> None:
     result = run_cli("analyze", "--nsys", nsys, "--format", "json", "--no-cache", "-q", report)
     assert result.code == 0, result.stderr
     (entry,) = json.loads(result.stdout)["inputs"]
-    assert entry["path"] == str(report.with_suffix(".sqlite"))
+    assert entry["path"] == str(report)  # the name the user gave, not the cached export
     assert entry["ranks"] == 2
 
 

@@ -373,10 +373,12 @@ def test_rules_and_explain_print(capsys):
     explain_fix("deepep")
     out = capsys.readouterr().out
     assert 'moe_token_dispatcher_type = "flex"' in out and "Pitfalls" in out
-    with pytest.raises(
-        TraceError, match=r"unknown fix 'deep-ep'; valid fix ids: .*balance-expert-load, compile"
-    ):
+    with pytest.raises(TraceError, match=r"unknown fix 'deep-ep'; did you mean deepep\?"):
         explain_fix("deep-ep")
+    with pytest.raises(
+        TraceError, match=r"unknown fix 'zzz'; valid fix ids: .*balance-expert-load, compile"
+    ):
+        explain_fix("zzz")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,8 +71,37 @@ def test_step_range_regex_overrides_the_default():
 
 def test_bad_step_regex_is_a_clean_error():
     trace = load_trace(trace_path("h100_memory_offload.sqlite"))
-    with pytest.raises(TraceError, match="not a usable regex"):
+    with pytest.raises(TraceError, match="not a valid regular expression") as raised:
         find_steps(trace, "([unclosed")
+    assert "unclosed" in str(raised.value)
+    assert "col(" not in str(raised.value) and "expression:" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("regex", "reason"),
+    [
+        ("[", "(unclosed character class)"),
+        ("(?<=step)", "look-around"),
+        (r"(a)\1", "backreferences are not supported"),
+    ],
+)
+def test_bad_step_regex_on_the_command_line_is_one_line(cli, regex, reason):
+    code, out, err = cli("analyze", "--step-range", regex, trace_path("h100_comm_ep2.sqlite"))
+    assert code == 2 and out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(f"traceclf: error: --step-range {regex!r} is not a valid regular")
+    assert reason in line and "polars" not in line.lower() and "occurred" not in line
+
+
+def test_step_range_that_matches_nothing_warns(cli):
+    path = trace_path("h100_comm_ep2.sqlite")
+    code, out, err = cli("analyze", "-q", "-f", "json", "--step-range", "^no such range$", path)
+    assert code == 0 and out
+    (line,) = err.splitlines()
+    assert line.startswith("traceclf: warning: ") and "matched no NVTX range on 2 of 2" in line
+    assert "steps came from pattern instead" in line
+    quiet = cli("analyze", "-q", "-f", "json", "--step-range", "^Iteration", path)
+    assert quiet.code == 0 and quiet.stderr == ""
 
 
 def test_no_steps_at_all_is_one_window():

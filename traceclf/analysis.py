@@ -13,13 +13,17 @@ import hashlib
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from traceclf import __version__
 from traceclf.errors import TraceError
 from traceclf.measures import RankMeasures, measure_rank
 from traceclf.measures.cross_rank import cross_rank
 from traceclf.report import Report
-from traceclf.steps import check_step_regex, find_steps
+from traceclf.steps import check_step_regex, find_steps, warn_unmatched_step_regex
+
+if TYPE_CHECKING:
+    from traceclf.runs import RunSet
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class AnalysisOptions:
     jobs: int | None = None
     dask_address: str | None = None
     quiet: bool = False
+    # "auto": several exports are one job only when their job evidence matches (runs.py);
+    # "job": all inputs are ranks of one job; "runs": one report per export.
+    grouping: str = "auto"
 
 
 @dataclass
@@ -58,6 +65,8 @@ class ExportResult:
     schema_version: str | None
     ranks: list[RankResult] = field(default_factory=list)
     gpu_count: int = 0  # GPUs the export describes (TARGET_INFO_GPU rows)
+    # Capture identity (ingest/session.py) plus the span of GPU work in session time (ns).
+    job: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,25 +81,71 @@ class ExportResult:
 
     @classmethod
     def from_dict(cls, data: dict) -> ExportResult:
+        """Rebuild a result saved with :meth:`to_dict`; ValueError when it has another shape
+        (a cache written by another version, or damaged)."""
         ranks = [
             RankResult(**(r | {"measures": RankMeasures(**r["measures"])})) for r in data["ranks"]
         ]
-        return cls(
-            data["path"], data["nsys_version"], data["schema_version"], ranks, data["gpu_count"]
+        result = cls(
+            data["path"],
+            data["nsys_version"],
+            data["schema_version"],
+            ranks,
+            data["gpu_count"],
+            data["job"],
         )
+        if not _well_typed(result):
+            raise ValueError("cached result has unexpected types")
+        return result
 
 
-def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
-    """Analyse every export named by ``inputs`` (files, folders, .nsys-rep) into one report."""
-    from traceclf.ingest.inputs import resolve_inputs
+def _well_typed(result: ExportResult) -> bool:
+    """The types build_report relies on (a cached result is read back from disk)."""
+    strs = (result.path, result.nsys_version, result.schema_version)
+    if not all(v is None or isinstance(v, str) for v in strs) or not result.ranks:
+        return False
+    if not isinstance(result.job, dict) or not isinstance(result.gpu_count, int):
+        return False
+    for r in result.ranks:
+        m = r.measures
+        ok = (
+            isinstance(r.pid, int)
+            and isinstance(r.path, str)
+            and (r.process_name is None or isinstance(r.process_name, str))
+            and (r.gpu is None or isinstance(r.gpu, dict))
+            and isinstance(r.steps, dict)
+            and isinstance(m.metrics, dict)
+            and all(v is None or isinstance(v, (int, float, bool)) for v in m.metrics.values())
+            and isinstance(m.comm_by_kind, dict)
+            and all(isinstance(v, dict) for v in m.comm_by_kind.values())
+            and isinstance(m.top_kernels, list)
+            and isinstance(m.step_breakdown, list)
+            and isinstance(m.idle_gaps, dict)
+            and isinstance(m.gpu_metrics_series, dict)
+            and isinstance(r.placement, dict)
+            and isinstance(getattr(r, "clock", {}), dict)
+        )
+        if not ok:
+            return False
+    return True
+
+
+def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
+    """Analyse every export named by ``inputs`` (files, folders, .nsys-rep): one report when
+    they are one job, else one report per run (:mod:`traceclf.runs`)."""
+    from traceclf.ingest.inputs import resolve_sources
     from traceclf.ingest.schema import inspect_export
     from traceclf.judge.schema import load_rules
     from traceclf.parallel import map_exports
+    from traceclf.runs import RunSet, group
 
     # Reject bad options and files before any heavy work starts.
     check_step_regex(opts.step_regex)
     load_rules(opts.rules_dir)
-    exports = resolve_inputs(inputs, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
+    if opts.grouping not in ("auto", "job", "runs"):
+        raise TraceError(None, f"grouping must be auto, job or runs (got {opts.grouping!r})")
+    sources = resolve_sources(inputs, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
+    exports = [export for export, _named in sources]
     for path in exports:
         inspect_export(path)
     # A spinner per worker process would garble stderr: progress only for in-process loads.
@@ -104,32 +159,49 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report:
         dask_address=opts.dask_address,
         quiet=opts.quiet,
     )
-    return build_report(results, opts)
+    warn_unmatched_step_regex(
+        [r.ranks for r in results], [r.path for r in results], opts.step_regex
+    )
+    # A report exported into the cache is reported under the name the user gave.
+    results = [r.named(named) for r, (_export, named) in zip(results, sources, strict=True)]
+    grouping = group(results, opts.grouping)
+    reports = []
+    for members in grouping.groups:
+        report = build_report([results[i] for i in members], opts)
+        report.grouping = grouping.for_report()
+        reports.append(report)
+    if len(reports) == 1:
+        return reports[0]
+    return RunSet(reports, grouping.for_report())
 
 
 def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = False) -> ExportResult:
     """Map step: load one export and measure each rank (process with GPU work) in it.
 
-    The result is cached beside the trace model (keyed by the export's identity, the step
+    The result is cached with the trace model (keyed by the export's identity, the step
     regex and the analysis code), so re-analysing an unchanged export reads one small file.
+    The identity is read before the analysis; the result is filed under it only if the export
+    still has it afterwards (a file replaced meanwhile must not poison the cache).
     """
     from traceclf.ingest import cache
 
     path = Path(path)
     variant = _result_variant(opts)
-    if opts.use_cache:
-        hit = cache.read_result(path, variant, opts.cache_dir)
+    key = cache.identity(path) if opts.use_cache else None
+    if key is not None:
+        hit = cache.read_result(path, variant, key, opts.cache_dir)
         if hit is not None:
-            with contextlib.suppress(KeyError, TypeError):  # an older layout: recompute
+            with contextlib.suppress(Exception):  # an older or damaged layout: recompute
                 return ExportResult.from_dict(hit).named(path)
     result = _measure_export(path, opts, show_progress)
-    if opts.use_cache:
-        cache.write_result(path, variant, result.to_dict(), opts.cache_dir)
+    if key is not None:
+        cache.write_result(path, variant, key, result.to_dict(), opts.cache_dir)
     return result
 
 
 def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
     from traceclf.ingest.cache import load_trace_cached
+    from traceclf.ingest.session import job_evidence
     from traceclf.progress import LoadProgress
 
     with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
@@ -151,7 +223,11 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
         )
     taxonomy = _taxonomy(opts)
     result = ExportResult(
-        str(path), trace.nsys_version, trace.schema_version, gpu_count=len(trace.gpus)
+        str(path),
+        trace.nsys_version,
+        trace.schema_version,
+        gpu_count=len(trace.gpus),
+        job=job_evidence(path, trace),
     )
     for pid in trace.rank_pids:
         rank_trace = trace.for_pid(pid)
@@ -202,6 +278,7 @@ ANALYSIS_SOURCES = (
     "measures",
     "figures/series.py",
     "ingest/load.py",
+    "ingest/session.py",
 )
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import click
 
 from traceclf import __version__
-from traceclf.errors import TraceError
+from traceclf.errors import TraceError, TraceWarning
 
 FORMATS = ("terminal", "json", "md", "html")
 
@@ -47,14 +48,15 @@ rules_option = click.option(
 no_cache_option = click.option(
     "--no-cache",
     is_flag=True,
-    help="Neither read nor write the caches beside each export (its trace model as Parquet "
-    "and its analysis result).",
+    help="Neither read nor write the cache (each export's trace model as Parquet and its "
+    "analysis result).",
 )
 cache_dir_option = click.option(
     "--cache-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Where caches go when the export's folder is not writable "
-    "(default: $TRACECLF_CACHE_DIR or ~/.cache/traceclf).",
+    help="Cache folder (default: $TRACECLF_CACHE_DIR, else the user cache directory, "
+    "e.g. ~/.cache/traceclf). Nothing is written beside your traces unless you ask: "
+    "--cache-dir . keeps the cache in the current folder.",
 )
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 
@@ -112,6 +114,18 @@ def cli() -> None:
     help="Run the per-file analysis on a Dask distributed cluster at ADDRESS "
     "(e.g. tcp://scheduler:8786) instead of local processes.",
 )
+@click.option(
+    "--job",
+    "grouping",
+    flag_value="job",
+    help="Treat all inputs as ranks of one job (one report), whatever the evidence says.",
+)
+@click.option(
+    "--runs",
+    "grouping",
+    flag_value="runs",
+    help="Treat each input file as a separate run (one report each, plus a summary table).",
+)
 @quiet_option
 def analyze(
     inputs: tuple[str, ...],
@@ -124,13 +138,17 @@ def analyze(
     cache_dir: Path | None,
     jobs: int | None,
     dask_address: str | None,
+    grouping: str | None,
     quiet: bool,
 ) -> None:
     """Analyse INPUT... and report the bound, the evidence and the fixes.
 
-    INPUT is a .sqlite export, a .nsys-rep (exported once with `nsys export --type sqlite`,
-    cached beside it), several per-rank files, or a folder of them. All ranks are analysed
-    over their steady state (warm-up steps dropped) and merged.
+    INPUT is a .sqlite export, a .nsys-rep (exported once with `nsys export --type sqlite`
+    into the cache), several per-rank files, or a folder of them. Every rank is analysed
+    over its steady state (warm-up steps dropped). Several files are merged into one report
+    only when they look like ranks of one job (same session or overlapping captures or
+    rank-numbered names, and the same GPU, step anchor and step time); otherwise each run gets
+    its own report plus a summary table. --job or --runs overrides the guess.
     """
     from traceclf.analysis import AnalysisOptions, analyze_inputs
     from traceclf.render import render
@@ -147,14 +165,15 @@ def analyze(
         jobs=jobs,
         dask_address=dask_address,
         quiet=quiet,
+        grouping=grouping or "auto",
     )
     report = analyze_inputs(list(inputs), opts)
     render(report, fmt, output)
 
 
 @cli.command()
-@click.argument("before", metavar="BEFORE")
-@click.argument("after", metavar="AFTER")
+@click.argument("before", metavar="BASELINE")
+@click.argument("after", metavar="CANDIDATE...", nargs=-1, required=True)
 @click.option(
     "--threshold",
     type=float,
@@ -181,7 +200,7 @@ def analyze(
 @quiet_option
 def compare(
     before: str,
-    after: str,
+    after: tuple[str, ...],
     threshold: float,
     fmt: str,
     output: Path | None,
@@ -192,10 +211,13 @@ def compare(
     cache_dir: Path | None,
     quiet: bool,
 ) -> None:
-    """Compare two runs: BEFORE and AFTER are traces (any `analyze` input; use a folder for
-    several ranks) or saved JSON reports. Exits 1 on a regression beyond --threshold."""
+    """Compare runs: BASELINE and each CANDIDATE are traces (any `analyze` input; use a
+    folder for several ranks) or saved JSON reports (report_version 1 or 2). Says what
+    explains the change (measures that moved, overlap, fixes that became applied, CUDA-graph
+    tracing mode). With several candidates, prints one row each against the baseline. Exits 1
+    if any candidate regresses beyond --threshold."""
     from traceclf.analysis import AnalysisOptions
-    from traceclf.compare import compare_runs
+    from traceclf.compare import compare_many
     from traceclf.render.compare import render_comparison
 
     opts = AnalysisOptions(
@@ -207,7 +229,7 @@ def compare(
         quiet=quiet,
     )
     _check_output(output)
-    result = compare_runs(before, after, threshold=threshold, opts=opts)
+    result = compare_many(before, list(after), threshold=threshold, opts=opts)
     render_comparison(result, fmt, output)
     sys.exit(1 if result.regression else 0)
 
@@ -236,19 +258,81 @@ def rules_cmd(rules_dir: Path | None) -> None:
     list_rules(rules_dir)
 
 
+def _complete_fix_ids(_ctx, _param, incomplete: str) -> list[str]:
+    """Shell completion of fix ids (bundled rules)."""
+    from traceclf.judge.schema import load_rules
+
+    try:
+        ids = load_rules(None).fixes
+    except TraceError:
+        return []
+    return [i for i in sorted(ids) if i.startswith(incomplete.lower())]
+
+
 @cli.command()
-@click.argument("fix_id")
+@click.argument("fix_id", shell_complete=_complete_fix_ids)
 @rules_option
 def explain(fix_id: str, rules_dir: Path | None) -> None:
-    """Print one fix in full: why, the config to paste, preconditions and pitfalls."""
+    """Print one fix in full: why, the config to paste, preconditions and pitfalls.
+    FIX_ID is case-insensitive (`traceclf rules` lists them)."""
     from traceclf.render.rules import explain_fix
 
     explain_fix(fix_id, rules_dir)
 
 
+@cli.group("cache")
+def cache_group() -> None:
+    """Show or clear traceclf's cache (trace models, analysis results, exports of
+    .nsys-rep reports). It lives in --cache-dir, else $TRACECLF_CACHE_DIR, else the user
+    cache directory. Only names traceclf creates there are ever deleted."""
+
+
+@cache_group.command("info")
+@cache_dir_option
+def cache_info(cache_dir: Path | None) -> None:
+    """Where the cache is, why there, and what it holds."""
+    from traceclf.ingest.cachedir import usage
+    from traceclf.render.text import fmt_bytes
+
+    u = usage(cache_dir)
+    click.echo(f"cache folder: {u.root.path} (from {u.root.origin})")
+    click.echo(
+        f"holds: {u.slots} export{'s' * (u.slots != 1)} cached ({u.models} trace model"
+        f"{'s' * (u.models != 1)}, {u.results} result set{'s' * (u.results != 1)}), "
+        f"{u.exports} nsys export{'s' * (u.exports != 1)}; {fmt_bytes(u.bytes)}"
+    )
+
+
+@cache_group.command("clear")
+@cache_dir_option
+def cache_clear(cache_dir: Path | None) -> None:
+    """Delete everything traceclf cached in the cache folder (only the names traceclf
+    creates there; anything else in the folder stays)."""
+    from traceclf.ingest.cachedir import cache_root, clear
+    from traceclf.render.text import fmt_bytes
+
+    removed, freed = clear(cache_dir)
+    click.echo(
+        f"removed {removed} item{'s' * (removed != 1)} ({fmt_bytes(freed)}) "
+        f"from {cache_root(cache_dir).path}"
+    )
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """traceclf's own warnings as one line on stderr; others as Python prints them."""
+    if issubclass(category, TraceWarning):
+        click.echo(f"traceclf: warning: {message}", err=True)
+    else:
+        _python_showwarning(message, category, filename, lineno, file, line)
+
+
+_python_showwarning = warnings.showwarning
+
+
 def main() -> None:
+    warnings.showwarning = _show_warning
     try:
-        cli.main(standalone_mode=False)
+        cli.main(standalone_mode=False, prog_name="traceclf")
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:

@@ -1,6 +1,10 @@
-"""Compare two runs (``traceclf compare BEFORE AFTER``): did the step get slower, beyond noise?
+"""Compare runs (``traceclf compare BASELINE CANDIDATE...``): did the step get slower, beyond
+noise, and what explains the change?
 
-Each side is a trace input (anything ``analyze`` takes) or a saved JSON report.
+Each side is a trace input (anything ``analyze`` takes) or a saved JSON report (report_version
+1 or 2; a version-2 report may abstain: ``classification.bound`` null with an
+``abstain_reason``). With several candidates each is compared with the baseline and the CLI
+exits 1 if any regresses.
 
 Noise band. For each run the standard error of its mean step time is
 ``SE = cv * mean / sqrt(n)``, with ``cv`` the coefficient of variation of its steady-state step
@@ -15,7 +19,17 @@ were found). Only a regression makes the CLI exit 1.
 
 Measures that moved. Fractions of the step (busy, exposed communication, copies, idle causes,
 ...) compare in percentage points; per-step counts and sizes (kernels, syncs, bytes) compare
-relative to before. A change is material past the thresholds in ``MEASURES``.
+relative to before. A change is material past the thresholds in ``MEASURES``. Launch counts
+include CUDA-graph launches (``launch_calls_per_step`` + ``graph_launches_per_step``), so a run
+that moved its kernels into a graph shows fewer launches, not none.
+
+Tracing mode. Nsight Systems traces CUDA graphs either as one row per graph execution
+(graph-level, the default) or one row per kernel inside it (``--cuda-graph-trace=node``). The
+same run then shows 1 or 290 "kernels" per step; when the modes differ, per-kernel measures are
+not compared (noted instead of flagged).
+
+What explains a result. Besides measures that moved: fixes applied in one run and not the
+other (the report's ``applied`` sentences), and fixes proposed before that no longer are.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from traceclf.analysis import AnalysisOptions
+from traceclf.changes import PER_KERNEL, explanations, graph_tracing, metrics_of, tracing_note
 from traceclf.errors import TraceError
 from traceclf.render.text import fmt_bytes, fmt_ms, pct, signed_pct
 from traceclf.report import Report
@@ -47,6 +62,7 @@ MEASURES = (
     Measure("comm_frac", "communication", "frac"),
     Measure("exposed_comm_frac", "exposed communication", "frac"),
     Measure("comm_overlap_frac", "communication hidden under compute (of comm)", "frac"),
+    Measure("compute_under_comm_frac", "compute under communication (of compute)", "frac"),
     Measure("copy_frac", "copies", "frac"),
     Measure("offload_copy_frac", "host↔device copies", "frac"),
     Measure("idle_launch_frac", "idle: launch-bound", "frac"),
@@ -58,7 +74,7 @@ MEASURES = (
     Measure("sm_active_mean", "SM active", "frac"),
     Measure("tensor_active_mean", "tensor active", "frac"),
     Measure("kernels_per_step", "kernels/step", "count", 1),
-    Measure("launch_calls_per_step", "launch calls/step", "count", 1),
+    Measure("launches_per_step", "launch calls/step (incl. CUDA-graph launches)", "count", 1),
     Measure("sync_calls_per_step", "syncs/step", "count", 1),
     Measure("small_d2h_per_step", "tiny D2H copies/step", "count", 1),
     Measure("alloc_calls_per_step", "cudaMalloc/Free per step", "count", 1),
@@ -82,21 +98,35 @@ class Run:
     step_source: str
     ranks: int
     gpus: list[str]
+    report_version: int | None = None
+    abstain_reason: str | None = None
+    graph_tracing: str | None = None  # "graph" | "node" | None (no CUDA graphs)
 
     @classmethod
     def of(cls, source: str, report: Report) -> Run:
-        s = report.steps
+        s = report.steps if isinstance(report.steps, dict) else {}
+        cls_ = report.classification if isinstance(report.classification, dict) else {}
+        bound = cls_.get("bound")
+        label = s.get("label") if isinstance(s.get("label"), str) else ""
+        gpus = (
+            [g for g in report.gpus if isinstance(g, dict)] if isinstance(report.gpus, list) else []
+        )
         return cls(
             source=source,
-            bound=report.bound,
-            confidence=report.classification.get("confidence"),
-            step_mean_ms=s.get("mean_ms"),
-            step_median_ms=s.get("median_ms"),
-            step_cv=s.get("cv"),
-            steps_used=s.get("used") or 0,
-            step_source=s.get("source", "none") + (f' "{s["label"]}"' if s.get("label") else ""),
-            ranks=len(report.ranks),
-            gpus=sorted({g.get("name") or "unknown GPU" for g in report.gpus}),
+            bound=bound if isinstance(bound, str) else None,
+            confidence=_float(cls_.get("confidence")),
+            step_mean_ms=_float(s.get("mean_ms")),
+            step_median_ms=_float(s.get("median_ms")),
+            step_cv=_float(s.get("cv")),
+            steps_used=int(_float(s.get("used")) or 0),
+            step_source=str(s.get("source", "none")) + (f' "{label}"' if label else ""),
+            ranks=len(report.ranks) if isinstance(report.ranks, list) else 0,
+            gpus=sorted({str(g.get("name") or "unknown GPU") for g in gpus}),
+            report_version=report.report_version
+            if isinstance(report.report_version, int)
+            else None,
+            abstain_reason=cls_.get("abstain_reason") if bound is None else None,
+            graph_tracing=graph_tracing(report),
         )
 
     @property
@@ -158,6 +188,8 @@ class Comparison:
     bound_changed: bool
     measures: list[MeasureChange] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # why the runs may not be comparable
+    # What explains the result besides the measures: applied fixes and proposals that changed.
+    explanations: list[str] = field(default_factory=list)
 
     @property
     def regression(self) -> bool:
@@ -170,6 +202,11 @@ class Comparison:
     @property
     def moved(self) -> list[MeasureChange]:
         return [m for m in self.measures if m.material]
+
+    @property
+    def tracing_changed(self) -> bool:
+        b, a = self.before.graph_tracing, self.after.graph_tracing
+        return b is not None and a is not None and b != a
 
     @property
     def noise_frac(self) -> float | None:
@@ -191,8 +228,7 @@ def compare_runs(
     before: str, after: str, *, threshold: float = 0.05, opts: AnalysisOptions | None = None
 ) -> Comparison:
     """Analyse (or load) both runs and compare them."""
-    if threshold < 0:
-        raise TraceError(None, f"--threshold must be 0 or more (got {threshold})")
+    _check_threshold(threshold)
     opts = opts or AnalysisOptions(quiet=True)
     return compare_reports(
         load_run(before, opts),
@@ -202,13 +238,66 @@ def compare_runs(
     )
 
 
+@dataclass
+class MultiComparison:
+    """A baseline against several candidates: one :class:`Comparison` each."""
+
+    baseline: str
+    comparisons: list[Comparison]
+
+    @property
+    def regression(self) -> bool:
+        return any(c.regression for c in self.comparisons)
+
+    def to_dict(self) -> dict:
+        return {
+            "baseline": self.baseline,
+            "regression": self.regression,
+            "comparisons": [c.to_dict() for c in self.comparisons],
+        }
+
+
+def compare_many(
+    baseline: str,
+    candidates: list[str],
+    *,
+    threshold: float = 0.05,
+    opts: AnalysisOptions | None = None,
+) -> Comparison | MultiComparison:
+    """One candidate: a :class:`Comparison`; several: each against the baseline, which is
+    analysed (or loaded) once."""
+    _check_threshold(threshold)
+    opts = opts or AnalysisOptions(quiet=True)
+    base = load_run(baseline, opts)
+    results = [
+        compare_reports(
+            base, load_run(c, opts), threshold=threshold, labels=(str(baseline), str(c))
+        )
+        for c in candidates
+    ]
+    return results[0] if len(results) == 1 else MultiComparison(str(baseline), results)
+
+
+def _check_threshold(threshold: float) -> None:
+    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
+        raise TraceError(None, f"--threshold must be a finite number, 0 or more (got {threshold})")
+
+
 def load_run(source: str | Path, opts: AnalysisOptions) -> Report:
-    """A saved JSON report, or a trace input analysed now."""
+    """A saved JSON report, or a trace input analysed now; one run (several unrelated runs
+    cannot be compared as one side)."""
     if str(source).lower().endswith(".json"):
         return Report.load(source)
     from traceclf.analysis import analyze_inputs
 
-    return analyze_inputs([str(source)], opts)
+    report = analyze_inputs([str(source)], opts)
+    if not isinstance(report, Report):
+        raise TraceError(
+            source,
+            f"holds {len(report.runs)} separate runs; compare one run at a time "
+            "(or analyse it with --job and compare the saved JSON)",
+        )
+    return report
 
 
 def compare_reports(
@@ -223,6 +312,12 @@ def compare_reports(
     _, median_frac = _change(b.step_median_ms, a.step_median_ms)
     noise = _noise_ms(b, a)
     verdict = _verdict(change_ms, change_frac, noise, threshold)
+    mb, ma = metrics_of(before), metrics_of(after)
+    tracing_changed = b.graph_tracing and a.graph_tracing and b.graph_tracing != a.graph_tracing
+    measures = [
+        _measure_change(m, mb, ma, comparable=not (tracing_changed and m.key in PER_KERNEL))
+        for m in MEASURES
+    ]
     return Comparison(
         before=b,
         after=a,
@@ -234,8 +329,9 @@ def compare_reports(
         median_change_frac=median_frac,
         noise_ms=noise,
         bound_changed=b.bound != a.bound,
-        measures=[_measure_change(m, before.metrics, after.metrics) for m in MEASURES],
+        measures=measures,
         notes=_comparability(b, a),
+        explanations=[n for n in (tracing_note(b, a),) if n] + explanations(before, after),
     )
 
 
@@ -284,9 +380,11 @@ def _summary(
     return f"No significant change: {steps}, {why} ({band})."
 
 
-def _measure_change(m: Measure, before: dict, after: dict) -> MeasureChange:
+def _measure_change(
+    m: Measure, before: dict, after: dict, comparable: bool = True
+) -> MeasureChange:
     b, a = before.get(m.key), after.get(m.key)
-    if not _number(b) or not _number(a):
+    if not _number(b) or not _number(a) or not comparable:
         return MeasureChange(m.key, m.label, m.unit, _float(b), _float(a), None, False)
     if m.unit == "frac":
         change = a - b
@@ -299,7 +397,7 @@ def _measure_change(m: Measure, before: dict, after: dict) -> MeasureChange:
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _float(v) -> float | None:
@@ -317,6 +415,10 @@ def _comparability(b: Run, a: Run) -> list[str]:
         notes.append(f"steps found differently: {b.step_source} vs {a.step_source}")
     if b.ranks != a.ranks:
         notes.append(f"different rank counts: {b.ranks} vs {a.ranks}")
+    for run in (b, a):
+        if run.bound is None:
+            why = f" ({run.abstain_reason})" if run.abstain_reason else ""
+            notes.append(f"{run.source}: traceclf did not name a bound{why}")
     return notes
 
 

@@ -15,3 +15,8 @@ class TraceError(Exception):
 
     def __reduce__(self):  # survive the trip back from worker processes and Dask
         return (type(self), (self.path, self.problem))
+
+
+class TraceWarning(UserWarning):
+    """Something the user should know that does not stop the analysis (the CLI prints it as
+    one line, ``traceclf: warning: ...``)."""

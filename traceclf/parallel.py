@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from contextlib import contextmanager
@@ -66,7 +67,8 @@ def _map_local(
 ) -> list[R]:
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     try:
-        futures = [pool.submit(fn, item) for item in items]
+        with _main_hidden_from_workers(fn):  # workers start on the first submit
+            futures = [pool.submit(fn, item) for item in items]
         pending = set(futures)
         while pending:
             done, pending = wait(pending, return_when=FIRST_EXCEPTION)
@@ -76,6 +78,33 @@ def _map_local(
         return [future.result() for future in futures]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextmanager
+def _main_hidden_from_workers(fn: Callable) -> Iterator[None]:
+    """Let a plain script without an ``if __name__ == "__main__":`` guard use local workers.
+
+    A "spawn" worker re-runs the parent's main script to rebuild ``__main__`` (so that
+    functions defined there can be unpickled), and an unguarded script would start the whole
+    analysis again in every worker, which multiprocessing refuses. Our ``fn`` lives in an
+    importable module, so while the workers start, ``__main__`` is made to look like an
+    interactive session's (no file, no spec), which workers do not re-run.
+    """
+    main = sys.modules.get("__main__")
+    target = getattr(fn, "func", fn)  # functools.partial
+    if main is None or getattr(target, "__module__", None) == "__main__":
+        yield
+        return
+    saved = {
+        name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__
+    }
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _map_dask(

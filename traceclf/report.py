@@ -49,6 +49,8 @@ class Report:
     series: list[dict] = field(default_factory=list)
     # what the proposed fixes can recover together, over disjoint interval classes only
     combined_ceiling: dict = field(default_factory=dict)
+    # How several inputs were grouped into this run (runs.py): mode, decided_by, reason.
+    grouping: dict = field(default_factory=dict)
 
     @property
     def bound(self) -> str | None:

@@ -17,11 +17,12 @@ statistics; the window spans the kept steps.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import polars as pl
 
-from traceclf.errors import TraceError
+from traceclf.errors import TraceError, TraceWarning
 from traceclf.kernels import Taxonomy
 from traceclf.model import Trace, outermost
 
@@ -113,10 +114,20 @@ def check_step_regex(pattern: str | None) -> None:
     try:
         pl.Series([""]).str.contains(pattern)
     except pl.exceptions.PolarsError as e:
-        detail = " ".join(str(e).split())[:160]
         raise TraceError(
-            None, f"--step-range {pattern!r} is not a usable regex ({detail})"
+            None,
+            f"--step-range {pattern!r} is not a valid regular expression ({_regex_problem(e)})",
         ) from None
+
+
+def _regex_problem(error: Exception) -> str:
+    """The regex engine's own one-line reason ("unclosed character class"), without the
+    polars expression it was raised from."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    reason = next(
+        (line[len("error:") :].strip() for line in lines if line.startswith("error:")), ""
+    )
+    return reason or "not supported by the regex engine (no look-around, no backreferences)"
 
 
 def _label(names: pl.Series) -> str:
@@ -245,3 +256,23 @@ def _median(values: list[int]) -> float:
     s = sorted(values)
     mid = len(s) // 2
     return float(s[mid]) if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def warn_unmatched_step_regex(
+    ranks_per_export: list[list], paths: list[str], step_regex: str | None
+) -> None:
+    """--step-range names NVTX ranges: say where it matched none (steps then came from CUDA
+    graphs or a repeating kernel, or there were none), rather than stay silent."""
+    if step_regex is None:
+        return
+    for ranks, path in zip(ranks_per_export, paths, strict=True):
+        missed = [r for r in ranks if r.steps.get("source") != "nvtx"]
+        if missed:
+            found = missed[0].steps.get("source") or "none"
+            instead = "no steps were found" if found == "none" else f"steps came from {found}"
+            warnings.warn(
+                f"{path}: --step-range {step_regex!r} matched no NVTX range "
+                f"on {len(missed)} of {len(ranks)} rank(s); {instead} instead",
+                TraceWarning,
+                stacklevel=3,
+            )

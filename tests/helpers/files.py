@@ -67,3 +67,29 @@ def plain_sqlite(dst: Path) -> Path:
         con.execute("INSERT INTO recipes VALUES ('bread', 240)")
     con.close()
     return dst
+
+
+def split_ranks(src: Path, folder: Path, pids: list[int], names: list[str]) -> list[Path]:
+    """Constructed per-rank exports: one copy of ``src`` per pid, holding only that process'
+    rows (every table with a globalPid/globalTid column loses the other ranks' rows), as if
+    each rank had been profiled into a file of its own during the same session."""
+    out = []
+    for pid, name in zip(pids, names, strict=True):
+        dst = copy_export(src, folder / name)
+        others = ",".join(str(p) for p in pids if p != pid)
+        con = sqlite3.connect(dst)
+        try:
+            tables = [
+                r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")
+            ]
+            for table in tables:
+                columns = {r[1] for r in con.execute(f'PRAGMA table_info("{table}")')}
+                for col in {"globalPid", "globalTid"} & columns:
+                    con.execute(
+                        f'DELETE FROM "{table}" WHERE (("{col}" >> 24) & 16777215) IN ({others})'
+                    )
+            con.commit()
+        finally:
+            con.close()
+        out.append(dst)
+    return out

@@ -1,12 +1,17 @@
-"""Parquet cache of the normalised trace model, so re-analysing an unchanged export is cheap.
+"""Parquet cache of the normalised trace model, so re-analysing an unchanged export is cheap,
+and a JSON cache of each export's analysis result.
 
 Loading a multi-GB export costs seconds; reading its model back from Parquet costs a fraction
-of that. An entry lives in ``<export>.traceclf/<key>/`` beside the export, or, when that folder
-is not writable, in ``<cache dir>/<export name>-<path hash>/<key>/``. The key is the export's
-identity (size, mtime, first MiB) plus a fingerprint of the loader code, so an edited export or
-a changed loader never serves stale frames. Entries are written into a temporary folder and
-renamed into place, so concurrent processes see a whole entry or none; an entry that cannot be
-read is treated as absent and rebuilt. The export itself is only ever read.
+of that. Where the cache lives and which names it owns there is :mod:`traceclf.ingest.cachedir`:
+an entry is ``<root>/<export name>-<path hash>.traceclf/<key>/``, the key being the export's
+identity (path, size, mtime, a content fingerprint) plus a fingerprint of the loader code, so an
+edited export or a changed loader never serves stale frames. The identity is read before the
+export is and checked again before anything is written, so a file replaced meanwhile is never
+filed under the old one's key. Entries are written into a temporary folder and renamed into
+place, so concurrent processes see a whole entry or none. An entry is checked on every read
+(its meta.json, and each frame's rows and schema against it; a result's checksum): one that
+fails is a miss and is rebuilt. Any cache problem, a full disk included, means no cache, never
+a failed analysis. The export itself is only ever read.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,18 +32,30 @@ import traceclf
 from traceclf import model
 from traceclf.atomic import write_atomic
 from traceclf.ingest import devices, load, schema
+from traceclf.ingest.cachedir import (
+    RESULTS_PREFIX,
+    TMP_PREFIX,
+    ensure_slot,
+    export_key,
+    is_owned,
+    prune_slot,
+    readable_slot,
+    slot_of,
+)
 from traceclf.ingest.load import load_trace
 from traceclf.ingest.schema import check_sqlite_file
 from traceclf.model import Trace
 
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
-CACHE_FORMAT = 2
-HEAD_BYTES = 1 << 20
-SUFFIX = ".traceclf"
+CACHE_FORMAT = 3
+RESULT_FORMAT = 1
 META = "meta.json"
-TMP_PREFIX = ".tmp-"
-# A temporary folder this old belongs to a writer that died; younger ones may still be filling.
-STALE_TMP_S = 3600
+# Caps on what is parsed back: a damaged or planted file must not exhaust memory.
+MAX_META_BYTES = 1 << 20
+MAX_RESULT_BYTES = 64 << 20
+# Anything a cache operation may raise, polars' own errors (ENOSPC arrives as a ComputeError)
+# and panics from a damaged Parquet file included; none of it may fail an analysis.
+CACHE_ERRORS = (Exception, pl.exceptions.PanicException)
 
 Progress = Callable[[str], None]
 
@@ -54,78 +70,96 @@ def load_trace_cached(
     """:func:`~traceclf.ingest.load.load_trace` through the Parquet cache.
 
     ``use_cache=False`` neither reads nor writes a cache. ``cache_dir`` (default
-    ``$TRACECLF_CACHE_DIR``, then ``~/.cache/traceclf``) is used when the export's folder is
-    not writable. Cache problems never fail a load: the export is read instead.
+    ``$TRACECLF_CACHE_DIR``, then the user's cache directory) is where the cache lives. Cache
+    problems never fail a load: the export is read instead.
     """
     path = Path(path)
     if not use_cache:
         return load_trace(path, progress=progress)
     check_sqlite_file(path)  # a missing or non-SQLite file is a TraceError, not a cache miss
     step = progress or (lambda _msg: None)
-    key = export_key(path)
-    slots = (beside_slot(path), global_slot(path, cache_dir))
-    for slot in slots:
-        trace = read_entry(slot / key, path)
-        if trace is not None:
-            step("cache")
-            return trace
+    key = identity(path)
+    if key is None:
+        return load_trace(path, progress=progress)
+    slot = slot_of(path, cache_dir)
+    trace = read_entry(slot / key, path) if readable_slot(slot) else None
+    if trace is not None:
+        step("cache")
+        return trace
     trace = load_trace(path, progress=progress)
-    if export_key(path) != key:  # rewritten while we read it: do not file it under either key
+    if identity(path) != key:  # rewritten while we read it: do not file it under its old key
         return trace
     step("writing cache")
-    for slot in slots:
-        if _writable(slot) and write_entry(trace, slot, key):
-            break
+    with contextlib.suppress(*CACHE_ERRORS):
+        write_entry(trace, slot, key)
     return trace
 
 
-RESULTS_PREFIX = "results-"
+def identity(path: Path) -> str | None:
+    """The export's cache key, or None when it cannot be read (then: no cache)."""
+    try:
+        return export_key(path)
+    except OSError:
+        return None
 
 
-def read_result(path: Path, variant: str, cache_dir: Path | None = None) -> dict | None:
-    """A cached analysis result of the export (JSON), for ``variant`` (options and analysis
-    code); None when absent or unreadable. Re-analysing an unchanged export then skips the
-    trace model altogether."""
-    key = export_key(path)
-    for slot in (beside_slot(path), global_slot(path, cache_dir)):
-        file = slot / f"{RESULTS_PREFIX}{key}" / f"{variant}.json"
-        with contextlib.suppress(OSError, ValueError):
-            return json.loads(file.read_text(encoding="utf-8"))
-    return None
+def read_result(path: Path, variant: str, key: str, cache_dir: Path | None = None) -> dict | None:
+    """The cached analysis result of version ``key`` of the export, for ``variant`` (options
+    and analysis code); None when absent, unreadable or failing its checksum. Re-analysing an
+    unchanged export then skips the trace model altogether."""
+    slot = slot_of(path, cache_dir)
+    folder = slot / f"{RESULTS_PREFIX}{key}"
+    file = folder / f"{variant}.json"
+    if not (readable_slot(slot) and is_owned(folder) and is_owned(file, "file")):
+        return None
+    try:
+        with file.open("rb") as f:
+            raw = f.read(MAX_RESULT_BYTES + 1)
+        if len(raw) > MAX_RESULT_BYTES:
+            return None
+        data = json.loads(raw)
+        if not isinstance(data, dict) or data.get("format") != RESULT_FORMAT:
+            return None
+        result = data.get("result")
+        if not isinstance(result, dict) or data.get("sha256") != _checksum(result):
+            return None
+        return result
+    except (*CACHE_ERRORS, RecursionError):  # a nesting bomb is a RecursionError
+        return None
 
 
-def write_result(path: Path, variant: str, result: dict, cache_dir: Path | None = None) -> None:
-    """Store an analysis result next to the trace-model entry, atomically; failures are
-    ignored (a cache must never fail an analysis)."""
-    key = export_key(path)
-    for slot in (beside_slot(path), global_slot(path, cache_dir)):
-        if not _writable(slot):
-            continue
-        folder = slot / f"{RESULTS_PREFIX}{key}"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            write_atomic(folder / f"{variant}.json", json.dumps(result))
-        except OSError:
-            continue
-        _prune(slot, keep=key)
-        return
+def write_result(
+    path: Path, variant: str, key: str, result: dict, cache_dir: Path | None = None
+) -> bool:
+    """Store an analysis result of version ``key`` of the export, atomically, if the export
+    is still that version (it may have been replaced during the analysis). Failures are
+    ignored: a cache must never fail an analysis. True when stored."""
+    if identity(path) != key:
+        return False
+    slot = slot_of(path, cache_dir)
+    folder = slot / f"{RESULTS_PREFIX}{key}"
+    try:
+        if not ensure_slot(slot):
+            return False
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir()
+        if not is_owned(folder):
+            return False
+        envelope = {"format": RESULT_FORMAT, "sha256": _checksum(result), "result": result}
+        write_atomic(folder / f"{variant}.json", json.dumps(envelope))
+    except CACHE_ERRORS:
+        return False
+    prune_slot(slot, keep=key)
+    return True
 
 
-def export_key(path: Path) -> str:
-    """Identity of an export's content as traceclf's loader would see it.
-
-    Size and mtime catch appends and rewrites; the first MiB holds SQLite's header, whose
-    change counter moves on every committed write, and catches a same-size copy over the file.
-    """
-    st = path.stat()
-    digest = hashlib.sha256(f"{_code_fingerprint()}:{st.st_size}:{st.st_mtime_ns}:".encode())
-    with path.open("rb") as f:
-        digest.update(f.read(HEAD_BYTES))
-    return digest.hexdigest()[:32]
+def _checksum(result: dict) -> str:
+    text = json.dumps(result, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @functools.cache
-def _code_fingerprint() -> str:
+def code_fingerprint() -> str:
     """Cache format, versions and the source of the modules that shape the trace model."""
     digest = hashlib.sha256(f"{CACHE_FORMAT}:{traceclf.__version__}:{pl.__version__}".encode())
     for module in (load, devices, model, schema):
@@ -134,43 +168,18 @@ def _code_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def beside_slot(path: Path) -> Path:
-    return path.parent / (path.name + SUFFIX)
-
-
-def global_slot(path: Path, cache_dir: Path | None) -> Path:
-    root = cache_dir or Path(
-        os.environ.get("TRACECLF_CACHE_DIR") or Path.home() / ".cache" / "traceclf"
-    )
-    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-    return Path(root) / f"{path.name}-{where}"
-
-
-def _writable(slot: Path) -> bool:
-    """Whether a cache may be written into ``slot`` (or created in its nearest parent).
-
-    Besides access(2) this asks for a write bit, so a folder made read-only on purpose stays
-    untouched even for root, whom access(2) always allows.
-    """
-    folder = slot
-    while not folder.exists():
-        if folder.parent == folder:
-            return False
-        folder = folder.parent
-    return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & 0o222)
-
-
 def read_entry(entry: Path, path: Path) -> Trace | None:
     """The cached trace in ``entry``, or None when it is absent or damaged (then removed)."""
-    if not entry.is_dir():
+    if not is_owned(entry):
         return None
     try:
-        meta = json.loads((entry / META).read_text(encoding="utf-8"))
-        if meta["format"] != CACHE_FORMAT:
-            raise ValueError("cache format mismatch")
+        meta = _read_meta(entry / META)
         # One collect_all reads every frame's file in parallel.
         frames = pl.collect_all([pl.scan_parquet(entry / f"{n}.parquet") for n in Trace.FRAMES])
-    except (Exception, pl.exceptions.PanicException):
+        for name, frame in zip(Trace.FRAMES, frames, strict=True):
+            if _frame_meta(frame) != meta["frames"][name]:
+                raise ValueError(f"{name}.parquet does not match meta.json")
+    except (*CACHE_ERRORS, RecursionError):
         # Published entries are complete, so this one was damaged after the fact: move it
         # away, or the rebuild below could never take its name.
         _discard(entry)
@@ -186,10 +195,44 @@ def read_entry(entry: Path, path: Path) -> Trace | None:
     )
 
 
+def _read_meta(file: Path) -> dict:
+    """meta.json of an entry, checked for every field a reader relies on (ValueError if not)."""
+    with file.open("rb") as f:
+        raw = f.read(MAX_META_BYTES + 1)
+    if len(raw) > MAX_META_BYTES:
+        raise ValueError("meta.json too large")
+    meta = json.loads(raw)
+    ok = (
+        isinstance(meta, dict)
+        and meta.get("format") == CACHE_FORMAT
+        and all(_str_or_none(meta.get(k)) for k in ("nsys_version", "schema_version"))
+        and isinstance(meta.get("tables"), list)
+        and all(isinstance(t, str) for t in meta["tables"])
+        and meta.get("nccl_payload") in ("values", "declared_empty", "absent")
+        and isinstance(meta.get("session"), dict)
+        and isinstance(meta.get("frames"), dict)
+        and set(meta["frames"]) == set(Trace.FRAMES)
+    )
+    if not ok:
+        raise ValueError("meta.json is not a cache entry's")
+    return meta
+
+
+def _str_or_none(value) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _frame_meta(frame: pl.DataFrame) -> dict:
+    """What meta.json records of a frame, to catch a truncated, swapped or foreign file."""
+    return {"rows": frame.height, "schema": [[c, str(t)] for c, t in frame.schema.items()]}
+
+
 def write_entry(trace: Trace, slot: Path, key: str) -> bool:
-    """Write ``trace`` as ``slot/key`` atomically; True when an entry is in place afterwards."""
+    """Write ``trace`` as ``slot/key`` atomically; True when an entry is in place afterwards.
+    A failure (a full disk: polars reports it as a ComputeError) leaves nothing behind."""
+    if not ensure_slot(slot):
+        return False
     try:
-        slot.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{key}-", dir=slot))
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
     except OSError:
@@ -207,15 +250,16 @@ def write_entry(trace: Trace, slot: Path, key: str) -> bool:
             "tables": sorted(trace.tables),
             "nccl_payload": trace.nccl_payload,
             "session": trace.session,
+            "frames": {name: _frame_meta(getattr(trace, name)) for name in Trace.FRAMES},
         }
         # meta.json is written last, but the rename below is what publishes the entry.
         (tmp / META).write_text(json.dumps(meta), encoding="utf-8")
         os.rename(tmp, slot / key)
-    except OSError:
+    except CACHE_ERRORS:
         # Either another process renamed its entry in first (use theirs) or the disk refused.
         shutil.rmtree(tmp, ignore_errors=True)
-        return (slot / key / META).exists()
-    _prune(slot, keep=key)
+        return is_owned(slot / key)
+    prune_slot(slot, keep=key)
     return True
 
 
@@ -225,15 +269,3 @@ def _discard(entry: Path) -> None:
     with contextlib.suppress(OSError):
         os.rename(entry, trash)
         shutil.rmtree(trash, ignore_errors=True)
-
-
-def _prune(slot: Path, keep: str) -> None:
-    """Remove entries of older versions of the export and leftovers of crashed writers."""
-    now = time.time()
-    for child in slot.iterdir():
-        if child.name in (keep, f"{RESULTS_PREFIX}{keep}"):
-            continue
-        with contextlib.suppress(OSError):
-            if child.name.startswith(TMP_PREFIX) and now - child.stat().st_mtime < STALE_TMP_S:
-                continue
-            shutil.rmtree(child)

@@ -40,12 +40,29 @@ def resolve_inputs(
     Raises :class:`~traceclf.errors.TraceError` for a missing path, a folder or pattern with
     no exports, a file that is neither a report nor an SQLite database, or a failed export.
     """
+    return [
+        export
+        for export, _named in resolve_sources(inputs, nsys=nsys, cache_dir=cache_dir, quiet=quiet)
+    ]
+
+
+def resolve_sources(
+    inputs: list[str],
+    *,
+    nsys: Path | None = None,
+    cache_dir: Path | None = None,
+    quiet: bool = False,
+) -> list[tuple[Path, Path]]:
+    """Like :func:`resolve_inputs`, each export paired with the file the user named (the
+    ``.nsys-rep`` of an export that traceclf made into its cache, else the export itself)."""
     if not inputs:
         raise TraceError(None, "no input given (a .sqlite export, a .nsys-rep or a folder)")
     files = _unique(f for arg in inputs for f in _expand(arg))
     chosen = sorted(_one_per_run(files), key=natural_key)
     return [
-        export_report(f, nsys=nsys, cache_dir=cache_dir, quiet=quiet) if is_report(f) else f
+        (export_report(f, nsys=nsys, cache_dir=cache_dir, quiet=quiet), f)
+        if is_report(f)
+        else (f, f)
         for f in chosen
     ]
 

@@ -1,12 +1,16 @@
 """Turn an ``.nsys-rep`` into the SQLite export the loader reads, running nsys at most once.
 
-The export goes where nsys users look for it, ``<stem>.sqlite`` beside the report, unless
-that name holds a file traceclf did not make (the user's own export): then into
-``.traceclf-cache/`` beside the report, and when the report's folder is read-only into the
-cache dir, under a name keyed by the report's path and identity (size, mtime, first MiB).
-Each export is also stamped with that identity in SQLite's header, so an unchanged report is
-never exported twice and a changed one always is. nsys writes to a temporary name that is
-renamed into place, so two traceclf runs exporting one report at once both get a whole file.
+An export already beside the report is reused: ``<stem>.sqlite`` when traceclf stamped it for
+the report as it is now, or the user's own export when it is newer than the report (what
+``nsys export`` or ``nsys profile --export sqlite`` leaves there). Otherwise the export goes
+into the cache root (:mod:`traceclf.ingest.cachedir`, ``--cache-dir`` /
+``$TRACECLF_CACHE_DIR`` / the user's cache directory), never beside the report, under a name
+keyed by the report's path and identity (size, mtime, first MiB); exports of earlier versions
+of that report are removed. Each export is stamped with that identity in SQLite's header, so an
+unchanged report is never exported twice and a changed one always is. nsys writes to a
+temporary name that is renamed into place, so two traceclf runs exporting one report at once
+both get a whole file. Exports made by earlier traceclf versions in ``.traceclf-cache/`` beside
+the report are still reused, never written.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import zlib
 from pathlib import Path
 
 from traceclf.errors import TraceError
+from traceclf.ingest.cachedir import cache_root, is_owned, usable_root
 from traceclf.progress import status
 
 REPORT_SUFFIXES = (".nsys-rep", ".qdrep")  # .qdrep: reports of nsys before 2021.4
@@ -72,7 +77,14 @@ def export_report(
     executable = find_nsys(nsys)
     if executable is None:
         raise TraceError(report, _nsys_missing(report, nsys))
-    target = _target(report, key, cache_dir)
+    target = _cache_file(user_cache_dir(cache_dir), report, key)
+    if not usable_root(target.parent, create=True):
+        raise TraceError(
+            report,
+            f"cannot write its SQLite export into the cache folder {target.parent} "
+            "(pass a writable --cache-dir, or export it by hand: "
+            f"nsys export --type sqlite -o {beside_export(report).name} {report.name})",
+        )
     with status(
         f"Exporting {report.name} to SQLite with nsys (once; reused next time)…", quiet=quiet
     ):
@@ -82,14 +94,24 @@ def export_report(
 
 
 def find_export(report: Path, key: str | None = None, cache_dir: Path | None = None) -> Path | None:
-    """An existing export that traceclf made from this report as it is now, if any."""
+    """An existing export of this report as it is now, if any (see the module docstring)."""
     key = key or report_key(report)
+    beside = beside_export(report)
+    if beside.is_file() and not made_by_traceclf(beside) and _newer(beside, report):
+        return beside  # the user's own export, made after the report was written
     candidates = (
-        beside_export(report),
+        beside,
         _cache_file(report.parent / CACHE_FOLDER, report, key),
         _cache_file(user_cache_dir(cache_dir), report, key),
     )
     return next((p for p in candidates if is_export_of(p, key)), None)
+
+
+def _newer(export: Path, report: Path) -> bool:
+    try:
+        return export.stat().st_mtime_ns >= report.stat().st_mtime_ns
+    except OSError:
+        return False
 
 
 def beside_export(report: Path) -> Path:
@@ -98,10 +120,8 @@ def beside_export(report: Path) -> Path:
 
 
 def user_cache_dir(cache_dir: Path | None = None) -> Path:
-    """--cache-dir, else $TRACECLF_CACHE_DIR, else ~/.cache/traceclf."""
-    if cache_dir is not None:
-        return cache_dir
-    return Path(os.environ.get("TRACECLF_CACHE_DIR") or Path.home() / ".cache" / "traceclf")
+    """The cache root: --cache-dir, else $TRACECLF_CACHE_DIR, else the user's cache directory."""
+    return cache_root(cache_dir).path
 
 
 def is_export_of(path: Path, key: str) -> bool:
@@ -144,41 +164,24 @@ def _digest(text: str) -> str:
 
 def _prune_older_versions(target: Path, report: Path) -> None:
     """Delete cached exports of earlier versions of ``report`` beside ``target``: a report
-    re-profiled under the same name must not leave a multi-GB export behind each time."""
-    if target == beside_export(report):
-        return
+    re-profiled under the same name must not leave a multi-GB export behind each time. Only
+    regular files of ours that traceclf stamped are removed."""
     prefix = _cache_prefix(report)
-    for old in target.parent.iterdir():
-        if old != target and old.name.startswith(prefix) and old.suffix == ".sqlite":
-            with contextlib.suppress(OSError):
-                old.unlink()
-
-
-def _target(report: Path, key: str, cache_dir: Path | None) -> Path:
-    """Where a new export of ``report`` goes (see the module docstring)."""
-    beside = beside_export(report)
-    if _writable(report.parent):
-        if not beside.exists() or made_by_traceclf(beside):
-            return beside
-        return _cache_file(report.parent / CACHE_FOLDER, report, key)
-    return _cache_file(user_cache_dir(cache_dir), report, key)
-
-
-def _writable(folder: Path) -> bool:
-    """access(2) plus a write bit, so a folder made read-only on purpose is left alone even by
-    root, whom access(2) always allows."""
-    return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & 0o222)
+    with contextlib.suppress(OSError):
+        for old in target.parent.iterdir():
+            if (
+                old != target
+                and old.name.startswith(prefix)
+                and old.suffix == ".sqlite"
+                and is_owned(old, "file")
+                and made_by_traceclf(old)
+            ):
+                with contextlib.suppress(OSError):
+                    old.unlink()
 
 
 def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
     """Run ``nsys export`` into a temporary file beside ``target``, stamp it, rename it."""
-    new_folder = not target.parent.exists()
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TraceError(
-            report, f"cannot create export folder {target.parent}: {e.strerror}"
-        ) from None
     tmp = target.with_name(f".{target.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp.sqlite")
     cmd = [str(nsys), "export", "--type", "sqlite", "--output", str(tmp), str(report)]
     try:
@@ -200,10 +203,7 @@ def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
         _stamp_export(tmp, key)
         os.replace(tmp, target)
     finally:
-        tmp.unlink(missing_ok=True)
-        if new_folder and not target.exists():  # a failed export leaves nothing behind
-            with contextlib.suppress(OSError):
-                target.parent.rmdir()
+        tmp.unlink(missing_ok=True)  # a failed export leaves nothing behind
 
 
 def _stamp_export(path: Path, key: str) -> None:

@@ -7,10 +7,15 @@ from pathlib import Path
 
 from traceclf.atomic import write_atomic
 from traceclf.report import Report
+from traceclf.runs import RunSet
 
 
-def render(report: Report, fmt: str, output: Path | None = None) -> None:
-    """Render ``report`` as ``fmt`` to ``output`` (atomically) or stdout."""
+def render(report: Report | RunSet, fmt: str, output: Path | None = None) -> None:
+    """Render ``report`` (one job, or several runs) as ``fmt`` to ``output`` (atomically) or
+    stdout."""
+    if isinstance(report, RunSet):
+        _render_runs(report, fmt, output)
+        return
     if fmt == "terminal":
         from traceclf.render.terminal import render_terminal
 
@@ -28,6 +33,25 @@ def render(report: Report, fmt: str, output: Path | None = None) -> None:
         from traceclf.render.html import render_html
 
         text = render_html(report)
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
+    emit(text, output)
+
+
+def _render_runs(runs: RunSet, fmt: str, output: Path | None) -> None:
+    from traceclf.render import runs as r
+
+    if fmt == "terminal":
+        if output is None:
+            r.runs_terminal(runs)
+            return
+        text = r.runs_terminal(runs, to_string=True) or ""
+    elif fmt == "json":
+        text = runs.to_json() + "\n"
+    elif fmt == "md":
+        text = r.runs_markdown(runs)
+    elif fmt == "html":
+        text = r.runs_html(runs)
     else:
         raise ValueError(f"unknown format {fmt!r}")
     emit(text, output)

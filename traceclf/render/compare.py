@@ -7,14 +7,19 @@ import io
 import json
 from pathlib import Path
 
-from traceclf.compare import Comparison, Run
+from traceclf.compare import Comparison, MultiComparison, Run
 from traceclf.render import emit
 from traceclf.render.text import fmt_ms, pct, signed_pct
 
 
-def render_comparison(result: Comparison, fmt: str, output: Path | None = None) -> None:
+def render_comparison(
+    result: Comparison | MultiComparison, fmt: str, output: Path | None = None
+) -> None:
     """Write the comparison as ``terminal`` (rich), ``md`` or ``json`` to ``output``
     (atomically) or stdout."""
+    if isinstance(result, MultiComparison):
+        _render_many(result, fmt, output)
+        return
     if fmt == "terminal":
         text = _terminal(result, to_string=output is not None)
         if text is None:
@@ -56,6 +61,10 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
     for m in result.moved:
         moved.add_row(m.label, m.value(m.before), m.value(m.after), m.delta())
     console.print(moved if result.moved else Text("No measure moved materially."))
+    if result.explanations:
+        console.print(Text("What changed besides the measures", style="bold"))
+        for line in result.explanations:
+            console.print(Text(f"• {line}"))
     for note in result.notes:
         console.print(Text(f"Not directly comparable: {note}", style="yellow"))
     return buffer.getvalue() if buffer else None
@@ -89,6 +98,9 @@ def comparison_markdown(result: Comparison) -> str:
         ]
     else:
         lines.append("No measure moved materially.")
+    if result.explanations:
+        lines += ["", "## What changed besides the measures", ""]
+        lines += [f"- {_md(line)}" for line in result.explanations]
     if result.notes:
         lines += ["", "## Not directly comparable", ""] + [f"- {n}" for n in result.notes]
     lines += [
@@ -104,6 +116,86 @@ def comparison_markdown(result: Comparison) -> str:
         f"(SE = CV · mean / √steps); threshold {result.threshold:.0%}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    """Trace- and rule-derived text as inert Markdown (one line, no HTML, no table breaks)."""
+    text = " ".join(str(text).split())
+    for ch in "\\`*_[]<>|#":
+        text = text.replace(ch, "\\" + ch)
+    return text
+
+
+MANY_COLUMNS = ("candidate", "step before", "step after", "change", "verdict", "bound")
+
+
+def _many_rows(result: MultiComparison) -> list[tuple[str, ...]]:
+    return [
+        (
+            Path(c.after.source).name,
+            fmt_ms(c.before.step_mean_ms),
+            fmt_ms(c.after.step_mean_ms),
+            signed_pct(c.step_change_frac),
+            c.verdict,
+            f"{_bound(c.before)} → {_bound(c.after)}" if c.bound_changed else _bound(c.after),
+        )
+        for c in result.comparisons
+    ]
+
+
+def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None:
+    """A baseline against several candidates: one row each, then each comparison's detail."""
+    if fmt == "json":
+        emit(json.dumps(result.to_dict(), indent=2) + "\n", output)
+        return
+    regressed = [Path(c.after.source).name for c in result.comparisons if c.regression]
+    head = (
+        f"Regression in {len(regressed)} of {len(result.comparisons)} candidates: "
+        f"{', '.join(regressed)}"
+        if regressed
+        else f"No regression in {len(result.comparisons)} candidates"
+    )
+    if fmt == "md":
+        lines = [
+            f"# traceclf compare: baseline `{_md(Path(result.baseline).name)}`",
+            "",
+            f"**{_md(head)}**",
+            "",
+            "| " + " | ".join(MANY_COLUMNS) + " |",
+            "| --- | ---: | ---: | ---: | --- | --- |",
+            *("| " + " | ".join(_md(c) for c in row) + " |" for row in _many_rows(result)),
+        ]
+        details = [
+            "\n".join(
+                "#" + line if line.startswith("#") else line
+                for line in comparison_markdown(c).splitlines()
+            )
+            for c in result.comparisons
+        ]
+        emit("\n\n".join(["\n".join(lines), *details]) + "\n", output)
+        return
+    from rich.console import Console
+    from rich.rule import Rule
+    from rich.table import Table
+    from rich.text import Text
+
+    buffer = io.StringIO() if output is not None else None
+    console = Console(file=buffer, highlight=False, force_terminal=False if buffer else None)
+    if not console.is_terminal:
+        console.width = 120
+    console.print(Text(f"Baseline: {Path(result.baseline).name}", style="bold"))
+    console.print(Text(head, style="bold red" if regressed else "bold green"))
+    table = Table(show_edge=False)
+    for i, col in enumerate(MANY_COLUMNS):
+        table.add_column(col, justify="right" if 1 <= i <= 3 else "left", overflow="fold")
+    for row in _many_rows(result):
+        table.add_row(*(Text(c, style=VERDICT_STYLE.get(c, "")) for c in row))
+    console.print(table)
+    for c in result.comparisons:
+        console.print(Rule(Text(Path(c.after.source).name)))
+        console.print(Text(_terminal(c, to_string=True) or ""), end="")
+    if buffer is not None:
+        emit(buffer.getvalue(), output)
 
 
 def _step_rows(result: Comparison) -> list[tuple[str, str, str, str]]:

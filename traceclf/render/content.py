@@ -292,7 +292,17 @@ def provenance_rows(report: Report) -> list[tuple[str, str]]:
         ("Steady-state window", _window(report)),
         ("traceclf", report.traceclf_version or "?"),
     ]
+    if grouping_line(report):
+        rows.insert(1, ("Grouping", grouping_line(report)))
     return rows
+
+
+def grouping_line(report: Report) -> str:
+    """Why several files became one report (runs.py), or "" for one file."""
+    g = report.grouping if isinstance(report.grouping, dict) else {}
+    if not g or g.get("decided_by") in (None, "one export"):
+        return ""
+    return str(g.get("reason", ""))
 
 
 def _short(name: str, width: int = 60) -> str:

@@ -62,7 +62,14 @@ dt { font-weight: 600; } dd { margin: 0 0 .4em 1em; }
 
 
 def render_html(report: Report) -> str:
-    body = "\n".join(
+    title = f"traceclf: {verdict_title(report)} · {input_names(report)}"
+    return html_document(title, html_body(report))
+
+
+def html_body(report: Report) -> str:
+    """The report's sections, without the document around them (a multi-run report puts
+    several in one file)."""
+    return "\n".join(
         part
         for part in (
             _header(report),
@@ -78,11 +85,14 @@ def render_html(report: Report) -> str:
         )
         if part
     )
-    title = escape(f"traceclf: {verdict_title(report)} · {input_names(report)}")
+
+
+def html_document(title: str, body: str) -> str:
+    """One self-contained HTML file around ``body``; ``title`` is escaped here."""
     return (
         f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>{title}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n{body}\n"
+        f"<title>{escape(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n{body}\n"
         f"</body>\n</html>\n"
     )
 

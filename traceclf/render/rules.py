@@ -3,11 +3,13 @@ output."""
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
 from traceclf.errors import TraceError
 from traceclf.judge.engine import by_workflow
+from traceclf.judge.expr import Template
 from traceclf.judge.schema import load_rules
 
 
@@ -59,14 +61,10 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
     from rich.text import Text
 
     rs = load_rules(rules_dir)
-    fix = rs.fixes.get(fix_id)
-    if fix is None:
-        raise TraceError(
-            None, f"unknown fix {fix_id!r}; valid fix ids: {', '.join(sorted(rs.fixes))}"
-        )
+    fix = rs.fixes[find_fix_id(fix_id, rs.fixes)]
     proposers = [r.id for r in rs.rules.values() if fix.id in r.fixes]
     parts: list[Any] = [
-        Text(fix.why.source),
+        Text(template_without_trace(fix.why)),
         Text(""),
         Syntax(fix.config, "python", theme="ansi_dark", word_wrap=True),
     ]
@@ -82,8 +80,55 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
     for label, value in extra:
         if value:
             parts += [Text(""), Text.assemble((f"{label}: ", "bold"), value)]
-    title = f"{fix.title}  [{fix.id} · {fix.wall}]"
+    title = Text(f"{fix.title}  [{fix.id} · {fix.wall}]")  # Text: brackets are not markup
     _console().print(Panel(Group(*parts), title=title, title_align="left"))
+
+
+# How a template's fields read when there is no trace to fill them from (`explain`).
+PLACEHOLDERS = {
+    "gpu_name": "your GPU",
+    "gpu_family": "supported",
+    "rank_count": "N",
+    "straggler_rank": "the slowest rank",
+}
+
+
+def template_without_trace(template: Template) -> str:
+    """``template`` rendered with words instead of numbers: ``{gpu_name}`` → "your GPU",
+    any other field → ``‹name›`` (filled in from the trace when the fix is proposed)."""
+    out = []
+    for part in template.parts:
+        if isinstance(part, str):
+            out.append(part)
+            continue
+        expr = part[0]
+        names = sorted(expr.names)
+        if len(names) == 1 and names[0] in PLACEHOLDERS and expr.source.strip() == names[0]:
+            out.append(PLACEHOLDERS[names[0]])
+        else:
+            out.append(f"‹{expr.source.strip()}›")
+    return " ".join("".join(out).split())
+
+
+def find_fix_id(asked: str, fixes: dict) -> str:
+    """The fix id meant by ``asked``: exact, else ignoring case and ``_``/``-``; otherwise a
+    TraceError that suggests the closest ids."""
+    if asked in fixes:
+        return asked
+    normal = {_normal(k): k for k in fixes}
+    if _normal(asked) in normal:
+        return normal[_normal(asked)]
+    close = difflib.get_close_matches(_normal(asked), list(normal), n=3, cutoff=0.6)
+    hint = (
+        f"did you mean {' or '.join(normal[c] for c in close)}?"
+        if close
+        else f"valid fix ids: {', '.join(sorted(fixes))}"
+    )
+    raise TraceError(None, f"unknown fix {asked!r}; {hint} (traceclf rules lists them all)")
+
+
+def _normal(fix_id: str) -> str:
+    return fix_id.strip().lower().replace("_", "-")
 
 
 def _console():

@@ -17,6 +17,7 @@ from traceclf.render.content import (
     budget_rows,
     capture_rows,
     detail_rows,
+    grouping_line,
     kernel_rows,
     rank_rows,
     verdict_line,
@@ -54,6 +55,8 @@ def _header(report: Report) -> Text:
     text.append(f"traceclf {report.traceclf_version}", style="bold")
     text.append(f" · {files}\n")
     text.append(provenance(report), style="dim")
+    if grouping_line(report):
+        text.append("\n" + grouping_line(report), style="dim")
     text.append("\n" + steps_line(report))
     return text
 

@@ -1,0 +1,116 @@
+"""Small things a new user trips over (issue 14): `python -m traceclf`, fix ids, `explain`
+without a trace, the multi-file API from a plain script, shell completion."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import fixture_trace
+
+from traceclf import __version__
+from traceclf.judge.schema import load_rules
+from traceclf.render.rules import template_without_trace
+
+FAMILIES = ("ampere", "ada", "hopper", "blackwell")
+
+
+def test_python_dash_m_runs_the_cli(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "traceclf", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"traceclf, version {__version__}"
+
+
+@pytest.mark.parametrize("asked", ["deepep", "DeepEP", "DEEPEP", " deepep "])
+def test_fix_ids_are_case_insensitive(cli, asked: str) -> None:
+    code, out, err = cli("explain", asked)
+    assert code == 0, err
+    assert "DeepEP token dispatcher" in out and "[deepep · communication]" in out
+
+
+@pytest.mark.parametrize(
+    ("asked", "meant"),
+    [("deeep", "deepep"), ("fused_optimiser", "fused-optimizer"), ("CUDA-GRAPH", "cuda-graphs")],
+)
+def test_unknown_fix_id_suggests_the_closest(cli, asked: str, meant: str) -> None:
+    code, out, err = cli("explain", asked)
+    assert code == 2 and out == ""
+    (line,) = err.splitlines()
+    assert f"unknown fix {asked!r}; did you mean {meant}?" in line
+
+
+def test_explain_renders_templates_without_a_trace(cli) -> None:
+    code, out, _ = cli("explain", "deepep")
+    assert code == 0
+    assert "{gpu_name}" not in out and "(your GPU)" in out
+    for fix in load_rules(None).fixes.values():
+        text = template_without_trace(fix.why)
+        assert "{" not in text.replace("{{", ""), fix.id
+
+
+def test_explain_deepep_names_one_set_of_gpus(cli) -> None:
+    """Its text, preconditions and `requires` agree on the hardware DeepEP needs."""
+    out = " ".join(cli("explain", "deepep").stdout.split()).lower()
+    assert "ampere" not in out
+    assert "hopper or blackwell" in out and 'gpu_family in ["hopper", "blackwell"]' in out
+
+
+def test_no_fix_contradicts_its_gpu_requirement() -> None:
+    for fix in load_rules(None).fixes.values():
+        required = fix.requires.source if fix.requires else ""
+        if "gpu_family" not in required:
+            continue
+        allowed = set(re.findall(r'"([a-z0-9]+)"', required))
+        named = {f for f in FAMILIES for p in fix.preconditions if f in p.lower()}
+        assert named <= allowed, (fix.id, named - allowed)
+
+
+def test_multi_file_api_from_a_script_without_main_guard(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(
+        textwrap.dedent(f"""
+            import traceclf
+            print("top-level ran")
+            runs = traceclf.analyze({str(fixture_trace("h100_comm_ep2"))!r},
+                                    {str(fixture_trace("h100_memory_offload"))!r}, jobs=2)
+            print([r.bound for r in runs.runs])
+        """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"TRACECLF_CACHE_DIR": str(tmp_path / "cache")},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["top-level ran", "['communication', 'memory']"]
+
+
+def test_shell_completion_via_click() -> None:
+    env = os.environ | {
+        "_TRACECLF_COMPLETE": "bash_complete",
+        "COMP_WORDS": "traceclf explain dee",
+        "COMP_CWORD": "2",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "traceclf"], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["plain,deepep"]
+    env |= {"_TRACECLF_COMPLETE": "bash_source"}
+    source = subprocess.run(
+        [sys.executable, "-m", "traceclf"], capture_output=True, text=True, env=env, check=False
+    )
+    assert "_traceclf_completion()" in source.stdout

@@ -1,0 +1,148 @@
+"""Runs vs ranks: several inputs are one job only when their evidence matches.
+
+Per-rank files are constructed here by splitting the real two-rank export h100_comm_ep2 by
+process (helpers.files.split_ranks); the unrelated runs are the real fixtures themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jsonschema
+import pytest
+from conftest import FIXTURES, fixture_trace
+from helpers.files import copy_export, split_ranks
+
+from traceclf import analyze
+from traceclf.report import Report
+from traceclf.runs import RunSet, evidence, match
+
+EP2 = "h100_comm_ep2"
+EP2_PIDS = [1191, 1192]
+
+
+@pytest.fixture(scope="module")
+def rank_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("ranks")
+    return split_ranks(fixture_trace(EP2), folder, EP2_PIDS, ["rank_0.sqlite", "rank_1.sqlite"])
+
+
+@pytest.fixture(scope="module")
+def single(rank_files) -> Report:
+    return analyze(fixture_trace(EP2))
+
+
+def test_per_rank_files_of_one_job_merge(rank_files, single: Report) -> None:
+    report = analyze(*rank_files)
+    assert isinstance(report, Report)
+    assert [r["pid"] for r in report.ranks] == EP2_PIDS
+    assert [Path(r["file"]).name for r in report.ranks] == ["rank_0.sqlite", "rank_1.sqlite"]
+    assert report.grouping["mode"] == "job" and report.grouping["decided_by"] == "evidence"
+    assert "same profiling session" in report.grouping["reason"]
+    assert "file names differ only in the rank number" in report.grouping["reason"]
+    # The same two ranks as in the one-file export, so the same numbers.
+    assert report.bound == single.bound == "communication"
+    for key in ("exposed_comm_frac", "gpu_busy_frac", "step_time_ms"):
+        assert report.metrics[key] == pytest.approx(single.metrics[key], rel=1e-6), key
+
+
+def test_unrelated_runs_get_one_report_each(tmp_path: Path) -> None:
+    names = ["h100_comm_ep2", "h100_memory_offload", "h100_host_input_stall"]
+    for name in names:
+        copy_export(fixture_trace(name), tmp_path / f"{name}.sqlite")
+    runs = analyze(tmp_path, jobs=1)
+    assert isinstance(runs, RunSet)
+    assert [r.bound for r in runs.runs] == ["communication", "host", "memory"]
+    assert runs.grouping["mode"] == "runs" and "--job to merge" in runs.grouping["reason"]
+    rows = runs.summary
+    assert [row["run"] for row in rows] == [
+        "h100_comm_ep2.sqlite",
+        "h100_host_input_stall.sqlite",
+        "h100_memory_offload.sqlite",
+    ]
+    assert rows[0]["top_fix"] == runs.runs[0].fixes[0]["id"]
+    assert rows[0]["exposed_comm_frac"] == runs.runs[0].metrics["exposed_comm_frac"]
+
+
+def test_all_fixtures_in_one_folder_are_separate_runs(cli) -> None:
+    code, out, err = cli("analyze", "-q", "-f", "json", FIXTURES)
+    assert code == 0, err
+    data = json.loads(out)
+    assert set(data) == {"report_version", "runs", "summary", "grouping"}
+    assert data["report_version"] == 2
+    assert len(data["runs"]) == len(data["summary"]) == 10
+    assert all(len(run["inputs"]) == 1 for run in data["runs"])
+    schema = json.loads((FIXTURES.parent / "docs" / "report-schema.json").read_text())
+    for run in data["runs"]:  # each run is a whole report of the contract
+        jsonschema.Draft202012Validator(schema).validate(run)
+
+
+def test_same_session_with_disagreeing_steps_is_not_merged(rank_files) -> None:
+    """Two ranks of one job whose steps disagree wildly are not merged silently."""
+    a, b = (evidence(r) for r in _results(rank_files))
+    support, against = match(a, b)
+    assert support and not against
+    slow = b.__class__(**{**b.__dict__, "step_ms": b.step_ms * 3})
+    assert any("step times differ by" in reason for reason in match(a, slow)[1])
+
+
+def test_job_and_runs_override_the_guess(rank_files, tmp_path: Path, cli) -> None:
+    split = analyze(*rank_files, grouping="runs")
+    assert isinstance(split, RunSet) and len(split.runs) == 2
+    assert split.grouping["decided_by"] == "--runs"
+    unrelated = [fixture_trace("h100_comm_ep2"), fixture_trace("h100_comm_ep2_overlap")]
+    merged = analyze(*unrelated, grouping="job")
+    assert isinstance(merged, Report) and len(merged.ranks) == 4
+    assert merged.grouping == {
+        "mode": "job",
+        "decided_by": "--job",
+        "reason": "--job: all 2 files are one job",
+    }
+    code, out, _ = cli("analyze", "-q", "-f", "json", "--runs", *rank_files)
+    assert code == 0 and len(json.loads(out)["runs"]) == 2
+    code, out, _ = cli("analyze", "-q", "-f", "json", "--job", *unrelated)
+    assert code == 0 and json.loads(out)["grouping"]["decided_by"] == "--job"
+
+
+@pytest.mark.parametrize("fmt", ["terminal", "md", "html"])
+def test_every_format_shows_the_summary_then_each_run(tmp_path: Path, cli, fmt) -> None:
+    for name in ("h100_comm_ep2", "h100_memory_offload"):
+        shutil.copyfile(fixture_trace(name), tmp_path / f"{name}.sqlite")
+    out_file = tmp_path / f"report.{fmt}"
+    code, _, err = cli(
+        "analyze",
+        "-q",
+        "-f",
+        fmt,
+        "-o",
+        out_file,
+        tmp_path / "h100_comm_ep2.sqlite",
+        tmp_path / "h100_memory_offload.sqlite",
+    )
+    assert code == 0, err
+    text = out_file.read_text()
+    assert "2 separate runs" in text
+    for column in ("run", "bound", "step", "busy", "exposed comm", "top fix"):
+        assert column in text
+    assert text.index("h100_comm_ep2.sqlite") < text.lower().rindex("communication")
+    assert text.count("deepep") >= 2  # in the summary and in the run's own fixes
+    if fmt == "md":
+        assert "\n# traceclf: 2 separate runs" in "\n" + text
+        assert "\n## traceclf: COMMUNICATION-bound" in text  # each run's title demoted
+        assert "\n# traceclf: COMMUNICATION-bound" not in text
+
+
+def _results(paths):
+    from traceclf.analysis import AnalysisOptions, analyze_export
+
+    return [analyze_export(p, AnalysisOptions(quiet=True)) for p in paths]
+
+
+@pytest.mark.parametrize("fmt", ["terminal", "md", "html"])
+def test_merged_report_says_why_it_merged(rank_files, cli, fmt, tmp_path: Path) -> None:
+    out = tmp_path / f"r.{fmt}"
+    code, _, err = cli("analyze", "-q", "-f", fmt, "-o", out, *rank_files)
+    assert code == 0, err
+    assert "2 files treated as ranks of one job" in " ".join(out.read_text().split())

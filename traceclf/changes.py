@@ -1,0 +1,97 @@
+"""What explains a change between two runs, besides the measures that moved: how CUDA graphs
+were traced in each, fixes that became applied or stopped being proposed, and launch counts
+that include CUDA-graph launches. Read from saved reports of any version (fields missing or of
+the wrong type are skipped, never trusted)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from traceclf.compare import Run
+    from traceclf.report import Report
+
+# Per-kernel measures: what they count depends on how CUDA graphs were traced.
+PER_KERNEL = frozenset({"kernels_per_step", "median_kernel_us", "small_grid_kernel_frac"})
+
+_MODE = {"graph": "graph-level", "node": "node-level"}
+
+
+def graph_tracing(report: Report) -> str | None:
+    """How the run's CUDA graphs were traced: "graph" (one row per graph execution), "node"
+    (one row per kernel inside it) or None (no graphs). Read from the report's capture block
+    when it says, else from the measures: graph executions appear as their own rows only
+    under graph-level tracing."""
+    capture = getattr(report, "capture", None)
+    if isinstance(capture, dict):
+        for key in ("cuda_graph_trace", "graph_trace", "cuda_graph_tracing"):
+            mode = capture.get(key)
+            if isinstance(mode, str) and mode.lower() in ("graph", "node"):
+                return mode.lower()
+    m = metrics_of(report)
+    if not m.get("uses_cuda_graphs") and not (_float(m.get("graph_frac")) or 0) > 0:
+        return None
+    return "graph" if (_float(m.get("graph_launches_per_step")) or 0) > 0 else "node"
+
+
+def metrics_of(report: Report) -> dict:
+    """The run's measures, with launches counted together with CUDA-graph launches."""
+    m = dict(report.metrics) if isinstance(report.metrics, dict) else {}
+    launches, graphs = (
+        _float(m.get("launch_calls_per_step")),
+        _float(m.get("graph_launches_per_step")),
+    )
+    if launches is not None or graphs is not None:
+        m["launches_per_step"] = (launches or 0.0) + (graphs or 0.0)
+    return m
+
+
+def explanations(before: Report, after: Report) -> list[str]:
+    """Fixes that became applied (or stopped being), and proposals that came or went."""
+    out = []
+    applied_b, applied_a = _applied(before), _applied(after)
+    out += [f"now applied: {t}" for t in applied_a if t not in applied_b]
+    out += [f"no longer applied: {t}" for t in applied_b if t not in applied_a]
+    fixes_b, fixes_a = _fix_ids(before), _fix_ids(after)
+    gone = [f for f in fixes_b if f not in fixes_a]
+    new = [f for f in fixes_a if f not in fixes_b]
+    if gone:
+        out.append(f"no longer proposed: {', '.join(gone)}")
+    if new:
+        out.append(f"newly proposed: {', '.join(new)}")
+    return out
+
+
+def _applied(report: Report) -> list[str]:
+    items = report.applied if isinstance(report.applied, list) else []
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict):  # a structured entry (report_version 2)
+            text = item.get("sentence") or item.get("text") or item.get("title") or item.get("id")
+            if isinstance(text, str):
+                out.append(text)
+    return out
+
+
+def _fix_ids(report: Report) -> list[str]:
+    fixes = report.fixes if isinstance(report.fixes, list) else []
+    return [f["id"] for f in fixes if isinstance(f, dict) and isinstance(f.get("id"), str)]
+
+
+def tracing_note(b: Run, a: Run) -> str | None:
+    """The tracing-mode difference, said instead of flagging per-kernel counts."""
+    if b.graph_tracing and a.graph_tracing and b.graph_tracing != a.graph_tracing:
+        return (
+            f"CUDA graphs traced differently ({_MODE[b.graph_tracing]} → "
+            f"{_MODE[a.graph_tracing]}): kernels per step, kernel sizes and durations count "
+            "different things, so they are not compared; busy time and step time are"
+        )
+    return None
+
+
+def _float(v) -> float | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return float(v) if ok else None

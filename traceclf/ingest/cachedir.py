@@ -1,0 +1,268 @@
+"""Where traceclf's caches live, which names in there it owns, and how it cleans them up.
+
+One folder, the cache root, holds every cache: ``--cache-dir`` when given, else
+``$TRACECLF_CACHE_DIR``, else the user's cache directory (platformdirs: ``~/.cache/traceclf``
+on Linux, honouring ``$XDG_CACHE_HOME``; ``~/Library/Caches/traceclf`` on macOS). Nothing is
+written beside the inputs unless the user puts the root there (``--cache-dir .``).
+
+Names traceclf owns in the root, and the only names it ever deletes::
+
+    <export name>-<16 hex>.traceclf/        one folder per export path (a "slot")
+        <32 hex>/                           the trace model of one version of the export
+        results-<32 hex>/<24 hex>.json      analysis results of that version, per option set
+        .tmp-*                              a writer's temporaries (removed once stale)
+    <report stem>-<12 hex>-<12 hex>.sqlite  nsys exports of .nsys-rep reports (stamped)
+
+The root itself may be a symbolic link (a user's choice); everything traceclf creates inside
+it must be a real folder or file owned by this user, so a link planted in a cache can neither
+redirect a write nor a deletion. Any problem with the cache (a full disk, a read-only or
+foreign folder, a damaged entry) means "no cache", never a failed analysis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+APP = "traceclf"
+ENV = "TRACECLF_CACHE_DIR"
+SLOT_SUFFIX = ".traceclf"
+RESULTS_PREFIX = "results-"
+TMP_PREFIX = ".tmp-"
+HEAD_BYTES = 1 << 20
+TAIL_BYTES = 1 << 16
+# A temporary this old belongs to a writer that died; younger ones may still be filling.
+STALE_TMP_S = 3600
+
+SLOT_RE = re.compile(r".+-[0-9a-f]{16}\.traceclf")
+ENTRY_RE = re.compile(r"[0-9a-f]{32}")
+RESULTS_RE = re.compile(r"results-[0-9a-f]{32}")
+RESULT_FILE_RE = re.compile(r"[0-9a-f]{24}\.json")
+EXPORT_RE = re.compile(r".+-[0-9a-f]{12}-[0-9a-f]{12}\.sqlite")
+TMP_EXPORT_RE = re.compile(r"\..+\.\d+-[0-9a-f]{8}\.tmp\.sqlite")
+
+
+@dataclass(frozen=True)
+class Root:
+    path: Path
+    origin: str  # "--cache-dir" | "$TRACECLF_CACHE_DIR" | "user cache directory"
+
+
+def cache_root(cache_dir: Path | str | None = None) -> Root:
+    """The cache root and why it is that one (``--cache-dir`` > ``$TRACECLF_CACHE_DIR`` >
+    the platform's user cache directory). Relative paths are taken from the current folder."""
+    if cache_dir is not None and str(cache_dir):
+        return Root(Path(cache_dir).expanduser().absolute(), "--cache-dir")
+    env = os.environ.get(ENV)
+    if env:
+        return Root(Path(env).expanduser().absolute(), f"${ENV}")
+    return Root(_platform_cache_dir(), "user cache directory")
+
+
+def _platform_cache_dir() -> Path:
+    try:
+        from platformdirs import user_cache_path
+    except ImportError:  # a stripped install: XDG by hand, which is what platformdirs does on Linux
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(base).absolute() / APP
+    return user_cache_path(APP, appauthor=False)
+
+
+def export_key(path: Path) -> str:
+    """Identity of an export as the loader would see it: resolved path, size, mtime, inode,
+    and a content fingerprint (the first MiB, which holds SQLite's header and its change
+    counter, and the last 64 KiB). Raises OSError when the file cannot be read."""
+    from traceclf.ingest.cache import code_fingerprint
+
+    st = path.stat()
+    digest = hashlib.sha256(
+        f"{code_fingerprint()}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:".encode(
+            errors="surrogateescape"
+        )
+    )
+    with path.open("rb") as f:
+        digest.update(f.read(HEAD_BYTES))
+        if st.st_size > HEAD_BYTES:
+            f.seek(max(HEAD_BYTES, st.st_size - TAIL_BYTES))
+            digest.update(f.read(TAIL_BYTES))
+    return digest.hexdigest()[:32]
+
+
+def path_digest(path: Path, length: int = 16) -> str:
+    return hashlib.sha256(str(path.resolve()).encode(errors="surrogateescape")).hexdigest()[:length]
+
+
+def slot_of(path: Path, cache_dir: Path | None = None) -> Path:
+    """The folder that holds every cached version of the export at ``path``."""
+    return cache_root(cache_dir).path / f"{path.name}-{path_digest(path)}{SLOT_SUFFIX}"
+
+
+def is_owned(path: Path, kind: str = "dir") -> bool:
+    """Whether ``path`` is a real (not linked) folder or file, as ``kind`` says, owned by us."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    right_kind = stat.S_ISDIR(st.st_mode) if kind == "dir" else stat.S_ISREG(st.st_mode)
+    return right_kind and st.st_uid == os.geteuid()
+
+
+def usable_root(root: Path, *, create: bool) -> bool:
+    """Whether the cache root is a folder we may write into (creating it when asked)."""
+    if create and not root.exists() and not root.is_symlink():
+        with contextlib.suppress(OSError):
+            root.mkdir(parents=True, exist_ok=True)
+    return root.is_dir() and _writable(root)
+
+
+def ensure_slot(slot: Path) -> bool:
+    """Create ``slot`` (and the root) if needed; True when it is a real folder of ours that
+    we may write into. A link in its place is never followed."""
+    if not usable_root(slot.parent, create=True):
+        return False
+    with contextlib.suppress(FileExistsError, OSError):
+        slot.mkdir()
+    return is_owned(slot) and _writable(slot)
+
+
+def readable_slot(slot: Path) -> bool:
+    """A slot we may read: a real folder (not a link) of ours."""
+    return is_owned(slot)
+
+
+def _writable(folder: Path) -> bool:
+    """access(2) plus a write bit, so a folder made read-only on purpose stays untouched even
+    for root, whom access(2) always allows."""
+    try:
+        return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & 0o222)
+    except OSError:
+        return False
+
+
+def remove(path: Path) -> int:
+    """Delete ``path`` if it is a real folder or file of ours; bytes freed (0 when refused).
+    ``shutil.rmtree`` never follows links inside the folder it removes."""
+    if is_owned(path, "dir"):
+        size = _size(path)
+        shutil.rmtree(path, ignore_errors=True)
+        return size if not path.exists() else 0
+    if is_owned(path, "file"):
+        size = path.lstat().st_size
+        with contextlib.suppress(OSError):
+            path.unlink()
+            return size
+    return 0
+
+
+def prune_slot(slot: Path, keep: str) -> None:
+    """Remove the older versions' entries and results and dead writers' temporaries from a
+    slot; names the cache did not create are left alone."""
+    if not readable_slot(slot):
+        return
+    with contextlib.suppress(OSError):
+        for child in slot.iterdir():
+            name = child.name
+            if name in (keep, f"{RESULTS_PREFIX}{keep}"):
+                continue
+            if name.startswith(TMP_PREFIX):
+                if _stale(child):
+                    remove(child)
+            elif ENTRY_RE.fullmatch(name) or RESULTS_RE.fullmatch(name):
+                remove(child)
+
+
+@dataclass
+class Usage:
+    root: Root
+    slots: int = 0  # exports with a cached trace model or result
+    models: int = 0
+    results: int = 0
+    exports: int = 0  # nsys exports of reports
+    bytes: int = 0
+
+
+def usage(cache_dir: Path | None = None) -> Usage:
+    """What the cache root holds (only the names traceclf owns are counted)."""
+    root = cache_root(cache_dir)
+    out = Usage(root)
+    for kind, path in owned_items(root.path):
+        out.bytes += _size(path)
+        if kind == "slot":
+            out.slots += 1
+            with contextlib.suppress(OSError):
+                for child in path.iterdir():
+                    out.models += bool(ENTRY_RE.fullmatch(child.name))
+                    out.results += bool(RESULTS_RE.fullmatch(child.name))
+        elif kind == "export":
+            out.exports += 1
+    return out
+
+
+def clear(cache_dir: Path | None = None) -> tuple[int, int]:
+    """Delete everything traceclf owns in the cache root: (items removed, bytes freed).
+    Anything else in that folder (a user's own files under ``--cache-dir .``) stays."""
+    removed = freed = 0
+    for _kind, path in owned_items(cache_root(cache_dir).path):
+        size = remove(path)
+        removed += bool(size) or not path.exists()
+        freed += size
+    return removed, freed
+
+
+def owned_items(root: Path) -> list[tuple[str, Path]]:
+    """The slots and exports in ``root`` that traceclf made, by name, kind, owner and (for
+    exports) the stamp traceclf writes into their SQLite header."""
+    items: list[tuple[str, Path]] = []
+    try:
+        children = sorted(root.iterdir())
+    except OSError:
+        return items
+    for child in children:
+        name = child.name
+        if SLOT_RE.fullmatch(name) and is_owned(child):
+            items.append(("slot", child))
+        elif _owned_export(child):
+            items.append(("export", child))
+    return items
+
+
+def _owned_export(path: Path) -> bool:
+    """An nsys export traceclf made (stamped), or a dead writer's temporary of one."""
+    from traceclf.ingest.nsys import made_by_traceclf
+
+    if not is_owned(path, "file"):
+        return False
+    if TMP_EXPORT_RE.fullmatch(path.name):
+        return _stale(path)
+    return bool(EXPORT_RE.fullmatch(path.name)) and made_by_traceclf(path)
+
+
+def _stale(path: Path) -> bool:
+    """A temporary whose writer has surely died (a live one may still be filling it)."""
+    try:
+        return time.time() - path.lstat().st_mtime >= STALE_TMP_S
+    except OSError:
+        return False
+
+
+def _size(path: Path) -> int:
+    """Bytes under ``path`` (links not followed)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    total = 0
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total

@@ -1,0 +1,104 @@
+"""The multi-run report (several unrelated runs analysed at once, traceclf/runs.py): a summary
+table (run | bound | step | busy | exposed comm | top fix), then each run's own report, in
+every format."""
+
+from __future__ import annotations
+
+import io
+import re
+from html import escape
+
+from traceclf.render.text import fmt_ms, pct
+from traceclf.runs import SUMMARY_COLUMNS, RunSet
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def summary_cells(runs: RunSet) -> list[list[str]]:
+    return [
+        [
+            row["run"],
+            row["bound"] or "abstained",
+            fmt_ms(row["step_ms"]),
+            pct(row["busy_frac"]),
+            pct(row["exposed_comm_frac"]),
+            row["top_fix"] or "–",
+        ]
+        for row in runs.summary
+    ]
+
+
+def runs_terminal(runs: RunSet, to_string: bool = False) -> str | None:
+    from rich.console import Console
+    from rich.rule import Rule
+    from rich.table import Table
+    from rich.text import Text
+
+    from traceclf.render.terminal import render_terminal
+
+    buffer = io.StringIO() if to_string else None
+    console = Console(file=buffer, highlight=False, force_terminal=False if to_string else None)
+    if not console.is_terminal:
+        console.width = 120
+    console.print(Text(f"traceclf: {len(runs.runs)} separate runs", style="bold"))
+    console.print(Text(runs.grouping.get("reason", ""), style="dim"))
+    table = Table(show_edge=False)
+    for i, col in enumerate(SUMMARY_COLUMNS):
+        table.add_column(col, justify="right" if 2 <= i <= 4 else "left", overflow="fold")
+    for cells in summary_cells(runs):
+        table.add_row(*(Text(c) for c in cells))
+    console.print(table)
+    for i, report in enumerate(runs.runs, 1):
+        console.print(Rule(Text(f"run {i} of {len(runs.runs)}")))
+        text = render_terminal(report, to_string=True)
+        console.print(Text(text or ""), end="") if to_string else render_terminal(report)
+    return buffer.getvalue() if buffer else None
+
+
+def runs_markdown(runs: RunSet) -> str:
+    from traceclf.render.markdown import render_markdown
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = [
+        f"# traceclf: {len(runs.runs)} separate runs",
+        "",
+        cell(runs.grouping.get("reason", "")),
+        "",
+        "| " + " | ".join(SUMMARY_COLUMNS) + " |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+        *("| " + " | ".join(cell(c) for c in cells) + " |" for cells in summary_cells(runs)),
+    ]
+    parts = ["\n".join(lines)]
+    parts += [_demote(render_markdown(report)).rstrip("\n") for report in runs.runs]
+    return "\n\n".join(parts) + "\n"
+
+
+def _demote(markdown: str) -> str:
+    """Each run's headings one level down, under the summary; code blocks stay verbatim (a
+    fix's config may hold '#' comments)."""
+    out, fenced = [], False
+    for line in markdown.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        out.append("#" + line if not fenced and line.startswith("#") else line)
+    return "\n".join(out) + "\n"
+
+
+def runs_html(runs: RunSet) -> str:
+    from traceclf.render.html import html_body, html_document
+
+    head = "".join(f"<th>{escape(c)}</th>" for c in SUMMARY_COLUMNS)
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>"
+        for cells in summary_cells(runs)
+    )
+    body = [
+        f"<h1>traceclf: {len(runs.runs)} separate runs</h1>",
+        f'<p class="sub">{escape(runs.grouping.get("reason", ""))}</p>',
+        f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>",
+    ]
+    for i, report in enumerate(runs.runs, 1):
+        body.append(f'<hr><section id="run-{i}">\n{html_body(report)}\n</section>')
+    return html_document(f"traceclf: {len(runs.runs)} separate runs", "\n".join(body))

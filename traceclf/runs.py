@@ -1,0 +1,222 @@
+"""Runs vs ranks: which of several exports are ranks of one job, and the multi-run report.
+
+Several exports are merged into one report only when the evidence says they are one job:
+
+- nothing contradicts it: the same GPU model, the same step anchor (steps found the same way,
+  under the same NVTX label), step times within ``STEP_TOLERANCE`` of each other, captures
+  that overlap in time when both say when they ran, and no rank id claimed twice;
+- and something positive ties them: one profiling session (its UUID), captures that overlap
+  in wall-clock time, or file names that differ only in a rank number (``rank_0``,
+  ``rank_1``) with distinct rank ids (from the name or from NCCL's payloads).
+
+Exports are grouped greedily in input order: each joins the first group all of whose members
+it matches, else starts a run of its own. ``--job`` (all inputs are one job) and ``--runs``
+(one report per export) override the guess; the report says which was used and why.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from traceclf.report import Report
+
+# Ranks of one synchronous job wait for each other every step: their step times agree closely.
+STEP_TOLERANCE = 0.25
+# Clocks of different hosts agree to well under this (NTP); captures are compared with it.
+CLOCK_SLACK_NS = 2_000_000_000
+RANK_IN_NAME = re.compile(r"(?<![a-z])(?:rank|proc|node|gpu|r)[-_.]?(\d+)(?!.*\d)", re.IGNORECASE)
+DIGITS = re.compile(r"\d+")
+
+
+@dataclass
+class Evidence:
+    """What one export says about the job it belongs to."""
+
+    name: str
+    gpus: frozenset[str]
+    anchor: tuple[str, str]  # (step source, step label) of its first rank
+    step_ms: float | None
+    session_uuid: str | None
+    capture_utc_ns: tuple[int, int] | None
+    name_pattern: str
+    rank_ids: frozenset[int]
+
+
+def evidence(result) -> Evidence:
+    """``result``: an analysis.ExportResult."""
+    job = result.job or {}
+    first = result.ranks[0].steps if result.ranks else {}
+    step_ms = [r.steps.get("median_ms") for r in result.ranks if r.steps.get("median_ms")]
+    start, span = job.get("start_utc_ns"), job.get("gpu_span_ns")
+    capture = (start + span[0], start + span[1]) if start is not None and span else None
+    stem = Path(result.path).stem
+    named = RANK_IN_NAME.search(stem)
+    ranks = set(job.get("nccl_ranks") or []) or set(job.get("env_ranks") or [])
+    if named and not ranks:
+        ranks = {int(named.group(1))}
+    return Evidence(
+        name=Path(result.path).name,
+        gpus=frozenset((r.gpu or {}).get("name") or "unknown GPU" for r in result.ranks),
+        anchor=(first.get("source") or "none", first.get("label") or ""),
+        step_ms=sum(step_ms) / len(step_ms) if step_ms else None,
+        session_uuid=job.get("session_uuid"),
+        capture_utc_ns=capture,
+        name_pattern=DIGITS.sub("#", stem),
+        rank_ids=frozenset(ranks),
+    )
+
+
+def match(a: Evidence, b: Evidence) -> tuple[list[str], list[str]]:
+    """(evidence for one job, evidence against) for two exports."""
+    against, support = [], []
+    if a.gpus != b.gpus:
+        against.append(f"different GPUs ({_names(a.gpus)} vs {_names(b.gpus)})")
+    if a.anchor != b.anchor:
+        against.append(f"steps found differently ({_anchor(a)} vs {_anchor(b)})")
+    if a.step_ms and b.step_ms:
+        skew = abs(a.step_ms - b.step_ms) / min(a.step_ms, b.step_ms)
+        if skew > STEP_TOLERANCE:
+            against.append(
+                f"step times differ by {skew:.0%} ({a.step_ms:.3g} vs {b.step_ms:.3g} ms; "
+                f"ranks of one job agree within {STEP_TOLERANCE:.0%})"
+            )
+    elif bool(a.step_ms) != bool(b.step_ms):
+        against.append("steps found in one and not the other")
+    if a.capture_utc_ns and b.capture_utc_ns:
+        if _overlap(a.capture_utc_ns, b.capture_utc_ns):
+            support.append("their captures overlap in time")
+        else:
+            against.append("captured at different times")
+    if a.session_uuid and a.session_uuid == b.session_uuid:
+        support.append("same profiling session")
+    if a.rank_ids and b.rank_ids:
+        if a.rank_ids & b.rank_ids:
+            against.append(f"both are rank {min(a.rank_ids & b.rank_ids)}")
+        elif a.name_pattern == b.name_pattern:
+            support.append("file names differ only in the rank number")
+        else:
+            support.append("distinct rank ids")
+    return support, against
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] <= b[1] + CLOCK_SLACK_NS and b[0] <= a[1] + CLOCK_SLACK_NS
+
+
+@dataclass
+class Grouping:
+    groups: list[list[int]]  # indices of the exports in each run, input order
+    mode: str  # "job" | "runs"
+    decided_by: str  # "one export" | "evidence" | "--job" | "--runs"
+    reason: str
+
+    def for_report(self) -> dict:
+        return {"mode": self.mode, "decided_by": self.decided_by, "reason": self.reason}
+
+
+def group(results: list, how: str = "auto") -> Grouping:
+    """Split the map step's ExportResults into runs (see the module docstring)."""
+    n = len(results)
+    if n == 1:
+        return Grouping([[0]], "job", "one export", "one export")
+    if how == "job":
+        return Grouping([list(range(n))], "job", "--job", f"--job: all {n} files are one job")
+    if how == "runs":
+        return Grouping([[i] for i in range(n)], "runs", "--runs", "--runs: one report per file")
+    ev = [evidence(r) for r in results]
+    groups: list[list[int]] = []
+    support: dict[int, set[str]] = {}
+    apart: list[str] = []
+    for i, e in enumerate(ev):
+        for g, members in enumerate(groups):
+            verdicts = [match(ev[m], e) for m in members]
+            if all(s and not a for s, a in verdicts):
+                members.append(i)
+                support[g] |= {s for sup, _ in verdicts for s in sup}
+                break
+        else:
+            if groups:
+                sup, against = match(ev[groups[-1][0]], e)
+                why = (
+                    "; ".join(against)
+                    or "nothing ties them together ("
+                    + (", ".join(sup) or "no shared session, overlapping capture or rank naming")
+                    + ")"
+                )
+                apart.append(f"{e.name} vs {ev[groups[-1][0]].name}: {why}")
+            groups.append([i])
+            support[len(groups) - 1] = set()
+    if len(groups) == 1:
+        reasons = ", ".join(sorted(support[0]))
+        return Grouping(
+            groups,
+            "job",
+            "evidence",
+            f"{n} files treated as ranks of one job: {reasons}; "
+            "same GPU, same step anchor, step times agree (--runs to split)",
+        )
+    return Grouping(
+        groups,
+        "runs",
+        "evidence",
+        f"{n} files are {len(groups)} separate runs (--job to merge): " + " · ".join(apart),
+    )
+
+
+def _names(gpus: frozenset[str]) -> str:
+    return ", ".join(sorted(gpus))
+
+
+def _anchor(e: Evidence) -> str:
+    source, label = e.anchor
+    return f'{source} "{label}"' if label else source
+
+
+# The multi-run report --------------------------------------------------------------------
+
+SUMMARY_COLUMNS = ("run", "bound", "step", "busy", "exposed comm", "top fix")
+
+
+@dataclass
+class RunSet:
+    """Several unrelated runs analysed together: one report each plus a summary table. In
+    JSON ``{"report_version": 2, "runs": [report, ...], "summary": [row, ...], "grouping"}``."""
+
+    runs: list[Report]
+    grouping: dict = field(default_factory=dict)
+
+    report_version = 2
+
+    @property
+    def summary(self) -> list[dict]:
+        return [summary_row(r) for r in self.runs]
+
+    def to_dict(self) -> dict:
+        return {
+            "report_version": self.report_version,
+            "runs": [r.to_dict() for r in self.runs],
+            "summary": self.summary,
+            "grouping": self.grouping,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        from traceclf.report import _jsonable
+
+        return json.dumps(self.to_dict(), indent=indent, default=_jsonable)
+
+
+def summary_row(report: Report) -> dict:
+    """One run in a line: files, bound, median step, GPU busy, exposed comm, top fix."""
+    m = report.metrics
+    fix = report.fixes[0] if report.fixes else {}
+    return {
+        "run": ", ".join(Path(i["path"]).name for i in report.inputs),
+        "bound": report.classification.get("bound"),
+        "step_ms": report.steps.get("median_ms"),
+        "busy_frac": m.get("gpu_busy_frac"),
+        "exposed_comm_frac": m.get("exposed_comm_frac"),
+        "top_fix": fix.get("id"),
+    }
