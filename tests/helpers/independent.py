@@ -472,9 +472,9 @@ def _kernel_mix(w: Window) -> dict:
     shapes = [(k["name"], k["grid"]) for k in small]
     fp8_ns = sum(k["end"] - k["start"] for k in gemm if taxonomy()["fp8_gemm"].search(k["name"]))
     return out | {
-        "gemm_kernels_per_step": len(gemm) / per_step,
+        "gemm_kernels_per_step": len(gemm) / per_step if per_step else None,
         "small_gemm_repeats_per_step": max(map(shapes.count, set(shapes)), default=0) / per_step
-        if sm_count
+        if sm_count and per_step
         else None,
         "fp8_gemm_frac": fp8_ns / gemm_ns if gemm_ns else None,
         "small_grid_gemm_frac": sum(k["end"] - k["start"] for k in small) / gemm_ns
@@ -483,27 +483,39 @@ def _kernel_mix(w: Window) -> dict:
     }
 
 
-def _warmup(w: Window) -> tuple[list[dict], float]:
-    """The eager kernels of the warm-up iterations right before the first graph capture: the
-    last burst of kernels launched before cudaStreamBeginCapture (before the window without
-    one), split at GPU pauses longer than 4 replays (at least 20 ms); it holds (its span / the
-    median replay) iterations."""
-    begin = [a["start"] for a in w.rows["api"] if re.match(r"cu(da)?StreamBeginCapture", a["name"])]
-    if begin:
-        eager = [k for k in w.rows["kernels"] if w.launched_at.get(k["corr"], 1 << 62) < min(begin)]
-    else:
-        eager = [k for k in w.rows["kernels"] if k["end"] <= w.lo]
-    eager.sort(key=lambda k: k["start"])
-    if not eager:
-        return [], 1.0
+def _warmup(w: Window) -> tuple[list[dict], float | None]:
+    """The eager kernels of the warm-up iterations right before the first graph capture (the
+    last burst of kernels launched before cudaStreamBeginCapture, split at GPU pauses longer
+    than 4 replays, at least 20 ms), and how many steps they hold: their number over the kernel
+    launches recorded between cudaStreamBeginCapture and cudaStreamEndCapture (the captured
+    graph, replayed once per step). Null without a capture in the trace."""
+    api = w.rows["api"]
+    begin = min(
+        (a["start"] for a in api if re.match(r"cu(da)?StreamBeginCapture", a["name"])), default=None
+    )
+    if begin is None:
+        return [], None
+    eager = sorted(
+        (k for k in w.rows["kernels"] if w.launched_at.get(k["corr"], begin) < begin),
+        key=lambda k: k["start"],
+    )
+    end = min(a["start"] for a in api if a["start"] > begin and "StreamEndCapture" in a["name"])
+    captured = [
+        a
+        for a in api
+        if begin < a["start"] < end
+        and api_is("launch", a["name"])
+        and not api_is("graph_launch", a["name"])
+    ]
+    if not eager or not captured:
+        return eager, None
     replay = statistics.median(e - s for s, e in w.graphs)
     pause = max(WARMUP_PAUSE_REPLAYS * replay, WARMUP_PAUSE_MIN_NS)
     burst, reach = 0, eager[0]["end"]
     for i, k in enumerate(eager[1:], 1):
         burst = i if k["start"] - reach > pause else burst
         reach = max(reach, k["end"])
-    kernels = eager[burst:]
-    return kernels, max((max(k["end"] for k in kernels) - kernels[0]["start"]) / replay, 1.0)
+    return eager[burst:], len(eager[burst:]) / len(captured)
 
 
 def _graph_internal_gaps(w: Window) -> float | None:
