@@ -206,6 +206,7 @@ def read_export(path: Path) -> dict[str, list[dict]]:
     for c in out["memcpy"]:
         kind = copy_kinds.get(c["copyKind"], "")  # CUDA_MEMCPY_KIND_HTOD, ..._UVM_HTOD, ...
         c["h2d"], c["d2h"] = kind.endswith("_HTOD"), kind.endswith("_DTOH")
+        c["peer"] = kind.endswith("_PTOP")
         c["pageable"] = any(
             mem_kinds.get(c[k], "").endswith("_PAGEABLE") for k in ("srcKind", "dstKind")
         )
@@ -291,10 +292,21 @@ class Window:
 def _budget(w: Window) -> dict:
     """gpu_busy_frac: union of kernels, graph executions, memcpy and memset; compute_frac:
     non-communication kernels and graph executions; comm_frac: communication kernels;
-    exposed_comm_frac: communication with no compute; exposed_copy_frac: copies with neither."""
+    exposed_comm_frac: communication with no compute; exposed_copy_frac: copies with neither.
+    The device budget (docs/measures.md, "Critical path"): compute-absent = 1 - compute;
+    occupied-not-computing = busy - compute; non-transfer busy = compute and copies other than
+    host<->device or peer ones; time inside graph replays; and ``copy_alone_frac``, copies
+    with no compute (not a report measure: what blocking_copy_frac cannot exceed)."""
     comp, com, kernels = length(w.compute), length(w.comm), length(w.compute, w.comm)
     exposed_comm = kernels - comp
+    local = [(c["start"], c["end"]) for c in w.memcpy if not (c["h2d"] or c["d2h"] or c["peer"])]
+    local += spans(clip(w.rows["memset"], w.lo, w.hi))
     return {
+        "compute_absent_frac": 1 - comp / w.wall,
+        "occupied_not_computing_frac": (w.busy - comp) / w.wall,
+        "non_transfer_busy_frac": length(w.compute, local) / w.wall,
+        "graph_unresolved_frac": length(w.graphs) / w.wall,
+        "copy_alone_frac": (length(w.copies, w.compute) - comp) / w.wall,
         "gpu_busy_frac": w.busy / w.wall,
         "gpu_idle_frac": 1 - w.busy / w.wall,
         "compute_frac": comp / w.wall,
