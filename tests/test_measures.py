@@ -22,6 +22,37 @@ def test_host_launch_bound_run():
     assert m["idle_launch_frac"] + m["idle_sync_frac"] > 0.6
 
 
+def test_the_gap_a_sync_returns_in_is_sync_idle():
+    """A gap in which a synchronising call returns is idle after that sync, even when the next
+    gap starts within the 20 µs slack after the return (kernels of ~2 µs): each launch-bound
+    ``.nonzero()`` sync once left its own gap as launch idle and marked the next one."""
+    import numpy as np
+    import polars as pl
+    from realtraces import trace_path
+
+    from traceclf import kernels
+    from traceclf.ingest.load import load_trace
+    from traceclf.measures import host
+    from traceclf.measures.window import prepare
+    from traceclf.steps import find_steps
+
+    trace = load_trace(trace_path("h100_host_launch_gpumetrics"))
+    (pid,) = trace.rank_pids
+    taxonomy = kernels.bundled()
+    steps = find_steps(trace, None, taxonomy)
+    w = prepare(trace, steps, trace.gpu_of(pid), taxonomy)
+    gaps = host.idle_gaps(w)
+    sync_end = w.api.filter(pl.col("is_sync"))["end"].to_numpy()
+    start, end = gaps["start"].to_numpy(), gaps["end"].to_numpy()
+    returns_inside = np.array(
+        [((sync_end >= s) & (sync_end <= e)).any() for s, e in zip(start, end, strict=True)]
+    )
+    causes = gaps["cause"].to_numpy()[returns_inside]
+    assert len(causes) > 100
+    assert set(causes) <= {"sync", "other", "input", "host"}  # the causes ranked before sync
+    assert (causes == "sync").mean() > 0.9
+
+
 def test_cuda_graph_run_is_busy_in_both_tracing_modes():
     (graph,) = metrics("h100_host_cudagraph.sqlite")
     (node,) = metrics("h100_host_cudagraph_nodetrace.sqlite")

@@ -127,12 +127,13 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     covered = np.minimum(end[inside], gend[idx_in]) - start[inside]
     api_ns = np.bincount(idx_in, weights=covered, minlength=len(gaps))
     n_calls = np.bincount(idx_in, minlength=len(gaps))
-    # A synchronising call that returns at (or just before) the start of a gap drained the queue.
-    sync_end = end[calls["is_sync"].fill_null(False).to_numpy()]
-    sidx = np.searchsorted(gstart - SYNC_SLACK_NS, sync_end, side="right") - 1
-    synced = (sidx >= 0) & (sync_end <= gend[np.maximum(sidx, 0)])
-    after_sync = np.zeros(len(gaps), dtype=bool)
-    after_sync[sidx[synced]] = True
+    # A synchronising call that returns inside a gap, or at most SYNC_SLACK_NS before it starts,
+    # drained the queue. Every such gap counts: with kernels of a few µs the next gap starts
+    # within the slack too, and must not take the sync away from the gap it returned in.
+    sync_end = np.sort(end[calls["is_sync"].fill_null(False).to_numpy()])
+    nxt = np.searchsorted(sync_end, gstart - SYNC_SLACK_NS)  # first sync returning since then
+    after_sync = nxt < len(sync_end)
+    after_sync[after_sync] = sync_end[nxt[after_sync]] <= gend[after_sync]
     gaps = gaps.with_columns(
         api_ns=pl.Series(api_ns),
         calls=pl.Series(n_calls),

@@ -1,0 +1,615 @@
+"""An independent recomputation of traceclf's measures, for the tests that check the numbers
+behind the report's evidence sentences (issue 10, tests/test_evidence_truth.py).
+
+Nothing here imports traceclf (its loader, measures or polars code): the export is read with
+:mod:`sqlite3`, the arithmetic is plain Python and NumPy. Only the taxonomy is shared, read as
+data from rules/kernels.yaml, its regexes run with Python's :mod:`re` (first match wins). Each
+measure follows its definition in docs/measures.md, under the report's name.
+
+All interval arithmetic rests on one primitive, the union of intervals (a sweep):
+``|A ∩ B| = |A| + |B| - |A ∪ B|`` and ``|A \\ B| = |A ∪ B| - |B|``.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import statistics
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+RULES = Path(__file__).resolve().parents[2] / "rules"
+# docs/measures.md thresholds
+MS = 1_000_000
+LONG_GAP_NS = MS  # "idle gaps >= 1 ms with CUDA calls covering < half of them"
+SYNC_SLACK_NS = 20_000  # "a synchronising call returned at the gap's start (within 20 µs)"
+BIG_COPY_BYTES = 1 << 20  # next batch ("host->device copy of >= 1 MiB") and GB/s copies
+SMALL_D2H_BYTES = 1024  # "device->host copies of <= 1 KiB"
+WARMUP_PAUSE_REPLAYS, WARMUP_PAUSE_MIN_NS = 4, 20 * MS  # kernel_stats_outside_window
+IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
+# GPU-metric rows as nsys names them on different GPUs
+METRIC_NAMES = {
+    "sm_active_mean": ("SMs Active [Throughput %]", "SM Active [Throughput %]"),
+    "sm_issue_mean": ("SM Issue [Throughput %]", "SM Issue Active [Throughput %]"),
+    "tensor_active_mean": (
+        "Tensor Active [Throughput %]",
+        "Tensor Active / FP16 Active [Throughput %]",
+        "Tensor Pipe Active [Throughput %]",
+    ),
+}
+
+Table = list[tuple[str, re.Pattern]]
+
+# ---------------------------------------------------------------- taxonomy: data, read as data
+
+
+@cache
+def taxonomy() -> dict:
+    """rules/kernels.yaml ``taxonomy`` with compiled patterns. A kernel is communication when
+    its family is ``communication`` (the first family: NCCL, DeepEP, HybridEP, NVSHMEM and
+    userbuffers kernel names); all other kernels are compute."""
+    raw = yaml.safe_load((RULES / "kernels.yaml").read_text())["taxonomy"]
+
+    def table(key: str, label: str) -> Table:
+        return [(e[label], re.compile(e["match"])) for e in raw[key]]
+
+    return {
+        "families": table("families", "family"),
+        "comm_libraries": table("comm_libraries", "library"),
+        "comm_kinds": table("comm_kinds", "kind"),
+        "nvtx_collectives": [
+            (e["source"], e["kind"], re.compile(e["match"])) for e in raw["nvtx_collectives"]
+        ],
+        "host_activities": table("host_activities", "activity"),
+        **{key: {k: re.compile(v) for k, v in raw[key].items()} for key in ("nvtx", "cuda_api")},
+        "fp8_gemm": re.compile(raw["fp8_gemm"]),
+    }
+
+
+def first(table: Table, text: str, default: str | None = None) -> str | None:
+    return next((label for label, pattern in table if pattern.search(text)), default)
+
+
+@cache
+def family(name: str) -> str:
+    return first(taxonomy()["families"], name, "other") or "other"
+
+
+@cache
+def api_is(kind: str, name: str) -> bool:
+    """Whether a CUDA call is of ``kind``: sync, launch, alloc (taxonomy.cuda_api)."""
+    return bool(taxonomy()["cuda_api"][kind].search(name))
+
+
+# ---------------------------------------------------------------- intervals
+
+
+def merged(*groups) -> np.ndarray:
+    """Union of (start, end) pairs as disjoint sorted rows, by a sweep: +1 at each start, -1 at
+    each end; the union is where the running count is positive (at one instant starts come
+    first, so touching intervals merge)."""
+    rows = [np.asarray(g, dtype=np.int64).reshape(-1, 2) for g in groups]
+    iv = np.concatenate(rows) if rows else np.zeros((0, 2), np.int64)
+    iv = iv[iv[:, 1] > iv[:, 0]]
+    t = np.concatenate([iv[:, 0], iv[:, 1]])
+    step = np.concatenate([np.ones(len(iv), np.int64), -np.ones(len(iv), np.int64)])
+    order = np.lexsort((-step, t))
+    t, count = t[order], np.cumsum(step[order])
+    opens = (count > 0) & (np.concatenate([[0], count[:-1]]) == 0)
+    return np.stack([t[opens], t[count == 0]], axis=1)
+
+
+def length(*groups) -> int:
+    """Length of the union of intervals."""
+    iv = merged(*groups)
+    return int((iv[:, 1] - iv[:, 0]).sum())
+
+
+def covered(intervals, s: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """ns of each [s, e) covered by the union of ``intervals``: P(e) - P(s), with P(t) the
+    length of the union before t."""
+    iv = merged(intervals)
+    if not len(iv):
+        return np.zeros(len(s), np.int64)
+    before = np.concatenate([[0], np.cumsum(iv[:, 1] - iv[:, 0])])
+
+    def prefix(t: np.ndarray) -> np.ndarray:
+        n = np.searchsorted(iv[:, 0], t, side="right")  # intervals starting at or before t
+        over = np.where(n > 0, np.maximum(iv[np.maximum(n - 1, 0), 1] - t, 0), 0)
+        return before[n] - over
+
+    return prefix(e) - prefix(s)
+
+
+def clip(rows: list[dict], lo: int, hi: int) -> list[dict]:
+    """Rows overlapping [lo, hi), with start/end clipped to it."""
+    return [
+        r | {"start": max(r["start"], lo), "end": min(r["end"], hi)}
+        for r in rows
+        if r["start"] < hi and r["end"] > lo
+    ]
+
+
+def spans(rows: list[dict]) -> list[tuple[int, int]]:
+    return [(r["start"], r["end"]) for r in rows]
+
+
+# ---------------------------------------------------------------- the export, read raw
+
+PID = "(({} >> 24) & 16777215)"  # pid: bits 24..47 of globalPid / globalTid
+QUERIES = {
+    "kernels": "SELECT start, end, {pid} AS pid, deviceId AS device, correlationId AS corr, "
+    "demangledName AS name_id, shortName AS short_id, gridX*gridY*gridZ AS grid, "
+    "blockX*blockY*blockZ AS block, {node} AS node FROM CUPTI_ACTIVITY_KIND_KERNEL",
+    "graphs": "SELECT start, end, {pid} AS pid FROM CUPTI_ACTIVITY_KIND_GRAPH_TRACE",
+    "memcpy": "SELECT start, end, {pid} AS pid, bytes, copyKind, srcKind, dstKind "
+    "FROM CUPTI_ACTIVITY_KIND_MEMCPY",
+    "memset": "SELECT start, end, {pid} AS pid FROM CUPTI_ACTIVITY_KIND_MEMSET",
+    "api": "SELECT start, end, {tpid} AS pid, globalTid AS tid, correlationId AS corr, "
+    "nameId AS name_id FROM CUPTI_ACTIVITY_KIND_RUNTIME",
+    "nvtx": "SELECT start, end, {tpid} AS pid, globalTid AS tid, text, textId AS name_id "
+    "FROM NVTX_EVENTS WHERE end IS NOT NULL AND eventType IN ({ranges})",
+    "overhead": "SELECT start, end, {tpid} AS pid FROM PROFILER_OVERHEAD",
+    "memory": "SELECT start, {pid} AS pid, deviceId AS device, bytes, memoryOperationType AS op "
+    "FROM CUDA_GPU_MEMORY_USAGE_EVENTS ORDER BY start",
+    "gpus": "SELECT id, name, chipName AS chip, smCount AS sm_count, totalMemory AS "
+    "memory_bytes FROM TARGET_INFO_GPU",
+    "device_map": "SELECT gpuId AS gpu, cudaId AS device, pid FROM TARGET_INFO_CUDA_DEVICE",
+    "metrics": "SELECT m.timestamp, m.typeId AS source, m.value, n.metricName AS metric "
+    "FROM GPU_METRICS m JOIN TARGET_INFO_GPU_METRICS n USING (typeId, metricId)",
+}
+
+
+@cache
+def read_export(path: Path) -> dict[str, list[dict]]:
+    """Every table the measures need, as lists of row dicts (absent table: no rows)."""
+    con = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
+    def enum(table: str) -> dict[int, str]:
+        return dict(con.execute(f"SELECT id, name FROM {table}")) if table in tables else {}
+
+    kernel_cols = {r[1] for r in con.execute("PRAGMA table_info(CUPTI_ACTIVITY_KIND_KERNEL)")}
+    event_types = {v: k for k, v in enum("ENUM_NSYS_EVENT_TYPE").items()}
+    fields = {
+        "pid": PID.format("globalPid"),
+        "tpid": PID.format("globalTid"),
+        "node": "graphNodeId" if "graphNodeId" in kernel_cols else "NULL",
+        "ranges": ", ".join(  # push/pop and start/end ranges
+            str(event_types.get(t, d))
+            for t, d in (("NvtxPushPopRange", 59), ("NvtxStartEndRange", 60))
+        ),
+    }
+    out: dict[str, list[dict]] = {}
+    for name, sql in QUERIES.items():
+        needed = re.findall(r"(?:FROM|JOIN) (\w+)", sql)
+        if not all(t in tables for t in needed):
+            out[name] = []
+            continue
+        cur = con.execute(sql.format(**fields))
+        cols = [d[0] for d in cur.description]
+        out[name] = [dict(zip(cols, row, strict=True)) for row in cur]
+    strings = dict(con.execute("SELECT id, value FROM StringIds"))
+    copy_kinds, mem_kinds = enum("ENUM_CUDA_MEMCPY_OPER"), enum("ENUM_CUDA_MEM_KIND")
+    con.close()
+    for k in out["kernels"]:
+        k["name"] = strings.get(k.pop("name_id")) or strings.get(k["short_id"]) or ""
+        k["family"] = family(k["name"])
+    for row in out["api"]:
+        row["name"] = strings.get(row.pop("name_id"), "")
+    for row in out["nvtx"]:
+        row["text"] = row["text"] or strings.get(row.pop("name_id"), "") or ""
+    for c in out["memcpy"]:
+        kind = copy_kinds.get(c["copyKind"], "")  # CUDA_MEMCPY_KIND_HTOD, ..._UVM_HTOD, ...
+        c["h2d"], c["d2h"] = kind.endswith("_HTOD"), kind.endswith("_DTOH")
+        c["peer"] = kind.endswith("_PTOP")
+        c["pageable"] = any(
+            mem_kinds.get(c[k], "").endswith("_PAGEABLE") for k in ("srcKind", "dstKind")
+        )
+    return out
+
+
+def rank_pids(path: Path) -> list[int]:
+    """One rank per process that ran GPU work (kernels, graphs, copies)."""
+    ex = read_export(path)
+    return sorted({r["pid"] for t in ("kernels", "graphs", "memcpy", "memset") for r in ex[t]})
+
+
+def gpu_of(path: Path, pid: int) -> dict | None:
+    """The TARGET_INFO_GPU row of the rank's GPU: its most used CUDA device, mapped to a
+    physical GPU through TARGET_INFO_CUDA_DEVICE where the export has that map."""
+    ex = read_export(path)
+    if not ex["gpus"]:
+        return None
+    devices = [k["device"] for k in ex["kernels"] if k["pid"] == pid]
+    device = statistics.mode(devices) if devices else 0
+    mapped = {(r["pid"], r["device"]): r["gpu"] for r in ex["device_map"]}
+    gpu_id = mapped.get((pid, device), device)
+    return next((g for g in ex["gpus"] if g["id"] == gpu_id), ex["gpus"][0])
+
+
+# ---------------------------------------------------------------- one rank over one window
+
+
+def rank_measures(path: Path, pid: int, window: tuple[int, int], steps: int) -> dict:
+    """The measures of rank ``pid`` over ``[lo, hi)`` holding ``steps`` steady steps (the
+    report's ``steps.used``): fractions of the window, counts and bytes per step."""
+    ex = read_export(path)
+    mine = {t: [r for r in rows if r.get("pid") == pid] for t, rows in ex.items()}
+    lo, hi = window
+    w = Window(mine, lo, hi, max(hi - lo, 1), max(steps, 1), gpu_of(path, pid))
+    return (
+        _budget(w)
+        | _communication(w)
+        | _copies(w)
+        | _host(w)
+        | _kernel_mix(w)
+        | _memory_peak(w)
+        | _gpu_metrics(ex["metrics"], window)
+    )
+
+
+@dataclass
+class Window:
+    rows: dict[str, list[dict]]  # the rank's rows of each table
+    lo: int
+    hi: int
+    wall: int
+    steps: int
+    gpu: dict | None
+
+    def __post_init__(self) -> None:
+        lo, hi, rows = self.lo, self.hi, self.rows
+        self.kern = clip(rows["kernels"], lo, hi)
+        self.comm_kernels = [k for k in self.kern if k["family"] == "communication"]
+        # CUDA-graph executions: GRAPH_TRACE rows; with node-level tracing, the span of the
+        # node kernels of one launch (one correlationId, over the capture, then clipped).
+        nodes: dict[int, tuple[int, int]] = {}
+        for k in rows["kernels"]:
+            if k["node"] is not None:
+                s, e = nodes.get(k["corr"], (k["start"], k["end"]))
+                nodes[k["corr"]] = (min(s, k["start"]), max(e, k["end"]))
+        self.graph_rows = spans(clip(rows["graphs"], lo, hi))
+        node_spans = clip([{"start": s, "end": e} for s, e in nodes.values()], lo, hi)
+        self.graphs = self.graph_rows + spans(node_spans)
+        self.compute = [(k["start"], k["end"]) for k in self.kern if k["family"] != "communication"]
+        self.compute += self.graphs
+        self.comm = spans(self.comm_kernels)
+        self.memcpy = clip(rows["memcpy"], lo, hi)
+        self.copies = spans(self.memcpy) + spans(clip(rows["memset"], lo, hi))
+        self.busy = length(self.compute, self.comm, self.copies)
+        self.api = clip(rows["api"], lo, hi)
+        self.launched_at = {a["corr"]: a["start"] for a in rows["api"]}
+
+    def per_step(self, n: float) -> float:
+        return n / self.steps
+
+
+def _budget(w: Window) -> dict:
+    """gpu_busy_frac: union of kernels, graph executions, memcpy and memset; compute_frac:
+    non-communication kernels and graph executions; comm_frac: communication kernels;
+    exposed_comm_frac: communication with no compute; exposed_copy_frac: copies with neither.
+    The device budget (docs/measures.md, "Critical path"): compute-absent = 1 - compute;
+    occupied-not-computing = busy - compute; non-transfer busy = compute and copies other than
+    host<->device or peer ones; time inside graph replays; and ``copy_alone_frac``, copies
+    with no compute (not a report measure: what blocking_copy_frac cannot exceed)."""
+    comp, com, kernels = length(w.compute), length(w.comm), length(w.compute, w.comm)
+    exposed_comm = kernels - comp
+    local = [(c["start"], c["end"]) for c in w.memcpy if not (c["h2d"] or c["d2h"] or c["peer"])]
+    local += spans(clip(w.rows["memset"], w.lo, w.hi))
+    return {
+        "compute_absent_frac": 1 - comp / w.wall,
+        "occupied_not_computing_frac": (w.busy - comp) / w.wall,
+        "non_transfer_busy_frac": length(w.compute, local) / w.wall,
+        "graph_unresolved_frac": length(w.graphs) / w.wall,
+        "copy_alone_frac": (length(w.copies, w.compute) - comp) / w.wall,
+        "gpu_busy_frac": w.busy / w.wall,
+        "gpu_idle_frac": 1 - w.busy / w.wall,
+        "compute_frac": comp / w.wall,
+        "comm_frac": com / w.wall,
+        "exposed_comm_frac": exposed_comm / w.wall,
+        "comm_overlap_frac": 1 - exposed_comm / com if com else None,
+        "compute_under_comm_frac": (comp + com - kernels) / comp if comp else None,
+        "copy_frac": length(w.copies) / w.wall,
+        "exposed_copy_frac": (w.busy - kernels) / w.wall,
+    }
+
+
+def _communication(w: Window) -> dict:
+    """a2a_frac / a2a_exposed_frac: all-to-all kernels (alone / with no compute). The kind of a
+    kernel comes from its name (taxonomy.comm_kinds); a SendRecv ("send_recv" or "other")
+    takes the kind of the innermost collective NVTX range open on the launching thread at the
+    launch, PyTorch's ``nccl:*`` ranges before NCCL's own (taxonomy.nvtx_collectives)."""
+    tax = taxonomy()
+    launch = {a["corr"]: a for a in w.rows["api"]}
+    ranges: dict[int, list[tuple]] = {}
+    for n in w.rows["nvtx"]:
+        hit = next(
+            ((src, kind) for src, kind, p in tax["nvtx_collectives"] if p.search(n["text"])), None
+        )
+        if hit:
+            ranges.setdefault(n["tid"], []).append((n["start"], n["end"], *hit))
+    sources = list(dict.fromkeys(src for src, _, _ in tax["nvtx_collectives"]))
+    kinds = []
+    for k in w.comm_kernels:
+        kind = first(tax["comm_kinds"], k["name"], "other")
+        call = launch.get(k["corr"])
+        if kind in ("send_recv", "other") and call:
+            around = [r for r in ranges.get(call["tid"], ()) if r[0] <= call["start"] <= r[1]]
+            around.sort(key=lambda r: (sources.index(r[2]), -r[0]))
+            kind = around[0][3] if around else kind
+        kinds.append(kind)
+    a2a = [
+        (k["start"], k["end"])
+        for k, kind in zip(w.comm_kernels, kinds, strict=True)
+        if kind == "all_to_all"
+    ]
+    comp = length(w.compute)
+    return {
+        "a2a_frac": length(a2a) / w.wall,
+        "a2a_exposed_frac": (length(a2a, w.compute) - comp) / w.wall,
+        "comm_kinds": sorted(set(kinds)),
+        "comm_libraries": sorted(
+            {first(tax["comm_libraries"], k["name"]) for k in w.comm_kernels} - {None}
+        ),
+    }
+
+
+def _copies(w: Window) -> dict:
+    """Host<->device memcpys (HtoD/DtoH, unified memory included): time as unions, bytes and
+    counts per step, pageable ones (either side pageable), GB/s of those >= 1 MiB (bytes over
+    the sum of their durations), and the part with no kernel running."""
+    h2d = [c for c in w.memcpy if c["h2d"]]
+    d2h = [c for c in w.memcpy if c["d2h"]]
+    pageable = [c for c in w.memcpy if c["pageable"]]
+    kernels = w.compute + w.comm
+
+    def gbps(copies: list[dict]) -> float | None:
+        big = [c for c in copies if c["bytes"] >= BIG_COPY_BYTES]
+        ns = sum(c["end"] - c["start"] for c in big)
+        return sum(c["bytes"] for c in big) / ns if ns else None  # bytes per ns = GB/s
+
+    h2d_bytes, d2h_bytes = sum(c["bytes"] for c in h2d), sum(c["bytes"] for c in d2h)
+    return {
+        "offload_copy_frac": length(spans(h2d + d2h)) / w.wall,
+        "h2d_frac": length(spans(h2d)) / w.wall,
+        "d2h_frac": length(spans(d2h)) / w.wall,
+        "exposed_offload_frac": (length(spans(h2d + d2h), kernels) - length(kernels)) / w.wall,
+        "h2d_bytes_per_step": w.per_step(h2d_bytes),
+        "d2h_bytes_per_step": w.per_step(d2h_bytes),
+        "h2d_d2h_bytes_per_step": w.per_step(h2d_bytes + d2h_bytes),
+        "pageable_copies_per_step": w.per_step(len(pageable)),
+        "pageable_bytes_per_step": w.per_step(sum(c["bytes"] for c in pageable)),
+        "pageable_copy_frac": length(spans(pageable)) / w.wall,
+        "small_d2h_per_step": w.per_step(sum(c["bytes"] <= SMALL_D2H_BYTES for c in d2h)),
+        "h2d_gbps": gbps(h2d),
+        "d2h_gbps": gbps(d2h),
+    }
+
+
+def _host(w: Window) -> dict:
+    """Per-step counts of the CUDA calls overlapping the window (taxonomy.cuda_api), launch
+    call durations, GPU idle time inside allocator calls, and the idle gaps by cause."""
+    calls = {
+        kind: [a for a in w.api if api_is(kind, a["name"])] for kind in ("sync", "launch", "alloc")
+    }
+    launch_ns = [a["end"] - a["start"] for a in calls["launch"]]
+    median_launch = statistics.median(launch_ns) if launch_ns else None
+    kernel_ns = [k["end"] - k["start"] for k in w.kern]
+    work = w.compute + w.comm + w.copies
+    return {
+        "sync_calls_per_step": w.per_step(len(calls["sync"])),
+        "launch_calls_per_step": w.per_step(len(calls["launch"])),
+        "alloc_calls_per_step": w.per_step(len(calls["alloc"])),
+        "median_launch_us": median_launch / 1e3 if launch_ns else None,
+        "short_kernel_frac": sum(d < median_launch for d in kernel_ns) / len(kernel_ns)
+        if kernel_ns and launch_ns
+        else None,
+        "alloc_idle_frac": (length(spans(calls["alloc"]), work) - length(work)) / w.wall,
+    } | _idle_causes(w, calls["sync"])
+
+
+def _idle_causes(w: Window, syncs: list[dict]) -> dict:
+    """docs/measures.md, "How time is attributed": each idle gap (the window minus busy) gets
+    one cause: other when profiler overhead covers half of it; input / host when it lasts
+    >= 1 ms and CUDA calls cover less than half of it (input with evidence of data loading:
+    an NVTX data range over half of it, or it ends where a host->device copy of >= 1 MiB
+    starts); sync when a synchronising call returned inside it or at most 20 µs before it;
+    launch when the host started CUDA calls in it; other otherwise."""
+    busy = merged(w.compute, w.comm, w.copies)
+    s = np.concatenate([[w.lo], busy[:, 1]])
+    e = np.concatenate([busy[:, 0], [w.hi]])
+    s, e = s[e > s], e[e > s]
+    dur = e - s
+    call_starts = np.sort([a["start"] for a in w.api]).astype(np.int64)
+    n_calls = np.searchsorted(call_starts, e) - np.searchsorted(call_starts, s)
+    sync_ends = np.sort([a["end"] for a in syncs]).astype(np.int64)
+    i = np.searchsorted(sync_ends, s - SYNC_SLACK_NS)  # the first sync returning since then
+    after_sync = i < len(sync_ends)
+    after_sync[after_sync] = sync_ends[i[after_sync]] <= e[after_sync]
+    profiler = covered(spans(w.rows["overhead"]), s, e) * 2 >= dur
+    long = (dur >= LONG_GAP_NS) & (covered(spans(w.api), s, e) * 2 < dur)
+    tax = taxonomy()
+    phases = [tax["nvtx"][k] for k in ("step", "forward", "backward", "optimizer")]
+    data = [
+        (n["start"], n["end"])
+        for n in w.rows["nvtx"]
+        if first(tax["host_activities"], n["text"]) == "data"
+        and not any(p.search(n["text"]) for p in phases)
+    ]
+    batches = [c["start"] for c in w.rows["memcpy"] if c["h2d"] and c["bytes"] >= BIG_COPY_BYTES]
+    loading = np.isin(e, batches)
+    for j in np.flatnonzero(long):
+        loading[j] |= any(min(b, e[j]) - max(a, s[j]) >= dur[j] / 2 for a, b in data)
+    cause = np.select(
+        [profiler, long & loading, long, after_sync, n_calls > 0],
+        ["other", "input", "host", "sync", "launch"],
+        "other",
+    )
+    return {f"idle_{c}_frac": int(dur[cause == c].sum()) / w.wall for c in IDLE_CAUSES}
+
+
+def _kernel_mix(w: Window) -> dict:
+    """Kernel rows per step; family shares of kernel time, median kernel duration and grids
+    below the SM count — from the window's kernels, or when graph-level tracing hides most of
+    the busy time, from the eager warm-up before capture (kernel_stats_outside_window)."""
+    hidden = w.busy > 0 and length(w.graph_rows) > w.busy / 2
+    shape, per_step = _warmup(w) if hidden else (w.kern, float(w.steps))
+    sm_count = (w.gpu or {}).get("sm_count")
+    dur = [k["end"] - k["start"] for k in shape]
+    total = sum(dur)
+    out = {
+        "kernels_per_step": w.per_step(len(w.kern)),
+        "graph_frac": length(w.graphs) / w.busy if w.busy else 0.0,
+        "uses_cuda_graphs": bool(w.graphs),
+        "kernel_stats_outside_window": hidden,
+        "graph_internal_gap_frac": _graph_internal_gaps(w),
+        "median_kernel_us": statistics.median(dur) / 1e3 if dur else None,
+        "small_grid_kernel_frac": sum(k["grid"] < sm_count for k in shape) / len(shape)
+        if sm_count and shape
+        else None,
+        "optimizer_kernels_per_step": _optimizer_kernels(w),
+        "recompute_frac": _recompute(w),
+    }
+    for fam in [f for f, _ in taxonomy()["families"]] + ["other"]:
+        fam_ns = sum(d for k, d in zip(shape, dur, strict=True) if k["family"] == fam)
+        out[f"{fam}_time_frac"] = fam_ns / total if total else 0.0
+    gemm = [k for k in shape if k["family"] == "gemm"]
+    gemm_ns = sum(k["end"] - k["start"] for k in gemm)
+    small = [k for k in gemm if sm_count and k["grid"] < sm_count]
+    shapes = [(k["name"], k["grid"]) for k in small]
+    fp8_ns = sum(k["end"] - k["start"] for k in gemm if taxonomy()["fp8_gemm"].search(k["name"]))
+    return out | {
+        "gemm_kernels_per_step": len(gemm) / per_step if per_step else None,
+        "small_gemm_repeats_per_step": max(map(shapes.count, set(shapes)), default=0) / per_step
+        if sm_count and per_step
+        else None,
+        "fp8_gemm_frac": fp8_ns / gemm_ns if gemm_ns else None,
+        "small_grid_gemm_frac": sum(k["end"] - k["start"] for k in small) / gemm_ns
+        if gemm_ns and sm_count
+        else None,
+    }
+
+
+def _warmup(w: Window) -> tuple[list[dict], float | None]:
+    """The eager kernels of the warm-up iterations right before the first graph capture (the
+    last burst of kernels launched before cudaStreamBeginCapture, split at GPU pauses longer
+    than 4 replays, at least 20 ms), and how many steps they hold: their number over the kernel
+    launches recorded between cudaStreamBeginCapture and cudaStreamEndCapture (the captured
+    graph, replayed once per step). Null without a capture in the trace."""
+    api = w.rows["api"]
+    begin = min(
+        (a["start"] for a in api if re.match(r"cu(da)?StreamBeginCapture", a["name"])), default=None
+    )
+    if begin is None:
+        return [], None
+    eager = sorted(
+        (k for k in w.rows["kernels"] if w.launched_at.get(k["corr"], begin) < begin),
+        key=lambda k: k["start"],
+    )
+    end = min(a["start"] for a in api if a["start"] > begin and "StreamEndCapture" in a["name"])
+    captured = [
+        a
+        for a in api
+        if begin < a["start"] < end
+        and api_is("launch", a["name"])
+        and not api_is("graph_launch", a["name"])
+    ]
+    if not eager or not captured:
+        return eager, None
+    replay = statistics.median(e - s for s, e in w.graphs)
+    pause = max(WARMUP_PAUSE_REPLAYS * replay, WARMUP_PAUSE_MIN_NS)
+    burst, reach = 0, eager[0]["end"]
+    for i, k in enumerate(eager[1:], 1):
+        burst = i if k["start"] - reach > pause else burst
+        reach = max(reach, k["end"])
+    return eager[burst:], len(eager[burst:]) / len(captured)
+
+
+def _graph_internal_gaps(w: Window) -> float | None:
+    """Node-level tracing: the share of the replays' spans (window kernels of one launch) in
+    which no node kernel runs."""
+    launches: dict[int, list] = {}
+    for k in w.kern:
+        if k["node"] is not None:
+            launches.setdefault(k["corr"], []).append((k["start"], k["end"]))
+    span = sum(max(e for _, e in iv) - min(s for s, _ in iv) for iv in launches.values())
+    busy = sum(length(iv) for iv in launches.values())
+    return (span - busy) / span if span else None
+
+
+def _launched_in(w: Window, ranges: list[tuple[int, int]]) -> list[dict]:
+    """Window kernels whose launching call (any thread of the process) started in a range."""
+    return [
+        k
+        for k in w.kern
+        if k["corr"] in w.launched_at and any(s <= w.launched_at[k["corr"]] <= e for s, e in ranges)
+    ]
+
+
+def _nvtx(w: Window, pattern: re.Pattern) -> list[tuple[int, int]]:
+    return [(n["start"], n["end"]) for n in w.rows["nvtx"] if pattern.search(n["text"])]
+
+
+def _optimizer_kernels(w: Window) -> float | None:
+    """Kernels per step launched inside an optimizer NVTX range (null without one)."""
+    ranges = _nvtx(w, taxonomy()["nvtx"]["optimizer"])
+    return w.per_step(len(_launched_in(w, ranges))) if ranges else None
+
+
+def _recompute(w: Window) -> float | None:
+    """Forward GEMM/attention launches seen again in backward, by (name, grid, block): the sum
+    over shapes of min(forward, backward) over the forward launches (null without both
+    forward and backward NVTX ranges)."""
+    nvtx = taxonomy()["nvtx"]
+    fwd = _nvtx(w, nvtx["forward"])
+    bwd = [r for r in _nvtx(w, nvtx["backward"]) if r not in fwd]
+    if not fwd or not bwd:
+        return None
+
+    def shapes(ranges) -> list[tuple]:
+        heavy = [k for k in _launched_in(w, ranges) if k["family"] in ("gemm", "attention")]
+        return [(k["name"], k["grid"], k["block"]) for k in heavy]
+
+    forward, backward = shapes(fwd), shapes(bwd)
+    if not forward:
+        return None
+    return sum(min(forward.count(s), backward.count(s)) for s in set(forward)) / len(forward)
+
+
+def _memory_peak(w: Window) -> dict:
+    """Peak allocated bytes over the capture (allocations minus frees in time order, per
+    device), and that over the GPU's totalMemory."""
+    level: dict[int, int] = {}
+    peak = None
+    for r in w.rows["memory"]:
+        level[r["device"]] = level.get(r["device"], 0) + (
+            r["bytes"] if r["op"] == 0 else -r["bytes"]
+        )
+        peak = max(peak or 0, level[r["device"]])
+    capacity = (w.gpu or {}).get("memory_bytes")
+    return {
+        "peak_memory_bytes": peak,
+        "peak_memory_frac": peak / capacity if peak is not None and capacity else None,
+    }
+
+
+def _gpu_metrics(rows: list[dict], window: tuple[int, int]) -> dict:
+    """Mean of each GPU metric's valid (>= 0) samples with lo <= timestamp <= hi, as 0-1; only
+    with one sampled GPU (several would need pairing with the rank's GPU)."""
+    if len({r["source"] for r in rows}) > 1:
+        return {}
+    lo, hi = window
+    out = {}
+    for key, names in METRIC_NAMES.items():
+        values = [
+            r["value"]
+            for r in rows
+            if r["metric"] in names and lo <= r["timestamp"] <= hi and r["value"] >= 0
+        ]
+        out[key] = statistics.fmean(values) / 100 if values else None
+    return out
