@@ -78,23 +78,7 @@ BOUNDED = {
 # Wrong numbers this suite found and traceclf does not fix yet: (trace, measure) -> what is
 # wrong. The checks above leave them out; test_known_discrepancies asserts them as strict xfails,
 # so a fix shows up as XPASS and its entry must go.
-_GRAPH_COUNTS = (
-    "graph-level tracing: per-step counts come from the eager warm-up burst divided by its wall "
-    "span in graph replays (measures/compute.py warmup_kernels), and eager iterations are "
-    "slower than replays (host gaps), so counts per step come out several times too low. "
-)
-KNOWN_WRONG = {
-    ("h100_compute_low_occupancy", "small_gemm_repeats_per_step"): _GRAPH_COUNTS
-    + "Here 256 GEMMs of one shape in a 31.9 ms burst / 5.33 ms replay = 6 'steps': 43 per "
-    "step, printed as 'one small GEMM shape runs 43 times per step'; the captured graph "
-    "records 1024 cuLaunchKernelEx + 512 cudaLaunchKernel per replay, so ~1019 per step.",
-    ("h100_compute_low_occupancy", "gemm_kernels_per_step"): _GRAPH_COUNTS
-    + "43 per step; the graph replayed once per step holds ~1019 GEMM launches.",
-    ("h100_host_cudagraph", "small_gemm_repeats_per_step"): _GRAPH_COUNTS
-    + "2.0 per step; ~7 from the captured launches, 8 in the node-traced twin.",
-    ("h100_host_cudagraph", "gemm_kernels_per_step"): _GRAPH_COUNTS
-    + "14.9 per step; ~53 from the captured launches, 61 in the node-traced twin.",
-}
+KNOWN_WRONG: dict[tuple[str, str], str] = {}
 CONTEXT_FROM_GPU = ("gpu_family", "gpu_sm_count", "gpu_memory_bytes", "link_gbps", "link_name")
 
 
@@ -544,17 +528,7 @@ TWIN_TOL = 0.03  # two runs of one program: kernel-time shares agree within 3 po
     [
         ("optimizer",),
         ("gemm",),
-        pytest.param(
-            ("elementwise", "reduction"),
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="graph-level tracing takes the kernel mix from the eager warm-up, where "
-                "elementwise kernels run ~15% longer than in replays (e.g. elementwise_kernel<128> "
-                "31 vs 27 µs): elementwise + normalisation 43% of kernel time in the evidence "
-                "of h100_host_cudagraph, 38% in the node-traced twin's replays (whose own "
-                "warm-up also gives 43%)",
-            ),
-        ),
+        ("elementwise", "reduction"),
     ],
     ids="+".join,
 )

@@ -498,9 +498,10 @@ def _kernel_mix(w: Window) -> dict:
 def _warmup(w: Window) -> tuple[list[dict], float | None]:
     """The eager kernels of the warm-up iterations right before the first graph capture (the
     last burst of kernels launched before cudaStreamBeginCapture, split at GPU pauses longer
-    than 4 replays, at least 20 ms), and how many steps they hold: their number over the kernel
-    launches recorded between cudaStreamBeginCapture and cudaStreamEndCapture (the captured
-    graph, replayed once per step). Null without a capture in the trace."""
+    than 4 replays, at least 20 ms), and how many steps they hold. One step is as many kernels
+    as launches were recorded between cudaStreamBeginCapture and cudaStreamEndCapture (the
+    captured graph, replayed once per step): a longer burst is cut to its last step, a shorter
+    one holds that fraction of a step. Null without a capture in the trace."""
     api = w.rows["api"]
     begin = min(
         (a["start"] for a in api if re.match(r"cu(da)?StreamBeginCapture", a["name"])), default=None
@@ -527,7 +528,10 @@ def _warmup(w: Window) -> tuple[list[dict], float | None]:
     for i, k in enumerate(eager[1:], 1):
         burst = i if k["start"] - reach > pause else burst
         reach = max(reach, k["end"])
-    return eager[burst:], len(eager[burst:]) / len(captured)
+    burst_kernels = eager[burst:]
+    if len(burst_kernels) > len(captured):
+        return burst_kernels[-len(captured) :], 1.0
+    return burst_kernels, len(burst_kernels) / len(captured)
 
 
 def _graph_internal_gaps(w: Window) -> float | None:

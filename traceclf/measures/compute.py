@@ -24,6 +24,7 @@ FAMILY_NAMES = (
 )
 METRICS_OF_INTEREST = {f"{key}_mean": key for key in METRIC_NAMES}
 CAPTURE_API = "^(cudaStreamBeginCapture|cuStreamBeginCapture)"
+END_CAPTURE_API = "^(cudaStreamEndCapture|cuStreamEndCapture)"
 # The warm-up burst before capture ends at a GPU pause longer than this many graph replays (an
 # eager iteration runs a few times slower than its replay; setup pauses are far longer).
 WARMUP_PAUSE_REPLAYS = 4
@@ -87,8 +88,11 @@ def warmup_kernels(w: RankWindow) -> tuple[pl.DataFrame, float, str]:
     """The eager kernels of the warm-up iterations right before the first graph capture: the
     contiguous burst of GPU work (split at a pause longer than ``WARMUP_PAUSE_REPLAYS`` replays
     of the graph, at least 20 ms) launched before ``cudaStreamBeginCapture``. Returns the
-    kernels, the number of iterations they hold (their GPU span over one replay: eager runs
-    slower, so counts per iteration come out low, never high) and a description."""
+    kernels, the number of iterations they hold and a description. One iteration is as many
+    kernels as launches were recorded into the graph (the calls between
+    ``cudaStreamBeginCapture`` and ``cudaStreamEndCapture``): a longer burst is cut to its last
+    iteration, a shorter one is that fraction of an iteration. Without a capture in the trace,
+    iterations = the burst's GPU span over one replay (eager runs slower: counts come out low)."""
     trace = w.trace
     capture = trace.api.filter(pl.col("name").cast(pl.String).str.contains(CAPTURE_API))
     replay_ns = float(w.graph_spans.select((pl.col("end") - pl.col("start")).median()).item() or 0)
@@ -108,10 +112,41 @@ def warmup_kernels(w: RankWindow) -> tuple[pl.DataFrame, float, str]:
     gaps = before["start"] - before["end"].cum_max().shift(1)
     breaks = before.filter(gaps > pause)["start"]
     burst = before.filter(pl.col("start") >= (breaks[-1] if len(breaks) else before["start"][0]))
-    span = int(burst["end"].max() - burst["start"].min())
-    iterations = max(span / replay_ns, 1.0) if replay_ns else 1.0
+    per_replay = _captured_launches(w, capture)
+    if per_replay and len(burst) > per_replay:
+        burst, iterations = burst.tail(per_replay), 1.0  # the last iteration before capture
+    elif per_replay:
+        iterations = len(burst) / per_replay  # a fraction of one replay
+    else:
+        span = int(burst["end"].max() - burst["start"].min())
+        iterations = max(span / replay_ns, 1.0) if replay_ns else 1.0
     kern = w.taxonomy.classify(burst.drop("api_start"))
     return kern, iterations, f"{what} ({len(kern)} kernels)"
+
+
+def _captured_launches(w: RankWindow, capture: pl.DataFrame) -> int:
+    """Kernel launches recorded into the first captured graph: launch calls of the process
+    (any thread: the autograd thread launches the backward pass) between the capturing
+    thread's cudaStreamBeginCapture and its next cudaStreamEndCapture."""
+    if capture.is_empty():
+        return 0
+    api = w.trace.api
+    first = capture.sort("start").row(0, named=True)
+    ends = api.filter(
+        pl.col("name").cast(pl.String).str.contains(END_CAPTURE_API)
+        & (pl.col("global_tid") == first["global_tid"])
+        & (pl.col("start") > first["start"])
+    )
+    if ends.is_empty():
+        return 0
+    end = int(ends["start"].min())
+    return len(
+        api.filter(
+            pl.col("start").is_between(first["start"], end)
+            & w.taxonomy.is_api("launch")
+            & ~w.taxonomy.is_api("graph_launch")
+        )
+    )
 
 
 def graph_internal_gap_frac(w: RankWindow) -> float | None:
