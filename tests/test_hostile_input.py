@@ -404,7 +404,7 @@ def test_a_dask_address_without_a_scheduler_is_one_line_within_the_timeout(
     server: str,
 ) -> None:
     pytest.importorskip("distributed")
-    monkeypatch.setenv("TRACECLF_DASK_TIMEOUT", "2")
+    monkeypatch.setenv("TRACECLF_DASK_TIMEOUT", "1")
     address = {
         "HTTP server": lambda: fake_server(HTTP_REPLY),
         "silent server": lambda: fake_server(None),
@@ -414,7 +414,7 @@ def test_a_dask_address_without_a_scheduler_is_one_line_within_the_timeout(
         "analyze", tiny_copy(tmp_path / "run"), "--dask", address, "-q", "--no-cache", memory=None
     )
     # Whatever answers (or does not), the message names the address and says how long it waited.
-    assert_one_line_error(result, address, "Dask scheduler", "2 s")
+    assert_one_line_error(result, address, "Dask scheduler", "1 s")
 
 
 def test_unreadable_folder_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -375,3 +375,19 @@ def test_dask_worker_reads_the_file_the_user_named_not_the_one_beside_it(
     got, want = json.loads(remote.stdout), json.loads(local.stdout)
     assert got["classification"]["bound"] == want["classification"]["bound"] == "host"
     assert got["metrics"]["kernels_per_step"] == want["metrics"]["kernels_per_step"]
+
+
+def test_dask_worker_refuses_a_different_file_at_the_same_path(tmp_path: Path) -> None:
+    """What a worker checks before it analyses: the file at the path it was sent has the size,
+    mtime and first 64 KiB seen where the user ran traceclf (here the file is rewritten in
+    between, as a worker on another machine with another file there would see it)."""
+    from traceclf.errors import TraceError
+    from traceclf.parallel import RemoteFile
+
+    export = tiny_copy(tmp_path / "run")
+    sent = RemoteFile.of(export)
+    assert sent.path.is_absolute() and sent.checked() == export
+    other = copy_export(fixture_trace(OTHER), tmp_path / "other.sqlite")
+    os.replace(other, export)
+    with pytest.raises(TraceError, match="different file"):
+        sent.checked()

@@ -60,22 +60,23 @@ def check_output(
         raise TraceError(None, "-o/--output: empty file name")
     path = Path(path)
     try:
-        target = path.resolve()
-    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
-        raise TraceError(path, f"cannot write the report: {_reason(e)}") from None
-    try:
-        st = target.stat()
+        st = path.stat()  # follows symlinks, /dev/stdout's /proc links included
     except FileNotFoundError:
         st = None
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
         raise TraceError(path, f"cannot write the report: {_reason(e)}") from None
-    if st is None:
-        if not target.parent.is_dir():
-            raise TraceError(path, f"cannot write the report: no folder {target.parent}")
-    elif stat.S_ISDIR(st.st_mode):
-        raise TraceError(path, "cannot write the report: is a folder")
-    elif not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        if stat.S_ISDIR(st.st_mode):
+            raise TraceError(path, "cannot write the report: is a folder")
+        if stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode):
+            return path, st  # written through, by the name given
         raise TraceError(path, f"cannot write the report: {_kind(st.st_mode)}")
+    try:
+        target = path.resolve()  # a symlink's target is what gets replaced
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise TraceError(path, f"cannot write the report: {_reason(e)}") from None
+    if st is None and not target.parent.is_dir():
+        raise TraceError(path, f"cannot write the report: no folder {target.parent}")
     if any(_same(target, st, Path(i)) for i in inputs):
         raise TraceError(path, "output would overwrite input")
     return target, st
@@ -101,7 +102,10 @@ def _write_through(target: Path, payload: bytes) -> None:
 
 
 def _replace(target: Path, payload: bytes, st: os.stat_result | None) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as e:  # say where: the file itself was never reached
+        raise OSError(e.errno, f"cannot create a file in {target.parent} ({e.strerror})") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
