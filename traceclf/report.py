@@ -5,7 +5,6 @@ read this object, never the trace."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -86,11 +85,7 @@ class Report:
             "ranks": [],
             "fixes": [],
         }
-        merged = defaults | {k: v for k, v in data.items() if k in names}
-        problem = _shape_problem(merged)
-        if problem:
-            raise TraceError(None, f"not a traceclf report ({problem})")
-        return cls(**merged)
+        return cls(**(defaults | {k: v for k, v in data.items() if k in names}))
 
     @classmethod
     def load(cls, path: str | Path) -> Report:
@@ -106,69 +101,6 @@ class Report:
             return cls.from_dict(data)
         except TraceError as e:
             raise TraceError(path, e.problem) from None
-
-
-# The types every reader of a report (renderers, compare) relies on: what a saved report must
-# have before it is trusted. Extra keys are fine (a newer traceclf wrote them).
-_CONTAINERS = {
-    "inputs": list,
-    "gpus": list,
-    "steps": dict,
-    "ranks": list,
-    "metrics": dict,
-    "classification": dict,
-    "fixes": list,
-    "capture": dict,
-    "cross_rank": dict,
-    "comm_by_kind": dict,
-    "applied": list,
-    "series": list,
-}
-# Step statistics the CI gate computes with: NaN or infinity would silently disable it.
-_STEP_NUMBERS = ("mean_ms", "median_ms", "cv")
-
-
-def _shape_problem(data: dict) -> str | None:
-    """What makes ``data`` unusable as a report, or None."""
-    for key, kind in _CONTAINERS.items():
-        if key in data and not isinstance(data[key], kind):
-            return f"{key} must be {'a list' if kind is list else 'an object'}"
-    for key in ("inputs", "gpus", "ranks", "fixes"):
-        if not all(isinstance(item, dict) for item in data.get(key, [])):
-            return f"every entry of {key} must be an object"
-    if not all(isinstance(item, str) for item in data.get("applied", [])):
-        return "every entry of applied must be text"
-    for key in ("traceclf_version", "next_wall"):
-        if data.get(key) is not None and not isinstance(data[key], str):
-            return f"{key} must be text"
-    if not all(g.get("name") is None or isinstance(g["name"], str) for g in data["gpus"]):
-        return "gpus[].name must be text"
-    cls = data["classification"]
-    if cls.get("bound") is not None and not isinstance(cls["bound"], str):
-        return "classification.bound must be text or null"
-    if "scores" in cls and not isinstance(cls["scores"], dict):
-        return "classification.scores must be an object"
-    if not all(isinstance(e, str) for e in cls.get("evidence") or []):
-        return "classification.evidence must be a list of text"
-    steps = data["steps"]
-    for key in (*_STEP_NUMBERS, "confidence"):
-        source = cls if key == "confidence" else steps
-        value = source.get(key)
-        if value is not None and not _finite(value):
-            where = "classification" if key == "confidence" else "steps"
-            return f"{where}.{key} must be a finite number or null, not {value!r:.40}"
-    for key in ("used", "count"):
-        value = steps.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            return f"steps.{key} must be a whole number"
-    for key in ("source", "label"):
-        if steps.get(key) is not None and not isinstance(steps[key], str):
-            return f"steps.{key} must be text"
-    return None
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _jsonable(value):
