@@ -325,11 +325,22 @@ MALFORMED_REPORTS: dict[str, Callable[[dict], object]] = {
 }
 
 
+# A broken mean step time must make the verdict "inconclusive" (said so, in every format),
+# never a silent "no significant change" (an infinite CV only loses the noise band).
+GATE_CASES = ("steps is a list", "mean_ms is a string", "mean_ms is NaN")
+
+
 @pytest.mark.parametrize("case", MALFORMED_REPORTS)
-def test_compare_with_a_malformed_saved_report_is_one_line(tmp_path: Path, case: str) -> None:
+def test_compare_with_a_malformed_saved_report_neither_crashes_nor_passes_silently(
+    tmp_path: Path, case: str
+) -> None:
     before = saved_report(tmp_path)
     after = edited(before, tmp_path / "after.json", MALFORMED_REPORTS[case])
-    assert_one_line_error(run_cli("compare", before, after), "after.json")
+    for fmt in ("terminal", "md", "json"):
+        result = run_cli("compare", before, after, "-f", fmt)
+        assert result.code == 0 and result.stderr == "", (fmt, result.stderr)
+        if fmt == "json" and case in GATE_CASES:
+            assert json.loads(result.stdout)["verdict"] == "inconclusive"
 
 
 GARBAGE_NSYS = """#!{python}
