@@ -220,10 +220,12 @@ def test_saved_report_text_cannot_drive_the_terminal_in_compare(tmp_path: Path) 
         data["steps"]["label"] = TERMINAL_PAYLOAD
 
     after = tampered_report(before, tmp_path / "after.json", hostile)
-    result = run_cli("compare", before, after)
-    assert result.code in (0, 1), result.stderr
-    assert_inert_for_terminal(result.stdout)
-    assert "[/][link=http://evil.example]" in result.stdout
+    second = tampered_report(before, tmp_path / "\x1b[2Jsecond.json", hostile)
+    for candidates in ((after,), (after, second)):  # one comparison, and the several-run table
+        result = run_cli("compare", before, *candidates)
+        assert result.code in (0, 1), result.stderr
+        assert_inert_for_terminal(result.stdout)
+        assert "[/][link=http://evil.example]" in result.stdout
 
 
 # -- item 4: Markdown injection -------------------------------------------------------------------
@@ -273,9 +275,11 @@ def test_compare_markdown_from_saved_json_escapes_what_it_copies(tmp_path: Path)
         data["steps"]["label"] = "` <img src=y onerror=alert(2)> `"
 
     after = tampered_report(before, tmp_path / "x`<img src=z onerror=alert(3)>`.json", hostile)
-    result = run_cli("compare", before, after, "-f", "md")
-    assert result.code in (0, 1), result.stderr
-    assert_no_live_html(rendered_markdown(result.stdout))
+    second = tampered_report(before, tmp_path / "<img src=q onerror=alert(4)>.json", hostile)
+    for candidates in ((after,), (after, second)):
+        result = run_cli("compare", before, *candidates, "-f", "md")
+        assert result.code in (0, 1), result.stderr
+        assert_no_live_html(rendered_markdown(result.stdout))
 
 
 # -- item 6: -o onto an input ---------------------------------------------------------------------

@@ -343,7 +343,9 @@ def cache_clear(cache_dir: Path | None) -> None:
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """traceclf's own warnings as one line on stderr; others as Python prints them."""
     if issubclass(category, TraceWarning):
-        click.echo(f"traceclf: warning: {message}", err=True)
+        from traceclf.render.escape import visible
+
+        click.echo(f"traceclf: warning: {visible(message)}", err=True)
     else:
         _python_showwarning(message, category, filename, lineno, file, line)
 

@@ -66,7 +66,7 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
     if result.explanations:
         console.print(Text("What changed besides the measures", style="bold"))
         for line in result.explanations:
-            console.print(Text(f"• {line}"))
+            console.print(for_terminal(f"• {line}"))
     for note in result.notes:
         console.print(for_terminal(f"Not directly comparable: {note}", "yellow"))
     return buffer.getvalue() if buffer else None
@@ -127,10 +127,7 @@ def comparison_markdown(result: Comparison) -> str:
 
 def _md(text: str) -> str:
     """Trace- and rule-derived text as inert Markdown (one line, no HTML, no table breaks)."""
-    text = " ".join(str(text).split())
-    for ch in "\\`*_[]<>|#":
-        text = text.replace(ch, "\\" + ch)
-    return text
+    return for_markdown(text)
 
 
 MANY_COLUMNS = ("candidate", "step before", "step after", "change", "verdict", "bound")
@@ -164,7 +161,7 @@ def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None
     )
     if fmt == "md":
         lines = [
-            f"# traceclf compare: baseline `{_md(Path(result.baseline).name)}`",
+            f"# traceclf compare: baseline {markdown_code(Path(result.baseline).name)}",
             "",
             f"**{_md(head)}**",
             "",
@@ -190,16 +187,16 @@ def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None
     console = Console(file=buffer, highlight=False, force_terminal=False if buffer else None)
     if not console.is_terminal:
         console.width = 120
-    console.print(Text(f"Baseline: {Path(result.baseline).name}", style="bold"))
-    console.print(Text(head, style="bold red" if regressed else "bold green"))
+    console.print(for_terminal(f"Baseline: {Path(result.baseline).name}", "bold"))
+    console.print(for_terminal(head, "bold red" if regressed else "bold green"))
     table = Table(show_edge=False)
     for i, col in enumerate(MANY_COLUMNS):
         table.add_column(col, justify="right" if 1 <= i <= 3 else "left", overflow="fold")
     for row in _many_rows(result):
-        table.add_row(*(Text(c, style=VERDICT_STYLE.get(c, "")) for c in row))
+        table.add_row(*(for_terminal(c, VERDICT_STYLE.get(c, "")) for c in row))
     console.print(table)
     for c in result.comparisons:
-        console.print(Rule(Text(Path(c.after.source).name)))
+        console.print(Rule(for_terminal(Path(c.after.source).name)))
         console.print(Text(_terminal(c, to_string=True) or ""), end="")
     if buffer is not None:
         emit(buffer.getvalue(), output)
