@@ -15,14 +15,35 @@ from traceclf.errors import TraceError, TraceWarning
 FORMATS = ("terminal", "json", "md", "html")
 
 
-def _check_output(output: Path | None) -> None:
-    """Fail before the analysis, not after it, when the report could not be written."""
-    if output is not None and not output.parent.is_dir():
-        raise TraceError(output, f"cannot write the report: no folder {output.parent}")
+def _check_output(output: str | None, named: list[str], rules_dir: Path | None) -> Path | None:
+    """Fail before the analysis, not after it, when the report could not or must not be
+    written: no folder, a folder or a disk in the way, or any input of the run, however it is
+    spelled (folders and patterns expanded, the export beside each report, the rule files)."""
+    if output is None:
+        return None
+    from traceclf.atomic import check_output
+    from traceclf.ingest.inputs import named_files
+
+    inputs = [Path(n) for n in named if n.lower().endswith(".json")]
+    inputs += named_files([n for n in named if not n.lower().endswith(".json")])
+    if rules_dir is not None and rules_dir.is_dir():
+        inputs += [*rules_dir.glob("*.yaml"), *rules_dir.glob("*.yml")]
+    check_output(output, inputs)
+    return Path(output)
+
+
+def _nsys(value: str | None) -> Path | None:
+    """--nsys as given: a bare name is looked up on PATH, anything with a slash (./nsys) is
+    that file (pathlib would turn ./nsys into nsys, which PATH lookup would then find)."""
+    if value is None:
+        return None
+    return Path(value).absolute() if "/" in value else Path(value)
 
 
 def _fail(message: str) -> None:
-    click.echo(f"traceclf: error: {message}", err=True)
+    from traceclf.render.escape import visible
+
+    click.echo(f"traceclf: error: {visible(message)}", err=True)
     sys.exit(2)
 
 
@@ -36,7 +57,7 @@ step_range_option = click.option(
 nsys_option = click.option(
     "--nsys",
     "nsys_path",
-    type=click.Path(path_type=Path),
+    type=click.Path(path_type=str),
     help="nsys executable used to export .nsys-rep files (default: $NSYS, then nsys on PATH).",
 )
 rules_option = click.option(
@@ -95,8 +116,9 @@ def cli() -> None:
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Write the report to this file (atomically) instead of stdout. Required for html.",
+    metavar="FILE",
+    help="Write the report to this file (atomically; a FIFO or device is written through; "
+    "never onto an input) instead of stdout. Required for html.",
 )
 @analysis_options
 @click.option(
@@ -130,9 +152,9 @@ def cli() -> None:
 def analyze(
     inputs: tuple[str, ...],
     fmt: str,
-    output: Path | None,
+    output: str | None,
     step_range: str | None,
-    nsys_path: Path | None,
+    nsys_path: str | None,
     rules_dir: Path | None,
     no_cache: bool,
     cache_dir: Path | None,
@@ -155,10 +177,10 @@ def analyze(
 
     if fmt == "html" and output is None:
         raise click.UsageError("--format html needs -o/--output FILE")
-    _check_output(output)
+    out = _check_output(output, list(inputs), rules_dir)
     opts = AnalysisOptions(
         step_regex=step_range,
-        nsys=nsys_path,
+        nsys=_nsys(nsys_path),
         rules_dir=rules_dir,
         use_cache=not no_cache,
         cache_dir=cache_dir,
@@ -168,7 +190,7 @@ def analyze(
         grouping=grouping or "auto",
     )
     report = analyze_inputs(list(inputs), opts)
-    render(report, fmt, output)
+    render(report, fmt, out)
 
 
 @cli.command()
@@ -193,8 +215,8 @@ def analyze(
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Write to this file (atomically) instead of stdout.",
+    metavar="FILE",
+    help="Write to this file (atomically; never onto BEFORE or AFTER) instead of stdout.",
 )
 @analysis_options
 @quiet_option
@@ -203,9 +225,9 @@ def compare(
     after: tuple[str, ...],
     threshold: float,
     fmt: str,
-    output: Path | None,
+    output: str | None,
     step_range: str | None,
-    nsys_path: Path | None,
+    nsys_path: str | None,
     rules_dir: Path | None,
     no_cache: bool,
     cache_dir: Path | None,
@@ -222,15 +244,15 @@ def compare(
 
     opts = AnalysisOptions(
         step_regex=step_range,
-        nsys=nsys_path,
+        nsys=_nsys(nsys_path),
         rules_dir=rules_dir,
         use_cache=not no_cache,
         cache_dir=cache_dir,
         quiet=quiet,
     )
-    _check_output(output)
+    out = _check_output(output, [before, *after], rules_dir)
     result = compare_many(before, list(after), threshold=threshold, opts=opts)
-    render_comparison(result, fmt, output)
+    render_comparison(result, fmt, out)
     sys.exit(1 if result.regression else 0)
 
 
@@ -321,7 +343,9 @@ def cache_clear(cache_dir: Path | None) -> None:
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """traceclf's own warnings as one line on stderr; others as Python prints them."""
     if issubclass(category, TraceWarning):
-        click.echo(f"traceclf: warning: {message}", err=True)
+        from traceclf.render.escape import visible
+
+        click.echo(f"traceclf: warning: {visible(message)}", err=True)
     else:
         _python_showwarning(message, category, filename, lineno, file, line)
 
@@ -335,9 +359,11 @@ def main() -> None:
         cli.main(standalone_mode=False, prog_name="traceclf")
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except click.UsageError as e:  # one line, like every other error
+        command = e.ctx.command_path if e.ctx else "traceclf"
+        _fail(f"{' '.join(e.format_message().split())} (see: {command} --help)")
     except click.ClickException as e:
-        e.show()
-        sys.exit(2)
+        _fail(" ".join(e.format_message().split()))
     except click.Abort:
         click.echo("traceclf: aborted", err=True)
         sys.exit(130)

@@ -8,12 +8,16 @@ recipes, so a cluster that already runs those can run traceclf too.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from traceclf.errors import TraceError
@@ -21,7 +25,10 @@ from traceclf.errors import TraceError
 T = TypeVar("T")
 R = TypeVar("R")
 
-DASK_CONNECT_TIMEOUT = "30s"
+# Seconds to wait for a Dask scheduler to answer ($TRACECLF_DASK_TIMEOUT overrides): a
+# scheduler on any reachable network answers in milliseconds.
+DASK_CONNECT_TIMEOUT = 10.0
+HEAD_BYTES = 1 << 16
 # Each worker holds a whole trace model in memory: more than a few at once trades speed for RSS.
 MAX_DEFAULT_JOBS = 4
 
@@ -114,13 +121,17 @@ def _map_dask(
         from distributed import Client, as_completed
     except ImportError:
         raise TraceError(None, "--dask needs Dask: pip install 'traceclf[dask]'") from None
+    timeout = _dask_timeout()
+    _probe_scheduler(address, timeout)
     try:
-        client = Client(address, timeout=DASK_CONNECT_TIMEOUT)
-    except OSError as e:
+        client = Client(address, timeout=f"{timeout}s")
+    except (OSError, ValueError, TypeError, MemoryError) as e:
         raise TraceError(None, f"cannot reach the Dask scheduler at {address} ({e})") from None
     with client:
+        # Workers run elsewhere: files travel as absolute paths with the identity seen here.
+        remote = [RemoteFile.of(i) if isinstance(i, Path) else i for i in items]
         # pure=False: an export rewritten in place must be read again, not served from memory.
-        futures = client.map(fn, items, pure=False)
+        futures = client.map(functools.partial(_on_worker, fn=fn), remote, pure=False)
         try:
             for future in as_completed(futures):
                 if future.status == "error":
@@ -129,6 +140,106 @@ def _map_dask(
             return client.gather(futures)
         finally:
             client.cancel(futures)
+
+
+def _dask_timeout() -> float:
+    raw = os.environ.get("TRACECLF_DASK_TIMEOUT") or str(DASK_CONNECT_TIMEOUT)
+    try:
+        value = float(raw.strip().removesuffix("s"))
+    except ValueError:
+        raise TraceError(
+            None, f"TRACECLF_DASK_TIMEOUT={raw!r} is not a number of seconds"
+        ) from None
+    return value if 0 < value < 3600 else 10.0
+
+
+def _probe_scheduler(address: str, timeout: float) -> None:
+    """Ask ``address`` who it is, within ``timeout`` seconds, before a Client is built on it.
+
+    ``Client()`` waits forever on a server that accepts and never answers, and on one that
+    answers with something else (an HTTP server) it reads the reply as a frame length and
+    tries to allocate exabytes. An identity call under our own deadline is cancelled cleanly.
+    """
+    import asyncio
+
+    from distributed.core import rpc
+
+    async def identity() -> dict:
+        async with rpc(address, timeout=timeout) as scheduler:
+            return await scheduler.identity()
+
+    where = f"cannot reach the Dask scheduler at {address}"
+    try:
+        found = asyncio.run(asyncio.wait_for(identity(), timeout))
+    except (TimeoutError, asyncio.TimeoutError):
+        raise TraceError(
+            None, f"{where}: no answer within {timeout:g} s (is it running at that address?)"
+        ) from None
+    except (ValueError, TypeError) as e:  # a malformed address or an unknown scheme
+        raise TraceError(None, f"{where}: not a usable address ({e})") from None
+    except Exception as e:  # OSError, MemoryError, a protocol error: whatever else answered
+        detail = " ".join(str(e).split())[:120] or type(e).__name__
+        if isinstance(e, MemoryError):  # a non-Dask reply read as a frame length
+            detail = "the reply is not Dask's protocol"
+        raise TraceError(
+            None,
+            f"{where}: no Dask answer within {timeout:g} s ({detail}; is something else "
+            "listening there?)",
+        ) from None
+    if not isinstance(found, dict) or found.get("type") != "Scheduler":
+        raise TraceError(None, f"{where}: something else answered within {timeout:g} s")
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A file as a Dask worker must find it: by absolute path (a worker's working folder is
+    not the user's), and with the size, mtime and head hash seen here, so a worker that sees
+    another file at that path says so instead of analysing it under the user's name."""
+
+    path: Path
+    size: int | None
+    mtime_ns: int | None
+    head: str | None
+
+    @classmethod
+    def of(cls, path: Path) -> RemoteFile:
+        path = path.absolute()
+        try:
+            st = path.stat()
+            return cls(path, st.st_size, st.st_mtime_ns, _head(path))
+        except OSError:  # missing here too: the worker reports it as the local run would
+            return cls(path, None, None, None)
+
+    def checked(self) -> Path:
+        if self.size is None:
+            return self.path
+        try:
+            st = self.path.stat()
+            same = (st.st_size, st.st_mtime_ns, _head(self.path)) == (
+                self.size,
+                self.mtime_ns,
+                self.head,
+            )
+        except OSError as e:
+            raise TraceError(
+                self.path, f"the Dask worker cannot read it ({e.strerror or e})"
+            ) from None
+        if not same:
+            raise TraceError(
+                self.path,
+                "the Dask worker sees a different file at this path (size, time or content "
+                "differ): workers must see the same files at the same paths",
+            )
+        return self.path
+
+
+def _head(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
+
+
+def _on_worker(item: Any, fn: Callable[[Any], R]) -> R:
+    return fn(item.checked() if isinstance(item, RemoteFile) else item)
 
 
 @contextmanager

@@ -47,6 +47,9 @@ GPU_METRICS = (  # metric key (traceclf.ingest.devices.METRIC_NAMES), label, col
     ("tensor_active", "Tensor Active", "#5e35b1", "-"),
 )
 MAX_STEP_TICKS = 30
+# Past this many steps one bar per step costs seconds per thousand steps and draws bars
+# narrower than a pixel: consecutive steps are averaged into this many bars instead.
+MAX_STEP_BARS = 300
 MAX_RANK_PANELS = 8  # beyond this a per-rank panel stack stops being readable
 WIDTH_IN = 9.0
 
@@ -75,14 +78,25 @@ def step_timeline(series: Sequence[dict]) -> Figure:
     panel_in = 1.9 if len(ranks) <= 4 else 1.4  # many ranks: keep the figure on a screen
     fig = Figure(figsize=(WIDTH_IN, 1.3 + panel_in * len(ranks)), layout="constrained")
     axes = fig.subplots(len(ranks), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    grouped = 1
     for ax, rank in zip(axes, ranks, strict=True):
         rows = rank["step_breakdown"]
-        x = [row["index"] for row in rows]
-        bottom = [0.0] * len(rows)
+        bars, size = _step_bars(rows)
+        grouped = max(grouped, size)
+        x = [b["index"] for b in bars]
+        bottom = [0.0] * len(bars)
         for key, _label, color in STEP_PARTS:
-            ms = [row[key] / 1e6 for row in rows]
-            ax.bar(x, ms, bottom=bottom, color=color, width=0.8)
+            ms = [b[key] / 1e6 for b in bars]
+            ax.bar(x, ms, bottom=bottom, color=color, width=0.8 * size)
             bottom = [b + v for b, v in zip(bottom, ms, strict=True)]
+        if size > 1:  # the spread the averaging hides: min-max step time of each group
+            ax.vlines(
+                x,
+                [b["min"] / 1e6 for b in bars],
+                [b["max"] / 1e6 for b in bars],
+                color="#333333",
+                linewidth=0.6,
+            )
         ax.set_ylabel(f"rank {rank['rank']}\nstep time (ms)")
         ax.set_title(_step_summary(rows), loc="right", fontsize=9, color="#555555")
         if len(x) <= MAX_STEP_TICKS:
@@ -90,10 +104,33 @@ def step_timeline(series: Sequence[dict]) -> Figure:
         else:  # one tick per step would overlap; integer ticks only
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         _light_grid(ax, "y")
-    axes[-1].set_xlabel("steady-state step (index in the trace)")
+    label = "steady-state step (index in the trace)"
+    if grouped > 1:
+        label += f"; each bar: mean of {grouped} consecutive steps, line: their min–max step time"
+    axes[-1].set_xlabel(label)
     _title(fig, "Where each steady-state step goes", _more_ranks(series, len(ranks)))
     _legend(fig, [(label, color) for _k, label, color in STEP_PARTS])
     return fig
+
+
+def _step_bars(rows: Sequence[dict]) -> tuple[list[dict], int]:
+    """One bar per step, or, past MAX_STEP_BARS steps, one per group of consecutive steps:
+    the mean of each part, the group's middle index and its min/max step time."""
+    size = -(-len(rows) // MAX_STEP_BARS)  # ceil
+    if size <= 1:
+        return list(rows), 1
+    bars = []
+    for start in range(0, len(rows), size):
+        group = rows[start : start + size]
+        totals = [sum(r[key] for key, _l, _c in STEP_PARTS) for r in group]
+        bar = {key: sum(r[key] for r in group) / len(group) for key, _l, _c in STEP_PARTS}
+        bar |= {
+            "index": (group[0]["index"] + group[-1]["index"]) / 2,
+            "min": min(totals),
+            "max": max(totals),
+        }
+        bars.append(bar)
+    return bars, size
 
 
 def idle_gaps(series: Sequence[dict]) -> Figure:

@@ -8,7 +8,9 @@ natural order, so rank_2 comes before rank_10 whatever order the shell produced.
 
 from __future__ import annotations
 
+import errno
 import glob
+import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -67,6 +69,14 @@ def resolve_sources(
     ]
 
 
+def named_files(inputs: list[str]) -> list[Path]:
+    """Every file ``inputs`` name as they are now (folders and patterns expanded, nothing
+    exported), plus the export beside each report: what a report written with ``-o`` must
+    never replace. Raises TraceError like :func:`resolve_inputs` for inputs that are bad."""
+    files = [f for arg in inputs for f in _expand(arg)]
+    return files + [beside_export(f) for f in files if is_report(f)]
+
+
 def natural_key(path: Path) -> list[str | int]:
     """Sort key that orders digit runs by value: rank_2 < rank_10."""
     return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", str(path))]
@@ -93,15 +103,34 @@ def _expand(arg: str) -> Iterator[Path]:
         for match in matches:
             yield from _expand(match)
     else:
-        raise TraceError(path, "no such file or directory")
+        raise TraceError(path, _missing(path))
+
+
+def _missing(path: Path) -> str:
+    """Why ``path`` cannot be opened, as precisely as the file system says: a symlink loop
+    and a broken link are not "no such file"."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "symbolic link loop"
+        if e.errno == errno.ENOENT and path.is_symlink():
+            return f"broken symbolic link (to {os.readlink(path)}, which does not exist)"
+        if e.errno not in (errno.ENOENT, None):
+            return f"cannot open: {e.strerror}"
+    return "no such file or directory"
 
 
 def _scan_folder(folder: Path) -> list[Path]:
     """The exports and reports directly in ``folder``; hidden files are traceclf's temporaries."""
     suffixes = (EXPORT_SUFFIX, *REPORT_SUFFIXES)
+    try:
+        entries = list(folder.iterdir())
+    except OSError as e:
+        raise TraceError(folder, f"cannot read folder: {e.strerror or e}") from None
     found = [
         p
-        for p in folder.iterdir()
+        for p in entries
         if p.suffix.lower() in suffixes and not p.name.startswith(".") and p.is_file()
     ]
     if not found:

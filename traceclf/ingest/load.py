@@ -347,7 +347,9 @@ def load_trace(
     # Categorical: a few hundred distinct names over millions of rows (~4x less memory).
     kernels = kernels.with_columns(
         name=pl.coalesce("name", "short_name", pl.lit("<unknown kernel>")).cast(pl.Categorical),
-        short_name=pl.coalesce("short_name", "name").cast(pl.Categorical),
+        short_name=pl.coalesce("short_name", "name", pl.lit("<unknown kernel>")).cast(
+            pl.Categorical
+        ),
         grid_blocks=(
             pl.col("grid_x").fill_null(1)
             * pl.col("grid_y").fill_null(1)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from traceclf.errors import TraceError
 from traceclf.ingest.cachedir import cache_root, is_owned, usable_root
+from traceclf.ingest.schema import is_sqlite_file
 from traceclf.progress import status
 
 REPORT_SUFFIXES = (".nsys-rep", ".qdrep")  # .qdrep: reports of nsys before 2021.4
@@ -43,13 +44,14 @@ TERMINATE_GRACE_S = 5.0
 
 
 def find_nsys(explicit: Path | None = None) -> Path | None:
-    """The nsys to run: ``explicit`` (--nsys), else $NSYS, else ``nsys`` on PATH."""
+    """The nsys to run: ``explicit`` (--nsys), else $NSYS, else ``nsys`` on PATH. A name with
+    a folder in it (``./nsys``, ``bin/nsys``) is that file, never one found on PATH."""
     for candidate in (explicit, os.environ.get("NSYS"), "nsys"):
         if not candidate:
             continue
         found = shutil.which(str(candidate))
         if found:
-            return Path(found)
+            return Path(found).absolute()
         if explicit is not None:  # asked for this one: do not quietly run another
             return None
     return None
@@ -183,7 +185,16 @@ def _prune_older_versions(target: Path, report: Path) -> None:
 def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
     """Run ``nsys export`` into a temporary file beside ``target``, stamp it, rename it."""
     tmp = target.with_name(f".{target.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp.sqlite")
-    cmd = [str(nsys), "export", "--type", "sqlite", "--output", str(tmp), str(report)]
+    # Absolute paths: a report named "-x.nsys-rep" must reach nsys as a file, not an option.
+    cmd = [
+        str(nsys),
+        "export",
+        "--type",
+        "sqlite",
+        "--output",
+        str(tmp.absolute()),
+        str(report.absolute()),
+    ]
     try:
         try:
             done = run_interruptible(cmd)
@@ -200,7 +211,16 @@ def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
                 report,
                 f"nsys export produced no SQLite file ({_first_line(done.stderr, done.stdout)})",
             )
-        _stamp_export(tmp, key)
+        if not is_sqlite_file(tmp):
+            raise TraceError(
+                report,
+                f"nsys export wrote a file that is not an SQLite database ({nsys}: "
+                f"{_first_line(done.stderr, done.stdout)})",
+            )
+        try:
+            _stamp_export(tmp, key)
+        except sqlite3.DatabaseError as e:
+            raise TraceError(report, f"nsys export wrote a damaged SQLite file ({e})") from None
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)  # a failed export leaves nothing behind

@@ -6,6 +6,7 @@ event table is read, so bad input is rejected in milliseconds with a message nam
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import struct
 from dataclasses import dataclass, field
@@ -26,6 +27,22 @@ GPU_ACTIVITY_TABLES = (
 META_TABLES = ("META_DATA_EXPORT", "EXPORT_META_DATA")
 # Exports up to this size are checked for damaged pages before the loader starts (~0.25 s).
 PAGE_CHECK_MAX_BYTES = 64 << 20
+# Names of the tables traceclf reads (nsys writes them as tables). A view under one of these
+# names would run SQL stored in the file (a recursive one never ends): refused, not ignored.
+READ_TABLE_PREFIXES = (
+    "CUPTI_ACTIVITY_KIND_",
+    "NVTX_EVENTS",
+    "TARGET_INFO_",
+    "GPU_METRICS",
+    "META_DATA_",
+    "EXPORT_META_DATA",
+    "StringIds",
+    "PROCESSES",
+    "CUDA_GPU_MEMORY_USAGE_EVENTS",
+    "PROFILER_OVERHEAD",
+)
+HOT_JOURNAL_MAGIC = bytes.fromhex("d9d505f920a163d7")
+WAL_HEADER_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -53,8 +70,12 @@ class ExportInfo:
 
 
 def readonly_uri(path: Path) -> str:
-    """SQLite URI that can neither write the file nor create journal/lock files beside it."""
-    return f"file:{quote(str(path.resolve()))}?mode=ro&immutable=1"
+    """SQLite URI that can neither write the file nor create journal/lock files beside it.
+
+    The path is quoted as bytes: a file name that is not UTF-8 (its bytes kept as surrogates
+    by Python) reaches SQLite as the same bytes. ``immutable=1`` ignores journals and WAL
+    files, so :func:`check_sqlite_file` first refuses an export that has live ones."""
+    return f"file:{quote(os.fsencode(path.resolve()))}?mode=ro&immutable=1"
 
 
 def is_sqlite_file(path: Path) -> bool:
@@ -102,6 +123,43 @@ def check_sqlite_file(path: Path) -> None:
         raise TraceError(
             path, f"truncated SQLite database ({size} of {page_count * page_size} bytes)"
         )
+    _check_not_being_written(path, wal_mode=2 in header[18:20])
+
+
+def _check_not_being_written(path: Path, *, wal_mode: bool) -> None:
+    """Refuse an export whose latest content is not in the file itself: read immutably (as
+    traceclf does, to never write beside an input) it would look unchanged or corrupt.
+
+    - WAL mode with a non-empty ``-wal`` file: committed changes not yet checkpointed (a
+      writer is open, or did not close cleanly);
+    - a hot ``-journal`` (it starts with the journal magic): a write is in progress or was
+      interrupted, so pages in the file may be half-written.
+    """
+    wal = path.with_name(path.name + "-wal")
+    try:
+        wal_bytes = wal.stat().st_size if wal_mode else 0
+    except OSError:
+        wal_bytes = 0
+    if wal_bytes > WAL_HEADER_BYTES:
+        raise TraceError(
+            path,
+            f"WAL-mode export whose latest changes are still in {wal.name} ({wal_bytes} bytes): "
+            "a writer is open or did not close; close it, or checkpoint with "
+            f"sqlite3 {path.name} 'PRAGMA wal_checkpoint(TRUNCATE)', then retry",
+        )
+    journal = path.with_name(path.name + "-journal")
+    try:
+        with journal.open("rb") as f:
+            hot = f.read(len(HOT_JOURNAL_MAGIC)) == HOT_JOURNAL_MAGIC
+    except OSError:
+        hot = False
+    if hot:
+        raise TraceError(
+            path,
+            f"being written ({journal.name} is a hot journal: a write is in progress or was "
+            "interrupted); wait for the writer, or open it once with sqlite3 to roll the "
+            "interrupted write back, then retry",
+        )
 
 
 def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
@@ -116,6 +174,7 @@ def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
     except sqlite3.Error as e:
         raise TraceError(path, f"cannot open SQLite database: {e}") from None
     try:
+        _check_views(path, con)
         columns = _table_columns(con)
         meta = _export_meta(con, columns)
         # quick_check runs as one VDBE opcode, so no progress handler can cut it short: only
@@ -145,6 +204,17 @@ def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
         schema_version=_schema_version(meta),
         columns=columns,
     )
+
+
+def _check_views(path: Path, con: sqlite3.Connection) -> None:
+    views = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='view'")]
+    shadow = next((v for v in views if str(v).startswith(READ_TABLE_PREFIXES)), None)
+    if shadow is not None:
+        raise TraceError(
+            path,
+            f"{shadow} is a view, not a table: traceclf reads the tables nsys writes and does "
+            "not run SQL stored in an export (materialise it: CREATE TABLE ... AS SELECT)",
+        )
 
 
 def _table_columns(con: sqlite3.Connection) -> dict[str, tuple[str, ...]]:

@@ -5,7 +5,6 @@ and the entry (``rule 'x': missing 'when'``)."""
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,9 +60,26 @@ class Fix:
 
 
 @dataclass(frozen=True)
+class LinearPattern:
+    """A case-insensitive regex run by polars' engine (Rust ``regex``: linear time, no
+    look-around or back-references), so no GPU name can make a rule file's pattern hang the
+    way a backtracking engine does on ``^([A-Z0-9]+|[A-Z0-9 ]+)*!``."""
+
+    pattern: str
+
+    def search(self, text: str) -> bool:
+        import polars as pl
+
+        return bool(pl.Series([text], dtype=pl.String).str.contains(f"(?i){self.pattern}")[0])
+
+
+MAX_PATTERN_CHARS = 2000
+
+
+@dataclass(frozen=True)
 class GpuFamily:
     family: str
-    match: re.Pattern[str]
+    match: LinearPattern
     source: Path
 
 
@@ -73,7 +89,7 @@ class HostLink:
 
     name: str
     gbps: float
-    match: re.Pattern[str]
+    match: LinearPattern
     source: Path
 
 
@@ -321,21 +337,28 @@ def _recovers(e: _Entry) -> Recovers | None:
     return Recovers(frac=sub.expr("frac"), classes=classes)
 
 
+def _linear_pattern(e: _Entry) -> LinearPattern:
+    import polars as pl
+
+    source = e.text("match")
+    if len(source) > MAX_PATTERN_CHARS:
+        e.fail(f"'match' is longer than {MAX_PATTERN_CHARS} characters")
+    try:
+        pl.Series([""]).str.contains(f"(?i){source}")
+    except pl.exceptions.PolarsError as err:
+        detail = " ".join(str(err).split())[:160]
+        e.fail(f"'match' is not a valid regex for the linear-time engine ({detail})")
+    return LinearPattern(source)
+
+
 def parse_family(raw: Any, path: Path, index: int) -> GpuFamily:
     e = _Entry(raw, path, "gpu family", index, ("family", "match"), ())
-    try:
-        pattern = re.compile(e.text("match"), re.IGNORECASE)
-    except re.error as err:
-        e.fail(f"'match' is not a valid regex ({err})")
-    return GpuFamily(e.text("family"), pattern, path)
+    return GpuFamily(e.text("family"), _linear_pattern(e), path)
 
 
 def parse_host_link(raw: Any, path: Path, index: int) -> HostLink:
     e = _Entry(raw, path, "host link", index, ("link", "gbps", "match"), ())
-    try:
-        pattern = re.compile(e.text("match"), re.IGNORECASE)
-    except re.error as err:
-        e.fail(f"'match' is not a valid regex ({err})")
+    pattern = _linear_pattern(e)
     gbps = raw["gbps"]
     if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not 0 < gbps < 1e5:
         e.fail("'gbps' must be a positive number (GB/s per direction)")

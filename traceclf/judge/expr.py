@@ -27,7 +27,17 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "coalesce": _coalesce,  # the first argument that is not null: a fallback for a measure
 }
 _NULL_SAFE = {"coalesce"}  # functions that take null arguments (the others return null)
+
+# Limits that keep parsing, checking and evaluating cheap whatever a rule file says
+# (docs/security.md): evaluation recurses once per level, and integers are capped at 64 bits
+# (beyond, they become floats, which overflow to an unknown value instead of growing: forty
+# definitions that each square the one before would otherwise build a 2**40-bit integer).
 _MAX_EXPR_CHARS = 1000
+MAX_EXPR_DEPTH = 40
+MAX_INT = 2**63
+# A {x:>1000000000} or {x:.1000000000f} field would build a gigabyte string per rendering.
+MAX_FORMAT_NUMBER = 100
+_MAX_SPEC_CHARS = 20
 
 
 class ExprError(ValueError):
@@ -90,6 +100,10 @@ class Expr:
             raise ExprError(f"{source.strip()!r} is not a valid expression ({e.msg})") from None
         except (RecursionError, MemoryError):
             raise ExprError(f"{source.strip()[:40]!r}... is nested too deeply") from None
+        except ValueError as e:  # e.g. a NUL byte in the source
+            raise ExprError(f"not a valid expression ({e})") from None
+        if _depth(tree) > MAX_EXPR_DEPTH:
+            raise ExprError(f"nested too deeply (more than {MAX_EXPR_DEPTH} levels)")
         return cls(source.strip(), tree, frozenset(_check(tree)))
 
     def value(self, env: Mapping[str, Any]) -> Any:
@@ -97,6 +111,18 @@ class Expr:
 
     def holds(self, env: Mapping[str, Any]) -> bool:
         return _truth(self.value(env)) is True
+
+
+def _depth(tree: ast.AST) -> int:
+    """Nesting depth of ``tree``, without recursion (a deep tree is what is being refused)."""
+    deepest, pending = 0, [(tree, 1)]
+    while pending:
+        node, depth = pending.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_EXPR_DEPTH:
+            break
+        pending.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 def _check(tree: ast.Expression) -> set[str]:
@@ -193,6 +219,8 @@ def _safe(fn: Callable[..., Any], *args: Any) -> Any:
     """Type mismatches and division by zero make the value unknown, never an exception."""
     try:
         out = fn(*args)
+        if isinstance(out, int) and not isinstance(out, bool) and abs(out) >= MAX_INT:
+            out = float(out)
     except (TypeError, ValueError, ZeroDivisionError, OverflowError):
         return None
     return None if isinstance(out, float) and not math.isfinite(out) else out
@@ -257,6 +285,12 @@ def _field(text: str) -> tuple[Expr, str]:
             raise
     expr, _, spec = text.rpartition(":")
     parsed = Expr.parse(expr)
+    numbers = [int(n) for n in re.findall(r"\d+", spec[:_MAX_SPEC_CHARS])]
+    if len(spec) > _MAX_SPEC_CHARS or any(n > MAX_FORMAT_NUMBER for n in numbers):
+        raise ExprError(
+            f"format spec {spec[:_MAX_SPEC_CHARS]!r} in {{{expr}:...}}: width and precision "
+            f"must be at most {MAX_FORMAT_NUMBER}"
+        )
     if not (_formats(0.5, spec) or _formats("x", spec)):
         raise ExprError(f"bad format spec {spec!r} in {{{text}}}")
     return parsed, spec

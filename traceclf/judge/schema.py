@@ -11,6 +11,9 @@ applies, how to tell it is already applied), ``gpu_families`` (GPU name/chip -> 
 from __future__ import annotations
 
 import difflib
+import os
+import stat
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -92,6 +95,17 @@ CONTEXT_NAMES: dict[str, str] = {
     "link_gbps": "that link's bandwidth per direction in GB/s (null for an unknown GPU)",
 }
 
+# Limits on rule files (docs/security.md): a rule file is data, and no rule file may exhaust
+# the machine. The bundled files are ~25 KB, 8 levels deep, ~30,000 characters expanded.
+MAX_RULE_FILE_BYTES = 1 << 20
+MAX_RULE_FILES = 200  # per folder
+MAX_YAML_DEPTH = 32
+# Characters (scalars) plus nodes once every alias is expanded: bounds whatever walks or
+# prints a document, whatever its aliases multiply ("billion laughs").
+MAX_YAML_EXPANDED = 4_000_000
+# libyaml's parser and composer when PyYAML has them (10-50x faster), else pure Python.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 _TOP_KEYS = (
     "rules",
     "fixes",
@@ -137,7 +151,10 @@ def known_names() -> frozenset[str]:
 
 def load_rules(rules_dir: Path | str | None = None) -> RuleSet:
     """The bundled rule set, with ``rules_dir`` (if given) merged over it: an entry with the id
-    of a bundled one replaces it. Raises TraceError naming the file for any problem."""
+    of a bundled one replaces it. Raises TraceError naming the file for any problem.
+
+    Read once per process while the files are unchanged (an analysis needs the rules for its
+    checks, its taxonomy and its verdict): callers share the returned RuleSet, read-only."""
     folders = [bundled_rules_dir()]
     if rules_dir is not None:
         user = Path(rules_dir)
@@ -146,7 +163,28 @@ def load_rules(rules_dir: Path | str | None = None) -> RuleSet:
         if not _yaml_files(user):
             raise TraceError(user, "no rule files (*.yaml) in this folder")
         folders.append(user)
-    docs = [[(path, _read_yaml(path)) for path in _yaml_files(folder)] for folder in folders]
+    files = [_yaml_files(folder) for folder in folders]
+    key = tuple((str(p), *_identity(p)) for layer in files for p in layer)
+    if key not in _LOADED:
+        if len(_LOADED) >= 8:  # a long-lived process with many --rules folders
+            _LOADED.clear()
+        _LOADED[key] = _load(folders, files)
+    return _LOADED[key]
+
+
+_LOADED: dict[tuple, RuleSet] = {}
+
+
+def _identity(path: Path) -> tuple[int, ...]:
+    try:
+        st = path.stat()
+    except OSError:
+        return ()  # reading it fails with the reason
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _load(folders: list[Path], layers: list[list[Path]]) -> RuleSet:
+    docs = [[(path, _read_yaml(path)) for path in layer] for layer in layers]
     definitions = parse_definitions(docs, known_names())
     names = known_names() | frozenset(definitions)
     rules: dict[str, Rule] = {}
@@ -176,7 +214,10 @@ def load_rules(rules_dir: Path | str | None = None) -> RuleSet:
 
 
 def _yaml_files(folder: Path) -> list[Path]:
-    return sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
+    found = sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
+    if len(found) > MAX_RULE_FILES:
+        raise TraceError(folder, f"more than {MAX_RULE_FILES} rule files in this folder")
+    return found
 
 
 def _parse_layer(files: list[tuple[Path, dict]], names: frozenset[str]) -> dict[str, Any]:
@@ -219,15 +260,21 @@ def _is_disable_stub(raw: Any) -> bool:
 
 
 def _read_yaml(path: Path) -> dict:
+    text = _read_text(path)
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        _check_shape(path, text)
+        doc = yaml.load(text, Loader=_LOADER)  # a SafeLoader, C or Python
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise TraceError(path, f"not valid YAML{where}: {e.problem or e.context}") from None
-    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
-        problem = " ".join(str(e).split())
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        problem = " ".join(str(e).split())[:200] or type(e).__name__
+        if isinstance(e, ValueError) and "digits" in problem:
+            limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+            problem = f"a number longer than {limit} digits"
         raise TraceError(path, f"cannot read rule file: {problem}") from None
+    _check_keys(path, doc)
     if doc is None:
         return {}
     if not isinstance(doc, dict):
@@ -240,6 +287,84 @@ def _read_yaml(path: Path) -> dict:
             f"(expected {', '.join(_TOP_KEYS)})",
         )
     return doc
+
+
+def _read_text(path: Path) -> str:
+    """The file's text, read without blocking (a FIFO would hang a plain read) and only if it
+    is a regular file of at most MAX_RULE_FILE_BYTES (``/dev/zero`` never ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise TraceError(path, f"cannot read rule file: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TraceError(path, "not a regular file (a rule file must be a plain YAML file)")
+        if st.st_size > MAX_RULE_FILE_BYTES:
+            raise TraceError(
+                path, f"rule file larger than {MAX_RULE_FILE_BYTES >> 20} MiB ({st.st_size} bytes)"
+            )
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_RULE_FILE_BYTES + 1)
+    except OSError as e:
+        raise TraceError(path, f"cannot read rule file: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_RULE_FILE_BYTES:  # it grew while being read
+        raise TraceError(path, f"rule file larger than {MAX_RULE_FILE_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceError(path, f"cannot read rule file: not UTF-8 text ({e.reason})") from None
+
+
+def _check_shape(path: Path, text: str) -> None:
+    """Bound nesting and alias expansion from the parser's events, before any object is
+    built: PyYAML shares an alias's object, but whatever walks or prints the document
+    afterwards (a message, ``str()``) pays for every expansion."""
+    open_nodes: list[tuple[str | None, int]] = []  # (anchor, expanded size when it opened)
+    sizes: dict[str, int] = {}  # anchor -> expanded size of its node
+    expanded = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        line = event.start_mark.line + 1 if event.start_mark else 0
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor not in sizes:
+                raise TraceError(path, f"line {line}: alias *{event.anchor} refers to itself")
+            expanded += sizes[event.anchor]
+        elif isinstance(event, yaml.ScalarEvent):
+            expanded += 1 + len(event.value)
+            if event.anchor:
+                sizes[event.anchor] = 1 + len(event.value)
+        elif isinstance(event, yaml.CollectionStartEvent):
+            open_nodes.append((event.anchor, expanded))
+            expanded += 1
+            if len(open_nodes) > MAX_YAML_DEPTH:
+                raise TraceError(path, f"line {line}: nested deeper than {MAX_YAML_DEPTH} levels")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, start = open_nodes.pop()
+            if anchor:
+                sizes[anchor] = expanded - start
+        if expanded > MAX_YAML_EXPANDED:
+            raise TraceError(
+                path,
+                f"line {line}: aliases expand this file past {MAX_YAML_EXPANDED:,} characters "
+                "(an alias bomb?); write the entries out",
+            )
+
+
+def _check_keys(path: Path, doc: Any) -> None:
+    """Every mapping key is text: the entries compare and sort them, and YAML turns an
+    unquoted ``1:``, ``yes:`` or ``~:`` into a number, a boolean or null."""
+    pending = [doc]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise TraceError(path, f"mapping key {key!r} is not text (quote it)")
+                pending.append(value)
+        elif isinstance(node, list):
+            pending.extend(node)
 
 
 def _entries(doc: dict, key: str, path: Path) -> list:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from traceclf.atomic import write_atomic
+from traceclf.atomic import write_output
 from traceclf.report import Report
 from traceclf.runs import RunSet
 
@@ -58,8 +58,8 @@ def _render_runs(runs: RunSet, fmt: str, output: Path | None) -> None:
 
 
 def emit(text: str, output: Path | None) -> None:
-    """Write rendered text to ``output`` atomically, or to stdout."""
+    """Write rendered text to ``output`` (traceclf/atomic.py: write_output), or to stdout."""
     if output is None:
         sys.stdout.write(text)
     else:
-        write_atomic(output, text)
+        write_output(output, text)

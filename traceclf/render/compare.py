@@ -9,6 +9,7 @@ from pathlib import Path
 
 from traceclf.compare import Comparison, MultiComparison, Run
 from traceclf.render import emit
+from traceclf.render.escape import for_markdown, for_terminal, markdown_code
 from traceclf.render.text import fmt_ms, pct, signed_pct
 
 
@@ -46,27 +47,28 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
     if not console.is_terminal:
         console.width = 120
     b, a = result.before, result.after
-    console.print(Text(f"{Path(b.source).name} → {Path(a.source).name}", style="bold"))
-    console.print(Text(result.summary, style=VERDICT_STYLE.get(result.verdict, "bold")))
+    console.print(for_terminal(f"{Path(b.source).name} → {Path(a.source).name}", "bold"))
+    console.print(for_terminal(result.summary, VERDICT_STYLE.get(result.verdict, "bold")))
     steps = Table(show_edge=False, title="Step time", title_justify="left")
     for col in ("", "before", "after", "change"):
         steps.add_column(col, justify="left" if not col else "right")
     for row in _step_rows(result):
-        steps.add_row(*row)
+        steps.add_row(*map(for_terminal, row))
     console.print(steps)
-    console.print(_bound_line(result))
+    console.print(for_terminal(_bound_line(result)))
     moved = Table(show_edge=False, title="Measures that moved", title_justify="left")
     for col in ("measure", "before", "after", "change"):
         moved.add_column(col, justify="left" if col == "measure" else "right")
     for m in result.moved:
-        moved.add_row(m.label, m.value(m.before), m.value(m.after), m.delta())
+        cells = (m.label, m.value(m.before), m.value(m.after), m.delta())
+        moved.add_row(*map(for_terminal, cells))
     console.print(moved if result.moved else Text("No measure moved materially."))
     if result.explanations:
         console.print(Text("What changed besides the measures", style="bold"))
         for line in result.explanations:
-            console.print(Text(f"• {line}"))
+            console.print(for_terminal(f"• {line}"))
     for note in result.notes:
-        console.print(Text(f"Not directly comparable: {note}", style="yellow"))
+        console.print(for_terminal(f"Not directly comparable: {note}", "yellow"))
     return buffer.getvalue() if buffer else None
 
 
@@ -75,17 +77,17 @@ def comparison_markdown(result: Comparison) -> str:
     lines = [
         f"# traceclf compare: {result.verdict}",
         "",
-        f"`{Path(b.source).name}` → `{Path(a.source).name}`",
+        f"{markdown_code(Path(b.source).name)} → {markdown_code(Path(a.source).name)}",
         "",
-        f"**{result.summary}**",
+        f"**{for_markdown(result.summary)}**",
         "",
         "## Step time",
         "",
         "|  | before | after | change |",
         "| --- | ---: | ---: | ---: |",
-        *(f"| {' | '.join(row)} |" for row in _step_rows(result)),
+        *(f"| {' | '.join(map(for_markdown, row))} |" for row in _step_rows(result)),
         "",
-        _bound_line(result),
+        for_markdown(_bound_line(result)),
         "",
         "## Measures that moved",
         "",
@@ -93,7 +95,11 @@ def comparison_markdown(result: Comparison) -> str:
     if result.moved:
         lines += ["| measure | before | after | change |", "| --- | ---: | ---: | ---: |"]
         lines += [
-            f"| {m.label} | {m.value(m.before)} | {m.value(m.after)} | {m.delta()} |"
+            "| "
+            + " | ".join(
+                map(for_markdown, (m.label, m.value(m.before), m.value(m.after), m.delta()))
+            )
+            + " |"
             for m in result.moved
         ]
     else:
@@ -102,13 +108,14 @@ def comparison_markdown(result: Comparison) -> str:
         lines += ["", "## What changed besides the measures", ""]
         lines += [f"- {_md(line)}" for line in result.explanations]
     if result.notes:
-        lines += ["", "## Not directly comparable", ""] + [f"- {n}" for n in result.notes]
+        lines += ["", "## Not directly comparable", ""]
+        lines += [f"- {for_markdown(n)}" for n in result.notes]
     lines += [
         "",
         "## Runs",
         "",
         *(
-            f"- **{side}:** `{r.source}` ({_run_line(r)})"
+            f"- **{side}:** {markdown_code(r.source)} ({for_markdown(_run_line(r))})"
             for side, r in (("before", b), ("after", a))
         ),
         "",
@@ -120,10 +127,7 @@ def comparison_markdown(result: Comparison) -> str:
 
 def _md(text: str) -> str:
     """Trace- and rule-derived text as inert Markdown (one line, no HTML, no table breaks)."""
-    text = " ".join(str(text).split())
-    for ch in "\\`*_[]<>|#":
-        text = text.replace(ch, "\\" + ch)
-    return text
+    return for_markdown(text)
 
 
 MANY_COLUMNS = ("candidate", "step before", "step after", "change", "verdict", "bound")
@@ -157,7 +161,7 @@ def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None
     )
     if fmt == "md":
         lines = [
-            f"# traceclf compare: baseline `{_md(Path(result.baseline).name)}`",
+            f"# traceclf compare: baseline {markdown_code(Path(result.baseline).name)}",
             "",
             f"**{_md(head)}**",
             "",
@@ -183,16 +187,16 @@ def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None
     console = Console(file=buffer, highlight=False, force_terminal=False if buffer else None)
     if not console.is_terminal:
         console.width = 120
-    console.print(Text(f"Baseline: {Path(result.baseline).name}", style="bold"))
-    console.print(Text(head, style="bold red" if regressed else "bold green"))
+    console.print(for_terminal(f"Baseline: {Path(result.baseline).name}", "bold"))
+    console.print(for_terminal(head, "bold red" if regressed else "bold green"))
     table = Table(show_edge=False)
     for i, col in enumerate(MANY_COLUMNS):
         table.add_column(col, justify="right" if 1 <= i <= 3 else "left", overflow="fold")
     for row in _many_rows(result):
-        table.add_row(*(Text(c, style=VERDICT_STYLE.get(c, "")) for c in row))
+        table.add_row(*(for_terminal(c, VERDICT_STYLE.get(c, "")) for c in row))
     console.print(table)
     for c in result.comparisons:
-        console.print(Rule(Text(Path(c.after.source).name)))
+        console.print(Rule(for_terminal(Path(c.after.source).name)))
         console.print(Text(_terminal(c, to_string=True) or ""), end="")
     if buffer is not None:
         emit(buffer.getvalue(), output)

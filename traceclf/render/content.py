@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from traceclf.render.escape import visible
 from traceclf.render.text import fmt_bytes, fmt_ms, pct
 from traceclf.report import Report
 
@@ -271,7 +272,13 @@ def kernel_rows(report: Report) -> list[list[str]]:
     """Top kernels of rank 0 (KERNEL_COLUMNS)."""
     rows = report.ranks[0].get("top_kernels", []) if report.ranks else []
     return [
-        [_short(k["name"]), k["family"], str(k["count"]), _duration(k["median_ns"]), pct(k["frac"])]
+        [
+            _short(k["name"]),
+            str(k["family"]),
+            str(k["count"]),
+            _duration(k["median_ns"]),
+            pct(k["frac"]),
+        ]
         for k in rows[:TOP_KERNELS]
     ]
 
@@ -305,7 +312,10 @@ def grouping_line(report: Report) -> str:
     return str(g.get("reason", ""))
 
 
-def _short(name: str, width: int = 60) -> str:
+def _short(name: str | None, width: int = 60) -> str:
+    """A name cut to ``width``; a missing one (deleted StringIds, NULL name ids) is named so.
+    Control characters are written out first, so a cut never splits an escape sequence."""
+    name = visible(name) if name is not None else "<unknown kernel>"
     return name if len(name) <= width else name[: width - 1] + "…"
 
 

@@ -21,6 +21,7 @@ from traceclf.render.content import (
     verdict_line,
     verdict_title,
 )
+from traceclf.render.escape import for_markdown, markdown_code, markdown_fence
 from traceclf.render.text import input_names, steps_line
 from traceclf.report import WALLS, Report
 
@@ -51,7 +52,8 @@ def render_markdown(report: Report) -> str:
         _top_kernels(report),
         _section("What to change, in order", _fixes(report)),
         _section(
-            "Provenance", "\n".join(f"- **{k}:** {_escape(v)}" for k, v in provenance_rows(report))
+            "Provenance",
+            "\n".join(f"- **{_md(k)}:** {_md(v)}" for k, v in provenance_rows(report)),
         ),
     ]
     return "\n\n".join(p for p in parts if p) + "\n"
@@ -66,8 +68,8 @@ def score_bar(score: float, top: float, width: int = 20) -> str:
 
 def _title(report: Report) -> str:
     return (
-        f"# traceclf: {verdict_title(report)} · {_escape(input_names(report))}\n\n"
-        f"{_escape(steps_line(report))}"
+        f"# traceclf: {_md(verdict_title(report))} · {_md(input_names(report))}\n\n"
+        f"{_md(steps_line(report))}"
     )
 
 
@@ -75,7 +77,7 @@ def _verdict(report: Report) -> str:
     cls = report.classification
     scores = cls.get("scores", {})
     top = max(scores.values(), default=0)
-    lines = [f"## Verdict: **{verdict_title(report)}**", "", _escape(verdict_line(report))]
+    lines = [f"## Verdict: **{_md(verdict_title(report))}**", "", _prose(verdict_line(report))]
     if report.abstained:
         return "\n".join(lines)
     lines += [
@@ -84,7 +86,7 @@ def _verdict(report: Report) -> str:
             ("wall", "score", ""),
             [
                 (
-                    f"**{w}**" if w == report.bound else w,
+                    Markdown(f"**{w}**") if w == report.bound else w,
                     f"{scores.get(w, 0):.2f}",
                     score_bar(scores.get(w, 0), top),
                 )
@@ -95,11 +97,11 @@ def _verdict(report: Report) -> str:
     ]
     evidence = cls.get("evidence", [])
     if evidence:
-        lines += ["", "**Evidence**", ""] + [f"- {_escape(e)}" for e in evidence]
+        lines += ["", "**Evidence**", ""] + [f"- {_prose(e)}" for e in evidence]
     if report.applied:
-        lines += ["", f"**Already applied:** {_escape('; '.join(report.applied))}"]
+        lines += ["", f"**Already applied:** {_prose('; '.join(report.applied))}"]
     if report.next_wall:
-        lines += ["", f"**Next wall once this one is fixed:** {report.next_wall}"]
+        lines += ["", f"**Next wall once this one is fixed:** {_md(report.next_wall)}"]
     return "\n".join(lines)
 
 
@@ -113,7 +115,7 @@ def _top_kernels(report: Report) -> str | None:
     rows = kernel_rows(report)
     if not rows:
         return None
-    rows = [[_code(r[0]), *r[1:]] for r in rows]
+    rows = [[Markdown(markdown_code(r[0])), *r[1:]] for r in rows]
     return _section(
         "Top kernels (rank 0, steady state)",
         _table(KERNEL_COLUMNS, rows, align=("left", "left", "right", "right", "right")),
@@ -130,18 +132,18 @@ def _fixes(report: Report) -> str:
 
 def _fix(i: int, fix: dict) -> str:
     lines = [
-        f"### {i}. {_escape(fix.get('title') or fix['id'])}",
+        f"### {i}. {_prose(fix.get('title') or fix['id'])}",
         "",
-        f"`{fix['id']}` · {fix.get('wall', '')} wall",
+        f"{markdown_code(fix['id'])} · {_md(fix.get('wall', ''))} wall",
     ]
     if fix.get("why"):
-        lines += ["", _escape(fix["why"].strip())]
+        lines += ["", _prose(fix["why"].strip())]
     if fix.get("config"):
-        lines += ["", _fenced(fix["config"].strip(), config_language(fix["config"]))]
+        lines += ["", markdown_fence(fix["config"].strip(), config_language(fix["config"]))]
     for label, key in (("Preconditions", "preconditions"), ("Pitfalls", "pitfalls")):
         items = fix.get(key) or []
         if items:
-            lines += ["", f"**{label}**", ""] + [f"- {_escape(item)}" for item in items]
+            lines += ["", f"**{label}**", ""] + [f"- {_prose(item)}" for item in items]
     return "\n".join(lines)
 
 
@@ -177,26 +179,19 @@ def _row(cells) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+class Markdown(str):
+    """A table cell that is Markdown already (built here from escaped parts)."""
+
+
 def _cell(text: str) -> str:
-    # Text already marked up (bold, code) is left alone; a pipe would end the cell early.
-    if text.startswith(("**", "`")):
-        return text.replace("|", "\\|")
-    return _escape(text).replace("|", "\\|").replace("\n", " ")
+    return text if isinstance(text, Markdown) else _md(text)
 
 
-def _escape(text: str) -> str:
-    """Keep rule-written text literal: no accidental emphasis, links or HTML tags (only "<"
-    opens one, so ">=" stays readable). Backticks stay: rules use them for config names."""
-    return re.sub(r"([\\*\[\]<])", r"\\\1", text)
+def _md(text: str) -> str:
+    """Text from a trace, a report or a number: literal, on one line (render/escape.py)."""
+    return for_markdown(text)
 
 
-def _code(text: str) -> str:
-    fence = "``" if "`" in text else "`"
-    return f"{fence}{text}{fence}"
-
-
-def _fenced(code: str, language: str) -> str:
-    fence = "```"
-    while fence in code:  # a config that itself holds a fence needs a longer one
-        fence += "`"
-    return f"{fence}{language}\n{code}\n{fence}"
+def _prose(text: str) -> str:
+    """Rule-written prose: literal, but its `config names` stay code spans."""
+    return for_markdown(text, code_spans=True)

@@ -11,6 +11,7 @@ from traceclf.errors import TraceError
 from traceclf.judge.engine import by_workflow
 from traceclf.judge.expr import Template
 from traceclf.judge.schema import load_rules
+from traceclf.render.escape import for_terminal, visible
 
 
 def list_rules(rules_dir: Path | None = None) -> None:
@@ -30,27 +31,29 @@ def list_rules(rules_dir: Path | None = None) -> None:
         rules.add_column(col, overflow="fold", ratio=ratio)
     for rule in sorted(rs.rules.values(), key=lambda r: rs.scoring.workflow.index(r.wall)):
         when = rule.when.source if rule.enabled else f"(disabled) {rule.when.source}"
-        rules.add_row(rule.id, rule.wall, when, rule.score.source, ", ".join(rule.fixes))
+        cells = (rule.id, rule.wall, when, rule.score.source, ", ".join(rule.fixes))
+        rules.add_row(*map(for_terminal, cells))
     fixes = Table(title="Fixes (traceclf explain FIX_ID shows one in full)", title_justify="left")
     for col in ("fix", "wall", "title", "requires", "applied when"):
         fixes.add_column(col, overflow="fold")
     for fix in by_workflow(rs):
-        fixes.add_row(
+        cells = (
             fix.id,
             fix.wall,
             fix.title,
             fix.requires.source if fix.requires else "",
             fix.applied_when.source if fix.applied_when else "",
         )
+        fixes.add_row(*map(for_terminal, cells))
     definitions = Table(title="Definitions (named expressions rules can use)", title_justify="left")
     for col in ("name", "expression"):
         definitions.add_column(col, overflow="fold")
     for d in rs.definitions.values():
-        definitions.add_row(d.name, d.expr.source)
+        definitions.add_row(for_terminal(d.name), for_terminal(d.expr.source))
     console.print(rules)
     console.print(fixes)
     console.print(definitions)
-    console.print("Rule files: " + ", ".join(str(f) for f in rs.folders))
+    console.print(for_terminal("Rule files: " + ", ".join(str(f) for f in rs.folders)))
 
 
 def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
@@ -64,13 +67,13 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
     fix = rs.fixes[find_fix_id(fix_id, rs.fixes)]
     proposers = [r.id for r in rs.rules.values() if fix.id in r.fixes]
     parts: list[Any] = [
-        Text(template_without_trace(fix.why)),
+        for_terminal(template_without_trace(fix.why)),
         Text(""),
-        Syntax(fix.config, "python", theme="ansi_dark", word_wrap=True),
+        Syntax(visible(fix.config, multiline=True), "python", theme="ansi_dark", word_wrap=True),
     ]
     for label, items in (("Preconditions", fix.preconditions), ("Pitfalls", fix.pitfalls)):
         if items:
-            parts += [Text(""), Text(label, style="bold")] + [Text(f"• {i}") for i in items]
+            parts += [Text(""), Text(label, style="bold")] + [for_terminal(f"• {i}") for i in items]
     extra = [
         ("Plain PyTorch", fix.pytorch and " ".join(fix.pytorch.split())),
         ("Proposed only when", fix.requires and fix.requires.source),
@@ -79,8 +82,8 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
     ]
     for label, value in extra:
         if value:
-            parts += [Text(""), Text.assemble((f"{label}: ", "bold"), value)]
-    title = Text(f"{fix.title}  [{fix.id} · {fix.wall}]")  # Text: brackets are not markup
+            parts += [Text(""), Text.assemble((f"{label}: ", "bold"), for_terminal(value))]
+    title = for_terminal(f"{fix.title}  [{fix.id} · {fix.wall}]")  # Text: never markup
     _console().print(Panel(Group(*parts), title=title, title_align="left"))
 
 

@@ -23,6 +23,7 @@ from traceclf.render.content import (
     verdict_line,
     verdict_title,
 )
+from traceclf.render.escape import for_terminal, visible
 from traceclf.render.text import provenance, steps_line
 from traceclf.report import WALLS, Report
 
@@ -52,12 +53,15 @@ def render_terminal(report: Report, to_string: bool = False) -> str | None:
 def _header(report: Report) -> Text:
     files = ", ".join(Path(i["path"]).name for i in report.inputs)
     text = Text()
-    text.append(f"traceclf {report.traceclf_version}", style="bold")
-    text.append(f" · {files}\n")
-    text.append(provenance(report), style="dim")
+    text.append(for_terminal(f"traceclf {report.traceclf_version}", "bold"))
+    text.append(for_terminal(f" · {files}"))
+    text.append("\n")
+    text.append(for_terminal(provenance(report), "dim"))
     if grouping_line(report):
-        text.append("\n" + grouping_line(report), style="dim")
-    text.append("\n" + steps_line(report))
+        text.append("\n")
+        text.append(for_terminal(grouping_line(report), "dim"))
+    text.append("\n")
+    text.append(for_terminal(steps_line(report)))
     return text
 
 
@@ -78,16 +82,19 @@ def _verdict(report: Report) -> Panel:
         )
     evidence = Text()
     for line in cls.get("evidence", []):
-        evidence.append(f"• {line}\n")
+        evidence.append(for_terminal(f"• {line}"))
+        evidence.append("\n")
     tail = Text()
     if report.applied:
         tail.append("Already applied: ", style="bold")
-        tail.append("; ".join(report.applied) + "\n")
+        tail.append(for_terminal("; ".join(report.applied)))
+        tail.append("\n")
     if report.next_wall:
         tail.append("Next wall once this one is fixed: ", style="bold")
-        tail.append(report.next_wall, style=WALL_STYLE.get(report.next_wall, ""))
-    title = Text(f" {verdict_title(report)} ", style=f"bold {style}")
-    headline = Text(verdict_line(report) + "\n", style="bold" if report.abstained else "")
+        tail.append(for_terminal(report.next_wall, WALL_STYLE.get(report.next_wall, "")))
+    title = for_terminal(f" {verdict_title(report)} ", f"bold {style}")
+    headline = for_terminal(verdict_line(report), "bold" if report.abstained else "")
+    headline.append("\n")
     body = [headline] if report.abstained else [headline, bars, Text(""), evidence, tail]
     return Panel(Group(*body), title=title, title_align="left", border_style=style)
 
@@ -108,7 +115,7 @@ def _facts(title: str, rows: list[tuple[str, str]]) -> Table | None:
     table.add_column()
     table.add_row(Text(title, style="bold underline"), "")
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(for_terminal(key), for_terminal(value))
     return table
 
 
@@ -121,7 +128,7 @@ def _ranks_table(report: Report) -> Table:
     for col in RANK_COLUMNS:
         table.add_column(col, justify="right", no_wrap=True)
     for row in rank_rows(report):
-        table.add_row(*row)
+        table.add_row(*map(for_terminal, row))
     return table
 
 
@@ -130,7 +137,7 @@ def _details(report: Report) -> Table:
     table.add_column(style="bold")
     table.add_column()
     for wall, line in detail_rows(report):
-        table.add_row(wall, line)
+        table.add_row(for_terminal(wall), for_terminal(line))
     return table
 
 
@@ -150,7 +157,7 @@ def _top_kernels(report: Report) -> Table | None:
             min_width=None if col == "kernel" else 6,
         )
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*map(for_terminal, row))
     return table
 
 
@@ -162,18 +169,20 @@ def _fixes(report: Report) -> Group:
         parts.append(Text("Nothing the trace shows evidence for."))
     for i, fix in enumerate(report.fixes, 1):
         head = Text(f"{i}. ", style="bold")
-        head.append(fix.get("title", fix["id"]), style="bold")
+        head.append(for_terminal(fix.get("title", fix["id"]), "bold"))
         head.append(
-            f"  [{fix['id']} · {fix.get('wall', '')}]",
-            style=WALL_STYLE.get(fix.get("wall", ""), "dim"),
+            for_terminal(
+                f"  [{fix['id']} · {fix.get('wall', '')}]",
+                WALL_STYLE.get(fix.get("wall", ""), "dim"),
+            )
         )
         parts.append(head)
         if fix.get("why"):
-            parts.append(Text("   " + fix["why"].strip()))
+            parts.append(for_terminal("   " + fix["why"].strip()))
         if fix.get("config"):
             parts.append(
                 Syntax(
-                    fix["config"].strip(),
+                    visible(fix["config"].strip(), multiline=True),
                     "python",
                     theme="ansi_dark",
                     padding=(0, 3),
@@ -182,5 +191,5 @@ def _fixes(report: Report) -> Group:
             )
         for label, key in (("needs", "preconditions"), ("watch out", "pitfalls")):
             for item in fix.get(key) or []:
-                parts.append(Text(f"   {label}: {item}", style="dim"))
+                parts.append(for_terminal(f"   {label}: {item}", "dim"))
     return Group(*parts)
