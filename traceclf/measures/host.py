@@ -42,6 +42,7 @@ INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing 
 SYNC_SLACK_NS = 20_000  # a sync returns this soon after the GPU drains
 BATCH_COPY_BYTES = 1 << 20  # a host->device copy this big after a gap is the next batch
 TOP_NVTX = 5
+NVTX_COUNTERS = r",?\s*\b(seq|op_id|id|step)\s*=\s*\d+"
 
 
 def calls(w: RankWindow) -> dict[str, float | None]:
@@ -211,7 +212,11 @@ def idle_by_nvtx(gaps: pl.DataFrame, w: RankWindow) -> list[dict]:
     """The NVTX ranges the host was in during long idle gaps, most idle time first: what the
     report names instead of guessing "input" (``name``, ``activity``, ``frac`` of the window,
     ``ms_per_step``, ``gaps``)."""
-    named = gaps.filter(pl.col("nvtx").is_not_null())
+    # PyTorch's ranges carry per-call counters ("aten::addmm, seq = 47595, op_id = 999269"):
+    # one name per operator, not per call
+    named = gaps.filter(pl.col("nvtx").is_not_null()).with_columns(
+        nvtx=pl.col("nvtx").str.replace_all(NVTX_COUNTERS, "").str.strip_chars(" ,")
+    )
     if named.is_empty():
         return []
     top = (

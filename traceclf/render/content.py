@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceclf.render.escape import visible
-from traceclf.render.text import fmt_bytes, fmt_ms, pct
+from traceclf.render.text import anchor_label, fmt_bytes, fmt_ms, pct
 from traceclf.report import Report
 
 RANK_COLUMNS = (
@@ -71,7 +71,7 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
         return []
     s = report.steps
     anchor = c.get("step_anchor") or {}
-    label = f' "{anchor.get("label")}"' if anchor.get("label") else ""
+    label = anchor_label(anchor.get("source"), anchor.get("label"))
     steps = (
         f"{c.get('steps_used', 0)} steady of {c.get('steps_found', 0)} found, from "
         f"{anchor.get('source', 'none')}{label}; {c.get('warmup_dropped', 0)} warm-up dropped; "

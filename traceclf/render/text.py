@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from traceclf.report import Report
@@ -53,11 +54,24 @@ def provenance(report: Report) -> str:
     )
 
 
+def anchor_label(source: str | None, label: str | None, width: int = 60) -> str:
+    """' "label"' for a step anchor: a recurring kernel's demangled name is shortened to its
+    function name (no return type, template arguments or parameters)."""
+    if not label:
+        return ""
+    if source == "pattern":
+        label = re.sub(r"^void\s+", "", label)
+        label = re.split(r"[<(]", label, maxsplit=1)[0] or label
+    if len(label) > width:
+        label = label[: width - 1] + "…"
+    return f' "{label}"'
+
+
 def steps_line(report: Report) -> str:
     s = report.steps
     if s.get("source") in (None, "none") or not s.get("count"):
         return "Steady state: no steps found; the whole GPU span is analysed as one window."
-    label = f' "{s["label"]}"' if s.get("label") else ""
+    label = anchor_label(s.get("source"), s.get("label"))
     cv = f", spread {pct(s['cv'])}" if s.get("cv") is not None else ""
     lo, hi = s.get("window_ns", [0, 0])
     return (
