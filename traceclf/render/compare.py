@@ -3,13 +3,13 @@ Markdown or JSON."""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 from traceclf.compare import Comparison, MultiComparison, Run
 from traceclf.render import emit
 from traceclf.render.escape import for_markdown, for_terminal, markdown_code
+from traceclf.render.fit import new_console, output_of
 from traceclf.render.text import fmt_ms, pct, signed_pct
 
 
@@ -38,14 +38,10 @@ VERDICT_STYLE = {"regression": "bold red", "improvement": "bold green"}
 
 
 def _terminal(result: Comparison, to_string: bool) -> str | None:
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    buffer = io.StringIO() if to_string else None
-    console = Console(file=buffer, highlight=False, force_terminal=False if to_string else None)
-    if not console.is_terminal:
-        console.width = 120
+    console = new_console(to_string)
     b, a = result.before, result.after
     console.print(for_terminal(f"{Path(b.source).name} → {Path(a.source).name}", "bold"))
     console.print(for_terminal(result.summary, VERDICT_STYLE.get(result.verdict, "bold")))
@@ -69,7 +65,7 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
             console.print(for_terminal(f"• {line}"))
     for note in result.notes:
         console.print(for_terminal(f"Not directly comparable: {note}", "yellow"))
-    return buffer.getvalue() if buffer else None
+    return output_of(console)
 
 
 def comparison_markdown(result: Comparison) -> str:
@@ -178,15 +174,11 @@ def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None
         ]
         emit("\n\n".join(["\n".join(lines), *details]) + "\n", output)
         return
-    from rich.console import Console
     from rich.rule import Rule
     from rich.table import Table
     from rich.text import Text
 
-    buffer = io.StringIO() if output is not None else None
-    console = Console(file=buffer, highlight=False, force_terminal=False if buffer else None)
-    if not console.is_terminal:
-        console.width = 120
+    console = new_console(output is not None)
     console.print(for_terminal(f"Baseline: {Path(result.baseline).name}", "bold"))
     console.print(for_terminal(head, "bold red" if regressed else "bold green"))
     table = Table(show_edge=False)
@@ -198,8 +190,8 @@ def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None
     for c in result.comparisons:
         console.print(Rule(for_terminal(Path(c.after.source).name)))
         console.print(Text(_terminal(c, to_string=True) or ""), end="")
-    if buffer is not None:
-        emit(buffer.getvalue(), output)
+    if output is not None:
+        emit(output_of(console) or "", output)
 
 
 def _step_rows(result: Comparison) -> list[tuple[str, str, str, str]]:

@@ -60,8 +60,9 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
     """Print one fix in full: why, config to paste, preconditions, pitfalls, what proposes it."""
     from rich.console import Group
     from rich.panel import Panel
-    from rich.syntax import Syntax
     from rich.text import Text
+
+    from traceclf.render.fit import CodeBlock, hanging
 
     rs = load_rules(rules_dir)
     fix = rs.fixes[find_fix_id(fix_id, rs.fixes)]
@@ -69,11 +70,15 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
     parts: list[Any] = [
         for_terminal(template_without_trace(fix.why)),
         Text(""),
-        Syntax(visible(fix.config, multiline=True), "python", theme="ansi_dark", word_wrap=True),
+        CodeBlock(visible(fix.config.strip(), multiline=True)),
     ]
     for label, items in (("Preconditions", fix.preconditions), ("Pitfalls", fix.pitfalls)):
         if items:
-            parts += [Text(""), Text(label, style="bold")] + [for_terminal(f"• {i}") for i in items]
+            parts += [
+                Text(""),
+                Text(label, style="bold"),
+                hanging([("•", for_terminal(i)) for i in items]),
+            ]
     extra = [
         ("Plain PyTorch", fix.pytorch and " ".join(fix.pytorch.split())),
         ("Proposed only when", fix.requires and fix.requires.source),
@@ -135,9 +140,6 @@ def _normal(fix_id: str) -> str:
 
 
 def _console():
-    from rich.console import Console
+    from traceclf.render.fit import new_console
 
-    console = Console(highlight=False)
-    if not console.is_terminal:  # piped or saved: rich would assume 80 columns
-        console.width = 120
-    return console
+    return new_console()

@@ -4,10 +4,10 @@ every format."""
 
 from __future__ import annotations
 
-import io
 import re
 from html import escape
 
+from traceclf.render.escape import for_markdown, for_terminal
 from traceclf.render.text import fmt_ms, pct
 from traceclf.runs import SUMMARY_COLUMNS, RunSet
 
@@ -28,38 +28,37 @@ def summary_cells(runs: RunSet) -> list[list[str]]:
     ]
 
 
-def runs_terminal(runs: RunSet, to_string: bool = False) -> str | None:
-    from rich.console import Console
+def runs_terminal(runs: RunSet, to_string: bool = False, width: int | None = None) -> str | None:
     from rich.rule import Rule
     from rich.table import Table
     from rich.text import Text
 
+    from traceclf.render.fit import new_console, output_of
     from traceclf.render.terminal import render_terminal
 
-    buffer = io.StringIO() if to_string else None
-    console = Console(file=buffer, highlight=False, force_terminal=False if to_string else None)
-    if not console.is_terminal:
-        console.width = 120
+    console = new_console(to_string, width)
     console.print(Text(f"traceclf: {len(runs.runs)} separate runs", style="bold"))
-    console.print(Text(runs.grouping.get("reason", ""), style="dim"))
+    console.print(for_terminal(runs.grouping.get("reason", ""), "dim"))
     table = Table(show_edge=False)
     for i, col in enumerate(SUMMARY_COLUMNS):
         table.add_column(col, justify="right" if 2 <= i <= 4 else "left", overflow="fold")
     for cells in summary_cells(runs):
-        table.add_row(*(Text(c) for c in cells))
+        table.add_row(*(for_terminal(c) for c in cells))
     console.print(table)
     for i, report in enumerate(runs.runs, 1):
         console.print(Rule(Text(f"run {i} of {len(runs.runs)}")))
-        text = render_terminal(report, to_string=True)
-        console.print(Text(text or ""), end="") if to_string else render_terminal(report)
-    return buffer.getvalue() if buffer else None
+        if to_string:
+            console.print(Text(render_terminal(report, True, console.width) or ""), end="")
+        else:
+            render_terminal(report, width=width)
+    return output_of(console)
 
 
 def runs_markdown(runs: RunSet) -> str:
     from traceclf.render.markdown import render_markdown
 
     def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", " ")
+        return for_markdown(text)
 
     lines = [
         f"# traceclf: {len(runs.runs)} separate runs",

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-from rich.console import Console, Group
+from rich.console import Group, RenderableType
+from rich.padding import Padding
 from rich.panel import Panel
-from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
@@ -24,17 +23,20 @@ from traceclf.render.content import (
     verdict_title,
 )
 from traceclf.render.escape import for_terminal, visible
+from traceclf.render.fit import CodeBlock, FoldedTable, hanging, new_console, output_of
 from traceclf.render.text import provenance, steps_line
 from traceclf.report import WALLS, Report
 
 WALL_STYLE = {"memory": "magenta", "communication": "cyan", "host": "yellow", "compute": "green"}
 
 
-def render_terminal(report: Report, to_string: bool = False) -> str | None:
-    buffer = io.StringIO() if to_string else None
-    console = Console(file=buffer, highlight=False, force_terminal=False if to_string else None)
-    if not console.is_terminal:  # piped or saved: rich would assume 80 columns
-        console.width = 120
+def render_terminal(
+    report: Report, to_string: bool = False, width: int | None = None
+) -> str | None:
+    """Print the report (or return it as text with ``to_string``) at ``width`` columns (default:
+    the terminal's; piped: $COLUMNS, else 120). Numbers and configs are never cut: tables fold
+    into stacked parts, text wraps with its indent kept (render/fit.py)."""
+    console = new_console(to_string, width)
     for part in (
         _header(report),
         _verdict(report),
@@ -47,7 +49,7 @@ def render_terminal(report: Report, to_string: bool = False) -> str | None:
     ):
         if part is not None:
             console.print(part)
-    return buffer.getvalue() if buffer else None
+    return output_of(console)
 
 
 def _header(report: Report) -> Text:
@@ -80,10 +82,7 @@ def _verdict(report: Report) -> Panel:
             Text(bar, style=WALL_STYLE[wall]),
             Text(f"{score:.2f}", style="dim"),
         )
-    evidence = Text()
-    for line in cls.get("evidence", []):
-        evidence.append(for_terminal(f"• {line}"))
-        evidence.append("\n")
+    evidence = hanging([("•", for_terminal(line)) for line in cls.get("evidence", [])])
     tail = Text()
     if report.applied:
         tail.append("Already applied: ", style="bold")
@@ -95,7 +94,7 @@ def _verdict(report: Report) -> Panel:
     title = for_terminal(f" {verdict_title(report)} ", f"bold {style}")
     headline = for_terminal(verdict_line(report), "bold" if report.abstained else "")
     headline.append("\n")
-    body = [headline] if report.abstained else [headline, bars, Text(""), evidence, tail]
+    body = [headline] if report.abstained else [headline, bars, Text(""), evidence, Text(""), tail]
     return Panel(Group(*body), title=title, title_align="left", border_style=style)
 
 
@@ -111,7 +110,7 @@ def _facts(title: str, rows: list[tuple[str, str]]) -> Table | None:
     if not rows:
         return None
     table = Table.grid(padding=(0, 2))
-    table.add_column(style="bold")
+    table.add_column(style="bold", no_wrap=True)
     table.add_column()
     table.add_row(Text(title, style="bold underline"), "")
     for key, value in rows:
@@ -119,22 +118,17 @@ def _facts(title: str, rows: list[tuple[str, str]]) -> Table | None:
     return table
 
 
-def _ranks_table(report: Report) -> Table:
-    table = Table(
+def _ranks_table(report: Report) -> FoldedTable:
+    return FoldedTable(
+        RANK_COLUMNS,
+        [list(map(for_terminal, row)) for row in rank_rows(report)],
         title="Where the steady-state step goes (share of wall time)",
-        title_justify="left",
-        show_edge=False,
     )
-    for col in RANK_COLUMNS:
-        table.add_column(col, justify="right", no_wrap=True)
-    for row in rank_rows(report):
-        table.add_row(*map(for_terminal, row))
-    return table
 
 
 def _details(report: Report) -> Table:
     table = Table.grid(padding=(0, 2))
-    table.add_column(style="bold")
+    table.add_column(style="bold", no_wrap=True)
     table.add_column()
     for wall, line in detail_rows(report):
         table.add_row(for_terminal(wall), for_terminal(line))
@@ -147,14 +141,13 @@ def _top_kernels(report: Report) -> Table | None:
         return None
     table = Table(title="Top kernels (rank 0, steady state)", title_justify="left", show_edge=False)
     for col in KERNEL_COLUMNS:
-        left = col in ("kernel", "family")
+        # numbers keep their width; a narrow terminal folds the kernel name onto more lines
         table.add_column(
             col,
-            justify="left" if left else "right",
-            overflow="ellipsis",
-            no_wrap=col == "kernel",
+            justify="left" if col in ("kernel", "family") else "right",
+            overflow="fold",
+            no_wrap=col != "kernel",
             max_width=60 if col == "kernel" else None,
-            min_width=None if col == "kernel" else 6,
         )
     for row in rows:
         table.add_row(*map(for_terminal, row))
@@ -168,28 +161,38 @@ def _fixes(report: Report) -> Group:
     elif not report.fixes:
         parts.append(Text("Nothing the trace shows evidence for."))
     for i, fix in enumerate(report.fixes, 1):
-        head = Text(f"{i}. ", style="bold")
-        head.append(for_terminal(fix.get("title", fix["id"]), "bold"))
-        head.append(
+        title = for_terminal(fix.get("title", fix["id"]), "bold")
+        title.append(
             for_terminal(
                 f"  [{fix['id']} · {fix.get('wall', '')}]",
                 WALL_STYLE.get(fix.get("wall", ""), "dim"),
             )
         )
+        head = Table.grid()  # a wrapped title hangs under its first word, not under "1."
+        head.add_column(width=3, no_wrap=True)
+        head.add_column()
+        head.add_row(Text(f"{i}.", style="bold"), title)
         parts.append(head)
         if fix.get("why"):
-            parts.append(for_terminal("   " + fix["why"].strip()))
+            parts.append(_indented(for_terminal(fix["why"].strip())))
         if fix.get("config"):
-            parts.append(
-                Syntax(
-                    visible(fix["config"].strip(), multiline=True),
-                    "python",
-                    theme="ansi_dark",
-                    padding=(0, 3),
-                    background_color="default",
-                )
-            )
-        for label, key in (("needs", "preconditions"), ("watch out", "pitfalls")):
-            for item in fix.get(key) or []:
-                parts.append(for_terminal(f"   {label}: {item}", "dim"))
+            parts.append(_indented(config_block(fix["config"])))
+        labelled = [
+            (label, for_terminal(item))
+            for label, key in (("needs:", "preconditions"), ("watch out:", "pitfalls"))
+            for item in fix.get(key) or []
+        ]
+        if labelled:
+            parts.append(_indented(hanging(labelled, "dim")))
     return Group(*parts)
+
+
+def config_block(config: str) -> CodeBlock:
+    """A fix's config exactly as written: long lines wrap with a hanging indent, never
+    cropped, so what is copied is what the rule file says."""
+    return CodeBlock(visible(config.strip(), multiline=True))
+
+
+def _indented(renderable: RenderableType, left: int = 3) -> Padding:
+    """``renderable`` indented by ``left`` columns on every line, wrapped lines included."""
+    return Padding(renderable, (0, 0, 0, left))
