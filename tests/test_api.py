@@ -133,7 +133,8 @@ def test_frames(report: Report) -> None:
 
 def test_figures(report: Report) -> None:
     figs = api.figures(report)
-    assert list(figs) == ["step_timeline", "comm_overlap", "idle_gaps"]
+    # the GPU idles 0.3% of the step here: no idle-gap histogram (figures only where informative)
+    assert list(figs) == ["step_timeline", "step_lanes", "comm_overlap"]
     assert all(isinstance(f, Figure) for f in figs.values())
 
 

@@ -196,7 +196,7 @@ def test_html_escapes_rule_text(comm_report: Report) -> None:
 def test_figures_are_titled_and_labelled(name: str, request) -> None:
     report: Report = request.getfixturevalue(name)
     drawn = figures.report_figures(report.series)
-    assert {"step_timeline", "idle_gaps"} <= set(drawn)
+    assert {"step_timeline", "step_lanes"} <= set(drawn)
     for fig_name, fig in drawn.items():
         assert fig.get_suptitle(), fig_name
         assert fig.legends, fig_name
@@ -204,7 +204,7 @@ def test_figures_are_titled_and_labelled(name: str, request) -> None:
             assert ax.get_ylabel(), fig_name
         assert fig.axes[-1].get_xlabel(), fig_name  # stacked panels share the bottom x label
         units = " ".join(ax.get_ylabel() + ax.get_xlabel() for ax in fig.axes)
-        assert re.search(r"\((ms|µs|%)\b", units), fig_name
+        assert re.search(r"\((ms|µs|%|GB|s)\b", units), fig_name
 
 
 def test_gpu_metrics_figure_draws_the_three_metrics(metrics_report: Report) -> None:

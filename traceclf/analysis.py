@@ -20,7 +20,12 @@ from traceclf.errors import TraceError
 from traceclf.measures import RankMeasures, measure_rank
 from traceclf.measures.cross_rank import cross_rank
 from traceclf.report import Report
-from traceclf.steps import check_step_regex, find_steps, warn_unmatched_step_regex
+from traceclf.steps import (
+    check_step_regex,
+    find_steps,
+    slowest_step,
+    warn_unmatched_step_regex,
+)
 
 if TYPE_CHECKING:
     from traceclf.runs import RunSet
@@ -323,6 +328,7 @@ def _steps_summary(steps) -> dict:
         "durations_ms": [round(d / 1e6, 4) for d in steps.table["duration"].to_list()],
         "steady": steps.table["steady"].to_list(),
         "outliers": int(steps.steady["outlier"].sum()) if steps.count else 0,
+        "worst": slowest_step(steps),
     }
 
 
@@ -350,6 +356,7 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
             "comm_by_kind": r.measures.comm_by_kind,
             "top_kernels": r.measures.top_kernels,
             "idle_nvtx": r.measures.idle_nvtx,
+            "phases": r.measures.phases,
             "capture": r.measures.capture,
         }
         for i, r in enumerate(ranks)
@@ -381,6 +388,7 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
         "median_ms": _mean([r.steps["median_ms"] for r in ranks]),
         "cv": _mean([r.steps["cv"] for r in ranks]),
         "window_ns": first.get("window_ns", [0, 0]),
+        "worst": _worst_step(ranks),
     }
     facts = {
         "metrics": metrics,
@@ -426,10 +434,24 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
                 "idle_gaps": r.measures.idle_gaps,
                 "gpu_metrics": r.measures.gpu_metrics_series,
                 "step_budget": r.measures.step_budget,
+                "step_lanes": r.measures.step_lanes,
+                "memory": r.measures.memory_series,
+                "kernel_summary": r.measures.kernel_summary,
             }
             for i, r in enumerate(ranks)
         ],
     )
+
+
+def _worst_step(ranks: list[RankResult]) -> dict | None:
+    """The slowest steady step of any rank, with where it lies on that rank's export clock."""
+    rows = [
+        (r.steps["worst"], i) for i, r in enumerate(ranks) if (r.steps.get("worst") or {}).get("ms")
+    ]
+    if not rows:
+        return None
+    worst, rank = max(rows, key=lambda x: x[0]["ms"])
+    return worst | {"rank": rank, "file": ranks[rank].path}
 
 
 def _top_idle_nvtx(ranks: list[RankResult]) -> dict | None:

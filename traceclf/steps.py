@@ -276,3 +276,18 @@ def warn_unmatched_step_regex(
                 TraceWarning,
                 stacklevel=3,
             )
+
+
+def slowest_step(steps: Steps) -> dict | None:
+    """The slowest steady step (outliers included: it is the one to look at) as its index,
+    [start, end) ns on the export's clock (a step lasts until the next one starts) and ms."""
+    if not steps.count or steps.steady.is_empty():
+        return None
+    row = steps.steady.sort(["duration", "index"], descending=[True, False]).row(0, named=True)
+    start = int(row["gpu_start"])
+    return {
+        "index": int(row["index"]),
+        "start_ns": start,
+        "end_ns": start + int(row["duration"]),
+        "ms": round(row["duration"] / 1e6, 4),
+    }

@@ -55,19 +55,59 @@ WIDTH_IN = 9.0
 
 
 def report_figures(series: Sequence[dict]) -> dict[str, Figure]:
-    """Every figure the data supports, by name: ``step_timeline``, ``comm_overlap`` (only when
-    there is communication), ``idle_gaps`` and ``gpu_metrics`` (only when the trace has GPU
-    metrics)."""
-    figures: dict[str, Figure] = {}
-    if _has_steps(series):
-        figures["step_timeline"] = step_timeline(series)
-    if _has_steps(series) and _comm_ns(series) > 0:
-        figures["comm_overlap"] = comm_overlap(series)
-    if any(s.get("idle_gaps") for s in series):
-        figures["idle_gaps"] = idle_gaps(series)
-    if any(s.get("gpu_metrics") for s in series):
-        figures["gpu_metrics"] = gpu_metrics(series)
-    return figures
+    """Every figure that carries information for this report, by name (``FIGURES`` in
+    drawing order; :func:`informative` decides which)."""
+    from traceclf.figures import views
+
+    draw = {
+        "step_timeline": step_timeline,
+        "step_lanes": views.step_lanes,
+        "comm_overlap": comm_overlap,
+        "idle_gaps": idle_gaps,
+        "memory": views.memory,
+        "gpu_metrics": gpu_metrics,
+    }
+    return {name: draw[name](series) for name in informative(series)}
+
+
+FIGURES = ("step_timeline", "step_lanes", "comm_overlap", "idle_gaps", "memory", "gpu_metrics")
+# Below these shares of the step a figure of that part shows a sliver: it is left out.
+MIN_COMM_SHARE = 0.01
+MIN_IDLE_SHARE = 0.02
+
+
+def informative(series: Sequence[dict]) -> list[str]:
+    """The figures worth drawing: the step timeline and one step's lanes when there are steady
+    steps; communication overlap when communication takes >= MIN_COMM_SHARE of the step; idle
+    gaps when the GPU idles >= MIN_IDLE_SHARE of it (or no steps were found to say); memory
+    when allocations come near capacity or move in the steady state; GPU metrics when sampled."""
+    from traceclf.figures import views
+
+    steps = _has_steps(series)
+    step_ns = sum(_step_total(r) for s in series for r in s.get("step_breakdown") or [])
+    idle_ns = sum(r["idle"] for s in series for r in s.get("step_breakdown") or [])
+    shown = {
+        "step_timeline": steps,
+        "step_lanes": any((s.get("step_lanes") or {}).get("lanes") for s in series),
+        "comm_overlap": steps and _comm_ns(series) >= MIN_COMM_SHARE * step_ns,
+        "idle_gaps": _gap_ns(series) > 0 and (not steps or idle_ns >= MIN_IDLE_SHARE * step_ns),
+        "memory": views.has_memory_story(series),
+        "gpu_metrics": any(s.get("gpu_metrics") for s in series),
+    }
+    return [name for name in FIGURES if shown[name]]
+
+
+def _gap_ns(series: Sequence[dict]) -> int:
+    return sum(
+        sum(s["idle_gaps"].get(f"{cause}_ns") or [])
+        for s in series
+        if s.get("idle_gaps")
+        for cause, _l, _c in IDLE_CAUSES
+    )
+
+
+def _step_total(row: dict) -> int:
+    return sum(row[key] for key, _l, _c in STEP_PARTS)
 
 
 def step_timeline(series: Sequence[dict]) -> Figure:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from traceclf.measures import timeline
 from traceclf.measures.compute import METRICS_OF_INTEREST
 from traceclf.measures.host import IDLE_CAUSES
 from traceclf.measures.window import RankWindow
@@ -100,3 +101,83 @@ def metric_series(
             for b, v in zip(rows["bin"], rows["value"], strict=True)
         ]
     return out
+
+
+LANE_POINTS = 1500  # intervals per lane: finer than any figure draws one step
+
+
+def step_lanes(w: RankWindow, phase_spans: pl.DataFrame) -> dict:
+    """One representative steady step (the one whose duration is nearest the median) as lanes
+    of intervals, ns from the step's start: ``compute`` (kernels and graph replays),
+    ``communication``, ``copies`` and each NVTX phase's GPU span (``phase_spans`` from
+    :func:`traceclf.measures.phases.projected`). Intervals closer than 1/LANE_POINTS of the step
+    are merged, so a step of 10k kernels stays a few hundred rows."""
+    steady = w.steps.steady.filter(~pl.col("outlier")) if w.steps.count else None
+    if steady is None or steady.is_empty():
+        return {}
+    median = steady["duration"].median()
+    step = steady.sort((pl.col("duration") - median).abs(), "index").row(0, named=True)
+    lo, hi = int(step["gpu_start"]), int(step["gpu_start"]) + int(step["duration"])
+    resolution = max((hi - lo) // LANE_POINTS, 1)
+    layers = {
+        "compute": w.compute,
+        "communication": w.comm,
+        "copies": w.copies.select("start", "end"),
+    } | {
+        phase: phase_spans.filter(pl.col("phase") == phase).select("start", "end")
+        for phase in phase_spans["phase"].unique(maintain_order=True).to_list()
+    }
+    lanes = {}
+    for name, df in layers.items():
+        merged = _merge_close(timeline.clip(df, (lo, hi)), resolution)
+        lanes[name] = [[int(s) - lo, int(e) - lo] for s, e in merged.iter_rows()]
+    return {
+        "index": int(step["index"]),
+        "start_ns": lo,
+        "end_ns": hi,
+        "median_ns": int(median),
+        "lanes": lanes,
+    }
+
+
+def _merge_close(df: pl.DataFrame, gap: int) -> pl.DataFrame:
+    """The union of the intervals, with gaps shorter than ``gap`` ns closed."""
+    merged = timeline.union(df)
+    if merged.is_empty():
+        return merged
+    return timeline.union(merged.with_columns(end=pl.col("end") + gap)).with_columns(
+        end=pl.col("end") - gap
+    )
+
+
+MEMORY_POINTS = 400
+
+
+def memory_series(memory: pl.DataFrame, capacity: int | None, window: tuple[int, int]) -> dict:
+    """Device memory allocated over the capture (CUDA_GPU_MEMORY_USAGE_EVENTS: allocations
+    minus frees since the first event), ``MEMORY_POINTS`` bins of [time ns, highest level in the
+    bin (bytes)], summed over the devices of the process, with the GPU's capacity and the
+    steady-state window; {} without memory events."""
+    if memory.is_empty():
+        return {}
+    level = (
+        memory.sort("start")
+        .with_columns(
+            delta=pl.when(pl.col("op") == 0).then(pl.col("bytes")).otherwise(-pl.col("bytes"))
+        )
+        .with_columns(level=pl.col("delta").cum_sum())
+    )
+    lo, hi = int(level["start"].min()), int(level["start"].max())
+    width = max((hi - lo) // MEMORY_POINTS, 1)
+    binned = (
+        level.with_columns(bin=(pl.col("start") - lo) // width)
+        .group_by("bin")
+        .agg(pl.col("level").max())
+        .sort("bin")
+    )
+    return {
+        "points": [[lo + int(b) * width, int(v)] for b, v in binned.iter_rows()],
+        "capacity_bytes": capacity,
+        "window_ns": [int(window[0]), int(window[1])],
+        "events": len(memory),
+    }

@@ -26,6 +26,7 @@ from traceclf.measures import (
     cross_rank,
     host,
     memory,
+    phases,
 )
 from traceclf.measures.window import prepare
 from traceclf.model import Trace
@@ -55,6 +56,10 @@ class RankMeasures:
     capture: dict = field(default_factory=dict)
     step_budget: list[dict] = field(default_factory=list)  # ms per step (critical_path)
     collectives: dict[str, list] = field(default_factory=dict)  # for the cross-rank reduce
+    phases: list[dict] = field(default_factory=list)  # NVTX phase table (measures/phases.py)
+    step_lanes: dict = field(default_factory=dict)  # one representative step, for its figure
+    memory_series: dict = field(default_factory=dict)  # allocated device memory over time
+    kernel_summary: list[dict] = field(default_factory=list)  # like nsys cuda_gpu_kern_sum
 
 
 def measure_rank(
@@ -82,6 +87,7 @@ def measure_rank(
     gpu_samples = trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
     m |= compute.gpu_metric_means(gpu_samples, steps.window)
     facts = capture.capture_facts(w) | {"kernel_mix_source": mix_source}
+    phase_spans = phases.projected(w)
     return RankMeasures(
         metrics={k: _round(v) for k, v in m.items()},
         capture=facts,
@@ -93,6 +99,12 @@ def measure_rank(
         idle_nvtx=host.idle_by_nvtx(gaps, w),
         step_budget=step_budget,
         collectives=cross_rank.collectives_of(w),
+        phases=phases.phase_table(w, gaps, phase_spans),
+        step_lanes=series.step_lanes(w, phase_spans),
+        memory_series=series.memory_series(
+            trace.memory, (gpu or {}).get("memory_bytes"), steps.window
+        ),
+        kernel_summary=compute.kernel_summary(w),
     )
 
 

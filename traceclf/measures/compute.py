@@ -272,3 +272,43 @@ def top_kernels(w: RankWindow, n: int = 10) -> list[dict]:
         .with_columns(frac=pl.col("total_ns") / w.wall)
     )
     return top.rename({"short_name": "name"}).to_dicts()
+
+
+KERNEL_SUMMARY_ROWS = 500
+
+
+def kernel_summary(w: RankWindow) -> list[dict]:
+    """Kernels that start in the window by full name, as NVIDIA's ``cuda_gpu_kern_sum``:
+    share of kernel time, total, instances, mean, median, min, max and sample standard deviation
+    (ns, durations not clipped to the window); the KERNEL_SUMMARY_ROWS longest in total."""
+    lo, hi = w.window
+    kern = w.trace.kernels.filter(pl.col("start").is_between(lo, hi, closed="left"))
+    if kern.is_empty():
+        return []
+    summary = (
+        kern.with_columns(dur=pl.col("end") - pl.col("start"), name=pl.col("name").cast(pl.String))
+        .group_by("name")
+        .agg(
+            short_name=pl.col("short_name").cast(pl.String).first(),
+            total_ns=pl.col("dur").sum(),
+            instances=pl.len(),
+            avg_ns=pl.col("dur").mean(),
+            med_ns=pl.col("dur").median(),
+            min_ns=pl.col("dur").min(),
+            max_ns=pl.col("dur").max(),
+            stddev_ns=pl.col("dur").std().fill_null(0.0),
+        )
+        .with_columns(time_frac=pl.col("total_ns") / pl.col("total_ns").sum())
+        .sort(["total_ns", "name"], descending=[True, False])
+        .head(KERNEL_SUMMARY_ROWS)
+    )
+    summary = w.taxonomy.classify(summary)
+    cols = ["name", "short_name", "family", "time_frac", "total_ns", "instances"]
+    cols += ["avg_ns", "med_ns", "min_ns", "max_ns", "stddev_ns"]
+    return [
+        {
+            k: (round(v, 6 if k == "time_frac" else 1) if isinstance(v, float) else v)
+            for k, v in r.items()
+        }
+        for r in summary.select(cols).to_dicts()
+    ]

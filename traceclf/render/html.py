@@ -24,6 +24,7 @@ from traceclf.render.content import (
 )
 from traceclf.render.markdown import config_language
 from traceclf.render.text import input_names, steps_line
+from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.report import WALLS, Report
 
 FIGURE_DPI = 110
@@ -35,6 +36,10 @@ CAPTIONS = {
     "idle_gaps": "GPU idle time per step by gap length and by what the host was doing: "
     "issuing launches, returning from a synchronisation, or no CUDA calls at all (input).",
     "gpu_metrics": "GPU metrics sampled by Nsight Systems over the steady state.",
+    "step_lanes": "One steady-state step per rank (the one nearest the median step time) as "
+    "the GPU ran it: compute, communication and copies, and the GPU span of each NVTX phase.",
+    "memory": "Device memory allocated over the capture (CUDA memory events), against the "
+    "GPU's capacity; the steady-state window is shaded.",
 }
 STYLE = """
 body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222;
@@ -75,8 +80,10 @@ def html_body(report: Report) -> str:
             _header(report),
             _verdict(report),
             _capture(report),
+            _facts("Timeline", nsys_rows(report)),
             _budget(report),
             _ranks(report),
+            _phases(report),
             _figures(report),
             _details(report),
             _kernels(report),
@@ -175,6 +182,16 @@ def _figures(report: Report) -> str:
             f'src="data:image/png;base64,{data}"><figcaption>{caption}</figcaption></figure>'
         )
     return "<h2>Figures</h2>" + "".join(items)
+
+
+def _phases(report: Report) -> str | None:
+    rows = phase_rows(report)
+    if not rows:
+        return None
+    numeric = set(range(len(PHASE_COLUMNS))) - {1}
+    return f"<h2>NVTX phases</h2><p>{escape(PHASE_NOTE)}</p>" + _table(
+        PHASE_COLUMNS, rows, numeric=numeric
+    )
 
 
 def _details(report: Report) -> str:

@@ -8,6 +8,7 @@ shared with the HTML report so both say the same thing.
 from __future__ import annotations
 
 import re
+from urllib.parse import quote
 
 from traceclf.render.content import (
     KERNEL_COLUMNS,
@@ -23,10 +24,14 @@ from traceclf.render.content import (
 )
 from traceclf.render.escape import for_markdown, markdown_code, markdown_fence
 from traceclf.render.text import input_names, steps_line
+from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.report import WALLS, Report
 
 
-def render_markdown(report: Report) -> str:
+def render_markdown(report: Report, figures: dict[str, str] | None = None) -> str:
+    """The report as Markdown; ``figures`` (name -> relative path of a PNG written beside the
+    file, render/files.py) are linked under "Figures"."""
+    figures = _figures(figures) if figures else None
     parts = [
         _title(report),
         _verdict(report),
@@ -35,6 +40,12 @@ def render_markdown(report: Report) -> str:
             _table(("fact", "what the trace holds"), capture_rows(report), bold_first=True),
         )
         if report.capture
+        else None,
+        _section(
+            "Timeline",
+            _table(("where", "in the capture"), nsys_rows(report), bold_first=True),
+        )
+        if nsys_rows(report)
         else None,
         None
         if report.abstained
@@ -45,6 +56,8 @@ def render_markdown(report: Report) -> str:
             ),
         ),
         _section("Where the steady-state step goes", _ranks_table(report)),
+        _phases(report),
+        figures,
         _section(
             "Details",
             _table(("area", "steady-state measures"), detail_rows(report), bold_first=True),
@@ -109,6 +122,24 @@ def _ranks_table(report: Report) -> str:
     return "Share of the steady-state wall time, per rank.\n\n" + _table(
         RANK_COLUMNS, rank_rows(report), align=("right",) * len(RANK_COLUMNS)
     )
+
+
+def _phases(report: Report) -> str | None:
+    rows = phase_rows(report)
+    if not rows:
+        return None
+    align = ("right", "left", *("right",) * (len(PHASE_COLUMNS) - 2))
+    return _section("NVTX phases", f"{PHASE_NOTE}\n\n" + _table(PHASE_COLUMNS, rows, align=align))
+
+
+def _figures(figures: dict[str, str]) -> str:
+    from traceclf.render.html import CAPTIONS
+
+    items = [
+        f"![{_md(name.replace('_', ' '))}]({quote(path)})\n\n{_md(CAPTIONS.get(name, ''))}"
+        for name, path in figures.items()
+    ]
+    return _section("Figures", "\n\n".join(items))
 
 
 def _top_kernels(report: Report) -> str | None:

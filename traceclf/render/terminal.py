@@ -25,6 +25,7 @@ from traceclf.render.content import (
 from traceclf.render.escape import for_terminal, visible
 from traceclf.render.fit import CodeBlock, FoldedTable, hanging, new_console, output_of
 from traceclf.render.text import provenance, steps_line
+from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.report import WALLS, Report
 
 WALL_STYLE = {"memory": "magenta", "communication": "cyan", "host": "yellow", "compute": "green"}
@@ -41,8 +42,10 @@ def render_terminal(
         _header(report),
         _verdict(report),
         _capture(report),
+        _facts("Timeline", nsys_rows(report)),
         _budget(report),
         _ranks_table(report),
+        _phases(report),
         _details(report),
         _top_kernels(report),
         _fixes(report),
@@ -124,6 +127,22 @@ def _ranks_table(report: Report) -> FoldedTable:
         [list(map(for_terminal, row)) for row in rank_rows(report)],
         title="Where the steady-state step goes (share of wall time)",
     )
+
+
+def _phases(report: Report) -> Group | None:
+    rows = phase_rows(report)
+    if not rows:
+        return None
+    # columns that are zero in every row say nothing here (the other formats keep them all)
+    keep = [i for i in range(len(PHASE_COLUMNS)) if i < 3 or any(r[i] not in "0–" for r in rows)]
+    table = FoldedTable(
+        [PHASE_COLUMNS[i] for i in keep],
+        [[for_terminal(row[i]) for i in keep] for row in rows],
+        title="NVTX phases (ms per step; all-zero columns left out)",
+        keys=2,
+        justify=["right", "left", *["right"] * (len(keep) - 2)],
+    )
+    return Group(table, for_terminal(PHASE_NOTE, "dim"))
 
 
 def _details(report: Report) -> Table:

@@ -1,0 +1,154 @@
+"""Forward, backward and optimizer phases of the step (the ``nvtx`` patterns of
+rules/kernels.yaml): their NVTX ranges projected onto the GPU, and how each phase's time splits
+into busy and idle by cause.
+
+An NVTX range is CPU time; the GPU work it launched runs later. A phase's GPU span is the first
+start to the last end of the kernels, graph replays and copies launched by CUDA calls inside the
+range (any thread of the process: PyTorch's autograd thread launches the backward), as for steps.
+Spans of consecutive phases may overlap on the GPU (the optimizer's first kernels queue behind
+the backward's last ones): each phase starts where the previous one ended, so the phases and
+"outside phases" add up to the window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from traceclf.measures import timeline
+from traceclf.measures.host import IDLE_CAUSES
+from traceclf.measures.window import RankWindow
+
+PHASES = ("forward", "backward", "optimizer")
+OUTSIDE = "outside phases"
+STATES = ("compute", "exposed_comm", "copy")  # busy = their sum (step_breakdown's states)
+
+
+def projected(w: RankWindow) -> pl.DataFrame:
+    """GPU spans (phase, start, end) of the outermost phase ranges of this rank, unclipped and
+    sorted by start; empty when no range matches a phase pattern or the CUDA API is untraced."""
+    schema = {"phase": pl.String, "start": pl.Int64, "end": pl.Int64}
+    trace, patterns = w.trace, w.taxonomy.nvtx
+    if trace.nvtx.is_empty() or not w.host_traced:
+        return pl.DataFrame(schema=schema)
+    label = pl.lit(None, dtype=pl.String)
+    for phase in reversed(PHASES):
+        label = (
+            pl.when(pl.col("text").cast(pl.String).str.contains(patterns[phase]))
+            .then(pl.lit(phase))
+            .otherwise(label)
+        )
+    ranges = (
+        trace.nvtx.with_columns(phase=label)
+        .filter(pl.col("phase").is_not_null())
+        .with_row_index("range_id")
+        .with_columns(pl.col("range_id").cast(pl.Int64))
+    )
+    if ranges.is_empty():
+        return pl.DataFrame(schema=schema)
+    tagged = trace.calls_in(ranges.select("start", "end", "range_id"), "range_id")
+    work = pl.concat(
+        [
+            df.select("start", "end", "correlation_id")
+            for df in (trace.kernels, trace.graphs, trace.copies)
+        ]
+    )
+    spans = (
+        work.join(tagged, on="correlation_id")
+        .group_by("range_id")
+        .agg(pl.col("start").min(), pl.col("end").max())
+        .join(ranges.select("range_id", "phase"), on="range_id")
+    )
+    return spans.select("phase", "start", "end").sort("start")
+
+
+def partition(spans: pl.DataFrame, window: timeline.Window) -> pl.DataFrame:
+    """Phase spans inside ``window``, made disjoint: each starts no earlier than the previous
+    one ended (start order)."""
+    inside = timeline.clip(spans, window).sort("start")
+    return (
+        inside.with_columns(
+            start=pl.max_horizontal("start", pl.col("end").cum_max().shift(1).fill_null(0))
+        )
+        .filter(pl.col("end") > pl.col("start"))
+        .select("phase", "start", "end")
+    )
+
+
+def phase_table(w: RankWindow, gaps: pl.DataFrame, spans: pl.DataFrame) -> list[dict]:
+    """One row per phase present, plus the time outside any phase: ms per steady step of the
+    phase, busy (compute, exposed communication, copies) and idle by cause (``gaps`` from
+    :func:`traceclf.measures.host.idle_gaps`), and in how many steady steps it ran (``spans``
+    from :func:`projected`)."""
+    spans = partition(spans, w.window)
+    if spans.is_empty():
+        return []
+    tl = w.timeline
+    c, k, p = pl.col("compute") > 0, pl.col("comm") > 0, pl.col("copy") > 0
+    layers = {
+        "compute": tl.filter(c),
+        "exposed_comm": tl.filter(k & ~c),
+        "copy": tl.filter(p & ~c & ~k),
+    } | {f"idle_{cause}": gaps.filter(pl.col("cause") == cause) for cause in IDLE_CAUSES}
+    starts, ends = spans["start"].to_numpy(), spans["end"].to_numpy()
+    per_span = {name: _covered(df, starts, ends) for name, df in layers.items()}
+    rows = spans.with_columns(
+        time=pl.col("end") - pl.col("start"), **{n: pl.Series(v) for n, v in per_span.items()}
+    )
+    step_starts = w.steps.steady["gpu_start"].sort().to_numpy() if w.steps.count else None
+    names = list(layers)
+    table = (
+        rows.with_columns(step=_step_of(rows["start"].to_numpy(), step_starts))
+        .group_by("phase")
+        .agg(pl.col("time").sum(), *(pl.col(n).sum() for n in names), pl.col("step").n_unique())
+    )
+    outside = {"phase": OUTSIDE, "time": w.wall - int(table["time"].sum())}
+    for name, df in layers.items():
+        outside[name] = int(timeline.total(df.select("start", "end"))) - int(table[name].sum())
+    order = {p: i for i, p in enumerate(PHASES)}
+    out = [
+        _row(r, w.n_steps)
+        for r in sorted(table.to_dicts(), key=lambda r: order.get(r["phase"], len(order)))
+    ]
+    if outside["time"] > 0:
+        out.append(_row(outside | {"step": None}, w.n_steps))
+    return out
+
+
+def _row(r: dict, n_steps: int) -> dict:
+    ms = {key: round(r[key] / 1e6 / n_steps, 4) for key in ("time", *STATES)}
+    idle = {cause: round(r[f"idle_{cause}"] / 1e6 / n_steps, 4) for cause in IDLE_CAUSES}
+    return {
+        "phase": r["phase"],
+        "ms_per_step": ms["time"],
+        "busy_ms": round(sum(ms[s] for s in STATES), 4),
+        **{f"{s}_ms": ms[s] for s in STATES},
+        "idle_ms": round(sum(idle.values()), 4),
+        "idle_by_cause_ms": idle,
+        "steps": r["step"],
+    }
+
+
+def _covered(intervals: pl.DataFrame, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """ns of each [starts[i], ends[i]) covered by ``intervals`` (disjoint after the union)."""
+    merged = timeline.union(intervals.select("start", "end"))
+    if merged.is_empty():
+        return np.zeros(len(starts), dtype=np.int64)
+    lo, hi = merged["start"].to_numpy(), merged["end"].to_numpy()
+    before = np.concatenate([[0], np.cumsum(hi - lo)])
+
+    def upto(t: np.ndarray) -> np.ndarray:  # covered ns in (-inf, t)
+        i = np.searchsorted(lo, t, side="right") - 1
+        j = np.maximum(i, 0)
+        part = np.clip(t - lo[j], 0, hi[j] - lo[j])
+        return np.where(i >= 0, before[j] + part, 0)
+
+    return upto(ends) - upto(starts)
+
+
+def _step_of(starts: np.ndarray, step_starts: np.ndarray | None) -> pl.Series:
+    """Index of the steady step each phase span starts in (null before the first)."""
+    if step_starts is None or not len(step_starts):
+        return pl.Series([None] * len(starts), dtype=pl.Int64)
+    i = np.searchsorted(step_starts, starts, side="right") - 1
+    return pl.Series(np.where(i >= 0, i, -1)).replace(-1, None)

@@ -1,0 +1,97 @@
+"""What ties the report's numbers back to the timeline, as strings every format shows: where
+to look in Nsight Systems (the steady-state window and the slowest step, in the capture's own
+seconds as the nsys timeline shows them) and the NVTX phase table."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from traceclf.render.text import fmt_ms
+from traceclf.report import Report
+
+PHASE_COLUMNS = (
+    "rank",
+    "phase",
+    "ms/step",
+    "busy",
+    "compute",
+    "exposed comm",
+    "copies",
+    "idle",
+    "idle: launch",
+    "sync",
+    "input",
+    "host",
+    "other",
+    "steps",
+)
+IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
+
+
+def seconds(lo_ns: int, hi_ns: int) -> str:
+    """'14.853–15.889 s': enough decimals that the span reads with two significant digits."""
+    span = max(hi_ns - lo_ns, 1) / 1e9
+    decimals = max(3, math.ceil(-math.log10(span)) + 1)
+    return f"{lo_ns / 1e9:.{decimals}f}–{hi_ns / 1e9:.{decimals}f} s"
+
+
+def nsys_rows(report: Report) -> list[tuple[str, str]]:
+    """("Window", "open in nsys at t = 14.853–15.889 s ..."), and the slowest step."""
+    steps = report.steps or {}
+    lo, hi = (steps.get("window_ns") or [0, 0])[:2]
+    if hi <= lo:
+        return []
+    several = len(report.inputs) > 1
+    first = Path(report.inputs[0]["path"]).name if report.inputs else ""
+    where = f" of {first} (rank 0)" if several else ""
+    rows = [("Window", f"open in nsys at t = {seconds(lo, hi)}{where} (steady state)")]
+    worst = steps.get("worst")
+    if worst:
+        where = f" of {Path(worst['file']).name}" if several and worst.get("file") else ""
+        rows.append(
+            (
+                "Slowest step",
+                f"open in nsys at t = {seconds(worst['start_ns'], worst['end_ns'])}{where}: "
+                f"step {worst['index']} of rank {worst['rank']}, {fmt_ms(worst['ms'])} "
+                f"(median {fmt_ms(steps.get('median_ms'))})",
+            )
+        )
+    return rows
+
+
+def phase_rows(report: Report) -> list[list[str]]:
+    """PHASE_COLUMNS per rank and NVTX phase (forward, backward, optimizer, outside phases):
+    ms per steady step; [] when no rank has phase ranges."""
+    rows = []
+    for rank in report.ranks:
+        for p in rank.get("phases") or []:
+            idle = p.get("idle_by_cause_ms") or {}
+            rows.append(
+                [
+                    str(rank["rank"]),
+                    str(p["phase"]),
+                    _ms(p["ms_per_step"]),
+                    _ms(p["busy_ms"]),
+                    _ms(p["compute_ms"]),
+                    _ms(p["exposed_comm_ms"]),
+                    _ms(p["copy_ms"]),
+                    _ms(p["idle_ms"]),
+                    *(_ms(idle.get(c)) for c in IDLE_CAUSES),
+                    "–" if p.get("steps") is None else str(p["steps"]),
+                ]
+            )
+    return rows
+
+
+PHASE_NOTE = (
+    "ms per steady step, from the NVTX forward/backward/optimizer ranges projected onto the GPU "
+    "work they launched; busy = compute + exposed communication + copies; idle split by what "
+    "the host was doing; steps: steady steps the phase ran in."
+)
+
+
+def _ms(v: float | None) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.3g}" if v < 1000 else f"{v:,.0f}"
