@@ -12,24 +12,52 @@ import click
 from traceclf import __version__
 from traceclf.errors import TraceError, TraceWarning
 
-FORMATS = ("terminal", "json", "md", "html")
+FORMATS = ("terminal", "json", "md", "html", "csv")
 
 
-def _check_output(output: str | None, named: list[str], rules_dir: Path | None) -> Path | None:
-    """Fail before the analysis, not after it, when the report could not or must not be
-    written: no folder, a folder or a disk in the way, or any input of the run, however it is
-    spelled (folders and patterns expanded, the export beside each report, the rule files)."""
-    if output is None:
-        return None
-    from traceclf.atomic import check_output
+def _inputs(named: list[str], rules_dir: Path | None) -> list[Path]:
+    """Every input of the run, however it is spelled (folders and patterns expanded, the export
+    beside each report, the rule files): nothing traceclf writes may land on one."""
     from traceclf.ingest.inputs import named_files
 
     inputs = [Path(n) for n in named if n.lower().endswith(".json")]
     inputs += named_files([n for n in named if not n.lower().endswith(".json")])
     if rules_dir is not None and rules_dir.is_dir():
         inputs += [*rules_dir.glob("*.yaml"), *rules_dir.glob("*.yml")]
-    check_output(output, inputs)
+    return inputs
+
+
+def _check_output(output: str | None, named: list[str], rules_dir: Path | None) -> Path | None:
+    """Fail before the analysis, not after it, when the report could not or must not be
+    written: no folder, a folder or a disk in the way, or any input of the run."""
+    if output is None:
+        return None
+    from traceclf.atomic import check_output
+
+    check_output(output, _inputs(named, rules_dir))
     return Path(output)
+
+
+def _check_exports(
+    out: Path | None, export_trace: str | None, export_dir: Path | None, fmt: str
+) -> None:
+    """The extra files must not land on the report or on each other; --export-dir must be a
+    folder (or nothing yet)."""
+    if export_trace is not None and out is not None and _same(Path(export_trace), out):
+        raise click.UsageError("--export-trace and -o name the same file")
+    if export_dir is not None:
+        if export_dir.exists() and not export_dir.is_dir():
+            raise TraceError(export_dir, "--export-dir: not a folder")
+        for path in (out, Path(export_trace) if export_trace else None):
+            if path is not None and _same(path.parent, export_dir) and path.suffix == f".{fmt}":
+                from traceclf.export.tables import TABLES
+
+                if path.stem in TABLES:
+                    raise click.UsageError(f"{path} would be overwritten by --export-dir")
+
+
+def _same(a: Path, b: Path) -> bool:
+    return a.absolute().resolve() == b.absolute().resolve()
 
 
 def _nsys(value: str | None) -> Path | None:
@@ -110,8 +138,9 @@ def cli() -> None:
     type=click.Choice(FORMATS),
     default="terminal",
     show_default=True,
-    help="Report format: rich terminal text, the JSON report "
-    "contract, Markdown for tickets, or one self-contained HTML file with figures.",
+    help="Report format: rich terminal text, the JSON report contract, Markdown for tickets "
+    "(with -o, its figures are written beside it as PNG files), one self-contained HTML file "
+    "with figures, or csv: the per-rank table (every measure; --export-dir for all tables).",
 )
 @click.option(
     "-o",
@@ -119,6 +148,26 @@ def cli() -> None:
     metavar="FILE",
     help="Write the report to this file (atomically; a FIFO or device is written through; "
     "never onto an input) instead of stdout. Required for html.",
+)
+@click.option(
+    "--export-dir",
+    type=click.Path(path_type=Path),
+    metavar="DIR",
+    help="Also write every table of the report into DIR, one file each: steps, ranks, kernels "
+    "(like nsys cuda_gpu_kern_sum), idle_gaps, collectives, phases.",
+)
+@click.option(
+    "--export-format",
+    type=click.Choice(("csv", "parquet")),
+    default="csv",
+    show_default=True,
+    help="File type of the --export-dir tables.",
+)
+@click.option(
+    "--export-trace",
+    metavar="FILE.json",
+    help="Also write the steady-state window as a Chrome/Perfetto trace-event file (one track "
+    "per rank and CUDA stream, NVTX per host thread; open it in ui.perfetto.dev).",
 )
 @analysis_options
 @click.option(
@@ -153,6 +202,9 @@ def analyze(
     inputs: tuple[str, ...],
     fmt: str,
     output: str | None,
+    export_dir: Path | None,
+    export_format: str,
+    export_trace: str | None,
     step_range: str | None,
     nsys_path: str | None,
     rules_dir: Path | None,
@@ -178,6 +230,8 @@ def analyze(
     if fmt == "html" and output is None:
         raise click.UsageError("--format html needs -o/--output FILE")
     out = _check_output(output, list(inputs), rules_dir)
+    trace_out = _check_output(export_trace, list(inputs), rules_dir)
+    _check_exports(out, export_trace, export_dir, export_format)
     opts = AnalysisOptions(
         step_regex=step_range,
         nsys=_nsys(nsys_path),
@@ -190,7 +244,18 @@ def analyze(
         grouping=grouping or "auto",
     )
     report = analyze_inputs(list(inputs), opts)
-    render(report, fmt, out)
+    written = _inputs(list(inputs), rules_dir)
+    render(report, fmt, out, written)
+    if export_dir is not None:
+        from traceclf.export.files import export_tables
+
+        export_tables(report, export_dir, export_format, written)
+    if trace_out is not None:
+        from traceclf.export.perfetto import write_trace
+        from traceclf.runs import RunSet
+
+        runs = report.runs if isinstance(report, RunSet) else [report]
+        write_trace(runs, trace_out, inputs=written, use_cache=not no_cache, cache_dir=cache_dir)
 
 
 @cli.command()

@@ -1,8 +1,9 @@
-"""Report renderers: terminal (rich), JSON, Markdown, HTML."""
+"""Report renderers: terminal (rich), JSON, Markdown, HTML, CSV."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from traceclf.atomic import write_output
@@ -10,11 +11,21 @@ from traceclf.report import Report
 from traceclf.runs import RunSet
 
 
-def render(report: Report | RunSet, fmt: str, output: Path | None = None) -> None:
+def render(
+    report: Report | RunSet, fmt: str, output: Path | None = None, inputs: Iterable[Path] = ()
+) -> None:
     """Render ``report`` (one job, or several runs) as ``fmt`` to ``output`` (atomically) or
-    stdout."""
+    stdout. Markdown written to a file gets its figures as PNG files beside it (none on
+    stdout); csv is the per-rank table (export/tables.py). Nothing is written onto ``inputs``."""
+    inputs = list(inputs)
+    if fmt == "csv":
+        from traceclf.export.files import table_bytes
+        from traceclf.export.tables import report_tables
+
+        emit(table_bytes(report_tables(report)["ranks"]).decode("utf-8"), output, inputs)
+        return
     if isinstance(report, RunSet):
-        _render_runs(report, fmt, output)
+        _render_runs(report, fmt, output, inputs)
         return
     if fmt == "terminal":
         from traceclf.render.terminal import render_terminal
@@ -26,19 +37,21 @@ def render(report: Report | RunSet, fmt: str, output: Path | None = None) -> Non
     elif fmt == "json":
         text = report.to_json() + "\n"
     elif fmt == "md":
+        from traceclf.export.files import figures_beside
         from traceclf.render.markdown import render_markdown
 
-        text = render_markdown(report)
+        figures = figures_beside(report, output, inputs) if output is not None else None
+        text = render_markdown(report, figures)
     elif fmt == "html":
         from traceclf.render.html import render_html
 
         text = render_html(report)
     else:
         raise ValueError(f"unknown format {fmt!r}")
-    emit(text, output)
+    emit(text, output, inputs)
 
 
-def _render_runs(runs: RunSet, fmt: str, output: Path | None) -> None:
+def _render_runs(runs: RunSet, fmt: str, output: Path | None, inputs: list[Path]) -> None:
     from traceclf.render import runs as r
 
     if fmt == "terminal":
@@ -49,17 +62,24 @@ def _render_runs(runs: RunSet, fmt: str, output: Path | None) -> None:
     elif fmt == "json":
         text = runs.to_json() + "\n"
     elif fmt == "md":
-        text = r.runs_markdown(runs)
+        from traceclf.export.files import figures_beside
+
+        figures = (
+            [figures_beside(run, output, inputs, f"run{i}.") for i, run in enumerate(runs.runs, 1)]
+            if output is not None
+            else None
+        )
+        text = r.runs_markdown(runs, figures)
     elif fmt == "html":
         text = r.runs_html(runs)
     else:
         raise ValueError(f"unknown format {fmt!r}")
-    emit(text, output)
+    emit(text, output, inputs)
 
 
-def emit(text: str, output: Path | None) -> None:
+def emit(text: str, output: Path | None, inputs: Iterable[Path] = ()) -> None:
     """Write rendered text to ``output`` (traceclf/atomic.py: write_output), or to stdout."""
     if output is None:
         sys.stdout.write(text)
     else:
-        write_output(output, text)
+        write_output(output, text, inputs=inputs)

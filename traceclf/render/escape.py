@@ -94,3 +94,16 @@ def markdown_fence(code: str, language: str = "") -> str:
     longest = max((len(run) for run in re.findall(r"`{3,}", text)), default=2)
     fence = "`" * (longest + 1)
     return f"{fence}{visible(language)}\n{text}\n{fence}"
+
+
+# A spreadsheet reads a cell that starts with one of these as a formula ("CSV injection"): a
+# kernel or NVTX name like "=HYPERLINK(...)" must stay text. OWASP's remedy: a leading quote.
+_FORMULA_START = re.compile(r"^[=+\-@]")
+
+
+def for_csv(value: Any) -> str:
+    """``value`` as a CSV/spreadsheet text cell: on one line with control characters written out
+    (``\\n``, ``\\x1b``), and a leading ``'`` when it would start a formula. Quoting of commas,
+    quotes and the like is the CSV writer's job."""
+    text = visible(value)
+    return "'" + text if _FORMULA_START.match(text) else text

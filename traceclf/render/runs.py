@@ -54,7 +54,7 @@ def runs_terminal(runs: RunSet, to_string: bool = False, width: int | None = Non
     return output_of(console)
 
 
-def runs_markdown(runs: RunSet) -> str:
+def runs_markdown(runs: RunSet, figures: list[dict[str, str]] | None = None) -> str:
     from traceclf.render.markdown import render_markdown
 
     def cell(text: str) -> str:
@@ -70,7 +70,11 @@ def runs_markdown(runs: RunSet) -> str:
         *("| " + " | ".join(cell(c) for c in cells) + " |" for cells in summary_cells(runs)),
     ]
     parts = ["\n".join(lines)]
-    parts += [_demote(render_markdown(report)).rstrip("\n") for report in runs.runs]
+    figures = figures or [{} for _ in runs.runs]
+    parts += [
+        _demote(render_markdown(report, figs)).rstrip("\n")
+        for report, figs in zip(runs.runs, figures, strict=True)
+    ]
     return "\n\n".join(parts) + "\n"
 
 

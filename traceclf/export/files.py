@@ -1,0 +1,98 @@
+"""Writing the files that go with a report: every table into a folder (``--export-dir``, CSV or
+Parquet), and a Markdown report's figures as PNG files beside it. Each file is written
+atomically through :func:`traceclf.atomic.write_output` and never onto an input of the run.
+
+Text cells come from traces (kernel, NVTX and file names): in CSV they go through
+:func:`traceclf.render.escape.for_csv` (one line, control characters written out, no formula),
+in Parquet through :func:`~traceclf.render.escape.visible`; the CSV writer quotes commas, quotes
+and the rest (RFC 4180).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import polars as pl
+
+from traceclf.atomic import check_output, write_output
+from traceclf.errors import TraceError
+
+if TYPE_CHECKING:
+    from traceclf.report import Report
+    from traceclf.runs import RunSet
+
+TABLE_FORMATS = ("csv", "parquet")
+
+
+def table_bytes(df: pl.DataFrame, fmt: str = "csv") -> bytes:
+    """``df`` as a CSV (header, RFC 4180 quoting) or Parquet file, its text cells made safe."""
+    from traceclf.render.escape import for_csv, visible
+
+    safe = for_csv if fmt == "csv" else visible
+    df = df.with_columns(
+        pl.col(c).map_elements(safe, return_dtype=pl.String)
+        for c, dtype in df.schema.items()
+        if dtype == pl.String
+    )
+    if fmt == "csv":
+        return df.write_csv().encode("utf-8")
+    if fmt == "parquet":
+        buffer = io.BytesIO()
+        df.write_parquet(buffer)
+        return buffer.getvalue()
+    raise ValueError(f"unknown table format {fmt!r}")
+
+
+def export_tables(
+    report: Report | RunSet, folder: str | Path, fmt: str = "csv", inputs: Iterable[Path] = ()
+) -> list[Path]:
+    """Write every table of ``report`` (:data:`traceclf.export.tables.TABLES`) into ``folder``
+    (created if missing) as ``<table>.csv`` or ``<table>.parquet``; returns the files written."""
+    from traceclf.export.tables import report_tables
+
+    folder = Path(folder)
+    check_folder(folder)
+    inputs = list(inputs)
+    written = []
+    for name, df in report_tables(report).items():
+        path = folder / f"{name}.{fmt}"
+        write_output(path, table_bytes(df, fmt), inputs=inputs)
+        written.append(path)
+    return written
+
+
+def check_folder(folder: Path) -> None:
+    """Create ``folder`` when missing; refuse anything there that is not a folder."""
+    if folder.exists() and not folder.is_dir():
+        raise TraceError(folder, "--export-dir: not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TraceError(folder, f"--export-dir: cannot create the folder ({e.strerror})") from None
+
+
+def figures_beside(
+    report: Report, output: Path, inputs: Iterable[Path] = (), tag: str = ""
+) -> dict[str, str]:
+    """Draw ``report``'s figures into PNG files beside ``output`` (``report.md`` ->
+    ``report.step_timeline.png``; ``tag`` goes before the figure name for several runs) and
+    return {figure: file name relative to ``output``'s folder}. Nothing is drawn when
+    ``output`` is not a regular file to be (a FIFO, a device, /dev/stdout)."""
+    from traceclf.figures.draw import report_figures
+    from traceclf.render.html import figure_png
+
+    target, st = check_output(output)
+    if st is not None and not target.is_file():
+        return {}
+    stem = re.sub(r"\.(md|markdown)$", "", target.name, flags=re.IGNORECASE)
+    inputs = list(inputs)
+    out = {}
+    for name, fig in report_figures(report.series).items():
+        path = target.parent / f"{stem}.{tag}{name}.png"
+        write_output(path, figure_png(fig), inputs=inputs)
+        out[name] = path.name
+    return out

@@ -1,0 +1,217 @@
+"""The report's tables as polars frames, one per table, with raw numbers (ns, ms, fractions):
+what ``--export-dir`` writes as CSV or Parquet, ``--format csv`` prints (``ranks``), and
+``Report.to_pandas`` returns.
+
+| table | one row per | from |
+|---|---|---|
+| ``steps`` | rank and steady step | ``series[].step_breakdown`` |
+| ``ranks`` | rank | ``ranks[]`` and their ``metrics`` |
+| ``kernels`` | rank and kernel name | ``series[].kernel_summary`` (like ``cuda_gpu_kern_sum``) |
+| ``idle_gaps`` | rank, host-side cause and gap-length bin | ``series[].idle_gaps`` |
+| ``collectives`` | rank and collective kind | ``ranks[].comm_by_kind``, ``cross_rank.comm_by_kind`` |
+| ``phases`` | rank and NVTX phase | ``ranks[].phases`` |
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import polars as pl
+
+if TYPE_CHECKING:
+    from traceclf.report import Report
+    from traceclf.runs import RunSet
+
+TABLES = ("steps", "ranks", "kernels", "idle_gaps", "collectives", "phases")
+IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
+STEP_PARTS = ("compute", "exposed_comm", "copy", "idle")
+
+
+def report_tables(report: Report | RunSet) -> dict[str, pl.DataFrame]:
+    """Every table of ``report`` by name (TABLES). Several runs: the runs' tables stacked, with a
+    leading ``run`` column (1-based, in the report's order)."""
+    from traceclf.runs import RunSet
+
+    if not isinstance(report, RunSet):
+        return {name: BUILDERS[name](report) for name in TABLES}
+    out = {}
+    for name in TABLES:
+        frames = [
+            BUILDERS[name](r).select(pl.lit(i, pl.Int64).alias("run"), pl.all())
+            for i, r in enumerate(report.runs, 1)
+        ]
+        out[name] = pl.concat(frames, how="diagonal_relaxed")
+    return out
+
+
+def steps_table(report: Report) -> pl.DataFrame:
+    """Per rank and steady step: its start (ns on the export's clock), its time and how it
+    splits into compute, exposed communication, copies and idle (ms), all communication (ms)."""
+    rows = [
+        {
+            "rank": s["rank"],
+            "step": row["index"],
+            "start_ns": row["step_start"],
+            "step_ms": sum(row[k] for k in STEP_PARTS) / 1e6,
+            **{f"{k}_ms": row[k] / 1e6 for k in STEP_PARTS},
+            "comm_ms": row["comm_total"] / 1e6,
+        }
+        for s in report.series
+        for row in s.get("step_breakdown") or []
+    ]
+    schema = {"rank": pl.Int64, "step": pl.Int64, "start_ns": pl.Int64, "step_ms": pl.Float64}
+    schema |= {f"{k}_ms": pl.Float64 for k in (*STEP_PARTS, "comm")}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def ranks_table(report: Report) -> pl.DataFrame:
+    """Per rank: who it is (pid, process, file, GPU), its steps, and every measure (fractions of
+    the step as fractions, not percent)."""
+    rows = [
+        {
+            "rank": r["rank"],
+            "pid": r["pid"],
+            "process": r.get("process"),
+            "file": r.get("file"),
+            "gpu": r.get("gpu"),
+            "steps_used": (r.get("steps") or {}).get("used"),
+            "step_median_ms": (r.get("steps") or {}).get("median_ms"),
+        }
+        | {k: _scalar(v) for k, v in (r.get("metrics") or {}).items()}
+        for r in report.ranks
+    ]
+    return pl.DataFrame(rows, infer_schema_length=None)
+
+
+KERNEL_COLUMNS = {
+    "rank": pl.Int64,
+    "name": pl.String,
+    "short_name": pl.String,
+    "family": pl.String,
+    "time_pct": pl.Float64,
+    "total_ns": pl.Int64,
+    "instances": pl.Int64,
+    "avg_ns": pl.Float64,
+    "med_ns": pl.Float64,
+    "min_ns": pl.Int64,
+    "max_ns": pl.Int64,
+    "stddev_ns": pl.Float64,
+}
+
+
+def kernels_table(report: Report) -> pl.DataFrame:
+    """Per rank and kernel name over the steady-state window, as NVIDIA's ``cuda_gpu_kern_sum``:
+    share of kernel time (%), total, instances, mean, median, min, max, standard deviation (ns)."""
+    rows = [
+        {"rank": s["rank"], "time_pct": 100 * k["time_frac"]}
+        | {c: k.get(c) for c in KERNEL_COLUMNS if c not in ("rank", "time_pct")}
+        for s in report.series
+        for k in s.get("kernel_summary") or []
+    ]
+    return pl.DataFrame(rows, schema=KERNEL_COLUMNS)
+
+
+def idle_gaps_table(report: Report) -> pl.DataFrame:
+    """Per rank, cause and gap-length bin [lo, hi) ns: how many idle gaps and their time, in
+    total over the window and per steady step."""
+    rows = []
+    for s in report.series:
+        hist = s.get("idle_gaps") or {}
+        edges = hist.get("edges_ns") or []
+        steps = max(len(s.get("step_breakdown") or []), 1)
+        for cause in IDLE_CAUSES:
+            for i, (count, ns) in enumerate(
+                zip(hist.get(cause) or [], hist.get(f"{cause}_ns") or [], strict=True)
+            ):
+                if not count:
+                    continue
+                rows.append(
+                    {
+                        "rank": s["rank"],
+                        "cause": cause,
+                        "gap_min_ns": edges[i - 1] if i > 0 else 0.0,
+                        "gap_max_ns": edges[i] if i < len(edges) else None,
+                        "gaps": count,
+                        "total_ms": ns / 1e6,
+                        "ms_per_step": ns / 1e6 / steps,
+                    }
+                )
+    schema = {
+        "rank": pl.Int64,
+        "cause": pl.String,
+        "gap_min_ns": pl.Float64,
+        "gap_max_ns": pl.Float64,
+        "gaps": pl.Int64,
+        "total_ms": pl.Float64,
+        "ms_per_step": pl.Float64,
+    }
+    return pl.DataFrame(rows, schema=schema)
+
+
+def collectives_table(report: Report) -> pl.DataFrame:
+    """Per rank and collective kind: share of the step in that kind's kernels and the exposed
+    share, kernels, libraries; and, matched across ranks (the same for every rank), instances,
+    ms in them, ms waiting for the last rank and ms transferring."""
+    matched = (report.cross_rank or {}).get("comm_by_kind") or {}
+    rows = [
+        {
+            "rank": r["rank"],
+            "kind": kind,
+            "frac": v.get("frac"),
+            "exposed_frac": v.get("exposed_frac"),
+            "kernels": v.get("kernels"),
+            "libraries": ";".join(v.get("libraries") or []),
+        }
+        | {
+            k: (matched.get(kind) or {}).get(k)
+            for k in ("instances", "comm_ms", "wait_ms", "transfer_ms")
+        }
+        for r in report.ranks
+        for kind, v in (r.get("comm_by_kind") or {}).items()
+    ]
+    schema = {
+        "rank": pl.Int64,
+        "kind": pl.String,
+        "frac": pl.Float64,
+        "exposed_frac": pl.Float64,
+        "kernels": pl.Int64,
+        "libraries": pl.String,
+        "instances": pl.Int64,
+        "comm_ms": pl.Float64,
+        "wait_ms": pl.Float64,
+        "transfer_ms": pl.Float64,
+    }
+    return pl.DataFrame(rows, schema=schema)
+
+
+def phases_table(report: Report) -> pl.DataFrame:
+    """Per rank and NVTX phase (ms per steady step): time, busy (compute, exposed
+    communication, copies), idle and idle by cause, and the steady steps it ran in."""
+    rows = [
+        {"rank": r["rank"]}
+        | {k: v for k, v in p.items() if k != "idle_by_cause_ms"}
+        | {f"idle_{c}_ms": (p.get("idle_by_cause_ms") or {}).get(c) for c in IDLE_CAUSES}
+        for r in report.ranks
+        for p in r.get("phases") or []
+    ]
+    schema = {"rank": pl.Int64, "phase": pl.String, "ms_per_step": pl.Float64}
+    schema |= {k: pl.Float64 for k in ("busy_ms", "compute_ms", "exposed_comm_ms", "copy_ms")}
+    schema |= {"idle_ms": pl.Float64, "steps": pl.Int64}
+    schema |= {f"idle_{c}_ms": pl.Float64 for c in IDLE_CAUSES}
+    return pl.DataFrame(rows, schema=schema)
+
+
+BUILDERS = {
+    "steps": steps_table,
+    "ranks": ranks_table,
+    "kernels": kernels_table,
+    "idle_gaps": idle_gaps_table,
+    "collectives": collectives_table,
+    "phases": phases_table,
+}
+
+
+def _scalar(v):
+    """A measure as a table cell: non-finite floats as nulls (CSV has no NaN)."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
