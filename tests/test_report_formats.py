@@ -241,6 +241,10 @@ def test_figure_functions_refuse_empty_data() -> None:
 # Output files --------------------------------------------------------------------------------
 
 
+def _analysed(name: str) -> list[dict]:
+    return traceclf.analyze(trace_path(name)).series
+
+
 @pytest.mark.parametrize("fmt", ["md", "html"])
 def test_cli_writes_one_file(fmt: str, tmp_path: Path) -> None:
     out = tmp_path / f"report.{fmt}"
@@ -248,7 +252,10 @@ def test_cli_writes_one_file(fmt: str, tmp_path: Path) -> None:
         "analyze", trace_path("h100_comm_ep2"), "--format", fmt, "-o", out, "--no-cache", "-q"
     )
     assert (code, stdout) == (0, ""), stderr
-    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # no temporary file left behind
+    # no temporary file left behind; Markdown's figures are PNG files beside it
+    beside = [f"report.{name}.png" for name in figures.informative(_analysed("h100_comm_ep2"))]
+    expected = [out.name, *beside] if fmt == "md" else [out.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)
     text = out.read_text(encoding="utf-8")
     assert "-bound" in text and "h100_comm_ep2" in text
 

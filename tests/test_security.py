@@ -239,6 +239,8 @@ def rendered_markdown(text: str) -> str:
 
 
 def assert_no_live_html(html: str) -> None:
+    # a report written with -o links its own figures, PNG files beside it: nothing else
+    html = re.sub(r'<img src="[\w.-]+\.png" alt="[\w ]+" />', "", html)
     tags = set(re.findall(r"<([a-zA-Z][a-zA-Z0-9]*)", html))
     allowed = {"h1", "h2", "h3", "p", "strong", "em", "code", "pre", "ul", "li", "table"}
     allowed |= {"thead", "tbody", "tr", "th", "td", "br"}
