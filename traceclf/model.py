@@ -196,6 +196,24 @@ class Trace:
             return (0, 0)
         return int(work["start"].min()), int(work["end"].max())
 
+    def __repr__(self) -> str:
+        """One line: what was read, not every frame (a notebook shows this)."""
+        lo, hi = self.span
+        ranks = len(self.rank_pids)
+        return (
+            f"<Trace {self.path.name}: nsys {self.nsys_version or '?'}, {ranks} rank"
+            f"{'s' * (ranks != 1)}, {len(self.kernels):,} kernels, {len(self.graphs):,} graph "
+            f"replays, {len(self.copies):,} copies/memsets, {len(self.api):,} CUDA calls, "
+            f"{len(self.nvtx):,} NVTX ranges; GPU work {lo / 1e9:.3f}–{hi / 1e9:.3f} s>"
+        )
+
+    def to_pandas(self, frame: str = "kernels"):
+        """One frame of the trace (``FRAMES``) as a pandas DataFrame. Needs pandas:
+        ``pip install 'traceclf[pandas]'``."""
+        from traceclf.report import to_pandas
+
+        return to_pandas({name: getattr(self, name) for name in self.FRAMES}, frame)
+
     def sql(self, query: str):
         """Run a DuckDB SQL query over the frames (tables named like the attributes).
 

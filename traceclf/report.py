@@ -71,6 +71,32 @@ class Report:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=_jsonable)
 
+    def tables(self) -> dict:
+        """The report's tables as polars frames by name (steps, ranks, kernels, idle_gaps,
+        collectives, phases: traceclf/export/tables.py), as ``--export-dir`` writes them."""
+        from traceclf.export.tables import report_tables
+
+        return report_tables(self)
+
+    def to_pandas(self, table: str = "ranks"):
+        """One of :meth:`tables` as a pandas DataFrame (default: one row per rank, every
+        measure). Needs pandas: ``pip install 'traceclf[pandas]'``."""
+        return to_pandas(self.tables(), table)
+
+    def _repr_html_(self) -> str:
+        """The HTML report in a notebook cell (style scoped to it, figures inline)."""
+        from traceclf.render.html import notebook_html
+
+        return notebook_html(self)
+
+    def __repr__(self) -> str:
+        files = ", ".join(Path(i.get("path", "?")).name for i in self.inputs) or "no input"
+        bound = f"{self.bound}-bound" if self.bound else "no verdict"
+        fixes = ", ".join(f["id"] for f in self.fixes[:3]) or "none"
+        step = (self.steps or {}).get("median_ms")
+        step = f", step {step:.3g} ms" if isinstance(step, (int, float)) else ""
+        return f"<Report {files}: {bound}, {len(self.ranks)} rank(s){step}; fixes: {fixes}>"
+
     @classmethod
     def from_dict(cls, data: dict) -> Report:
         missing = {"report_version", "metrics", "classification"} - set(data)
@@ -101,6 +127,18 @@ class Report:
             return cls.from_dict(data)
         except TraceError as e:
             raise TraceError(path, e.problem) from None
+
+
+def to_pandas(tables: dict, table: str):
+    """``tables[table]`` as pandas (the ``pandas`` extra), or a one-line error naming what is
+    missing."""
+    if table not in tables:
+        raise TraceError(None, f"no table {table!r}; tables: {', '.join(tables)}")
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        raise ImportError("to_pandas() needs pandas: pip install 'traceclf[pandas]'") from None
+    return tables[table].to_pandas()
 
 
 def _jsonable(value):

@@ -207,6 +207,24 @@ class RunSet:
 
         return json.dumps(self.to_dict(), indent=indent, default=_jsonable)
 
+    def tables(self) -> dict:
+        """Every run's tables stacked, with a leading ``run`` column (traceclf/export/tables.py)."""
+        from traceclf.export.tables import report_tables
+
+        return report_tables(self)
+
+    def to_pandas(self, table: str = "ranks"):
+        """One of :meth:`tables` as a pandas DataFrame (``pip install 'traceclf[pandas]'``)."""
+        from traceclf.report import to_pandas
+
+        return to_pandas(self.tables(), table)
+
+    def _repr_html_(self) -> str:
+        from traceclf.render.html import html_fragment
+        from traceclf.render.runs import runs_html_body
+
+        return html_fragment(runs_html_body(self))
+
 
 def summary_row(report: Report) -> dict:
     """One run in a line: files, bound, median step, GPU busy, exposed comm, top fix."""

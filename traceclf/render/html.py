@@ -41,29 +41,35 @@ CAPTIONS = {
     "memory": "Device memory allocated over the capture (CUDA memory events), against the "
     "GPU's capacity; the steady-state window is shaded.",
 }
+# Every rule is scoped to the report's root element, so the same style serves the standalone
+# file and a notebook cell (Report._repr_html_) without restyling the notebook around it.
+ROOT = "traceclf-report"
 STYLE = """
-body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222;
-       max-width: 1000px; margin: 2em auto; padding: 0 1em; }
-h1 { font-size: 1.6em; margin-bottom: .2em; } h2 { margin-top: 1.8em; border-bottom: 1px solid
-#ddd; padding-bottom: .2em; } .sub { color: #666; margin-top: 0; }
-.verdict { border-left: 6px solid var(--wall); background: #fafafa; padding: .6em 1.2em; }
-.verdict h2 { border: 0; margin: .2em 0 .6em; color: var(--wall); }
-.scores { display: grid; grid-template-columns: 9em 1fr 3em; gap: .25em .8em;
-          align-items: center; max-width: 560px; }
-.bar { height: .8em; border-radius: 2px; }
-table { border-collapse: collapse; margin: .6em 0; font-size: .92em; }
-th, td { padding: .25em .7em; border-bottom: 1px solid #e4e4e4; text-align: left;
-         vertical-align: top; } th { background: #f4f4f4; } td.num, th.num { text-align: right; }
-code, pre { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
-            font-size: .9em; }
-pre { background: #f6f8fa; border: 1px solid #e1e4e8; padding: .7em 1em; overflow-x: auto; }
-figure { margin: 1.2em 0; } figure img { max-width: 100%; height: auto; }
-figcaption { color: #555; font-size: .9em; }
-.fix { border-left: 4px solid var(--wall); padding: .1em 1em; margin: 1.2em 0; }
-.tag { font-size: .8em; color: #fff; background: var(--wall); border-radius: 3px;
-       padding: .05em .45em; margin-left: .4em; font-weight: normal; }
-dt { font-weight: 600; } dd { margin: 0 0 .4em 1em; }
-"""
+.R { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222;
+     max-width: 1000px; margin: 2em auto; padding: 0 1em; }
+.R h1 { font-size: 1.6em; margin-bottom: .2em; } .R h2 { margin-top: 1.8em; border-bottom: 1px
+solid #ddd; padding-bottom: .2em; } .R .sub { color: #666; margin-top: 0; }
+.R .verdict { border-left: 6px solid var(--wall); background: #fafafa; padding: .6em 1.2em; }
+.R .verdict h2 { border: 0; margin: .2em 0 .6em; color: var(--wall); }
+.R .scores { display: grid; grid-template-columns: 9em 1fr 3em; gap: .25em .8em;
+             align-items: center; max-width: 560px; }
+.R .bar { height: .8em; border-radius: 2px; }
+.R table { border-collapse: collapse; margin: .6em 0; font-size: .92em; }
+.R th, .R td { padding: .25em .7em; border-bottom: 1px solid #e4e4e4; text-align: left;
+               vertical-align: top; } .R th { background: #f4f4f4; }
+.R td.num, .R th.num { text-align: right; }
+.R code, .R pre { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
+                  font-size: .9em; }
+.R pre { background: #f6f8fa; border: 1px solid #e1e4e8; padding: .7em 1em;
+         white-space: pre-wrap; overflow-wrap: anywhere; }
+.R figure { margin: 1.2em 0; } .R figure img { max-width: 100%; height: auto; }
+.R figcaption { color: #555; font-size: .9em; }
+.R .fix { border-left: 4px solid var(--wall); padding: .1em 1em; margin: 1.2em 0; }
+.R .tag { font-size: .8em; color: #fff; background: var(--wall); border-radius: 3px;
+          padding: .05em .45em; margin-left: .4em; font-weight: normal; }
+.R dt { font-weight: 600; } .R dd { margin: 0 0 .4em 1em; }
+.R .wide { overflow-x: auto; }
+""".replace(".R", "." + ROOT)
 
 
 def render_html(report: Report) -> str:
@@ -99,9 +105,19 @@ def html_document(title: str, body: str) -> str:
     return (
         f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>{escape(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n{body}\n"
-        f"</body>\n</html>\n"
+        f"<title>{escape(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
+        f'<div class="{ROOT}">\n{body}\n</div>\n</body>\n</html>\n'
     )
+
+
+def html_fragment(body: str) -> str:
+    """``body`` with its scoped style, for a notebook cell (``Report._repr_html_``)."""
+    return f'<style>{STYLE}</style>\n<div class="{ROOT}">\n{body}\n</div>\n'
+
+
+def notebook_html(report: Report) -> str:
+    """The HTML report as a notebook shows it: same sections and figures, style scoped."""
+    return html_fragment(html_body(report))
 
 
 def figure_png(fig: Figure) -> bytes:
@@ -269,7 +285,7 @@ def _table(
     body = "".join(
         "<tr>" + "".join(cell("td", i, c) for i, c in enumerate(row)) + "</tr>" for row in rows
     )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f'<div class="wide"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def _list(items: list[str]) -> str:

@@ -90,7 +90,13 @@ def _demote(markdown: str) -> str:
 
 
 def runs_html(runs: RunSet) -> str:
-    from traceclf.render.html import html_body, html_document
+    from traceclf.render.html import html_document
+
+    return html_document(f"traceclf: {len(runs.runs)} separate runs", runs_html_body(runs))
+
+
+def runs_html_body(runs: RunSet) -> str:
+    from traceclf.render.html import html_body
 
     head = "".join(f"<th>{escape(c)}</th>" for c in SUMMARY_COLUMNS)
     rows = "".join(
@@ -104,4 +110,4 @@ def runs_html(runs: RunSet) -> str:
     ]
     for i, report in enumerate(runs.runs, 1):
         body.append(f'<hr><section id="run-{i}">\n{html_body(report)}\n</section>')
-    return html_document(f"traceclf: {len(runs.runs)} separate runs", "\n".join(body))
+    return "\n".join(body)
