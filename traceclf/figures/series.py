@@ -108,10 +108,11 @@ LANE_POINTS = 1500  # intervals per lane: finer than any figure draws one step
 
 def step_lanes(w: RankWindow, phase_spans: pl.DataFrame) -> dict:
     """One representative steady step (the one whose duration is nearest the median) as lanes
-    of intervals, ns from the step's start: ``compute`` (kernels and graph replays),
-    ``communication``, ``copies`` and each NVTX phase's GPU span (``phase_spans`` from
-    :func:`traceclf.measures.phases.projected`). Intervals closer than 1/LANE_POINTS of the step
-    are merged, so a step of 10k kernels stays a few hundred rows."""
+    of [start, end, busy] (ns from the step's start; busy: ns covered inside): ``compute``
+    (kernels and graph replays), ``communication``, ``copies`` and each NVTX phase's GPU span
+    (``phase_spans`` from :func:`traceclf.measures.phases.projected`). Intervals closer than
+    1/LANE_POINTS of the step are merged (busy keeps their real coverage), so a step of 10k
+    kernels stays at most LANE_POINTS rows."""
     steady = w.steps.steady.filter(~pl.col("outlier")) if w.steps.count else None
     if steady is None or steady.is_empty():
         return {}
@@ -130,7 +131,7 @@ def step_lanes(w: RankWindow, phase_spans: pl.DataFrame) -> dict:
     lanes = {}
     for name, df in layers.items():
         merged = _merge_close(timeline.clip(df, (lo, hi)), resolution)
-        lanes[name] = [[int(s) - lo, int(e) - lo] for s, e in merged.iter_rows()]
+        lanes[name] = [[int(s) - lo, int(e) - lo, int(b)] for s, e, b in merged.iter_rows()]
     return {
         "index": int(step["index"]),
         "start_ns": lo,
@@ -141,12 +142,21 @@ def step_lanes(w: RankWindow, phase_spans: pl.DataFrame) -> dict:
 
 
 def _merge_close(df: pl.DataFrame, gap: int) -> pl.DataFrame:
-    """The union of the intervals, with gaps shorter than ``gap`` ns closed."""
+    """The union of the intervals with gaps shorter than ``gap`` ns closed, as (start, end,
+    busy): ``busy`` keeps the ns actually covered, so a merged stretch of short kernels reads
+    as partly busy, never as solid work."""
     merged = timeline.union(df)
     if merged.is_empty():
-        return merged
-    return timeline.union(merged.with_columns(end=pl.col("end") + gap)).with_columns(
-        end=pl.col("end") - gap
+        return merged.with_columns(busy=pl.lit(0, pl.Int64))
+    return (
+        merged.with_columns(
+            group=(pl.col("start") - pl.col("end").shift(1) >= gap).fill_null(True).cum_sum()
+        )
+        .group_by("group", maintain_order=True)
+        .agg(
+            pl.col("start").min(), pl.col("end").max(), busy=(pl.col("end") - pl.col("start")).sum()
+        )
+        .select("start", "end", "busy")
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -15,9 +16,9 @@ LANES = (  # step_lanes key, label, colour
     ("compute", "compute (kernels, graph replays)", WALL_COLORS["compute"]),
     ("communication", "communication", WALL_COLORS["communication"]),
     ("copies", "copies / memsets", WALL_COLORS["memory"]),
-    ("forward", "NVTX forward (GPU span)", "#4c72b0"),
-    ("backward", "NVTX backward (GPU span)", "#8172b2"),
-    ("optimizer", "NVTX optimizer (GPU span)", "#937860"),
+    ("forward", "NVTX forward (GPU work it launched)", "#4c72b0"),
+    ("backward", "NVTX backward (GPU work it launched)", "#8172b2"),
+    ("optimizer", "NVTX optimizer (GPU work it launched)", "#937860"),
 )
 # memory figure: drawn when the capture comes near the GPU's capacity, or when allocations
 # move inside the steady state; a flat line far below capacity says nothing
@@ -44,10 +45,11 @@ def step_lanes(series: Sequence[dict]) -> Figure:
         view = rank["step_lanes"]
         for row, (key, _label, color) in enumerate(lanes):
             spans = view["lanes"].get(key) or []
+            # a merged stretch of short kernels is drawn as pale as it is idle
             ax.broken_barh(
-                [(s / 1e6, max(e - s, 1) / 1e6) for s, e in spans],
+                [(s / 1e6, max(e - s, 1) / 1e6) for s, e, _b in spans],
                 (row - 0.38, 0.76),
-                facecolors=color,
+                facecolors=[to_rgba(color, _occupancy(s, e, b)) for s, e, b in spans],
                 linewidth=0,
             )
         ax.set_yticks(range(len(lanes)), [k for k, _l, _c in lanes], fontsize=8)
@@ -62,9 +64,7 @@ def step_lanes(series: Sequence[dict]) -> Figure:
             color="#555555",
         )
         _light_grid(ax, "x")
-    axes[-1].set_xlabel(
-        "time since the step's start on the GPU (ms); NVTX phases: the GPU work they launched"
-    )
+    axes[-1].set_xlabel("time since the step's start on the GPU (ms); paler = partly idle")
     fig.suptitle(
         "One steady-state step per rank (the one nearest the median step time)",
         fontsize=13,
@@ -73,11 +73,15 @@ def step_lanes(series: Sequence[dict]) -> Figure:
     fig.legend(
         handles=[Patch(facecolor=c, label=label) for _k, label, c in lanes],
         loc="outside lower center",
-        ncols=3,
+        ncols=2,
         frameon=False,
         fontsize=9,
     )
     return fig
+
+
+def _occupancy(start: int, end: int, busy: int) -> float:
+    return min(max(busy / max(end - start, 1), 0.08), 1.0)
 
 
 def has_memory_story(series: Sequence[dict]) -> bool:
