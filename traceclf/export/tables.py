@@ -81,7 +81,9 @@ def ranks_table(report: Report) -> pl.DataFrame:
         | {k: _scalar(v) for k, v in (r.get("metrics") or {}).items()}
         for r in report.ranks
     ]
-    return pl.DataFrame(rows, infer_schema_length=None)
+    df = pl.DataFrame(rows, infer_schema_length=None)
+    # a measure unknown on every rank is still a number column (CSV and Parquet readers agree)
+    return df.with_columns(pl.col(c).cast(pl.Float64) for c, t in df.schema.items() if t == pl.Null)
 
 
 KERNEL_COLUMNS = {

@@ -1,0 +1,323 @@
+"""Interop (issue 14, part B): the tables as CSV/Parquet (--export-dir, --format csv), the
+steady-state window as a Chrome/Perfetto trace (--export-trace), Markdown with its figures
+beside it, and the notebook display (Report._repr_html_, Trace repr, to_pandas). Numbers are
+checked against the report and against sqlite3 reads of the export; names with commas, quotes,
+newlines and formulas are constructed into a copy of a real export."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import sqlite3
+import statistics
+from pathlib import Path
+
+import polars as pl
+import pytest
+from conftest import oracle_csv
+from helpers.cli import run_cli
+from helpers.files import copy_export, file_state, folder_listing
+from realtraces import trace_path
+
+import traceclf
+from traceclf.errors import TraceError
+from traceclf.export.tables import TABLES
+from traceclf.figures.draw import informative
+from traceclf.report import Report
+
+EP2 = "h100_comm_ep2"
+GPU_PID = "((globalPid >> 24) & 16777215)"
+
+
+@pytest.fixture(scope="module")
+def ep2() -> Report:
+    return traceclf.analyze(trace_path(EP2))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """--export-dir of the two-rank trace, CSV."""
+    folder = tmp_path_factory.mktemp("tables")
+    result = run_cli("analyze", trace_path(EP2), "-q", "--export-dir", folder / "out")
+    assert result.code == 0, result.stderr
+    return folder / "out"
+
+
+def read_csv(path: Path) -> list[dict]:
+    with path.open(newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def kernels_in(path: Path, pid: int, window: tuple[int, int]) -> dict[str, list[int]]:
+    """Durations of the kernels of ``pid`` starting in the window, by demangled name (sqlite3)."""
+    con = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    rows = con.execute(
+        f"SELECT s.value, k.end - k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s "
+        f"ON s.id = k.demangledName WHERE {GPU_PID} = ? AND k.start >= ? AND k.start < ?",
+        (pid, *window),
+    ).fetchall()
+    con.close()
+    out: dict[str, list[int]] = {}
+    for name, dur in rows:
+        out.setdefault(name, []).append(dur)
+    return out
+
+
+# tables -------------------------------------------------------------------------------------
+
+
+def test_export_dir_writes_one_file_per_table(exported: Path) -> None:
+    assert sorted(p.name for p in exported.iterdir()) == sorted(f"{t}.csv" for t in TABLES)
+
+
+def test_kernels_csv_matches_an_independent_count(exported: Path, ep2: Report) -> None:
+    rows = read_csv(exported / "kernels.csv")
+    assert list(rows[0]) == ["rank", "name", "short_name", "family", "time_pct", "total_ns",
+                             "instances", "avg_ns", "med_ns", "min_ns", "max_ns", "stddev_ns"]  # fmt: skip
+    for rank in ep2.ranks:
+        mine = {r["name"]: r for r in rows if int(r["rank"]) == rank["rank"]}
+        expected = kernels_in(trace_path(EP2), rank["pid"], tuple(rank["steps"]["window_ns"]))
+        assert set(mine) == set(expected)
+        total = sum(sum(d) for d in expected.values())
+        for name, durations in expected.items():
+            row = mine[name]
+            assert int(row["instances"]) == len(durations)
+            assert int(row["total_ns"]) == sum(durations)
+            assert (int(row["min_ns"]), int(row["max_ns"])) == (min(durations), max(durations))
+            assert float(row["med_ns"]) == pytest.approx(statistics.median(durations))
+            std = statistics.stdev(durations) if len(durations) > 1 else 0.0
+            assert float(row["stddev_ns"]) == pytest.approx(std, abs=0.1)
+            assert float(row["time_pct"]) == pytest.approx(100 * sum(durations) / total, abs=1e-3)
+
+
+def test_kernel_summary_agrees_with_nvidia_over_the_whole_capture() -> None:
+    """The same summary over the whole capture and every process is NVIDIA's
+    cuda_gpu_kern_sum (nsys stats), row for row."""
+    from types import SimpleNamespace
+
+    from traceclf import kernels
+    from traceclf.measures.compute import kernel_summary
+
+    trace = traceclf.open(trace_path(EP2))
+    lo, hi = trace.span
+    w = SimpleNamespace(window=(lo, hi + 1), trace=trace, taxonomy=kernels.bundled())
+    ours = {r["name"]: r for r in kernel_summary(w)}
+    with oracle_csv(EP2, "cuda_gpu_kern_sum").open(newline="") as f:
+        nvidia = list(csv.DictReader(f))
+    assert len(ours) == len(nvidia)
+    for row in nvidia:
+        mine = ours[row["Name"]]
+        assert mine["instances"] == int(row["Instances"])
+        assert mine["total_ns"] == int(row["Total Time (ns)"])
+        assert (mine["min_ns"], mine["max_ns"]) == (int(row["Min (ns)"]), int(row["Max (ns)"]))
+        assert mine["stddev_ns"] == pytest.approx(float(row["StdDev (ns)"]), abs=0.1)
+        assert 100 * mine["time_frac"] == pytest.approx(float(row["Time (%)"]), abs=0.05)
+
+
+def test_the_other_tables_carry_the_reports_numbers(exported: Path, ep2: Report) -> None:
+    ranks = read_csv(exported / "ranks.csv")
+    assert [int(r["rank"]) for r in ranks] == [r["rank"] for r in ep2.ranks]
+    for row, rank in zip(ranks, ep2.ranks, strict=True):
+        assert int(row["pid"]) == rank["pid"]
+        for key in ("step_time_ms", "gpu_busy_frac", "exposed_comm_frac", "idle_sync_frac"):
+            assert float(row[key]) == pytest.approx(rank["metrics"][key], abs=1e-9)
+    steps = read_csv(exported / "steps.csv")
+    assert len(steps) == sum(len(s["step_breakdown"]) for s in ep2.series)
+    for row in steps:
+        parts = sum(float(row[f"{k}_ms"]) for k in ("compute", "exposed_comm", "copy", "idle"))
+        assert float(row["step_ms"]) == pytest.approx(parts)
+    rank0 = [float(r["step_ms"]) for r in steps if r["rank"] == "0"]
+    assert statistics.fmean(rank0) == pytest.approx(
+        ep2.ranks[0]["metrics"]["step_time_ms"], rel=0.02
+    )
+    collectives = read_csv(exported / "collectives.csv")
+    a2a = [r for r in collectives if r["kind"] == "all_to_all"]
+    assert len(a2a) == 2 and all(r["libraries"] == "nccl" for r in a2a)
+    matched = ep2.cross_rank["comm_by_kind"]["all_to_all"]
+    assert all(int(r["instances"]) == matched["instances"] for r in a2a)
+    gaps = read_csv(exported / "idle_gaps.csv")
+    for rank, series in zip(ep2.ranks, ep2.series, strict=True):
+        mine = [g for g in gaps if int(g["rank"]) == rank["rank"]]
+        hist = series["idle_gaps"]
+        assert sum(int(g["gaps"]) for g in mine) == sum(
+            sum(hist[c]) for c in ("launch", "sync", "input", "host", "other")
+        )
+        idle_ms = sum(float(g["total_ms"]) for g in mine)
+        wall_ms = rank["metrics"]["step_time_ms"] * rank["steps"]["used"]
+        assert idle_ms == pytest.approx(rank["metrics"]["gpu_idle_frac"] * wall_ms, rel=0.02)
+
+
+def test_parquet_tables_hold_the_same_numbers(tmp_path: Path, exported: Path) -> None:
+    out = tmp_path / "pq"
+    result = run_cli(
+        "analyze", trace_path(EP2), "-q", "--export-dir", out, "--export-format", "parquet"
+    )
+    assert result.code == 0, result.stderr
+    for table in TABLES:
+        parquet = pl.read_parquet(out / f"{table}.parquet")
+        from_csv = pl.read_csv(exported / f"{table}.csv", schema=parquet.schema)
+        assert parquet.equals(from_csv), table
+
+
+def test_format_csv_prints_the_rank_table(ep2: Report) -> None:
+    result = run_cli("analyze", trace_path(EP2), "-q", "-f", "csv")
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert [int(r["rank"]) for r in rows] == [0, 1]
+    assert float(rows[1]["compute_frac"]) == pytest.approx(ep2.ranks[1]["metrics"]["compute_frac"])
+
+
+HOSTILE = '=HYPERLINK("http://x"),a "quoted",\nname\x1b[31m'
+
+
+def hostile_copy(folder: Path) -> Path:
+    """Constructed: every kernel name and NVTX range of a small real export starts with a
+    formula, commas, quotes, a newline and an escape sequence."""
+    folder.mkdir(parents=True, exist_ok=True)
+    export = copy_export(trace_path("h100_host_input_stall"), folder / "run.sqlite")
+    with sqlite3.connect(export) as con:
+        con.execute(
+            "UPDATE StringIds SET value = ? || value WHERE id IN (SELECT shortName FROM "
+            "CUPTI_ACTIVITY_KIND_KERNEL UNION SELECT demangledName FROM CUPTI_ACTIVITY_KIND_KERNEL)",
+            (HOSTILE,),
+        )
+        con.execute("UPDATE NVTX_EVENTS SET text = ? || text WHERE text IS NOT NULL", (HOSTILE,))
+    return export
+
+
+def test_csv_and_trace_are_safe_for_hostile_names(tmp_path: Path) -> None:
+    export = hostile_copy(tmp_path / "in")
+    out, trace = tmp_path / "out", tmp_path / "trace.json"
+    result = run_cli(
+        "analyze", export, "-q", "--no-cache", "--step-range", r"batch \d+$",
+        "--export-dir", out, "--export-trace", trace,
+    )  # fmt: skip
+    assert result.code == 0, result.stderr
+    raw = (out / "kernels.csv").read_text(encoding="utf-8")
+    assert "\x1b" not in raw
+    rows = read_csv(out / "kernels.csv")
+    assert rows and all(len(r) == 12 for r in rows)  # commas and quotes did not split cells
+    for row in rows:
+        for key in ("name", "short_name"):
+            assert row[key].startswith('\'=HYPERLINK("http://x"),a "quoted",\\nname\\x1b[31m')
+            assert "\n" not in row[key]
+    events = json.loads(trace.read_text(encoding="utf-8"))["traceEvents"]
+    names = [e["name"] for e in events if e.get("cat") in ("kernel", "nvtx")]
+    assert names and all("\x1b" not in n and "\n" not in n for n in names)
+    assert any(n.startswith('=HYPERLINK("http://x"),a "quoted",\\nname\\x1b[31m') for n in names)
+
+
+# Perfetto ------------------------------------------------------------------------------------
+
+
+def gpu_rows(path: Path, pid: int, window: tuple[int, int]) -> list[tuple[int, str]]:
+    """(stream, table) of every kernel, memcpy and memset of ``pid`` overlapping the window."""
+    con = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    out = []
+    for table in ("KERNEL", "MEMCPY", "MEMSET"):
+        out += [
+            (stream, table)
+            for (stream,) in con.execute(
+                f"SELECT streamId FROM CUPTI_ACTIVITY_KIND_{table} WHERE {GPU_PID} = ? "
+                "AND start < ? AND end > ?",
+                (pid, window[1], window[0]),
+            )
+        ]
+    con.close()
+    return out
+
+
+def test_perfetto_trace_has_one_track_per_rank_and_stream(tmp_path: Path, ep2: Report) -> None:
+    out = tmp_path / "trace.json"
+    result = run_cli("analyze", trace_path(EP2), "-q", "--export-trace", out)
+    assert result.code == 0, result.stderr
+    assert folder_listing(tmp_path) == ["trace.json"]  # written atomically: no temporary left
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    events = doc["traceEvents"]
+    meta = [e for e in events if e["ph"] == "M"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert {e["ph"] for e in events} == {"M", "X"}
+    processes = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+    assert set(processes) == {0, 1}
+    for rank in ep2.ranks:
+        assert processes[rank["rank"]].startswith(f"rank {rank['rank']} · pid {rank['pid']} · ")
+        lo, hi = rank["steps"]["window_ns"]
+        expected = gpu_rows(trace_path(EP2), rank["pid"], (lo, hi))
+        gpu = [e for e in complete if e["pid"] == rank["rank"] and e["cat"] != "nvtx"]
+        # one track per CUDA stream, named so, and every event of the window on it
+        assert {e["tid"] for e in gpu} == {s for s, _t in expected}
+        for stream in {s for s, _t in expected}:
+            assert threads[(rank["rank"], stream)] == f"stream {stream}"
+        assert sum(e["cat"] == "kernel" for e in gpu) == sum(t == "KERNEL" for _s, t in expected)
+        assert len(gpu) == len(expected)
+        assert all(lo / 1e3 - e["dur"] <= e["ts"] < hi / 1e3 for e in gpu)
+        nvtx = [e for e in complete if e["pid"] == rank["rank"] and e["cat"] == "nvtx"]
+        assert nvtx and all(
+            threads[(e["pid"], e["tid"])].startswith("NVTX · thread ") for e in nvtx
+        )
+    for e in complete:
+        assert (e["pid"], e["tid"]) in threads
+        assert isinstance(e["ts"], float | int) and e["dur"] >= 0
+
+
+def test_export_trace_never_overwrites_an_input(tmp_path: Path) -> None:
+    export = copy_export(trace_path("h100_host_input_stall"), tmp_path / "run.sqlite")
+    before = file_state(export)
+    for target in (export, tmp_path / "." / "run.sqlite"):
+        result = run_cli("analyze", export, "-q", "--export-trace", target)
+        assert result.code == 2 and "output would overwrite input" in result.stderr
+    assert file_state(export) == before
+    result = run_cli("analyze", export, "-q", "-f", "json", "-o", tmp_path / "a.json",
+                     "--export-trace", tmp_path / "a.json")  # fmt: skip
+    assert result.code == 2 and not (tmp_path / "a.json").exists()
+
+
+# Markdown figures, notebook ------------------------------------------------------------------
+
+
+def test_markdown_writes_its_figures_beside_it(tmp_path: Path, ep2: Report) -> None:
+    out = tmp_path / "ticket.md"
+    result = run_cli("analyze", trace_path(EP2), "-q", "-f", "md", "-o", out)
+    assert result.code == 0, result.stderr
+    names = informative(ep2.series)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ticket.md", *(f"ticket.{n}.png" for n in names)]
+    )
+    text = out.read_text(encoding="utf-8")
+    for name in names:
+        assert f"](ticket.{name}.png)" in text
+        assert (tmp_path / f"ticket.{name}.png").read_bytes().startswith(b"\x89PNG")
+    stdout = run_cli("analyze", trace_path(EP2), "-q", "-f", "md").stdout
+    assert ".png" not in stdout and "## Figures" not in stdout
+
+
+def test_notebook_display(ep2: Report) -> None:
+    html = ep2._repr_html_()
+    style = re.search(r"<style>(.*?)</style>", html, re.S).group(1)
+    selectors = [s.strip() for rule in re.findall(r"([^{}]+)\{", style) for s in rule.split(",")]
+    assert selectors and all(s.startswith(".traceclf-report") for s in selectors)  # scoped
+    assert "COMMUNICATION-bound" in html and "data:image/png;base64," in html
+    assert not re.search(r"<script|<link|src=\"http", html)
+    text = repr(ep2)
+    assert "\n" not in text and len(text) < 200 and "communication-bound" in text
+    trace = traceclf.open(trace_path(EP2))
+    text = repr(trace)
+    assert "\n" not in text and len(text) < 300
+    assert f"{len(trace.kernels):,} kernels" in text and "2 ranks" in text
+
+
+def test_to_pandas(ep2: Report) -> None:
+    pytest.importorskip("pandas")
+    ranks = ep2.to_pandas()
+    assert list(ranks["rank"]) == [0, 1]
+    assert ranks["step_time_ms"].tolist() == pytest.approx(
+        [r["metrics"]["step_time_ms"] for r in ep2.ranks]
+    )
+    kernels = ep2.to_pandas("kernels")
+    assert len(kernels) == sum(len(s["kernel_summary"]) for s in ep2.series)
+    trace = traceclf.open(trace_path(EP2))
+    assert trace.to_pandas("kernels").shape == trace.kernels.shape
+    with pytest.raises(TraceError, match="no table 'nope'"):
+        ep2.to_pandas("nope")
