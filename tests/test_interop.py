@@ -321,3 +321,30 @@ def test_to_pandas(ep2: Report) -> None:
     assert trace.to_pandas("kernels").shape == trace.kernels.shape
     with pytest.raises(TraceError, match="no table 'nope'"):
         ep2.to_pandas("nope")
+
+
+def test_several_runs_export_with_a_run_column(tmp_path: Path) -> None:
+    a, b = trace_path("h100_host_input_stall"), trace_path("h100_host_cudagraph")
+    out = tmp_path / "t"
+    result = run_cli(
+        "analyze", a, b, "--runs", "-q", "-f", "md", "-o", tmp_path / "r.md",
+        "--export-dir", out, "--export-trace", tmp_path / "w.json",
+    )  # fmt: skip
+    assert result.code == 0, result.stderr
+    runs = traceclf.analyze(a, b, grouping="runs")
+    for table in TABLES:
+        assert (out / f"{table}.csv").read_text().startswith("run,")
+    ranks = read_csv(out / "ranks.csv")
+    order = [Path(run.inputs[0]["path"]).name for run in runs.runs]
+    assert [(r["run"], Path(r["file"]).name) for r in ranks] == [("1", order[0]), ("2", order[1])]
+    pngs = sorted(p.name for p in tmp_path.glob("r.run*.png"))
+    expected = [
+        f"r.run{i}.{name}.png"
+        for i, run in enumerate(runs.runs, 1)
+        for name in informative(run.series)
+    ]
+    assert pngs == sorted(expected)
+    events = json.loads((tmp_path / "w.json").read_text())["traceEvents"]
+    names = sorted(e["args"]["name"] for e in events if e["name"] == "process_name")
+    assert [n.split(" · ")[0] for n in names] == ["run 1", "run 2"]
+    assert len({e["pid"] for e in events}) == 2  # ranks numbered on across runs
