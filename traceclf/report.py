@@ -31,6 +31,20 @@ ORDER = (
 
 
 @dataclass
+class RankMeasures:
+    """Measures of one rank, plus the small series the figures are drawn from (computed by
+    :func:`traceclf.measures.measure_rank`; defined here, with no polars, so that a cached
+    result is read back without loading the analysis)."""
+
+    metrics: dict[str, float | int | bool | None]
+    comm_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+    top_kernels: list[dict] = field(default_factory=list)
+    step_breakdown: list[dict] = field(default_factory=list)
+    idle_gaps: dict[str, list] = field(default_factory=dict)
+    gpu_metrics_series: dict[str, list] = field(default_factory=dict)
+
+
+@dataclass
 class Report:
     report_version: int
     traceclf_version: str

@@ -47,7 +47,7 @@ from traceclf.ingest.schema import check_sqlite_file
 from traceclf.model import Trace
 
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 RESULT_FORMAT = 1
 META = "meta.json"
 # Caps on what is parsed back: a damaged or planted file must not exhaust memory.
@@ -191,6 +191,7 @@ def read_entry(entry: Path, path: Path) -> Trace | None:
         tables=frozenset(meta["tables"]),
         nccl_payload=meta["nccl_payload"],
         session=meta["session"],
+        unusable_rows=dict(meta["unusable_rows"]),
         **dict(zip(Trace.FRAMES, frames, strict=True)),
     )
 
@@ -212,6 +213,8 @@ def _read_meta(file: Path) -> dict:
         and isinstance(meta.get("session"), dict)
         and isinstance(meta.get("frames"), dict)
         and set(meta["frames"]) == set(Trace.FRAMES)
+        and isinstance(meta.get("unusable_rows"), dict)
+        and all(isinstance(n, int) for n in meta["unusable_rows"].values())
     )
     if not ok:
         raise ValueError("meta.json is not a cache entry's")
@@ -251,6 +254,7 @@ def write_entry(trace: Trace, slot: Path, key: str) -> bool:
             "nccl_payload": trace.nccl_payload,
             "session": trace.session,
             "frames": {name: _frame_meta(getattr(trace, name)) for name in Trace.FRAMES},
+            "unusable_rows": trace.unusable_rows,
         }
         # meta.json is written last, but the rename below is what publishes the entry.
         (tmp / META).write_text(json.dumps(meta), encoding="utf-8")
