@@ -80,12 +80,27 @@ cache_dir_option = click.option(
     "--cache-dir . keeps the cache in the current folder.",
 )
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+all_steps_option = click.option(
+    "--all-steps",
+    is_flag=True,
+    help="Read and analyse every step of the capture. By default a long capture is analysed "
+    "on a sample of its steady-state steps (runs of consecutive steps spread evenly over the "
+    "steady state, up to a budget of event rows), so that time and memory follow the steps "
+    "analysed, not the capture's length; the report says how many steps were analysed.",
+)
 
 
 def analysis_options(command):
     """The options of every command that analyses traces."""
     for option in reversed(
-        (step_range_option, nsys_option, rules_option, no_cache_option, cache_dir_option)
+        (
+            step_range_option,
+            all_steps_option,
+            nsys_option,
+            rules_option,
+            no_cache_option,
+            cache_dir_option,
+        )
     ):
         command = option(command)
     return command
@@ -154,6 +169,7 @@ def analyze(
     fmt: str,
     output: str | None,
     step_range: str | None,
+    all_steps: bool,
     nsys_path: str | None,
     rules_dir: Path | None,
     no_cache: bool,
@@ -180,6 +196,7 @@ def analyze(
     out = _check_output(output, list(inputs), rules_dir)
     opts = AnalysisOptions(
         step_regex=step_range,
+        all_steps=all_steps,
         nsys=_nsys(nsys_path),
         rules_dir=rules_dir,
         use_cache=not no_cache,
@@ -227,6 +244,7 @@ def compare(
     fmt: str,
     output: str | None,
     step_range: str | None,
+    all_steps: bool,
     nsys_path: str | None,
     rules_dir: Path | None,
     no_cache: bool,
@@ -244,6 +262,7 @@ def compare(
 
     opts = AnalysisOptions(
         step_regex=step_range,
+        all_steps=all_steps,
         nsys=_nsys(nsys_path),
         rules_dir=rules_dir,
         use_cache=not no_cache,

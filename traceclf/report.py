@@ -42,6 +42,8 @@ class RankMeasures:
     step_breakdown: list[dict] = field(default_factory=list)
     idle_gaps: dict[str, list] = field(default_factory=dict)
     gpu_metrics_series: dict[str, list] = field(default_factory=dict)
+    idle_nvtx: list[dict] = field(default_factory=list)
+    capture: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,420 @@
+"""The default window mode: read a long capture in two passes, so that time and memory follow
+the steps analysed, not the capture's length.
+
+Pass 1 finds the steps of every rank cheaply — the NVTX step ranges (CPU times), else the
+CUDA-graph executions, else the kernel that recurs most regularly in a slice of the kernel
+table — and chooses the steady steps to analyse: all of them when the row budget allows,
+else runs of consecutive steps spread evenly over the steady state
+(:func:`traceclf.steps.plan_steps`). Pass 2 reads only those steps' rows, by rowid ranges found
+by binary search on ``start`` (:mod:`traceclf.ingest.rowindex`); a table whose rows are not in
+``start`` order is read with a filtered scan instead. NVTX ranges and memory events are read
+whole: warm-up detection and the peak of allocated memory need the whole capture.
+
+An export whose event tables fit in the budget is read whole, as ``--all-steps`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from traceclf.ingest import rowindex
+from traceclf.ingest.assemble import build_trace, nvtx_ranges
+from traceclf.ingest.devices import read_gpu_metrics
+from traceclf.ingest.load import EVENT_TABLES, Reader, load_trace
+from traceclf.ingest.rowindex import RowIndex
+from traceclf.ingest.schema import inspect_export
+from traceclf.kernels import Taxonomy
+from traceclf.model import Trace
+from traceclf.steps import StepPlan, plan_steps, range_label, recurring_kernel, step_ranges
+
+# Event rows (kernels, CUDA calls, copies, syncs, graph executions) analysed per export by
+# default: about 0.5 GB of memory and a second of reading on two cores.
+ROW_BUDGET = 1_000_000
+# Kernel rows of the slice probed for a recurring kernel when there is neither NVTX steps nor
+# CUDA graphs (doubled until a period shows, up to PROBE_MAX_ROWS).
+PROBE_ROWS = 200_000
+PROBE_MAX_ROWS = 3_200_000
+# Times a run's GPU reading is extended when the next step's first GPU work lies beyond it
+# (the GPU lagging the CPU by more than a step).
+EXTEND_ROUNDS = 4
+GPU_SIDE = ("kernels", "graphs", "memcpy", "memset", "syncs")
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class WindowRead:
+    """What the window mode read: the trace (only the analysed steps' rows, unless the
+    capture fitted the budget) and, per rank pid, the plan of its steps (empty: whole capture)."""
+
+    trace: Trace
+    plans: dict[int, StepPlan]
+
+
+def load_window(
+    path: str | Path,
+    taxonomy: Taxonomy,
+    step_regex: str | None = None,
+    budget: int = ROW_BUDGET,
+    progress: Callable[[str], None] | None = None,
+) -> WindowRead:
+    """Read ``path`` for the window mode (see the module's description)."""
+    path = Path(path)
+    reader = Reader(inspect_export(path, check_pages=False))
+    step = progress or (lambda _msg: None)
+    with rowindex.connect(path) as con:  # open while the indexes are searched
+        indexes = {
+            logical: RowIndex.build(con, table)
+            for logical in EVENT_TABLES
+            if (table := reader.table_of(logical)) is not None
+        }
+        indexes = {k: v for k, v in indexes.items() if v is not None}
+        if sum(i.rows for i in indexes.values()) <= budget:
+            return WindowRead(load_trace(path, progress=progress), {})
+        step("steps")
+        planner = _Planner(reader, con, indexes, taxonomy, step_regex, budget)
+        plans = planner.plans()
+        if plans is None:  # some rank's steps cannot be found cheaply: read it all
+            return WindowRead(load_trace(path, progress=progress), {})
+        trace = _read_plans(reader, con, indexes, plans, planner.nvtx_raw, progress)
+    return WindowRead(trace, plans)
+
+
+class _Planner:
+    """Pass 1: the steps of every rank, and which of them to analyse."""
+
+    def __init__(self, reader, con, indexes, taxonomy, step_regex, budget) -> None:
+        self.reader, self.con, self.indexes = reader, con, indexes
+        self.taxonomy, self.step_regex, self.budget = taxonomy, step_regex, budget
+        self.nvtx_raw = reader.read("nvtx")
+
+    def plans(self) -> dict[int, StepPlan] | None:
+        nvtx = nvtx_ranges(self.reader, lambda _logical: self.nvtx_raw)
+        pattern = self.step_regex or self.taxonomy.nvtx["step"]
+        plans = {}
+        for pid in self._rank_pids():
+            found = self._nvtx(nvtx, pid, pattern) or self._graphs(pid) or self._pattern(pid)
+            if found is None:
+                return None
+            table, source, label, exact = found
+            plans[pid] = plan_steps(table, source, label, exact, self._analysable(table))
+        return plans or None
+
+    def _rank_pids(self) -> list[int]:
+        """Processes with GPU work, from the rows at the sampled rowids of the GPU tables
+        (a process with fewer rows than one sample interval may be missed)."""
+        pids: set[int] = set()
+        for logical in ("kernels", "graphs", "memcpy", "memset"):
+            index = self.indexes.get(logical)
+            table = self.reader.table_of(logical)
+            pid = self.reader.pid_sql(logical)
+            if index is None or table is None or pid is None:
+                continue
+            ids = ",".join(str(int(i)) for i in index.rowids)
+            pids |= {
+                int(p)
+                for (p,) in self.con.execute(
+                    f"SELECT DISTINCT {pid} FROM {table} WHERE rowid IN ({ids})"
+                )
+                if p is not None
+            }
+        return sorted(pids)
+
+    def _nvtx(self, nvtx: pl.DataFrame, pid: int, pattern: str):
+        ranges = step_ranges(nvtx.filter(pl.col("pid") == pid), pattern)
+        if ranges is None or len(ranges) < 2:
+            return None
+        table = ranges.select("index", name="text", start="start", end="end")
+        return table, "nvtx", range_label(ranges["text"]), False
+
+    def _graphs(self, pid: int):
+        """Graph-level traced replays of the most replayed graph (exact GPU times)."""
+        if "graphs" not in self.indexes:
+            return None
+        graphs = self.reader.read("graphs", where=f"{self.reader.pid_sql('graphs')} = {pid}")
+        if len(graphs) < 2:
+            return None
+        per_launch = graphs.group_by("correlation_id").agg(
+            start=pl.col("start").min(),
+            end=pl.col("end").max(),
+            key=pl.col("graph_exec_id").first(),
+        )
+        top = per_launch["key"].drop_nulls().mode()
+        if len(top):
+            per_launch = per_launch.filter(pl.col("key") == top[0])
+        table = per_launch.sort("start").select(
+            index=pl.int_range(pl.len()).cast(pl.Int64),
+            name=pl.lit("graph launch"),
+            start="start",
+            end="end",
+        )
+        return table, "graph", "cudaGraphLaunch", True
+
+    def _pattern(self, pid: int):
+        """The most regular kernel of a slice from the middle of the kernel table, then every
+        occurrence of it (one filtered scan of one column)."""
+        index = self.indexes.get("kernels")
+        if index is None:
+            return None
+        where = f"{self.reader.pid_sql('kernels')} = {pid}"
+        rows, best = PROBE_ROWS, None
+        while best is None:
+            middle = index.first + index.rows // 2
+            lo, hi = max(index.first - 1, middle - rows // 2), min(index.last, middle + rows // 2)
+            probe = self.reader.read("kernels", where=where, rowids=[(lo, hi)])
+            best = recurring_kernel(
+                probe.select(name="name_id", start="start", end="end").sort("start")
+            )
+            if best is None and (rows >= PROBE_MAX_ROWS or rows >= index.rows):
+                return None
+            rows *= 2
+        hits = self.reader.read("kernels", where=f"{where} AND ({self._name_match(best)})")
+        if len(hits) < 2:
+            return None
+        last_end = int(hits["end"].max())  # type: ignore[arg-type]
+        table = hits.sort("start").select(
+            index=pl.int_range(pl.len()).cast(pl.Int64),
+            name=pl.lit(self._string(best)),
+            start="start",
+            end=pl.col("start").shift(-1).fill_null(last_end),
+        )
+        return table, "pattern", self._string(best), True
+
+    def _name_match(self, name_id: int) -> str:
+        table = self.reader.table_of("kernels")
+        present = self.reader.info.columns[table]  # type: ignore[index]
+        column = next(
+            c for c in ("demangledName", "name", "shortName", "mangledName") if c in present
+        )
+        return f'"{column}" = {int(name_id)}'
+
+    def _string(self, string_id: int) -> str:
+        hit = self.reader.strings.filter(pl.col("id") == string_id)["value"]
+        return str(hit[0]) if len(hit) else str(string_id)
+
+    def _analysable(self, table: pl.DataFrame) -> int:
+        """How many steps the row budget allows, from the rows per step over the steps' span."""
+        lo, hi = int(table["start"].min()), int(table["end"].max())  # type: ignore[arg-type]
+        rows = sum(index.count(lo, hi) for index in self.indexes.values())
+        per_step = max(rows / max(len(table), 1), 1)
+        return max(1, int(self.budget // per_step))
+
+
+# --------------------------------------------------------------------------------- pass 2
+
+
+@dataclass
+class _Table:
+    """The rows of one event table read so far."""
+
+    index: RowIndex | None
+    done: list[tuple[int, int]]
+    frames: list[pl.DataFrame]
+    spans: list[Span]
+
+    def frame(self) -> pl.DataFrame:
+        """One frame of the rows read, each once, in rowid order (connectorx returns the
+        ranges of one read in any order; rowid ranges never overlap, filtered scans may)."""
+        if len(self.frames) > 1 or (self.frames and not self.frames[0]["_rowid"].is_sorted()):
+            rows = pl.concat(self.frames, how="vertical_relaxed")
+            if not self.by_rowid:
+                rows = rows.unique("_rowid", keep="first")
+            self.frames = [rows.sort("_rowid")]
+        return self.frames[0] if self.frames else pl.DataFrame()
+
+    @property
+    def by_rowid(self) -> bool:
+        """Whether rows are read by rowid range (the table is in start order)."""
+        return self.index is not None and self.index.ordered
+
+
+class _Pass2:
+    """Reads rows of the event tables by time span, each row once."""
+
+    def __init__(self, reader: Reader, indexes: dict[str, RowIndex]) -> None:
+        self.reader = reader
+        self.tables = {
+            logical: _Table(indexes.get(logical), [], [], [])
+            for logical in EVENT_TABLES
+            if reader.table_of(logical) is not None
+        }
+
+    def read(self, logicals: tuple[str, ...], spans: list[Span]) -> None:
+        """Add the rows of each of ``logicals`` overlapping ``spans`` (by rowid range when
+        the table is in start order, else by a filtered scan)."""
+        for logical in logicals:
+            table = self.tables.get(logical)
+            if table is None or not spans:
+                continue
+            table.spans += spans
+            if table.index is not None and table.index.ordered:
+                wanted = rowindex.merge([table.index.bounds(lo, hi) for lo, hi in spans])
+                todo = rowindex.subtract(wanted, table.done)
+                if todo:
+                    table.frames.append(self.reader.read(logical, rowids=todo, rowid=True))
+                    table.done = rowindex.merge(table.done + todo)
+            else:
+                table.frames.append(self.reader.read(logical, spans, rowid=True))
+
+    def frame(self, logical: str) -> pl.DataFrame:
+        table = self.tables.get(logical)
+        return table.frame() if table is not None else pl.DataFrame()
+
+    def finish(self, logical: str) -> pl.DataFrame:
+        """Everything read of ``logical`` that overlaps the spans asked for, in start order.
+
+        Rows read by rowid range that are not in start order break the order assumption where
+        the samples did not show it: the table is then read again with a filtered scan."""
+        table = self.tables.get(logical)
+        if table is None or not table.spans:
+            return self.reader.empty(logical)
+        df = table.frame()
+        if df.is_empty():
+            return self.reader.empty(logical)
+        spans = _merge(table.spans)
+        if table.by_rowid and not df["start"].is_sorted():
+            df = self.reader.read(logical, spans, rowid=True)
+        elif not table.by_rowid:
+            df = df.sort("start")
+        keep = pl.lit(False)
+        for lo, hi in spans:
+            keep = keep | ((pl.col("start") < hi) & (pl.col("end") > lo))
+        # in start order: flagged so (set_sorted), later sorts and searches are free
+        return df.filter(keep).drop("_rowid").sort("start")
+
+
+@dataclass
+class _Run:
+    """One run of analysed steps of one rank, and the spans read for it."""
+
+    pid: int
+    plan: StepPlan
+    first: int  # step index
+    last: int
+    gpu: Span = (0, 0)
+    api: Span = (0, 0)
+    done: bool = False
+
+
+def _read_plans(
+    reader: Reader,
+    con,
+    indexes: dict[str, RowIndex],
+    plans: dict[int, StepPlan],
+    nvtx_raw: pl.DataFrame,
+    progress: Callable[[str], None] | None,
+) -> Trace:
+    """Pass 2: the rows of the planned steps, then the trace model from them."""
+    p2 = _Pass2(reader, indexes)
+    runs = [_Run(pid, plan, a, b) for pid, plan in plans.items() for a, b in plan.runs]
+    for run in runs:
+        _first_spans(run)
+    for _round in range(EXTEND_ROUNDS):
+        todo = [r for r in runs if not r.done]
+        if not todo:
+            break
+        p2.read(("api",), [r.api for r in todo])
+        p2.read(GPU_SIDE, [r.gpu for r in todo])
+        for run in todo:
+            _check(run, p2)
+    frames = {logical: p2.finish(logical) for logical in EVENT_TABLES}
+    gpu_spans = _merge([r.gpu for r in runs])
+    windows = tuple(_merge([r.gpu for r in runs] + [r.api for r in runs]))
+
+    def read_metrics() -> pl.DataFrame:
+        index = None
+        if reader.info.has("GPU_METRICS"):
+            index = RowIndex.build(con, "GPU_METRICS", "timestamp")
+        if index is not None and index.ordered:
+            ranges = rowindex.merge([index.bounds(lo, hi) for lo, hi in gpu_spans])
+            return read_gpu_metrics(reader, gpu_spans, rowids=ranges)
+        return read_gpu_metrics(reader, gpu_spans)
+
+    def read(logical: str) -> pl.DataFrame:
+        if logical in frames:
+            return frames[logical]
+        if logical == "nvtx":
+            return nvtx_raw
+        return reader.read(logical)  # memory events, profiler overhead: small, whole
+
+    return build_trace(reader, read, read_metrics, windows=windows, progress=progress)
+
+
+def _steps_of(plan: StepPlan) -> tuple[dict[int, int], dict[int, int], int]:
+    table = plan.table
+    starts = dict(zip(table["index"].to_list(), table["start"].to_list(), strict=True))
+    ends = dict(zip(table["index"].to_list(), table["end"].to_list(), strict=True))
+    step_ns = max(int(table["duration"].median() or 0), 1)  # type: ignore[arg-type]
+    return starts, ends, step_ns
+
+
+def _first_spans(run: _Run) -> None:
+    """The spans to read first. Exact plans (GPU times): the run itself, with CUDA calls from
+    a step earlier (those that launched its first work). NVTX plans (CPU times): the calls of
+    steps first..last+1, and GPU rows from a little before them to a step past the next one."""
+    starts, ends, step_ns = _steps_of(run.plan)
+    a, b = run.first, run.last
+    if run.plan.exact:
+        hi = starts[b + 1] if b + 1 in starts else ends[b]
+        run.gpu = (starts[a] - step_ns // 4, hi)
+        run.api = (starts[a] - step_ns, hi)
+        run.done = True
+        return
+    nxt = b + 1 if b + 1 in starts else b
+    run.api = (starts[a], ends[nxt])
+    hi = starts[b + 2] + step_ns if b + 2 in starts else _END
+    run.gpu = (starts[a] - step_ns // 4, hi)
+
+
+def _check(run: _Run, p2: _Pass2) -> None:
+    """Whether the GPU rows read reach the first GPU work of the step after the run (which
+    ends the run's last step); if not, read further next round."""
+    if run.done:
+        return
+    starts, ends, _step_ns = _steps_of(run.plan)
+    nxt = run.last + 1 if run.last + 1 in starts else run.last
+    found = _first_gpu_start(p2, run.pid, starts[nxt], ends[nxt])
+    lo, hi = run.gpu
+    if hi >= _END or (found is not None and found < hi):
+        run.done = True
+        if found is not None and found > run.api[1]:  # calls made while the GPU runs the run
+            run.api = (run.api[0], found)
+            p2.read(("api",), [run.api])
+        return
+    run.gpu = (lo, hi + 2 * (hi - lo))
+
+
+_END = 1 << 62
+
+
+def _first_gpu_start(p2: _Pass2, pid: int, cpu_lo: int, cpu_hi: int) -> int | None:
+    """GPU start of the work launched by ``pid``'s CUDA calls in ``[cpu_lo, cpu_hi]``, among
+    the GPU rows read so far."""
+    api = p2.frame("api")
+    if api.is_empty():
+        return None
+    ids = api.filter((pl.col("pid") == pid) & pl.col("start").is_between(cpu_lo, cpu_hi))
+    ids = ids["correlation_id"].implode()
+    first = None
+    for logical in GPU_SIDE:
+        rows = p2.frame(logical)
+        if rows.is_empty():
+            continue
+        hit = rows.filter((pl.col("pid") == pid) & pl.col("correlation_id").is_in(ids))
+        if len(hit):
+            start = int(hit["start"].min())  # type: ignore[arg-type]
+            first = start if first is None else min(first, start)
+    return first
+
+
+def _merge(spans: list[Span]) -> list[Span]:
+    out: list[Span] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
