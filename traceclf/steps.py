@@ -18,6 +18,7 @@ statistics; the window spans the kept steps.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import polars as pl
@@ -274,17 +275,31 @@ def with_durations(table: pl.DataFrame) -> pl.DataFrame:
 def steady_range(durations: list[int]) -> tuple[int, int]:
     """First and last position of the steady state among steps of these durations: warm-up
     steps at the start and a cut-off last step left out."""
-    n = len(durations)
+    reference = _median(durations[1:]) if len(durations) >= 3 else 0.0
+    return steady_bounds(len(durations), durations.__getitem__, reference)
+
+
+def steady_bounds(
+    n: int, duration: Callable[[int], float | None], reference: float
+) -> tuple[int, int]:
+    """:func:`steady_range` of ``n`` steps whose durations ``duration(i)`` gives (None:
+    unknown) against ``reference`` (the median step): the window mode asks only for the few
+    durations the decision needs, each measured on its own."""
+
+    def slower(i: int, than: float) -> bool:
+        d = duration(i)
+        return d is not None and d > than
+
     first, last = 0, n - 1
-    if n == 2 and durations[0] > WARMUP_FACTOR * durations[1]:
+    if n == 2 and slower(0, WARMUP_FACTOR * (duration(1) or 0)):
         first = 1  # of two steps, a much slower first one is warm-up
     if n >= 3:
-        reference = _median(durations[1:])
         first = 1  # the first step always pays for compilation, autotuning, allocation
-        while first < last and durations[first] > WARMUP_FACTOR * reference:
+        while first < last and slower(first, WARMUP_FACTOR * reference):
             first += 1
         # the last step has no successor: its duration is only its own GPU span
-        if last > first and durations[last] * WARMUP_FACTOR < reference:
+        tail = duration(last)
+        if last > first and tail is not None and tail * WARMUP_FACTOR < reference:
             last -= 1
     return first, last
 
@@ -324,7 +339,7 @@ def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -
 
 # Analysed steps come in at most this many runs of consecutive steps, spread evenly over the
 # steady state, so that drift over the capture is still seen.
-RUNS = 8
+RUNS = 16
 
 
 @dataclass(frozen=True)
@@ -353,27 +368,33 @@ class StepPlan:
 
 
 def plan_steps(
-    table: pl.DataFrame, source: str, label: str, exact: bool, analysable: int
+    table: pl.DataFrame,
+    source: str,
+    label: str,
+    exact: bool,
+    analysable: int,
+    steady: tuple[int, int] | None = None,
 ) -> StepPlan:
     """Choose the steps to analyse: every steady step when ``analysable`` (how many the row
     budget allows) covers them, else ``analysable`` of them in up to :data:`RUNS` runs of
     consecutive steps spread evenly over the steady state. ``table``: index, name, start, end
-    (GPU times when ``exact``, else CPU times)."""
+    (GPU times when ``exact``, else CPU times, and then ``steady``, the first and last
+    position of the steady state, decided on GPU durations: :func:`steady_bounds`)."""
     table = with_durations(table.rename({"start": "gpu_start", "end": "gpu_end"}))
-    first, last = steady_range(table["duration"].to_list())
+    first, last = steady or steady_range(table["duration"].to_list())
     table = table.with_columns(
         steady=pl.int_range(pl.len()).is_between(first, last),
         position=pl.int_range(pl.len()),
     )
     index = table["index"].to_list()
-    steady = last - first + 1
-    n = max(1, min(analysable, steady))
-    if n >= steady:
+    count = last - first + 1
+    n = max(1, min(analysable, count))
+    if n >= count:
         runs = [(first, last)]
     else:
         k = min(RUNS, n)
         length = n // k
-        starts = [first + round(i * (steady - length) / max(k - 1, 1)) for i in range(k)]
+        starts = [first + round(i * (count - length) / max(k - 1, 1)) for i in range(k)]
         runs = [(a, a + length - 1) for a in starts]
     merged: list[tuple[int, int]] = []
     for a, b in runs:
@@ -394,7 +415,7 @@ def plan_steps(
 
 def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
     """Steps of a window-mode trace: the plan's steps, with GPU times and exact durations for
-    the analysed ones (NVTX ranges projected through the CUDA calls the trace holds)."""
+    those of its runs (NVTX ranges projected through the CUDA calls the trace holds)."""
     table = plan.table
     if plan.exact:
         gpu = table.select("index", gpu_start="start", gpu_end="end")
@@ -406,38 +427,43 @@ def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
             .group_by("index")
             .agg(gpu_start=pl.col("start").min(), gpu_end=pl.col("end").max())
         )
-    analysed, spans = [], []
+    measured = []
     for a, b in plan.runs:
         run = with_durations(
             gpu.filter(pl.col("index").is_between(a, b + 1) & pl.col("gpu_start").is_not_null())
         ).sort("index")
-        kept = run.filter(pl.col("index") <= b)
-        if kept.is_empty():
-            continue
-        analysed.append(kept.select("index", "gpu_start", "gpu_end", "duration"))
-        spans.append((int(kept["gpu_start"][0]), int(kept["step_end"][-1])))
-    exact = (
-        pl.concat(analysed)
-        if analysed
-        else pl.DataFrame(
+        measured.append(
+            run.filter(pl.col("index") <= b).select(
+                "index", "gpu_start", "gpu_end", "duration", "step_end", run=pl.lit(a)
+            )
+        )
+    exact = pl.concat(measured) if measured else None
+    if exact is None or exact.is_empty():
+        exact = pl.DataFrame(
             schema={
                 "index": pl.Int64,
                 "gpu_start": pl.Int64,
                 "gpu_end": pl.Int64,
                 "duration": pl.Int64,
+                "step_end": pl.Int64,
+                "run": pl.Int64,
             }
         )
-    )
     steps = (
         table.join(exact, on="index", how="left", suffix="_gpu")
         .with_columns(
-            analysed=pl.col("gpu_start").is_not_null(),
             duration=pl.coalesce("duration_gpu", "duration"),
+            analysed=pl.col("steady") & pl.col("gpu_start").is_not_null(),
         )
         .sort("index")
     )
-    steps = flag_outliers(steps, pl.col("steady") & pl.col("analysed"))
-    spans = _merge_spans(spans)
+    steps = flag_outliers(steps, pl.col("analysed"))
+    spans = _merge_spans(
+        [
+            (int(rows["gpu_start"].min()), int(rows["step_end"].max()))  # type: ignore[arg-type]
+            for (_run,), rows in steps.filter(pl.col("analysed")).group_by(["run"])
+        ]
+    )
     if not spans:  # nothing of the plan found on the GPU: the rows read are the window
         lo, hi = trace.span
         spans = [(lo, max(hi, lo + 1))]

@@ -141,6 +141,7 @@ def build_trace(
     read_metrics: Callable[[], pl.DataFrame],
     *,
     nvtx_window: Window | None = None,
+    nvtx: pl.DataFrame | None = None,
     windows: tuple[Window, ...] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
@@ -202,7 +203,8 @@ def build_trace(
     events = read("events")  # cudaEventRecord rows: no time, whole capture
 
     step("NVTX")
-    nvtx = nvtx_ranges(reader, read)
+    if nvtx is None:  # (the window mode has them from its first pass)
+        nvtx = nvtx_ranges(reader, read)
     if nvtx_window is not None:
         nvtx = nvtx.filter((pl.col("start") < nvtx_window[1]) & (pl.col("end") > nvtx_window[0]))
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 from traceclf.ingest import rowindex
@@ -29,7 +30,14 @@ from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.schema import inspect_export
 from traceclf.kernels import Taxonomy
 from traceclf.model import Trace
-from traceclf.steps import StepPlan, plan_steps, range_label, recurring_kernel, step_ranges
+from traceclf.steps import (
+    StepPlan,
+    plan_steps,
+    range_label,
+    recurring_kernel,
+    steady_bounds,
+    step_ranges,
+)
 
 # Event rows (kernels, CUDA calls, copies, syncs, graph executions) analysed per export by
 # default: about 0.5 GB of memory and a second of reading on two cores.
@@ -38,9 +46,8 @@ ROW_BUDGET = 1_000_000
 # CUDA graphs (doubled until a period shows, up to PROBE_MAX_ROWS).
 PROBE_ROWS = 200_000
 PROBE_MAX_ROWS = 3_200_000
-# Times a run's GPU reading is extended when the next step's first GPU work lies beyond it
-# (the GPU lagging the CPU by more than a step).
-EXTEND_ROUNDS = 4
+# A table this small costs less to read whole than to reason about.
+SMALL_ROWS = 100_000
 GPU_SIDE = ("kernels", "graphs", "memcpy", "memset", "syncs")
 Span = tuple[int, int]
 
@@ -79,7 +86,7 @@ def load_window(
         plans = planner.plans()
         if plans is None:  # some rank's steps cannot be found cheaply: read it all
             return WindowRead(load_trace(path, progress=progress), {})
-        trace = _read_plans(reader, con, indexes, plans, planner.nvtx_raw, progress)
+        trace = _read_plans(reader, con, indexes, planner, budget, progress)
     return WindowRead(trace, plans)
 
 
@@ -90,9 +97,10 @@ class _Planner:
         self.reader, self.con, self.indexes = reader, con, indexes
         self.taxonomy, self.step_regex, self.budget = taxonomy, step_regex, budget
         self.nvtx_raw = reader.read("nvtx")
+        self.spans: list[tuple[Span, Span]] = []  # (GPU rows, CUDA calls) to read per run
 
     def plans(self) -> dict[int, StepPlan] | None:
-        nvtx = nvtx_ranges(self.reader, lambda _logical: self.nvtx_raw)
+        self.nvtx = nvtx = nvtx_ranges(self.reader, lambda _logical: self.nvtx_raw)
         pattern = self.step_regex or self.taxonomy.nvtx["step"]
         plans = {}
         for pid in self._rank_pids():
@@ -100,7 +108,15 @@ class _Planner:
             if found is None:
                 return None
             table, source, label, exact = found
-            plans[pid] = plan_steps(table, source, label, exact, self._analysable(table))
+            steady, projector = None, None
+            if not exact:  # CPU ranges: decide warm-up and cut-off on GPU durations
+                projector = _Projector(self, pid, table)
+                if not projector.usable:  # calls or GPU rows not in start order
+                    return None
+                steady = steady_bounds(len(table), projector.duration, projector.reference())
+            plan = plan_steps(table, source, label, exact, self._analysable(table), steady)
+            plans[pid] = plan
+            self.spans += _read_spans(plan, projector)
         return plans or None
 
     def _rank_pids(self) -> list[int]:
@@ -174,7 +190,16 @@ class _Planner:
         hits = self.reader.read("kernels", where=f"{where} AND ({self._name_match(best)})")
         if len(hits) < 2:
             return None
-        last_end = int(hits["end"].max())  # type: ignore[arg-type]
+        # the last step ends with the rank's last kernel (as --all-steps has it), which sits
+        # among the table's last rows
+        table = self.reader.table_of("kernels")
+        tail = f"{where} AND rowid > {index.last - _Projector.BLOCK}"
+        (last_end,) = self.con.execute(f'SELECT max("end") FROM {table} WHERE {tail}').fetchone()
+        if last_end is None:
+            (last_end,) = self.con.execute(
+                f'SELECT max("end") FROM {table} WHERE {where}'
+            ).fetchone()
+        last_end = max(int(last_end or 0), int(hits["end"].max()))  # type: ignore[arg-type]
         table = hits.sort("start").select(
             index=pl.int_range(pl.len()).cast(pl.Int64),
             name=pl.lit(self._string(best)),
@@ -201,6 +226,104 @@ class _Planner:
         rows = sum(index.count(lo, hi) for index in self.indexes.values())
         per_step = max(rows / max(len(table), 1), 1)
         return max(1, int(self.budget // per_step))
+
+
+class _Projector:
+    """The GPU start of single NVTX steps of one rank, each from a few SQL aggregates: the
+    correlation ids of the rank's CUDA calls inside the step's range (one rowid range of the
+    call table), then the first GPU row, in start order, with one of them. CUPTI numbers a
+    process's calls in call order, so a step's calls hold one interval of ids.
+
+    Enough to decide warm-up and a cut-off last step on GPU durations, as ``--all-steps``
+    does, without projecting every step."""
+
+    BLOCK = 4096  # GPU rows per look, doubled each time; at most MAX_ROWS past the call
+    MAX_ROWS = 1 << 19
+    SAMPLE = 9  # steps whose durations give the reference (median) step
+
+    def __init__(self, planner: _Planner, pid: int, table: pl.DataFrame) -> None:
+        self.con, self.reader, self.pid = planner.con, planner.reader, pid
+        self.starts = table["start"].to_list()
+        self.ends = table["end"].to_list()
+        api = planner.indexes.get("api")
+        self.api = api if api is not None and api.ordered else None
+        self.gpu = [
+            (planner.indexes[t], self.reader.pid_sql(t))
+            for t in ("kernels", "graphs", "memcpy", "memset")
+            if t in planner.indexes and planner.indexes[t].ordered
+        ]
+        self.usable = self.api is not None and bool(self.gpu)
+        self._starts: dict[int, int | None] = {}
+
+    def reference(self) -> float:
+        """Median duration of steps sampled evenly after the first."""
+        n = len(self.starts)
+        picks = sorted(
+            {round(1 + i * (n - 2) / max(self.SAMPLE - 1, 1)) for i in range(self.SAMPLE)}
+        )
+        known = [d for d in (self.duration(i) for i in picks if 0 < i < n) if d is not None]
+        return float(np.median(known)) if known else 0.0
+
+    def duration(self, i: int) -> float | None:
+        """GPU start to the next step's GPU start (the last step: its own GPU span)."""
+        start = self.gpu_start(i)
+        end = self.gpu_start(i + 1) if i + 1 < len(self.starts) else self._gpu_end(i)
+        return None if start is None or end is None else float(end - start)
+
+    def _calls(self, i: int) -> tuple[int, int] | None:
+        assert self.api is not None
+        lo, hi = self.starts[i], self.ends[i]
+        after, upto = self.api.bounds(lo, hi)
+        row = self.con.execute(
+            f"SELECT min(correlationId), max(correlationId) FROM {self.api.table} "
+            f"WHERE rowid > {after} AND rowid <= {upto} AND start BETWEEN {lo} AND {hi} "
+            f"AND {self.reader.pid_sql('api')} = {self.pid}"
+        ).fetchone()
+        return None if row[0] is None else (int(row[0]), int(row[1]))
+
+    def gpu_start(self, i: int) -> int | None:
+        if i not in self._starts:
+            self._starts[i] = self._first_start(i)
+        return self._starts[i]
+
+    def _first_start(self, i: int) -> int | None:
+        calls = self._calls(i)
+        if calls is None:
+            return None
+        best = None
+        for index, pid in self.gpu:
+            rowid = index.first_from(self.starts[i]) - 1  # no work starts before its call
+            stop = index.first_from(best + 1) - 1 if best is not None else None
+            block, scanned = self.BLOCK, 0
+            while rowid < index.last and scanned < self.MAX_ROWS:
+                upto = rowid + block if stop is None else stop
+                (found,) = self.con.execute(
+                    f"SELECT min(start) FROM {index.table} WHERE rowid > {rowid} "
+                    f"AND rowid <= {upto} AND {pid} = {self.pid} "
+                    f"AND correlationId BETWEEN {calls[0]} AND {calls[1]}"
+                ).fetchone()
+                if found is not None:
+                    best = found if best is None else min(best, found)
+                    break
+                if stop is not None:
+                    break
+                rowid, scanned, block = upto, scanned + block, block * 2
+        return best
+
+    def _gpu_end(self, i: int) -> int | None:
+        calls = self._calls(i)
+        if calls is None:
+            return None
+        ends = []
+        for index, pid in self.gpu:
+            (found,) = self.con.execute(
+                f'SELECT max("end") FROM {index.table} WHERE rowid > '
+                f"{index.first_from(self.starts[i]) - 1} AND {pid} = {self.pid} "
+                f"AND correlationId BETWEEN {calls[0]} AND {calls[1]}"
+            ).fetchone()
+            if found is not None:
+                ends.append(int(found))
+        return max(ends) if ends else None
 
 
 # --------------------------------------------------------------------------------- pass 2
@@ -280,54 +403,78 @@ class _Pass2:
         elif not table.by_rowid:
             df = df.sort("start")
         keep = pl.lit(False)
-        for lo, hi in spans:
-            keep = keep | ((pl.col("start") < hi) & (pl.col("end") > lo))
+        for lo, hi in spans:  # ends included: the row starting at ``hi`` ends the window
+            keep = keep | ((pl.col("start") <= hi) & (pl.col("end") >= lo))
         # in start order: flagged so (set_sorted), later sorts and searches are free
         return df.filter(keep).drop("_rowid").sort("start")
 
 
-@dataclass
-class _Run:
-    """One run of analysed steps of one rank, and the spans read for it."""
+_END = 1 << 62  # a span to the end of the capture
 
-    pid: int
-    plan: StepPlan
-    first: int  # step index
-    last: int
-    gpu: Span = (0, 0)
-    api: Span = (0, 0)
-    done: bool = False
+
+def _read_spans(plan: StepPlan, projector: _Projector | None) -> list[tuple[Span, Span]]:
+    """(GPU rows, CUDA calls) time spans to read for each run of ``plan``.
+
+    GPU rows from a little before the run's first GPU work (kernels still running then) to the
+    first GPU work of the step after the run (which ends the run's last step), or to the end
+    of the capture after the last step. CUDA calls: those made inside the runs' steps and the
+    next one (their correlation ids project the steps onto the GPU) and while the GPU runs
+    the window (launch, sync and idle-cause measures); with exact (GPU-timed) steps, from a
+    step before the run (the calls that launched its first work)."""
+    table = plan.table
+    starts = dict(zip(table["index"].to_list(), table["start"].to_list(), strict=True))
+    ends = dict(zip(table["index"].to_list(), table["end"].to_list(), strict=True))
+    if projector is not None:
+        step_ns = int(projector.reference()) or 1
+    else:
+        step_ns = max(int(table["duration"].median() or 0), 1)  # type: ignore[arg-type]
+    out = []
+    for a, b in plan.runs:
+        following = b + 1 if b + 1 in starts else None
+        if projector is None:
+            hi = starts[following] if following is not None else ends[b]
+            out.append(((starts[a] - step_ns // 4, hi), (starts[a] - step_ns, hi)))
+            continue
+        first = projector.gpu_start(a) or starts[a]
+        nxt = projector.gpu_start(following) if following is not None else None
+        gpu_hi = nxt if nxt is not None else _END
+        calls_hi = max(ends[following], nxt) if nxt is not None and following else _END
+        out.append(
+            (
+                (min(first, starts[a]) - step_ns // 4, gpu_hi),
+                (min(first, starts[a]), calls_hi),
+            )
+        )
+    return out
 
 
 def _read_plans(
     reader: Reader,
     con,
     indexes: dict[str, RowIndex],
-    plans: dict[int, StepPlan],
-    nvtx_raw: pl.DataFrame,
+    planner: _Planner,
+    budget: int,
     progress: Callable[[str], None] | None,
 ) -> Trace:
     """Pass 2: the rows of the planned steps, then the trace model from them."""
     p2 = _Pass2(reader, indexes)
-    runs = [_Run(pid, plan, a, b) for pid, plan in plans.items() for a, b in plan.runs]
-    for run in runs:
-        _first_spans(run)
-    for _round in range(EXTEND_ROUNDS):
-        todo = [r for r in runs if not r.done]
-        if not todo:
-            break
-        p2.read(("api",), [r.api for r in todo])
-        p2.read(GPU_SIDE, [r.gpu for r in todo])
-        for run in todo:
-            _check(run, p2)
+    p2.read(("api",), [calls for _gpu, calls in planner.spans])
+    p2.read(GPU_SIDE, [gpu for gpu, _calls in planner.spans])
     frames = {logical: p2.finish(logical) for logical in EVENT_TABLES}
-    gpu_spans = _merge([r.gpu for r in runs])
-    windows = tuple(_merge([r.gpu for r in runs] + [r.api for r in runs]))
+    kernels = indexes.get("kernels")
+    if "graphs" in indexes and (kernels is None or kernels.rows <= max(budget // 2, SMALL_ROWS)):
+        # Graph-level tracing hides the replays' kernels; the measures then take kernel shapes
+        # from the eager kernels outside the window, which are few: read them all.
+        frames["kernels"] = reader.read("kernels")
+    gpu_spans = _merge([gpu for gpu, _calls in planner.spans])
+    windows = tuple(_merge([span for pair in planner.spans for span in pair]))
 
     def read_metrics() -> pl.DataFrame:
-        index = None
-        if reader.info.has("GPU_METRICS"):
-            index = RowIndex.build(con, "GPU_METRICS", "timestamp")
+        index = (
+            RowIndex.build(con, "GPU_METRICS", "timestamp")
+            if reader.info.has("GPU_METRICS")
+            else None
+        )
         if index is not None and index.ordered:
             ranges = rowindex.merge([index.bounds(lo, hi) for lo, hi in gpu_spans])
             return read_gpu_metrics(reader, gpu_spans, rowids=ranges)
@@ -337,77 +484,12 @@ def _read_plans(
         if logical in frames:
             return frames[logical]
         if logical == "nvtx":
-            return nvtx_raw
+            return planner.nvtx_raw
         return reader.read(logical)  # memory events, profiler overhead: small, whole
 
-    return build_trace(reader, read, read_metrics, windows=windows, progress=progress)
-
-
-def _steps_of(plan: StepPlan) -> tuple[dict[int, int], dict[int, int], int]:
-    table = plan.table
-    starts = dict(zip(table["index"].to_list(), table["start"].to_list(), strict=True))
-    ends = dict(zip(table["index"].to_list(), table["end"].to_list(), strict=True))
-    step_ns = max(int(table["duration"].median() or 0), 1)  # type: ignore[arg-type]
-    return starts, ends, step_ns
-
-
-def _first_spans(run: _Run) -> None:
-    """The spans to read first. Exact plans (GPU times): the run itself, with CUDA calls from
-    a step earlier (those that launched its first work). NVTX plans (CPU times): the calls of
-    steps first..last+1, and GPU rows from a little before them to a step past the next one."""
-    starts, ends, step_ns = _steps_of(run.plan)
-    a, b = run.first, run.last
-    if run.plan.exact:
-        hi = starts[b + 1] if b + 1 in starts else ends[b]
-        run.gpu = (starts[a] - step_ns // 4, hi)
-        run.api = (starts[a] - step_ns, hi)
-        run.done = True
-        return
-    nxt = b + 1 if b + 1 in starts else b
-    run.api = (starts[a], ends[nxt])
-    hi = starts[b + 2] + step_ns if b + 2 in starts else _END
-    run.gpu = (starts[a] - step_ns // 4, hi)
-
-
-def _check(run: _Run, p2: _Pass2) -> None:
-    """Whether the GPU rows read reach the first GPU work of the step after the run (which
-    ends the run's last step); if not, read further next round."""
-    if run.done:
-        return
-    starts, ends, _step_ns = _steps_of(run.plan)
-    nxt = run.last + 1 if run.last + 1 in starts else run.last
-    found = _first_gpu_start(p2, run.pid, starts[nxt], ends[nxt])
-    lo, hi = run.gpu
-    if hi >= _END or (found is not None and found < hi):
-        run.done = True
-        if found is not None and found > run.api[1]:  # calls made while the GPU runs the run
-            run.api = (run.api[0], found)
-            p2.read(("api",), [run.api])
-        return
-    run.gpu = (lo, hi + 2 * (hi - lo))
-
-
-_END = 1 << 62
-
-
-def _first_gpu_start(p2: _Pass2, pid: int, cpu_lo: int, cpu_hi: int) -> int | None:
-    """GPU start of the work launched by ``pid``'s CUDA calls in ``[cpu_lo, cpu_hi]``, among
-    the GPU rows read so far."""
-    api = p2.frame("api")
-    if api.is_empty():
-        return None
-    ids = api.filter((pl.col("pid") == pid) & pl.col("start").is_between(cpu_lo, cpu_hi))
-    ids = ids["correlation_id"].implode()
-    first = None
-    for logical in GPU_SIDE:
-        rows = p2.frame(logical)
-        if rows.is_empty():
-            continue
-        hit = rows.filter((pl.col("pid") == pid) & pl.col("correlation_id").is_in(ids))
-        if len(hit):
-            start = int(hit["start"].min())  # type: ignore[arg-type]
-            first = start if first is None else min(first, start)
-    return first
+    return build_trace(
+        reader, read, read_metrics, nvtx=planner.nvtx, windows=windows, progress=progress
+    )
 
 
 def _merge(spans: list[Span]) -> list[Span]:
