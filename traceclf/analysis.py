@@ -272,7 +272,8 @@ def _load(path: Path, opts: AnalysisOptions, taxonomy, progress):
     if opts.all_steps:
         from traceclf.ingest import cache
 
-        write = opts.use_cache and cache.analysed_before(path, opts.cache_dir)
+        key = cache.identity(path) if opts.use_cache else None
+        write = key is not None and cache.analysed_before(path, key, opts.cache_dir)
         trace = cache.load_trace_cached(
             path,
             use_cache=opts.use_cache,

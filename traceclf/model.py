@@ -71,6 +71,10 @@ class Trace:
     unusable_rows: dict[str, int] = field(default_factory=dict)
     # time spans (ns) the event frames cover; None: the whole capture
     windows: tuple[tuple[int, int], ...] | None = None
+    # with ``windows``: first start and last end of GPU work in the whole capture, and the rows
+    # of each event table (what the frames cannot say, holding only the analysed steps)
+    capture_span: tuple[int, int] | None = None
+    capture_rows: dict[str, int] = field(default_factory=dict)
 
     FRAMES = (
         "kernels",

@@ -143,6 +143,7 @@ def build_trace(
     nvtx_window: Window | None = None,
     nvtx: pl.DataFrame | None = None,
     windows: tuple[Window, ...] | None = None,
+    capture: tuple[tuple[int, int] | None, dict[str, int]] = (None, {}),
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
     """The trace model from the raw frames ``read`` returns for each logical table (the whole
@@ -241,6 +242,8 @@ def build_trace(
         nccl_payload=nccl_payload(reader),
         unusable_rows=dict(sorted(unusable.items())),
         windows=windows,
+        capture_span=capture[0],
+        capture_rows=capture[1],
     )
 
 

@@ -19,13 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 
 from traceclf.ingest import rowindex
 from traceclf.ingest.assemble import build_trace, nvtx_ranges
 from traceclf.ingest.devices import read_gpu_metrics
 from traceclf.ingest.load import EVENT_TABLES, Reader, load_trace
+from traceclf.ingest.project import Projector
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.schema import inspect_export
 from traceclf.kernels import Taxonomy
@@ -110,7 +110,7 @@ class _Planner:
             table, source, label, exact = found
             steady, projector = None, None
             if not exact:  # CPU ranges: decide warm-up and cut-off on GPU durations
-                projector = _Projector(self, pid, table)
+                projector = Projector(self.con, self.reader, self.indexes, pid, table)
                 if not projector.usable:  # calls or GPU rows not in start order
                     return None
                 steady = steady_bounds(len(table), projector.duration, projector.reference())
@@ -193,7 +193,7 @@ class _Planner:
         # the last step ends with the rank's last kernel (as --all-steps has it), which sits
         # among the table's last rows
         table = self.reader.table_of("kernels")
-        tail = f"{where} AND rowid > {index.last - _Projector.BLOCK}"
+        tail = f"{where} AND rowid > {index.last - Projector.BLOCK}"
         (last_end,) = self.con.execute(f'SELECT max("end") FROM {table} WHERE {tail}').fetchone()
         if last_end is None:
             (last_end,) = self.con.execute(
@@ -226,104 +226,6 @@ class _Planner:
         rows = sum(index.count(lo, hi) for index in self.indexes.values())
         per_step = max(rows / max(len(table), 1), 1)
         return max(1, int(self.budget // per_step))
-
-
-class _Projector:
-    """The GPU start of single NVTX steps of one rank, each from a few SQL aggregates: the
-    correlation ids of the rank's CUDA calls inside the step's range (one rowid range of the
-    call table), then the first GPU row, in start order, with one of them. CUPTI numbers a
-    process's calls in call order, so a step's calls hold one interval of ids.
-
-    Enough to decide warm-up and a cut-off last step on GPU durations, as ``--all-steps``
-    does, without projecting every step."""
-
-    BLOCK = 4096  # GPU rows per look, doubled each time; at most MAX_ROWS past the call
-    MAX_ROWS = 1 << 19
-    SAMPLE = 9  # steps whose durations give the reference (median) step
-
-    def __init__(self, planner: _Planner, pid: int, table: pl.DataFrame) -> None:
-        self.con, self.reader, self.pid = planner.con, planner.reader, pid
-        self.starts = table["start"].to_list()
-        self.ends = table["end"].to_list()
-        api = planner.indexes.get("api")
-        self.api = api if api is not None and api.ordered else None
-        self.gpu = [
-            (planner.indexes[t], self.reader.pid_sql(t))
-            for t in ("kernels", "graphs", "memcpy", "memset")
-            if t in planner.indexes and planner.indexes[t].ordered
-        ]
-        self.usable = self.api is not None and bool(self.gpu)
-        self._starts: dict[int, int | None] = {}
-
-    def reference(self) -> float:
-        """Median duration of steps sampled evenly after the first."""
-        n = len(self.starts)
-        picks = sorted(
-            {round(1 + i * (n - 2) / max(self.SAMPLE - 1, 1)) for i in range(self.SAMPLE)}
-        )
-        known = [d for d in (self.duration(i) for i in picks if 0 < i < n) if d is not None]
-        return float(np.median(known)) if known else 0.0
-
-    def duration(self, i: int) -> float | None:
-        """GPU start to the next step's GPU start (the last step: its own GPU span)."""
-        start = self.gpu_start(i)
-        end = self.gpu_start(i + 1) if i + 1 < len(self.starts) else self._gpu_end(i)
-        return None if start is None or end is None else float(end - start)
-
-    def _calls(self, i: int) -> tuple[int, int] | None:
-        assert self.api is not None
-        lo, hi = self.starts[i], self.ends[i]
-        after, upto = self.api.bounds(lo, hi)
-        row = self.con.execute(
-            f"SELECT min(correlationId), max(correlationId) FROM {self.api.table} "
-            f"WHERE rowid > {after} AND rowid <= {upto} AND start BETWEEN {lo} AND {hi} "
-            f"AND {self.reader.pid_sql('api')} = {self.pid}"
-        ).fetchone()
-        return None if row[0] is None else (int(row[0]), int(row[1]))
-
-    def gpu_start(self, i: int) -> int | None:
-        if i not in self._starts:
-            self._starts[i] = self._first_start(i)
-        return self._starts[i]
-
-    def _first_start(self, i: int) -> int | None:
-        calls = self._calls(i)
-        if calls is None:
-            return None
-        best = None
-        for index, pid in self.gpu:
-            rowid = index.first_from(self.starts[i]) - 1  # no work starts before its call
-            stop = index.first_from(best + 1) - 1 if best is not None else None
-            block, scanned = self.BLOCK, 0
-            while rowid < index.last and scanned < self.MAX_ROWS:
-                upto = rowid + block if stop is None else stop
-                (found,) = self.con.execute(
-                    f"SELECT min(start) FROM {index.table} WHERE rowid > {rowid} "
-                    f"AND rowid <= {upto} AND {pid} = {self.pid} "
-                    f"AND correlationId BETWEEN {calls[0]} AND {calls[1]}"
-                ).fetchone()
-                if found is not None:
-                    best = found if best is None else min(best, found)
-                    break
-                if stop is not None:
-                    break
-                rowid, scanned, block = upto, scanned + block, block * 2
-        return best
-
-    def _gpu_end(self, i: int) -> int | None:
-        calls = self._calls(i)
-        if calls is None:
-            return None
-        ends = []
-        for index, pid in self.gpu:
-            (found,) = self.con.execute(
-                f'SELECT max("end") FROM {index.table} WHERE rowid > '
-                f"{index.first_from(self.starts[i]) - 1} AND {pid} = {self.pid} "
-                f"AND correlationId BETWEEN {calls[0]} AND {calls[1]}"
-            ).fetchone()
-            if found is not None:
-                ends.append(int(found))
-        return max(ends) if ends else None
 
 
 # --------------------------------------------------------------------------------- pass 2
@@ -412,7 +314,7 @@ class _Pass2:
 _END = 1 << 62  # a span to the end of the capture
 
 
-def _read_spans(plan: StepPlan, projector: _Projector | None) -> list[tuple[Span, Span]]:
+def _read_spans(plan: StepPlan, projector: Projector | None) -> list[tuple[Span, Span]]:
     """(GPU rows, CUDA calls) time spans to read for each run of ``plan``.
 
     GPU rows from a little before the run's first GPU work (kernels still running then) to the
@@ -488,8 +390,34 @@ def _read_plans(
         return reader.read(logical)  # memory events, profiler overhead: small, whole
 
     return build_trace(
-        reader, read, read_metrics, nvtx=planner.nvtx, windows=windows, progress=progress
+        reader,
+        read,
+        read_metrics,
+        nvtx=planner.nvtx,
+        windows=windows,
+        capture=_capture(reader, indexes),
+        progress=progress,
     )
+
+
+def _capture(
+    reader: Reader, indexes: dict[str, RowIndex]
+) -> tuple[tuple[int, int] | None, dict[str, int]]:
+    """The whole capture's GPU span (first start; last end, among each table's last rows) and
+    the rows of every event table, from the indexes and a few lookups."""
+    lo, hi = None, None
+    for logical in ("kernels", "graphs", "memcpy", "memset"):
+        index = indexes.get(logical)
+        if index is None:
+            continue
+        first = int(index.times.min())
+        (last,) = index.con.execute(
+            f'SELECT max("end") FROM {index.table} WHERE rowid > {index.last - Projector.BLOCK}'
+        ).fetchone()
+        lo = first if lo is None else min(lo, first)
+        hi = int(last or 0) if hi is None else max(hi, int(last or 0))
+    span = (lo, hi) if lo is not None and hi is not None else None
+    return span, {logical: index.rows for logical, index in indexes.items()}
 
 
 def _merge(spans: list[Span]) -> list[Span]:

@@ -17,7 +17,8 @@ FRAMEWORK_SHARE = 0.5
 
 def capture_facts(w: RankWindow) -> dict:
     trace = w.trace
-    lo, hi = trace.span
+    # a window-mode trace holds the analysed steps only: the loader measured the capture
+    lo, hi = trace.capture_span or trace.span
     capture_ns = max(hi - lo, 1)
     work = timeline.total(trace.gpu_work)
     kernels = trace.kernels
@@ -26,7 +27,7 @@ def capture_facts(w: RankWindow) -> dict:
     return {
         "gpu_work_ms": round(work / 1e6, 4),
         "capture_ms": round(capture_ns / 1e6, 4),
-        "kernels": len(kernels),
+        "kernels": trace.capture_rows.get("kernels", len(kernels)),
         "graph_replays": len(trace.graph_executions),
         "window_share_of_capture": round(min(w.wall / capture_ns, 1.0), 4),
         "graph_trace_mode": graph_trace_mode(w),
