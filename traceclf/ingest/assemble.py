@@ -125,11 +125,13 @@ def usable(df: pl.DataFrame, logical: str, counts: dict[str, int]) -> pl.DataFra
 
 
 def sorted_by_start(df: pl.DataFrame) -> pl.DataFrame:
-    """``df`` with its ``start`` flagged sorted when it is (rows come in start order from
-    nsys), so later sorts, joins and searches on it skip the work."""
-    if "start" in df.columns and df["start"].null_count() == 0 and df["start"].is_sorted():
-        return df.with_columns(pl.col("start").set_sorted())
-    return df
+    """``df`` in ``start`` order, flagged so (set_sorted) that later sorts, joins and searches
+    skip the work: nsys writes rows in that order, so this is a check, rarely a sort."""
+    if "start" not in df.columns or df.is_empty():
+        return df
+    if df["start"].null_count() or not df["start"].is_sorted():
+        return df.sort("start")
+    return df.with_columns(pl.col("start").set_sorted())
 
 
 ReadFn = Callable[[str], pl.DataFrame]
