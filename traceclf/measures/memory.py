@@ -25,7 +25,8 @@ MEASURES: dict[str, str] = {
     "d2h_gbps": "achieved device->host bandwidth (GB/s) of copies >= 1 MiB (null: none)",
     "recompute_frac": "share of forward GEMM/attention kernels re-run in backward (needs "
     "forward/backward NVTX ranges; null otherwise)",
-    "peak_memory_bytes": "peak device memory allocated (CUDA_GPU_MEMORY_USAGE_EVENTS)",
+    "peak_memory_bytes": "peak device memory allocated over the whole capture, not only the "
+    "window (CUDA_GPU_MEMORY_USAGE_EVENTS)",
     "peak_memory_frac": "peak_memory_bytes over the GPU's capacity",
 }
 SMALL_D2H_BYTES = 1024
