@@ -54,14 +54,14 @@ def _training_evidence(w: RankWindow) -> dict:
     """Counts behind ``training_loop``, over the rank's whole capture: graph-level traced runs
     show their backward and optimizer kernels only in the eager warm-up before capture."""
     trace, patterns = w.trace, w.taxonomy.training
-    names = (
-        w.taxonomy.classify(trace.kernels.select("name", "start", "end", "correlation_id"))
-        .with_columns(dur=pl.col("end") - pl.col("start"))
-        .with_columns(
-            backward=pl.col("name").cast(pl.String).str.contains(patterns["backward_kernel"]),
-            framework=pl.col("name").cast(pl.String).str.contains(patterns["framework_kernel"]),
-        )
+    # the patterns run once per distinct name (a few hundred), not once per kernel (millions)
+    flags = w.taxonomy.classify(trace.kernels.select("name").unique()).with_columns(
+        backward=pl.col("name").cast(pl.String).str.contains(patterns["backward_kernel"]),
+        framework=pl.col("name").cast(pl.String).str.contains(patterns["framework_kernel"]),
     )
+    names = trace.kernels.select(
+        "name", "correlation_id", dur=pl.col("end") - pl.col("start")
+    ).join(flags.select("name", "family", "backward", "framework"), on="name", how="left")
     autograd = trace.threads.filter(
         pl.col("thread_name").str.contains(patterns["autograd_thread"])
     )["global_tid"]

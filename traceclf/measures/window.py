@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from traceclf.kernels import Taxonomy
+from traceclf.kernels import Taxonomy, by_name
 from traceclf.measures import timeline
 from traceclf.model import Trace
 from traceclf.steps import Steps
@@ -123,4 +123,4 @@ def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
             is_alloc=taxonomy.is_api("alloc"),
         )
     )
-    return api.join(names, on="name", how="left", maintain_order="left")
+    return by_name(api, names)
