@@ -53,6 +53,7 @@ class RowIndex:
     rowids: np.ndarray  # int64, increasing; the first and the last rowid of the table included
     times: np.ndarray  # int64, the ``column`` value of each sampled row
     ordered: bool  # samples never go back in time: rowid ranges may stand for time ranges
+    found: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -95,7 +96,12 @@ class RowIndex:
 
     def first_from(self, t: int) -> int:
         """The first rowid whose time is ``t`` or later (``last + 1`` if none), by binary
-        search between the samples that bracket ``t``."""
+        search between the samples that bracket ``t`` (remembered: steps ask again)."""
+        if t not in self.found:
+            self.found[t] = self._search(t)
+        return self.found[t]
+
+    def _search(self, t: int) -> int:
         i = int(np.searchsorted(self.times, t, side="left"))
         if i == 0:
             return self.first
