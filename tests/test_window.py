@@ -30,7 +30,7 @@ from traceclf.ingest.load import load_trace
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.report import Report
 
-EXTERNAL = FIXTURES.parent.parent / "shared" / "traces" / "external"
+EXTERNAL = FIXTURES / "external"
 TRACES = sorted(FIXTURES.glob("*.sqlite")) + sorted(EXTERNAL.glob("*.sqlite"))
 EVENT_TABLES = (
     "CUPTI_ACTIVITY_KIND_KERNEL",

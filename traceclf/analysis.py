@@ -214,13 +214,24 @@ def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = Fals
 
 def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
     from traceclf.ingest.session import job_evidence
+    from traceclf.ingest.twopass import load_for_analysis
     from traceclf.measures import measure_rank
     from traceclf.progress import LoadProgress
     from traceclf.steps import find_steps
 
     taxonomy = _taxonomy(opts)
     with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
-        trace, plans = _load(path, opts, taxonomy, progress)
+        read = load_for_analysis(
+            path,
+            taxonomy,
+            opts.step_regex,
+            all_steps=opts.all_steps,
+            budget=opts.row_budget,
+            use_cache=opts.use_cache,
+            cache_dir=opts.cache_dir,
+            progress=progress,
+        )
+    trace, plans = read.trace, read.plans
     names = dict(
         zip(
             trace.processes["pid"].to_list(), trace.processes["process_name"].to_list(), strict=True
@@ -262,38 +273,6 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     return result
 
 
-def _load(path: Path, opts: AnalysisOptions, taxonomy, progress):
-    """The trace and, in window mode, each rank's step plan (empty: the whole capture).
-
-    ``--all-steps`` reads the whole capture through the model cache, and writes an entry only
-    when the export was analysed before under other options (re-analysis with the same ones
-    is served by the result cache, so a cold run never pays for writing a model it will not
-    read again). The window mode reads only the analysed steps' rows: no model cache."""
-    if opts.all_steps:
-        from traceclf.ingest import cache
-
-        key = cache.identity(path) if opts.use_cache else None
-        write = key is not None and cache.analysed_before(path, key, opts.cache_dir)
-        trace = cache.load_trace_cached(
-            path,
-            use_cache=opts.use_cache,
-            cache_dir=opts.cache_dir,
-            progress=progress,
-            write=write,
-        )
-        return trace, {}
-    from traceclf.ingest.twopass import ROW_BUDGET, load_window
-
-    read = load_window(
-        path,
-        taxonomy,
-        opts.step_regex,
-        budget=opts.row_budget or ROW_BUDGET,
-        progress=progress,
-    )
-    return read.trace, read.plans
-
-
 def _placement(trace, pid: int, gpu: dict | None, path: Path) -> dict:
     """Where a rank ran: ranks with equal ``key`` ran on one GPU when ``mapped`` (the export
     maps their device to a physical GPU, whose UUID names it across files)."""
@@ -323,12 +302,7 @@ ANALYSIS_SOURCES = (
     "model.py",
     "measures",
     "figures/series.py",
-    "ingest/load.py",
-    "ingest/assemble.py",
-    "ingest/devices.py",
-    "ingest/rowindex.py",
-    "ingest/project.py",
-    "ingest/twopass.py",
+    "ingest",  # what is read, and how (the window mode's choice of steps included)
     "ingest/session.py",
 )
 
@@ -368,9 +342,7 @@ def _steps_summary(steps) -> dict:
         "label": steps.label,
         "count": steps.count,
         "used": steps.used,
-        # steady steps measured: "used", or a sample of them spread over the steady state when
-        # the capture is longer than the row budget (window mode; --all-steps: all)
-        "analysed": steps.analysed,
+        "analysed": steps.analysed,  # of "used": fewer when a long capture is sampled
         "mean_ms": float(durations.mean()) / 1e6 if len(durations) else None,
         "median_ms": float(durations.median()) / 1e6 if len(durations) else None,
         "cv": float(durations.std()) / float(durations.mean()) if len(durations) > 1 else None,

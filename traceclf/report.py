@@ -44,6 +44,8 @@ class RankMeasures:
     gpu_metrics_series: dict[str, list] = field(default_factory=dict)
     idle_nvtx: list[dict] = field(default_factory=list)
     capture: dict = field(default_factory=dict)
+    step_budget: list[dict] = field(default_factory=list)  # ms per step (critical_path)
+    collectives: dict[str, list] = field(default_factory=dict)  # for the cross-rank reduce
 
 
 @dataclass

@@ -61,6 +61,34 @@ class WindowRead:
     plans: dict[int, StepPlan]
 
 
+def load_for_analysis(
+    path: Path,
+    taxonomy: Taxonomy,
+    step_regex: str | None = None,
+    *,
+    all_steps: bool = False,
+    budget: int | None = None,
+    use_cache: bool = True,
+    cache_dir: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> WindowRead:
+    """The trace an analysis measures: the window mode's (:func:`load_window`), or with
+    ``all_steps`` the whole capture through the model cache. An entry is written then only
+    when the export was analysed before under other options: re-analysis with the same ones
+    is served by the result cache, so a cold run never pays for writing a model it will not
+    read again. The window mode reads only the analysed steps' rows: no model cache."""
+    if not all_steps:
+        return load_window(path, taxonomy, step_regex, budget or ROW_BUDGET, progress)
+    from traceclf.ingest import cache
+
+    key = cache.identity(path) if use_cache else None
+    write = key is not None and cache.analysed_before(path, key, cache_dir)
+    trace = cache.load_trace_cached(
+        path, use_cache=use_cache, cache_dir=cache_dir, progress=progress, write=write
+    )
+    return WindowRead(trace, {})
+
+
 def load_window(
     path: str | Path,
     taxonomy: Taxonomy,
@@ -333,17 +361,19 @@ def _read_spans(plan: StepPlan, projector: Projector | None) -> list[tuple[Span,
     out = []
     for a, b in plan.runs:
         following = b + 1 if b + 1 in starts else None
+        margin = step_ns // 4  # kernels still running at the start; the work that ends the
+        # window's last idle gap (the critical path looks for it past the end)
         if projector is None:
-            hi = starts[following] if following is not None else ends[b]
-            out.append(((starts[a] - step_ns // 4, hi), (starts[a] - step_ns, hi)))
+            hi = (starts[following] if following is not None else ends[b]) + margin
+            out.append(((starts[a] - margin, hi), (starts[a] - step_ns, hi)))
             continue
         first = projector.gpu_start(a) or starts[a]
         nxt = projector.gpu_start(following) if following is not None else None
-        gpu_hi = nxt if nxt is not None else _END
+        gpu_hi = nxt + margin if nxt is not None else _END
         calls_hi = max(ends[following], nxt) if nxt is not None and following else _END
         out.append(
             (
-                (min(first, starts[a]) - step_ns // 4, gpu_hi),
+                (min(first, starts[a]) - margin, gpu_hi),
                 (min(first, starts[a]), calls_hi),
             )
         )
@@ -363,11 +393,14 @@ def _read_plans(
     p2.read(("api",), [calls for _gpu, calls in planner.spans])
     p2.read(GPU_SIDE, [gpu for gpu, _calls in planner.spans])
     frames = {logical: p2.finish(logical) for logical in EVENT_TABLES}
-    kernels = indexes.get("kernels")
-    if "graphs" in indexes and (kernels is None or kernels.rows <= max(budget // 2, SMALL_ROWS)):
+    if "graphs" in indexes:
         # Graph-level tracing hides the replays' kernels; the measures then take kernel shapes
-        # from the eager kernels outside the window, which are few: read them all.
-        frames["kernels"] = reader.read("kernels")
+        # from the eager kernels outside the window (and the calls that captured the graph),
+        # which are few: read them all.
+        for logical in ("kernels", "api"):
+            index = indexes.get(logical)
+            if index is not None and index.rows <= max(budget // 2, SMALL_ROWS):
+                frames[logical] = reader.read(logical)
     gpu_spans = _merge([gpu for gpu, _calls in planner.spans])
     windows = tuple(_merge([span for pair in planner.spans for span in pair]))
 

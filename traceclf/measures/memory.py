@@ -62,7 +62,7 @@ def _exposed(copies: pl.DataFrame, w: RankWindow) -> int:
     if copies.is_empty():
         return 0
     kernels = pl.concat([w.compute, w.comm])
-    tl = timeline.timeline({"kernels": kernels, "copies": copies.select("start", "end")}, w.window)
+    tl = timeline.timeline({"kernels": kernels, "copies": copies.select("start", "end")}, w.spans)
     return int(tl.filter((pl.col("copies") > 0) & (pl.col("kernels") == 0))["dur"].sum())
 
 
