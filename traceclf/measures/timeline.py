@@ -34,7 +34,23 @@ def clip(df: pl.DataFrame, window: Spans) -> pl.DataFrame:
     spans = spans_of(window)
     if len(spans) == 1:
         return _clip_one(df, *spans[0])
-    return pl.concat([_clip_one(df, lo, hi) for lo, hi in spans], rechunk=False)
+    if df.is_empty():
+        return df
+    # One pass: each row's first and last overlapping span (spans are sorted and disjoint).
+    los = pl.Series([lo for lo, _ in spans], dtype=pl.Int64)
+    his = pl.Series([hi for _, hi in spans], dtype=pl.Int64)
+    rows = df.with_columns(
+        _first=pl.lit(his).search_sorted(pl.col("start"), side="right").cast(pl.Int64),
+        _last=pl.lit(los).search_sorted(pl.col("end"), side="left").cast(pl.Int64) - 1,
+    ).filter(pl.col("_first") <= pl.col("_last"))
+    if (rows["_last"] > rows["_first"]).any():  # a row across a gap: once per span
+        rows = rows.with_columns(_first=pl.int_ranges("_first", pl.col("_last") + 1)).explode(
+            "_first"
+        )
+    return rows.with_columns(
+        start=pl.max_horizontal("start", pl.lit(los).gather(pl.col("_first"))),
+        end=pl.min_horizontal("end", pl.lit(his).gather(pl.col("_first"))),
+    ).drop("_first", "_last")
 
 
 def _clip_one(df: pl.DataFrame, lo: int, hi: int) -> pl.DataFrame:
