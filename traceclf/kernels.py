@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import polars as pl
 
 Table = tuple[tuple[str, str], ...]  # (label, pattern), first match wins
@@ -94,6 +93,8 @@ def by_name(df: pl.DataFrame, per_name: pl.DataFrame, col: str = "name") -> pl.D
     to each row by its ``col``: a left join, done as a lookup on the Categorical's codes when
     ``col`` is one, so that no column of ``df`` is copied (millions of rows, a few hundred
     names)."""
+    import numpy as np  # here: a cached result's re-analysis imports this module, not numpy
+
     extra = [c for c in per_name.columns if c != col]
     if df.is_empty() or per_name.is_empty() or df[col].dtype != pl.Categorical:
         return df.join(per_name, on=col, how="left", maintain_order="left")
