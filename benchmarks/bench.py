@@ -1,10 +1,12 @@
 """Benchmark traceclf (and nsys-ai, when installed) on large synthetic-but-real exports.
 
-    .venv/bin/python benchmarks/bench.py [--sizes 100MB,1GB] [--source TRACE.sqlite]
+    .venv/bin/python benchmarks/bench.py [--inputs kernel-dense:1GB,gpu-metrics:1GB] [--ranks 8x128MB]
 
 Builds long exports by replicating a real trace's event rows in time (benchmarks/out/), then
-times, each in a fresh process: the loader (``load_trace``, ``load_trace_cached`` cold and
-warm), ``traceclf analyze`` cold and warm, and ``nsys-ai diagnose``. Prints a table and writes
+times, each in a fresh process: ``traceclf analyze`` cold and warm, in its default (window)
+mode and with ``--all-steps``; the read-only floor (connectorx reading the needed columns of
+the whole capture); ``nsys-ai diagnose``; the loader alone (``--loader``); and many per-rank
+files with ``--jobs 1`` and ``--jobs 2``. Prints the tables and the targets, and writes
 benchmarks/RESULTS.md. See benchmarks/README.md for what each number means.
 """
 
@@ -21,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -34,6 +36,10 @@ DEFAULT_SOURCES = (
 )
 UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 PER_RUN_TIMEOUT_S = 900
+DEFAULT_INPUTS = "kernel-dense:500MB,kernel-dense:1GB,kernel-dense:2GB,gpu-metrics:1GB"
+DEFAULT_RANKS = "8x128MB"
+# nsys-ai takes minutes per GB and writes into its input: by default only inputs up to this.
+NSYS_AI_MAX_BYTES = 600 << 20
 
 # Event tables copied forward in time, with the rows that are events (not registrations).
 REPLICATED = {
@@ -48,6 +54,13 @@ REPLICATED = {
     "GPU_METRICS": "1",
     "PROFILER_OVERHEAD": "1",
     "OSRT_API": "1",  # not read by traceclf, but part of what makes a real export big
+}
+# What each kind of input replicates. "gpu-metrics": everything, so GPU_METRICS (sampled at
+# 1 kHz) is most of the file. "kernel-dense": everything but GPU metrics, so kernel and CUDA
+# API rows are most of it, as in a large MoE run (the source's own metrics stay, once).
+KINDS = {
+    "gpu-metrics": tuple(REPLICATED),
+    "kernel-dense": tuple(t for t in REPLICATED if t != "GPU_METRICS"),
 }
 TIME_COLUMNS = ("start", "end", "timestamp", "rawTimestamp")
 # The tables traceclf's loader reads: their rows are the "events" of events/second.
@@ -116,14 +129,18 @@ def count_events(con: sqlite3.Connection) -> int:
     )
 
 
-def build_input(source: Path, target: int, label: str, rebuild: bool) -> tuple[Path, dict]:
+def build_input(
+    source: Path, target: int, label: str, rebuild: bool, kind: str = "gpu-metrics"
+) -> tuple[Path, dict]:
     """A copy of ``source`` grown to at least ``target`` bytes by replicated event rows.
 
     Copy k shifts every time column by k x the event span and every correlationId by
     k x (max correlationId + 1), so API calls still pair with their GPU work and copies follow
-    one another on the timeline like later steps of the same run.
+    one another on the timeline like later steps of the same run. ``kind`` says which tables
+    are replicated (:data:`KINDS`). Rows stay in ``start`` order, as nsys writes them.
     """
-    dest = OUT / f"{source.stem}-{label}.sqlite"
+    prefix = "" if kind == "gpu-metrics" else f"{kind}-"
+    dest = OUT / f"{prefix}{source.stem}-{label}.sqlite"
     sidecar = dest.with_suffix(".json")
     if dest.exists() and sidecar.exists() and not rebuild:
         return dest, json.loads(sidecar.read_text())
@@ -134,7 +151,7 @@ def build_input(source: Path, target: int, label: str, rebuild: bool) -> tuple[P
     con.execute("PRAGMA journal_mode=OFF")
     con.execute("PRAGMA synchronous=OFF")
     present = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    tables = [t for t in REPLICATED if t in present]
+    tables = [t for t in KINDS[kind] if t in present]
     span, corr = event_span(con, tables), max_correlation(con, tables) + 1
     statements = [
         copy_statement(
@@ -160,8 +177,11 @@ def build_input(source: Path, target: int, label: str, rebuild: bool) -> tuple[P
             {"d": (copies - 1) * span},
         )
     meta = {
+        "kind": kind,
         "copies": copies,
         "events": count_events(con),
+        "kernels": con.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchone()[0],
+        "api": con.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_RUNTIME").fetchone()[0],
         "bytes": tmp.stat().st_size,
         "source": str(source),
         "build_s": round(time.perf_counter() - started, 1),
@@ -173,10 +193,24 @@ def build_input(source: Path, target: int, label: str, rebuild: bool) -> tuple[P
     return dest, meta
 
 
+def build_ranks(source: Path, spec: str, rebuild: bool) -> tuple[Path, dict]:
+    """``spec`` "8x128MB": a folder of 8 per-rank files, hard links to one kernel-dense export
+    of that size (one copy on disk; each rank is still read and analysed on its own)."""
+    count, size = spec.upper().split("X", 1)
+    path, meta = build_input(source, parse_size(size), size, rebuild, "kernel-dense")
+    folder = OUT / f"ranks-{spec}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for rank in range(int(count)):
+        os.link(path, folder / f"rank_{rank}.sqlite")
+    return folder, {**meta, "ranks": int(count), "bytes": meta["bytes"] * int(count)}
+
+
 # ------------------------------------------------------------------------------ measuring
 
 # Runs a command and reports its wall time and the peak RSS of its biggest process. A fresh
-# interpreter per run, so RUSAGE_CHILDREN holds this command's processes only.
+# interpreter per run, so RUSAGE_CHILDREN holds this command's processes only (ru_maxrss of
+# RUSAGE_CHILDREN is that of the largest descendant, worker processes included).
 MEASURE = """
 import json, resource, subprocess, sys, time
 t = time.perf_counter()
@@ -200,6 +234,54 @@ trace = load_trace_cached(sys.argv[2], use_cache=sys.argv[1] != "nocache")
 print(json.dumps({"call_s": time.perf_counter() - t}))
 """
 
+# The columns the measures need, by table: the read-only floor reads exactly these, for the
+# whole capture, through connectorx into Arrow (as traceclf's loader does), big tables in two
+# rowid ranges on the two cores. No analysis can read the whole capture faster than this.
+FLOOR_COLUMNS = {
+    "CUPTI_ACTIVITY_KIND_KERNEL": (
+        "start end deviceId streamId correlationId globalPid demangledName shortName gridX gridY "
+        "gridZ blockX blockY blockZ registersPerThread staticSharedMemory dynamicSharedMemory "
+        "graphNodeId graphId"
+    ),
+    "CUPTI_ACTIVITY_KIND_GRAPH_TRACE": "start end deviceId streamId correlationId globalPid graphId graphExecId",
+    "CUPTI_ACTIVITY_KIND_MEMCPY": (
+        "start end deviceId streamId correlationId globalPid bytes copyKind srcKind dstKind"
+    ),
+    "CUPTI_ACTIVITY_KIND_MEMSET": "start end deviceId streamId correlationId globalPid bytes",
+    "CUPTI_ACTIVITY_KIND_RUNTIME": "start end globalTid correlationId nameId",
+    "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION": "start end deviceId streamId correlationId globalPid syncType",
+    "NVTX_EVENTS": "start end eventType text textId globalTid domainId",
+    "CUDA_GPU_MEMORY_USAGE_EVENTS": "start globalPid deviceId bytes memoryOperationType",
+    "PROFILER_OVERHEAD": "start end globalTid nameId",
+    "GPU_METRICS": "timestamp typeId metricId value",
+}
+FLOOR = """
+import json, sqlite3, sys, time
+from urllib.parse import quote
+import connectorx as cx
+t = time.perf_counter()
+path, wanted = sys.argv[1], json.loads(sys.argv[2])
+uri = f"file:{quote(path)}?mode=ro&immutable=1"
+con = sqlite3.connect(uri, uri=True)
+frames, rows = [], 0
+for table, cols in wanted.items():
+    have = {r[1] for r in con.execute(f"PRAGMA table_info('{table}')")}
+    cols = [c for c in cols.split() if c in have]
+    if not cols:
+        continue
+    lo, hi = con.execute(f"SELECT min(rowid) - 1, max(rowid) FROM {table}").fetchone()
+    if hi is None:
+        continue
+    select = f"SELECT {', '.join(repr(c).replace(chr(39), chr(34)) for c in cols)} FROM {table}"
+    where = "metricId IN (SELECT metricId FROM TARGET_INFO_GPU_METRICS WHERE metricName LIKE '%Active%' OR metricName LIKE 'SM Issue%')" if table == "GPU_METRICS" else "1"
+    mid = lo + (hi - lo) // 2
+    queries = [f"{select} WHERE rowid > {a} AND rowid <= {b} AND {where}" for a, b in ((lo, mid), (mid, hi))]
+    frame = cx.read_sql("sqlite://" + quote(uri, safe=""), queries, return_type="arrow")
+    rows += frame.num_rows
+    frames.append(frame)
+print(json.dumps({"call_s": time.perf_counter() - t, "rows": rows}))
+"""
+
 
 @dataclass
 class Run:
@@ -211,6 +293,7 @@ class Run:
     call_s: float | None = None
     note: str = ""
     err: str = ""  # the tail of the command's stderr
+    out: str = field(default="", repr=False)  # the tail of its stdout
 
 
 def measure(
@@ -228,7 +311,15 @@ def measure(
         result = json.loads(done.stdout)
     except (subprocess.CalledProcessError, json.JSONDecodeError) as e:
         return Run(tool, mode, None, None, None, note=f"did not finish: {str(e)[:120]}")
-    run = Run(tool, mode, result["wall_s"], result["cpu_s"], result["rss_mb"], err=result["err"])
+    run = Run(
+        tool,
+        mode,
+        result["wall_s"],
+        result["cpu_s"],
+        result["rss_mb"],
+        err=result["err"],
+        out=result["out"],
+    )
     if result["rc"] != 0:
         last = (result["err"].strip().splitlines() or ["?"])[-1]
         run.note = f"exit {result['rc']}: {last[:160]}"
@@ -238,12 +329,26 @@ def measure(
 
 
 def clear_cache(path: Path, env: dict) -> None:
-    shutil.rmtree(path.parent / (path.name + ".traceclf"), ignore_errors=True)
+    targets = sorted(path.glob("*.sqlite")) if path.is_dir() else [path]
+    for target in targets:
+        shutil.rmtree(target.parent / (target.name + ".traceclf"), ignore_errors=True)
     shutil.rmtree(env["TRACECLF_CACHE_DIR"], ignore_errors=True)
 
 
 def traceclf_env() -> dict:
     return {**os.environ, "TRACECLF_CACHE_DIR": str(OUT / "cache")}
+
+
+def traceclf_exe() -> str:
+    return str(Path(sys.executable).with_name("traceclf"))
+
+
+def has_all_steps() -> bool:
+    """Whether this traceclf has the window mode (and so ``--all-steps``)."""
+    help_text = subprocess.run(
+        [traceclf_exe(), "analyze", "--help"], capture_output=True, text=True
+    ).stdout
+    return "--all-steps" in help_text
 
 
 def loader_runs(path: Path) -> list[Run]:
@@ -258,15 +363,43 @@ def loader_runs(path: Path) -> list[Run]:
     return runs
 
 
-def cli_runs(path: Path) -> list[Run]:
+def floor_run(path: Path) -> Run:
+    wanted = json.dumps(FLOOR_COLUMNS)
+    return measure(
+        "read-only floor", "connectorx", [sys.executable, "-c", FLOOR, str(path), wanted]
+    )
+
+
+def cli_runs(path: Path, all_steps: bool) -> list[Run]:
+    """traceclf analyze cold then warm, in the default mode and (when there is one) with
+    ``--all-steps``; each cold run starts with no cache at all."""
     env = traceclf_env()
-    clear_cache(path, env)
-    traceclf = str(Path(sys.executable).with_name("traceclf"))
-    cmd = [traceclf, "analyze", str(path), "--format", "json", "--quiet"]
-    return [
-        measure("traceclf analyze", "cold", cmd, env=env),
-        measure("traceclf analyze", "warm", cmd, env=env),
-    ]
+    cmd = [traceclf_exe(), "analyze", str(path), "--format", "json", "--quiet"]
+    variants = [("", cmd)]
+    if all_steps:
+        variants.append((" --all-steps", [*cmd, "--all-steps"]))
+    runs = []
+    for suffix, command in variants:
+        clear_cache(path, env)
+        for mode in ("cold", "warm"):
+            run = measure("traceclf analyze" + suffix, mode, command, env=env)
+            runs.append(run)
+    return runs
+
+
+def rank_runs(folder: Path, all_steps: bool) -> list[Run]:
+    """Every rank file of ``folder`` in one analysis, with one and with two worker processes."""
+    env = traceclf_env()
+    runs = []
+    for jobs in (1, 2):
+        clear_cache(folder, env)
+        cmd = [traceclf_exe(), "analyze", str(folder), "--format", "json", "--quiet"]
+        runs.append(
+            measure(
+                "traceclf analyze", f"cold, --jobs {jobs}", [*cmd, "--jobs", str(jobs)], env=env
+            )
+        )
+    return runs
 
 
 # nsys-ai asks DuckDB to download its sqlite extension at run time; offline that fails after
@@ -276,21 +409,39 @@ OFFLINE_NSYS_AI = (
 )
 
 
-def nsys_ai_runs(path: Path) -> list[Run]:
+def nsys_ai_runs(path: Path, meta: dict) -> list[Run]:
     exe = Path(sys.executable).with_name("nsys-ai")
     if not exe.exists():
-        return [Run("nsys-ai diagnose", "-", None, None, None, note="not installed")]
-    # nsys-ai keeps sessions under the working directory and state under $HOME: keep both
-    # inside benchmarks/out, and clear them so the first run is cold.
+        return [
+            Run(
+                "nsys-ai diagnose",
+                "-",
+                None,
+                None,
+                None,
+                note="not installed (.venv/bin/pip install nsys-ai)",
+            )
+        ]
+    # nsys-ai keeps sessions under the working directory and state under $HOME, and writes
+    # into the export it reads (tables and indexes): it gets its own copy, all of it inside
+    # benchmarks/out/nsys-ai, removed afterwards.
     work = OUT / "nsys-ai"
     shutil.rmtree(work, ignore_errors=True)
     (work / "home").mkdir(parents=True)
+    copy = work / path.name
+    shutil.copyfile(path, copy)
     env = {**os.environ, "HOME": str(work / "home")}
-    cmd = [str(exe), "diagnose", str(path), "--format", "json"]
-    runs = [measure("nsys-ai diagnose", mode, cmd, cwd=work, env=env) for mode in ("cold", "warm")]
+    cmd = [str(exe), "diagnose", str(copy), "--format", "json"]
+    runs = [measure("nsys-ai diagnose", "cold", cmd, cwd=work, env=env)]
+    grown = copy.stat().st_size
     for run in runs:
         if not run.note and "Failed to download extension" in run.err:
             run.note = OFFLINE_NSYS_AI
+        if grown > meta["bytes"] * 1.01:
+            run.note = (run.note + "; " if run.note else "") + (
+                f"grew its input to {grown / 1e6:,.0f} MB"
+            )
+    shutil.rmtree(work, ignore_errors=True)
     return runs
 
 
@@ -323,18 +474,45 @@ def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def table(rows: list[tuple[str, dict, Run]]) -> str:
+def describe(meta: dict) -> str:
+    rows = (
+        f"{meta['kernels'] / 1e6:.1f} M kernels, {meta['api'] / 1e6:.1f} M API"
+        if "kernels" in meta
+        else f"{meta['events']:,} events"
+    )
+    ranks = f"{meta['ranks']} ranks, " if meta.get("ranks") else ""
+    return f"{meta.get('kind', 'gpu-metrics')}, {ranks}{rows}"
+
+
+def table(rows: list[tuple[str, dict, Run]], floors: dict[str, Run] | None = None) -> str:
+    floors = floors or {}
+    lines = [
+        "| input | size | rows | tool | mode | wall s | CPU s | peak RSS MB | × floor | note |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for name, meta, run in rows:
+        floor = floors.get(name)
+        ratio = (
+            run.wall_s / floor.wall_s
+            if floor and floor.wall_s and run.wall_s and run.tool != "read-only floor"
+            else None
+        )
+        lines.append(
+            f"| {name} | {meta['bytes'] / 1e6:,.0f} MB | {describe(meta)} | {run.tool} | {run.mode} "
+            f"| {fmt(run.wall_s, '.2f')} | {fmt(run.cpu_s, '.2f')} "
+            f"| {fmt(run.rss_mb, ',.0f')} | {fmt(ratio, '.2f')} | {run.note} |"
+        )
+    return "\n".join(lines)
+
+
+def loader_table(rows: list[tuple[str, dict, Run]]) -> str:
     lines = [
         "| input | size | events | tool | mode | wall s | call s | CPU s | peak RSS MB | events/s | note |",
         "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for name, meta, run in rows:
         timed = run.call_s if run.call_s is not None else run.wall_s
-        rate = (
-            meta["events"] / timed
-            if timed and not run.note.startswith(("exit", "did not"))
-            else None
-        )
+        rate = meta["events"] / timed if timed and not run.note else None
         lines.append(
             f"| {name} | {meta['bytes'] / 1e6:,.0f} MB | {meta['events']:,} | {run.tool} | {run.mode} "
             f"| {fmt(run.wall_s, '.2f')} | {fmt(run.call_s, '.2f')} | {fmt(run.cpu_s, '.2f')} "
@@ -343,7 +521,144 @@ def table(rows: list[tuple[str, dict, Run]]) -> str:
     return "\n".join(lines)
 
 
-def write_results(loader: list, analysis: list, command: str) -> None:
+@dataclass
+class Target:
+    what: str
+    bound: str
+    measured: str
+    met: bool | None  # None: not measured in this run
+
+
+def targets(runs: list[tuple[str, dict, Run]]) -> list[Target]:
+    """The targets of issue 12, read off this run's measurements."""
+
+    def pick(kind: str, near: float, tool: str, mode: str) -> tuple[dict, Run] | None:
+        found = [
+            (meta, run)
+            for _, meta, run in runs
+            if meta.get("kind") == kind
+            and not meta.get("ranks")
+            and run.tool == tool
+            and run.mode == mode
+            and abs(meta["bytes"] - near) / near < 0.3
+        ]
+        return found[0] if found else None
+
+    def bounded(hit, wall: float, rss: float) -> tuple[str, bool | None]:
+        if hit is None:
+            return "not measured", None
+        meta, run = hit
+        if run.wall_s is None or run.note.startswith(("exit", "did not")):
+            return run.note or "failed", False
+        text = f"{run.wall_s:.2f} s, {run.rss_mb:,.0f} MB ({meta['bytes'] / 1e6:,.0f} MB export)"
+        return text, run.wall_s < wall and run.rss_mb < rss * 1024
+
+    out = []
+    for size, label in ((1e9, "1 GB"), (2e9, "2 GB")):
+        text, met = bounded(pick("kernel-dense", size, "traceclf analyze", "cold"), 3, 1)
+        out.append(Target(f"{label} kernel-dense, default mode, cold", "< 3 s, < 1 GB", text, met))
+    text, met = bounded(pick("kernel-dense", 1e9, "traceclf analyze --all-steps", "cold"), 10, 2)
+    out.append(Target("1 GB kernel-dense, `--all-steps`, cold", "< 10 s, < 2 GB", text, met))
+    warm = [
+        run
+        for _, meta, run in runs
+        if run.mode == "warm" and run.tool.startswith("traceclf") and run.wall_s
+    ]
+    if warm:
+        worst = max(run.wall_s for run in warm)
+        out.append(
+            Target(
+                "re-analysis of an unchanged export (every input)",
+                "< 0.5 s",
+                f"{worst:.2f} s (slowest)",
+                worst < 0.5,
+            )
+        )
+    ranks = [(meta, run) for _, meta, run in runs if meta.get("ranks")]
+    one = next((r for m, r in ranks if r.mode.endswith("--jobs 1")), None)
+    two = next((r for m, r in ranks if r.mode.endswith("--jobs 2")), None)
+    if one and two and one.wall_s and two.wall_s:
+        ratio = two.wall_s / one.wall_s
+        out.append(
+            Target(
+                f"{ranks[0][0]['ranks']} per-rank files, `--jobs 2` vs `--jobs 1`",
+                "≤ 0.6× wall, every process < 1 GB",
+                f"{ratio:.2f}× ({two.wall_s:.2f} s vs {one.wall_s:.2f} s), largest process {max(one.rss_mb, two.rss_mb):,.0f} MB",
+                ratio <= 0.6 and max(one.rss_mb, two.rss_mb) < 1024,
+            )
+        )
+    return out
+
+
+def targets_table(items: list[Target]) -> str:
+    lines = ["| target | bound | measured | met |", "|---|---|---|---|"]
+    for t in items:
+        met = "not measured" if t.met is None else ("yes" if t.met else "**no**")
+        lines.append(f"| {t.what} | {t.bound} | {t.measured} | {met} |")
+    lines.append(
+        "| window-mode fractions vs `--all-steps`, every shared trace | within 0.01 "
+        "| tested: tests/test_window.py | see the test run |"
+    )
+    return "\n".join(lines)
+
+
+def save_runs(analysis: list, path: Path) -> None:
+    """The end-to-end runs as JSON, for a later before/after comparison (``--before``)."""
+    rows = [
+        {
+            "input": name,
+            "bytes": meta["bytes"],
+            "kind": meta.get("kind"),
+            "ranks": meta.get("ranks"),
+            "tool": run.tool,
+            "mode": run.mode,
+            "wall_s": run.wall_s,
+            "rss_mb": run.rss_mb,
+            "note": run.note,
+        }
+        for name, meta, run in analysis
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps(
+            {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M"), "runs": rows}, indent=1
+        )
+    )
+
+
+def comparison(analysis: list, before: dict) -> str:
+    """Before (the runs saved in ``before``) vs now, for each input and traceclf mode; a
+    mode the earlier traceclf did not have compares with its only (whole-capture) mode."""
+    old = {(r["input"], r["tool"], r["mode"]): r for r in before["runs"]}
+    lines = [
+        f"Before: {before['when']} ({before.get('label', 'earlier traceclf')}); after: this run.",
+        "",
+        "| input | tool | mode | before wall s | after wall s | before RSS MB | after RSS MB |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for name, _meta, run in analysis:
+        if not run.tool.startswith("traceclf"):
+            continue
+        prev = old.get((name, run.tool, run.mode)) or old.get(
+            (name, run.tool.replace(" --all-steps", ""), run.mode)
+        )
+        if prev is None:
+            continue
+        lines.append(
+            f"| {name} | {run.tool} | {run.mode} | {fmt(prev['wall_s'], '.2f')} "
+            f"| {fmt(run.wall_s, '.2f')} | {fmt(prev['rss_mb'], ',.0f')} | {fmt(run.rss_mb, ',.0f')} |"
+        )
+    return "\n".join(lines)
+
+
+def write_results(
+    analysis: list,
+    loader: list,
+    floors: dict,
+    command: str,
+    goals: list[Target],
+    before: dict | None = None,
+) -> None:
     text = "\n".join(
         [
             "# traceclf benchmark results",
@@ -354,17 +669,27 @@ def write_results(loader: list, analysis: list, command: str) -> None:
             "Load average (1, 5, 15 min) when written: "
             + ", ".join(f"{x:.2f}" for x in os.getloadavg())
             + ".",
-            'OS page cache warm (inputs were just written); "cold"/"warm" refer to traceclf\'s cache.',
+            'OS page cache warm (inputs were just written); "cold"/"warm" refer to traceclf\'s caches.',
             "",
-            "## Loader (trace model only)",
+            "## Targets (issue 12)",
             "",
-            table(loader),
+            targets_table(goals),
             "",
-            "## End to end (`traceclf analyze --format json --quiet`, `nsys-ai diagnose --format json`)",
+            "## End to end",
             "",
-            table(analysis) if analysis else "(skipped)",
+            "`traceclf analyze --format json --quiet` (default window mode, and `--all-steps`), "
+            "the read-only floor, `nsys-ai diagnose --format json`; × floor = wall / the "
+            "floor's wall on the same export.",
+            "",
+            table(analysis, floors) if analysis else "(skipped)",
             "",
         ]
+        + (["## Before and after", "", comparison(analysis, before), ""] if before else [])
+        + (
+            ["## Loader (whole-capture trace model only)", "", loader_table(loader), ""]
+            if loader
+            else []
+        )
     )
     (HERE / "RESULTS.md").write_text(text)
 
@@ -372,9 +697,19 @@ def write_results(loader: list, analysis: list, command: str) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--sizes",
-        default="100MB,1GB",
-        help="comma-separated input sizes to build and time (default: 100MB,1GB)",
+        "--inputs",
+        default=DEFAULT_INPUTS,
+        help=f"comma-separated KIND:SIZE inputs to build and time, KIND one of {', '.join(KINDS)} "
+        f"(default: {DEFAULT_INPUTS})",
+    )
+    parser.add_argument(
+        "--sizes", help="shorthand for --inputs gpu-metrics:SIZE,... (the earlier benchmark)"
+    )
+    parser.add_argument(
+        "--ranks",
+        default=DEFAULT_RANKS,
+        help=f"NxSIZE per-rank kernel-dense files timed with --jobs 1 and 2 (default {DEFAULT_RANKS}; "
+        "'none' to skip)",
     )
     parser.add_argument(
         "--source",
@@ -383,37 +718,74 @@ def main(argv: Sequence[str] | None = None) -> None:
         "(default: fixtures/ or /work/shared/traces h100_host_launch_gpumetrics)",
     )
     parser.add_argument("--rebuild", action="store_true", help="rebuild inputs that exist")
+    parser.add_argument("--loader", action="store_true", help="also time the loader alone")
     parser.add_argument(
-        "--loader-only",
-        action="store_true",
-        help="time the loader only, not traceclf analyze / nsys-ai",
+        "--nsys-ai",
+        choices=("smallest", "all", "none"),
+        default="smallest",
+        help="run nsys-ai on the smallest input only (default), on all, or not at all",
     )
-    parser.add_argument("--no-nsys-ai", action="store_true", help="skip nsys-ai")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        help="runs saved by an earlier benchmark (benchmarks/out/runs.json) to compare with",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the built inputs (default: delete those over 1.5 GB)",
+    )
     args = parser.parse_args(argv)
     source = args.source or next((p for p in DEFAULT_SOURCES if p.exists()), None)
     if source is None:
         raise SystemExit("no source trace: pass --source")
-    loader, analysis = [], []
-    for label in args.sizes.split(","):
+    specs = (
+        [f"gpu-metrics:{s}" for s in args.sizes.split(",")]
+        if args.sizes
+        else args.inputs.split(",")
+    )
+    all_steps = has_all_steps()
+    analysis, loader, floors, built = [], [], {}, []
+    nsys_ai_done = False
+    for spec in specs:
+        kind, _, label = spec.strip().partition(":")
+        if kind not in KINDS:
+            raise SystemExit(f"unknown input kind {kind!r} (one of {', '.join(KINDS)})")
         label = label.strip().upper()
-        path, meta = build_input(source, parse_size(label), label, args.rebuild)
-        print(
-            f"{path.name}: {meta['bytes'] / 1e6:,.0f} MB, {meta['events']:,} events, "
-            f"{meta['copies']} copies",
-            file=sys.stderr,
-        )
-        loader += [(path.name, meta, run) for run in loader_runs(path)]
-        if not args.loader_only:
-            analysis += [(path.name, meta, run) for run in cli_runs(path)]
-            if not args.no_nsys_ai:
-                analysis += [(path.name, meta, run) for run in nsys_ai_runs(path)]
+        path, meta = build_input(source, parse_size(label), label, args.rebuild, kind)
+        built.append(path)
+        print(f"{path.name}: {meta['bytes'] / 1e6:,.0f} MB, {describe(meta)}", file=sys.stderr)
+        floor = floor_run(path)
+        floors[path.name] = floor
+        analysis.append((path.name, meta, floor))
+        analysis += [(path.name, meta, run) for run in cli_runs(path, all_steps)]
+        if args.loader:
+            loader += [(path.name, meta, run) for run in loader_runs(path)]
+        small = meta["bytes"] <= NSYS_AI_MAX_BYTES and not nsys_ai_done
+        if args.nsys_ai == "all" or (args.nsys_ai == "smallest" and small):
+            analysis += [(path.name, meta, run) for run in nsys_ai_runs(path, meta)]
+            nsys_ai_done = True
+        print(table(analysis[-5:], floors), file=sys.stderr)
+    if args.ranks != "none":
+        folder, meta = build_ranks(source, args.ranks, args.rebuild)
+        analysis += [(folder.name, meta, run) for run in rank_runs(folder, all_steps)]
+        shutil.rmtree(folder, ignore_errors=True)
+    goals = targets(analysis)
     command = " ".join(
         ["python benchmarks/bench.py", *(argv if argv is not None else sys.argv[1:])]
     )
-    write_results(loader, analysis, command)
-    print(table(loader))
-    if analysis:
-        print(table(analysis))
+    before = json.loads(args.before.read_text()) if args.before else None
+    write_results(analysis, loader, floors, command, goals, before)
+    save_runs(analysis, OUT / "runs.json")
+    print(table(analysis, floors))
+    if loader:
+        print(loader_table(loader))
+    print(targets_table(goals))
+    if not args.keep:  # disk is limited: the biggest inputs are rebuilt in a minute when needed
+        for path in built:
+            if path.exists() and path.stat().st_size > 1.5e9:
+                path.unlink()
+                path.with_suffix(".json").unlink(missing_ok=True)
     print(f"\nwritten to {HERE / 'RESULTS.md'}", file=sys.stderr)
 
 

@@ -159,7 +159,8 @@ def test_key_is_the_exports_identity(export: Path, tmp_path: Path) -> None:
 def test_cache_info_and_clear(export: Path, tmp_path: Path, cli) -> None:
     from traceclf.analysis import AnalysisOptions, analyze_export
 
-    analyze_export(export, AnalysisOptions(quiet=True))
+    analyze_export(export, AnalysisOptions(quiet=True))  # a result (the analysis writes no model)
+    load_trace_cached(export)  # a trace model (opening an export does)
     info = cli("cache", "info")
     assert info.code == 0, info.stderr
     assert str(tmp_path / "global-cache") in info.stdout
@@ -261,3 +262,21 @@ def test_result_cache_follows_options_and_can_be_bypassed(export: Path, monkeypa
     analyze_export(export, AnalysisOptions(quiet=True, step_regex=r"^moe_dispatch$"))
     analyze_export(export, AnalysisOptions(quiet=True, use_cache=False))
     assert len(measured) == 2  # another step regex and --no-cache both recompute
+
+
+def test_analysis_writes_a_trace_model_only_when_it_will_be_read_again(export: Path) -> None:
+    """A cold analysis writes its result, not the (whole-capture) trace model: re-running it
+    is served by the result. Analysing the export again under other options loads the model
+    a second time, and then it is cached."""
+    from traceclf.analysis import AnalysisOptions, analyze_export
+
+    slot = cachedir.slot_of(export)
+
+    def models() -> list[str]:
+        return [n for n in entries(slot) if not n.startswith(cachedir.RESULTS_PREFIX)]
+
+    analyze_export(export, AnalysisOptions(quiet=True, all_steps=True))
+    assert models() == []
+    assert len(list(slot.glob(f"{cachedir.RESULTS_PREFIX}*/*.json"))) == 1
+    analyze_export(export, AnalysisOptions(quiet=True, all_steps=True, step_regex="Iteration"))
+    assert len(models()) == 1

@@ -17,15 +17,7 @@ from typing import TYPE_CHECKING
 
 from traceclf import __version__
 from traceclf.errors import TraceError
-from traceclf.measures import RankMeasures, measure_rank
-from traceclf.measures.cross_rank import cross_rank
-from traceclf.report import Report
-from traceclf.steps import (
-    check_step_regex,
-    find_steps,
-    slowest_step,
-    warn_unmatched_step_regex,
-)
+from traceclf.report import RankMeasures, Report
 
 if TYPE_CHECKING:
     from traceclf.runs import RunSet
@@ -44,6 +36,11 @@ class AnalysisOptions:
     # "auto": several exports are one job only when their job evidence matches (runs.py);
     # "job": all inputs are ranks of one job; "runs": one report per export.
     grouping: str = "auto"
+    # Window mode (default): a long capture is analysed on a sample of its steady steps, at
+    # most this many event rows (None: traceclf.ingest.twopass.ROW_BUDGET). all_steps: read
+    # and analyse every step of the capture.
+    all_steps: bool = False
+    row_budget: int | None = None
 
 
 @dataclass
@@ -72,6 +69,8 @@ class ExportResult:
     gpu_count: int = 0  # GPUs the export describes (TARGET_INFO_GPU rows)
     # Capture identity (ingest/session.py) plus the span of GPU work in session time (ns).
     job: dict = field(default_factory=dict)
+    # rows left out as unusable (Trace.unusable_rows): among the rows read
+    unusable_rows: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,7 +86,8 @@ class ExportResult:
     @classmethod
     def from_dict(cls, data: dict) -> ExportResult:
         """Rebuild a result saved with :meth:`to_dict`; ValueError when it has another shape
-        (a cache written by another version, or damaged)."""
+        (a cache written by another version, or damaged). Needs neither polars nor the
+        measures: a cache hit stays light."""
         ranks = [
             RankResult(**(r | {"measures": RankMeasures(**r["measures"])})) for r in data["ranks"]
         ]
@@ -98,6 +98,7 @@ class ExportResult:
             ranks,
             data["gpu_count"],
             data["job"],
+            data["unusable_rows"],
         )
         if not _well_typed(result):
             raise ValueError("cached result has unexpected types")
@@ -110,6 +111,10 @@ def _well_typed(result: ExportResult) -> bool:
     if not all(v is None or isinstance(v, str) for v in strs) or not result.ranks:
         return False
     if not isinstance(result.job, dict) or not isinstance(result.gpu_count, int):
+        return False
+    if not isinstance(result.unusable_rows, dict) or not all(
+        isinstance(n, int) for n in result.unusable_rows.values()
+    ):
         return False
     for r in result.ranks:
         m = r.measures
@@ -143,6 +148,7 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     from traceclf.judge.schema import load_rules
     from traceclf.parallel import map_exports
     from traceclf.runs import RunSet, group
+    from traceclf.steps import check_step_regex, warn_unmatched_step_regex
 
     # Reject bad options and files before any heavy work starts.
     check_step_regex(opts.step_regex)
@@ -159,7 +165,9 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
         functools.partial(
             analyze_export, opts=opts, show_progress=in_process and not opts.dask_address
         ),
-        exports,
+        # Workers (other processes, other machines) get absolute paths: a relative one would
+        # name whatever file sits there in the worker's folder. Results carry the user's name.
+        [path.resolve() for path in exports],
         jobs=opts.jobs,
         dask_address=opts.dask_address,
         quiet=opts.quiet,
@@ -205,20 +213,32 @@ def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = Fals
 
 
 def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
-    from traceclf.ingest.cache import load_trace_cached
     from traceclf.ingest.session import job_evidence
+    from traceclf.ingest.twopass import load_for_analysis
+    from traceclf.measures import measure_rank
     from traceclf.progress import LoadProgress
+    from traceclf.steps import find_steps
 
+    taxonomy = _taxonomy(opts)
     with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
-        trace = load_trace_cached(
-            path, use_cache=opts.use_cache, cache_dir=opts.cache_dir, progress=progress
+        read = load_for_analysis(
+            path,
+            taxonomy,
+            opts.step_regex,
+            all_steps=opts.all_steps,
+            budget=opts.row_budget,
+            use_cache=opts.use_cache,
+            cache_dir=opts.cache_dir,
+            progress=progress,
         )
+    trace, plans = read.trace, read.plans
     names = dict(
         zip(
             trace.processes["pid"].to_list(), trace.processes["process_name"].to_list(), strict=True
         )
     )
-    if not trace.rank_pids:
+    pids = sorted(plans) if plans else trace.rank_pids
+    if not pids:
         raise TraceError(path, "no process ran GPU work (kernel and copy rows name no process)")
     if trace.kernels.is_empty() and trace.graphs.is_empty():
         raise TraceError(
@@ -226,17 +246,17 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
             f"no kernel ran in this capture (only {len(trace.copies)} memcpy/memset rows): "
             "nothing to judge",
         )
-    taxonomy = _taxonomy(opts)
     result = ExportResult(
         str(path),
         trace.nsys_version,
         trace.schema_version,
         gpu_count=len(trace.gpus),
         job=job_evidence(path, trace),
+        unusable_rows=trace.unusable_rows,
     )
-    for pid in trace.rank_pids:
+    for pid in pids:
         rank_trace = trace.for_pid(pid)
-        steps = find_steps(rank_trace, opts.step_regex, taxonomy)
+        steps = find_steps(rank_trace, opts.step_regex, taxonomy, plans.get(pid))
         gpu = trace.gpu_of(pid)
         result.ranks.append(
             RankResult(
@@ -282,7 +302,7 @@ ANALYSIS_SOURCES = (
     "model.py",
     "measures",
     "figures/series.py",
-    "ingest/load.py",
+    "ingest",  # what is read, and how (the window mode's choice of steps included)
     "ingest/session.py",
 )
 
@@ -307,20 +327,24 @@ def _analysis_fingerprint() -> str:
 
 
 def _result_variant(opts: AnalysisOptions) -> str:
-    """Options and rules that shape the result: the step regex and the taxonomy."""
+    """Options and rules that shape the result: the step regex, the taxonomy, which steps."""
     taxonomy = repr(_taxonomy(opts))
+    steps = "all" if opts.all_steps else f"window:{opts.row_budget or ''}"
     return hashlib.sha256(
-        f"{_analysis_fingerprint()}:{opts.step_regex or ''}:{taxonomy}".encode()
+        f"{_analysis_fingerprint()}:{opts.step_regex or ''}:{taxonomy}:{steps}".encode()
     ).hexdigest()[:24]
 
 
 def _steps_summary(steps) -> dict:
+    from traceclf.steps import slowest_step
+
     durations = steps.durations()
     return {
         "source": steps.source,
         "label": steps.label,
         "count": steps.count,
         "used": steps.used,
+        "analysed": steps.analysed,  # of "used": fewer when a long capture is sampled
         "mean_ms": float(durations.mean()) / 1e6 if len(durations) else None,
         "median_ms": float(durations.median()) / 1e6 if len(durations) else None,
         "cv": float(durations.std()) / float(durations.mean()) if len(durations) > 1 else None,
@@ -342,6 +366,7 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
     from traceclf.judge.capture import abstain_reason, capture_block
     from traceclf.judge.ceiling import combined
     from traceclf.judge.engine import abstained, evaluate
+    from traceclf.measures.cross_rank import cross_rank
 
     ranks = [r for export in results for r in export.ranks]
     rank_dicts = [
@@ -384,6 +409,7 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
         "label": first.get("label", ""),
         "count": first.get("count", 0),
         "used": first.get("used", 0),
+        "analysed": first.get("analysed", first.get("used", 0)),
         "mean_ms": _mean([r.steps["mean_ms"] for r in ranks]),
         "median_ms": _mean([r.steps["median_ms"] for r in ranks]),
         "cv": _mean([r.steps["cv"] for r in ranks]),
@@ -412,6 +438,7 @@ def build_report(results: list[ExportResult], opts: AnalysisOptions) -> Report:
                 "nsys_version": e.nsys_version,
                 "schema_version": e.schema_version,
                 "ranks": len(e.ranks),
+                "unusable_rows": e.unusable_rows,
             }
             for e in results
         ],

@@ -108,12 +108,27 @@ cache_dir_option = click.option(
     "--cache-dir . keeps the cache in the current folder.",
 )
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+all_steps_option = click.option(
+    "--all-steps",
+    is_flag=True,
+    help="Read and analyse every step of the capture. By default a long capture is analysed "
+    "on a sample of its steady-state steps (runs of consecutive steps spread evenly over the "
+    "steady state, up to a budget of event rows), so that time and memory follow the steps "
+    "analysed, not the capture's length; the report says how many steps were analysed.",
+)
 
 
 def analysis_options(command):
     """The options of every command that analyses traces."""
     for option in reversed(
-        (step_range_option, nsys_option, rules_option, no_cache_option, cache_dir_option)
+        (
+            step_range_option,
+            all_steps_option,
+            nsys_option,
+            rules_option,
+            no_cache_option,
+            cache_dir_option,
+        )
     ):
         command = option(command)
     return command
@@ -206,6 +221,7 @@ def analyze(
     export_format: str,
     export_trace: str | None,
     step_range: str | None,
+    all_steps: bool,
     nsys_path: str | None,
     rules_dir: Path | None,
     no_cache: bool,
@@ -234,6 +250,7 @@ def analyze(
     _check_exports(out, export_trace, export_dir, export_format)
     opts = AnalysisOptions(
         step_regex=step_range,
+        all_steps=all_steps,
         nsys=_nsys(nsys_path),
         rules_dir=rules_dir,
         use_cache=not no_cache,
@@ -292,6 +309,7 @@ def compare(
     fmt: str,
     output: str | None,
     step_range: str | None,
+    all_steps: bool,
     nsys_path: str | None,
     rules_dir: Path | None,
     no_cache: bool,
@@ -309,6 +327,7 @@ def compare(
 
     opts = AnalysisOptions(
         step_regex=step_range,
+        all_steps=all_steps,
         nsys=_nsys(nsys_path),
         rules_dir=rules_dir,
         use_cache=not no_cache,

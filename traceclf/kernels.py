@@ -85,7 +85,27 @@ class Taxonomy:
                 comm_kind=pl.when(pl.col("family") == "communication").then(self.comm_kind()),
             )
         )
-        return kernels.join(names, on="name", how="left", maintain_order="left")
+        return by_name(kernels, names)
+
+
+def by_name(df: pl.DataFrame, per_name: pl.DataFrame, col: str = "name") -> pl.DataFrame:
+    """``df`` with the other columns of ``per_name`` (one row per distinct ``col``) attached
+    to each row by its ``col``: a left join, done as a lookup on the Categorical's codes when
+    ``col`` is one, so that no column of ``df`` is copied (millions of rows, a few hundred
+    names)."""
+    import numpy as np  # here: a cached result's re-analysis imports this module, not numpy
+
+    extra = [c for c in per_name.columns if c != col]
+    if df.is_empty() or per_name.is_empty() or df[col].dtype != pl.Categorical:
+        return df.join(per_name, on=col, how="left", maintain_order="left")
+    codes = df[col].to_physical()
+    keys = per_name[col].cast(pl.Categorical).to_physical()
+    top = int(max(codes.max() or 0, keys.max() or 0))  # type: ignore[arg-type]
+    slot = np.full(top + 1, len(per_name), dtype=np.uint32)  # len(per_name): no match
+    slot[keys.to_numpy()] = np.arange(len(per_name), dtype=np.uint32)
+    index = pl.Series(slot).gather(codes)
+    padded = pl.concat([per_name.select(extra), per_name.select(extra).clear(1)])
+    return df.with_columns(padded[c].gather(index) for c in extra)
 
 
 def first_match(col: str, table: Table, default: str | None) -> pl.Expr:

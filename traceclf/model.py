@@ -6,8 +6,8 @@ string operations, e.g. ``pl.col("name").cast(pl.String).str.contains("nccl")``.
 ``pid`` (decoded from ``globalPid``), so ranks that share one GPU stay apart.
 
 Frames and their columns
-- ``kernels``: start, end, device_id, stream_id, correlation_id, global_pid, pid, name,
-  short_name, registers, graph_node_id, graph_id, grid_blocks, block_threads, smem_per_block
+- ``kernels``: start, end, device_id, stream_id, correlation_id, pid, name, short_name,
+  registers, graph_node_id, graph_id, grid_blocks, block_threads, smem_per_block
 - ``graphs``: CUDA-graph executions (graph-level tracing): start, end, device_id, stream_id,
   correlation_id, pid, graph_id, graph_exec_id
 - ``copies``: memcpy and memset rows: start, end, device_id, stream_id, correlation_id, pid,
@@ -18,16 +18,25 @@ Frames and their columns
   waiting stream and the event record they wait for)
 - ``events``: cudaEventRecord records (CUPTI_ACTIVITY_KIND_CUDA_EVENT): pid, device_id,
   stream_id, correlation_id, event_id, event_sync_id
+- ``api``: CUDA runtime/driver calls: start, end, global_tid, pid, correlation_id, name
+- ``syncs``: CUPTI synchronization records: start, end, pid, sync_type
 - ``nvtx``: ranges only: start, end, text, domain, pid, tid, global_tid
 - ``gpu_metrics``: timestamp, source, metric ("sm_active", "sm_issue", "tensor_active": the
   nsys metric under whatever name this GPU gives it), value (%)
 - ``memory``: allocation events: start, pid, device_id, bytes, op (0 alloc, 1 free)
 - ``gpus``: one row per GPU of TARGET_INFO_GPU; ``processes``: pid, process_name
 - ``threads``: global_tid, pid, tid, thread_name (ThreadNames)
+
+Event frames come in ``start`` order (flagged sorted when they are) as nsys writes them; rows
+no measure can use (no time, an end before the start, no process) are left out and counted in
+``unusable_rows``. A trace read for the default window mode holds only the rows of the steps
+chosen for analysis, plus whole-capture NVTX ranges and memory events: ``windows`` lists the
+time spans its event frames cover (None: the whole capture).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -58,6 +67,14 @@ class Trace:
     events: pl.DataFrame = field(default_factory=pl.DataFrame)
     # utc_offset_ns (session timestamp + offset = UTC ns) and host: to align several exports
     session: dict = field(default_factory=dict)
+    # rows left out as unusable, by "<frame>.<reason>" (no_time, end_before_start, no_process)
+    unusable_rows: dict[str, int] = field(default_factory=dict)
+    # time spans (ns) the event frames cover; None: the whole capture
+    windows: tuple[tuple[int, int], ...] | None = None
+    # with ``windows``: first start and last end of GPU work in the whole capture, and the rows
+    # of each event table (what the frames cannot say, holding only the analysed steps)
+    capture_span: tuple[int, int] | None = None
+    capture_rows: dict[str, int] = field(default_factory=dict)
 
     FRAMES = (
         "kernels",
@@ -177,9 +194,7 @@ class Trace:
         autograd thread, not the thread that pushed the range. A range nested in another one
         is dropped: the outer range already owns its calls."""
         return (
-            self.api.select("start", "correlation_id")
-            .sort("start")
-            .join_asof(
+            self.calls_by_start.join_asof(
                 outermost(ranges).select("start", key, range_end="end"),
                 on="start",
                 strategy="backward",
@@ -187,6 +202,13 @@ class Trace:
             .filter(pl.col("start") <= pl.col("range_end"))
             .select("correlation_id", key)
         )
+
+    @functools.cached_property
+    def calls_by_start(self) -> pl.DataFrame:
+        """(start, correlation_id) of every CUDA call, sorted by start: the one projection
+        that every NVTX range → GPU work mapping shares (sorted once, or not at all when the
+        loader flagged the calls already in order)."""
+        return self.api.select("start", "correlation_id").sort("start")
 
     @property
     def span(self) -> tuple[int, int]:

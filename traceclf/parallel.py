@@ -8,6 +8,7 @@ recipes, so a cluster that already runs those can run traceclf too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import multiprocessing
@@ -85,6 +86,16 @@ def _map_local(
         return [future.result() for future in futures]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        _stop_resource_tracker()
+
+
+def _stop_resource_tracker() -> None:
+    """Stop (and reap) the helper process that "spawn" starts to track the pool's semaphores:
+    left running, it outlives the command in its process group. Started again if needed."""
+    from multiprocessing import resource_tracker
+
+    with contextlib.suppress(Exception):  # a private API: never let it fail an analysis
+        resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
 
 
 @contextmanager

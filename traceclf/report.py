@@ -31,6 +31,28 @@ ORDER = (
 
 
 @dataclass
+class RankMeasures:
+    """Measures of one rank, plus the small series the figures are drawn from (computed by
+    :func:`traceclf.measures.measure_rank`; defined here, with no polars, so that a cached
+    result is read back without loading the analysis)."""
+
+    metrics: dict[str, float | int | bool | None]
+    comm_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+    top_kernels: list[dict] = field(default_factory=list)
+    step_breakdown: list[dict] = field(default_factory=list)
+    idle_gaps: dict[str, list] = field(default_factory=dict)
+    gpu_metrics_series: dict[str, list] = field(default_factory=dict)
+    idle_nvtx: list[dict] = field(default_factory=list)
+    capture: dict = field(default_factory=dict)
+    step_budget: list[dict] = field(default_factory=list)  # ms per step (critical_path)
+    collectives: dict[str, list] = field(default_factory=dict)  # for the cross-rank reduce
+    phases: list[dict] = field(default_factory=list)  # NVTX phase table (measures/phases.py)
+    step_lanes: dict = field(default_factory=dict)  # one representative step, for its figure
+    memory_series: dict = field(default_factory=dict)  # allocated device memory over time
+    kernel_summary: list[dict] = field(default_factory=list)  # like nsys cuda_gpu_kern_sum
+
+
+@dataclass
 class Report:
     report_version: int
     traceclf_version: str

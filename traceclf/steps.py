@@ -18,6 +18,7 @@ statistics; the window spans the kept steps.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import polars as pl
@@ -32,35 +33,71 @@ OUTLIER_FACTOR = 2.0  # a step outside [median/f, median*f] is left out of the s
 
 @dataclass(frozen=True)
 class Steps:
+    """The steps of one rank and the part of them the measures cover.
+
+    ``table`` has every step found (index, name, gpu_start, gpu_end, duration, steady,
+    outlier, analysed). By default (window mode) a long capture is analysed on a sample of its
+    steady steps, in runs spread evenly over the steady state: ``analysed`` marks them, and
+    ``spans`` are the GPU time spans they cover (the measures' window; ``window`` is their
+    hull). With every steady step analysed, ``spans`` is the one span ``window``.
+    """
+
     source: str  # "nvtx" | "graph" | "pattern" | "none"
-    table: pl.DataFrame  # index, name, gpu_start, gpu_end, duration, steady, outlier
+    table: pl.DataFrame
     window: tuple[int, int]
     label: str = ""  # the range name or kernel that defined the steps
+    spans: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.spans:
+            object.__setattr__(self, "spans", (self.window,))
+        if "analysed" not in self.table.columns:
+            object.__setattr__(self, "table", self.table.with_columns(analysed=pl.col("steady")))
 
     @property
     def count(self) -> int:
+        """Steps found."""
         return len(self.table)
 
     @property
     def steady(self) -> pl.DataFrame:
-        return self.table.filter(pl.col("steady"))
+        """The steady-state steps the measures cover (all of them, or the analysed sample)."""
+        return self.table.filter(pl.col("steady") & pl.col("analysed"))
 
     @property
     def used(self) -> int:
+        """Steady-state steps found (warm-up and a cut-off last step left out)."""
         return int(self.table["steady"].sum()) if self.count else 0
 
+    @property
+    def analysed(self) -> int:
+        """Steady-state steps measured: ``used``, or fewer when a long capture is sampled."""
+        return int((self.table["steady"] & self.table["analysed"]).sum()) if self.count else 0
+
+    @property
+    def wall(self) -> int:
+        """ns of the window: the total length of ``spans``, at least 1."""
+        return max(sum(hi - lo for lo, hi in self.spans), 1)
+
     def durations(self) -> pl.Series:
-        """Durations (ns) of steady, non-outlier steps."""
+        """Durations (ns) of the analysed steady, non-outlier steps."""
         return self.steady.filter(~pl.col("outlier"))["duration"]
 
 
 def find_steps(
-    trace: Trace, step_regex: str | None = None, taxonomy: Taxonomy | None = None
+    trace: Trace,
+    step_regex: str | None = None,
+    taxonomy: Taxonomy | None = None,
+    plan: StepPlan | None = None,
 ) -> Steps:
     """Steps of a single-rank trace (see :meth:`Trace.for_pid`); ``taxonomy`` (default: the
-    bundled one) names step ranges and graph launches."""
+    bundled one) names step ranges and graph launches. With a ``plan`` (window mode: the
+    steps found in the first pass and those chosen for analysis) only the chosen steps are
+    projected onto the GPU, from the rows ``trace`` holds for them."""
     from traceclf import kernels
 
+    if plan is not None:
+        return planned_steps(trace, plan)
     taxonomy = taxonomy or kernels.bundled()
     for finder in (_nvtx_steps, _graph_steps, _pattern_steps):
         found = finder(trace, step_regex, taxonomy)
@@ -81,19 +118,28 @@ def _empty_table() -> pl.DataFrame:
             "duration": pl.Int64,
             "steady": pl.Boolean,
             "outlier": pl.Boolean,
+            "analysed": pl.Boolean,
         }
     )
+
+
+def step_ranges(nvtx: pl.DataFrame, pattern: str) -> pl.DataFrame | None:
+    """The NVTX ranges matching ``pattern`` that no other match contains, numbered (index),
+    in time order; None when there are none."""
+    ranges = nvtx.filter(pl.col("text").str.contains(pattern))
+    if ranges.is_empty():
+        return None
+    # Nested matches (a "step" inside another "step") would double count: keep the outermost.
+    return outermost(ranges).with_columns(index=pl.int_range(pl.len()).cast(pl.Int64))
 
 
 def _nvtx_steps(trace: Trace, step_regex: str | None, taxonomy: Taxonomy):
     pattern = step_regex or taxonomy.nvtx["step"]
     check_step_regex(pattern)
-    ranges = trace.nvtx.filter(pl.col("text").str.contains(pattern))
-    if ranges.is_empty():
+    ranges = step_ranges(trace.nvtx, pattern)
+    if ranges is None:
         return None
-    # Nested matches (a "step" inside another "step") would double count: keep the outermost.
-    ranges = outermost(ranges).with_columns(index=pl.int_range(pl.len()).cast(pl.Int64))
-    label = _label(ranges["text"])
+    label = range_label(ranges["text"])
     owned = trace.calls_in(ranges, "index")
     work = trace.gpu_work.join(owned, on="correlation_id")
     gpu = work.group_by("index").agg(gpu_start=pl.col("start").min(), gpu_end=pl.col("end").max())
@@ -130,7 +176,7 @@ def _regex_problem(error: Exception) -> str:
     return reason or "not supported by the regex engine (no look-around, no backreferences)"
 
 
-def _label(names: pl.Series) -> str:
+def range_label(names: pl.Series) -> str:
     stripped = names.str.replace(r"[#:=_\-\s]*\d+\s*$", "")
     return str(stripped.mode()[0]) if len(stripped) else ""
 
@@ -172,6 +218,21 @@ def _pattern_steps(trace: Trace, _regex: str | None, _taxonomy: Taxonomy):
     """Steps from the kernel that recurs most regularly: the steady state of a training loop
     repeats the same sequence, so one kernel of it recurs at the step period."""
     kernels = trace.kernels.select("name", "start", "end").sort("start")
+    best = recurring_kernel(kernels)
+    if best is None:
+        return None
+    starts = kernels.filter(pl.col("name") == best)["start"]
+    table = pl.DataFrame({"gpu_start": starts}).with_columns(
+        index=pl.int_range(pl.len()).cast(pl.Int64),
+        name=pl.lit(str(best)),
+        gpu_end=pl.col("gpu_start").shift(-1).fill_null(int(kernels["end"].max())),
+    )
+    return table, "pattern", str(best)
+
+
+def recurring_kernel(kernels: pl.DataFrame):
+    """The ``name`` (any dtype) of the kernel that recurs most regularly in ``kernels``
+    (name, start, end; sorted by start) with the longest period, or None."""
     if len(kernels) < 6:
         return None
     candidates = (
@@ -194,19 +255,13 @@ def _pattern_steps(trace: Trace, _regex: str | None, _taxonomy: Taxonomy):
     if candidates.is_empty():
         return None
     # Longest regular period = whole step rather than one layer of it.
-    best = candidates.sort(["period", "n"], descending=[True, False]).row(0, named=True)
-    starts = kernels.filter(pl.col("name") == best["name"])["start"]
-    table = pl.DataFrame({"gpu_start": starts}).with_columns(
-        index=pl.int_range(pl.len()).cast(pl.Int64),
-        name=pl.lit(best["name"]),
-        gpu_end=pl.col("gpu_start").shift(-1).fill_null(int(kernels["end"].max())),
-    )
-    return table, "pattern", str(best["name"])
+    return candidates.sort(["period", "n"], descending=[True, False])["name"][0]
 
 
-def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -> Steps:
-    capture_end = trace.span[1]
-    table = (
+def with_durations(table: pl.DataFrame) -> pl.DataFrame:
+    """``table`` (gpu_start, gpu_end) sorted, with each step's duration (to the next step's
+    start, so host time between steps counts; the last one: its own GPU span) and step_end."""
+    return (
         table.sort("gpu_start")
         .with_columns(next_start=pl.col("gpu_start").shift(-1))
         .with_columns(
@@ -215,29 +270,59 @@ def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -
             step_end=pl.coalesce("next_start", "gpu_end"),
         )
     )
-    n = len(table)
-    durations = table["duration"].to_list()
+
+
+def steady_range(durations: list[int]) -> tuple[int, int]:
+    """First and last position of the steady state among steps of these durations: warm-up
+    steps at the start and a cut-off last step left out."""
+    reference = _median(durations[1:]) if len(durations) >= 3 else 0.0
+    return steady_bounds(len(durations), durations.__getitem__, reference)
+
+
+def steady_bounds(
+    n: int, duration: Callable[[int], float | None], reference: float
+) -> tuple[int, int]:
+    """:func:`steady_range` of ``n`` steps whose durations ``duration(i)`` gives (None:
+    unknown) against ``reference`` (the median step): the window mode asks only for the few
+    durations the decision needs, each measured on its own."""
+
+    def slower(i: int, than: float) -> bool:
+        d = duration(i)
+        return d is not None and d > than
+
     first, last = 0, n - 1
-    if n == 2 and durations[0] > WARMUP_FACTOR * durations[1]:
+    if n == 2 and slower(0, WARMUP_FACTOR * (duration(1) or 0)):
         first = 1  # of two steps, a much slower first one is warm-up
     if n >= 3:
-        reference = _median(durations[1:])
         first = 1  # the first step always pays for compilation, autotuning, allocation
-        while first < last and durations[first] > WARMUP_FACTOR * reference:
+        while first < last and slower(first, WARMUP_FACTOR * reference):
             first += 1
         # the last step has no successor: its duration is only its own GPU span
-        if last > first and durations[last] * WARMUP_FACTOR < reference:
+        tail = duration(last)
+        if last > first and tail is not None and tail * WARMUP_FACTOR < reference:
             last -= 1
-    steady_idx = range(first, last + 1)
-    median = _median([durations[i] for i in steady_idx]) or 1
-    table = table.with_columns(
-        steady=pl.int_range(pl.len()).is_between(first, last),
-    ).with_columns(
-        outlier=pl.col("steady")
+    return first, last
+
+
+def flag_outliers(table: pl.DataFrame, among: pl.Expr) -> pl.DataFrame:
+    """``outlier``: a step of ``among`` whose duration is far from their median."""
+    median = _median(table.filter(among)["duration"].to_list()) or 1
+    return table.with_columns(
+        outlier=among
         & (
             (pl.col("duration") > OUTLIER_FACTOR * median)
             | (pl.col("duration") < median / OUTLIER_FACTOR)
         ),
+    )
+
+
+def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -> Steps:
+    capture_end = trace.span[1]
+    table = with_durations(table)
+    first, last = steady_range(table["duration"].to_list())
+    table = flag_outliers(
+        table.with_columns(steady=pl.int_range(pl.len()).is_between(first, last)),
+        pl.col("steady"),
     )
     window = (int(table["gpu_start"][first]), int(table["step_end"][last]))
     if window[1] <= window[0]:
@@ -248,6 +333,159 @@ def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -
         window,
         label,
     )
+
+
+# ---------------------------------------------------------------------------- window mode
+
+# Analysed steps come in at most this many runs of consecutive steps, spread evenly over the
+# steady state, so that drift over the capture is still seen.
+RUNS = 16
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The steps of one rank as the first pass of the window mode finds them, and the runs of
+    steady steps chosen for analysis.
+
+    ``table``: index, name, start, end, duration, steady — GPU times when ``exact`` (steps
+    from graph launches or a recurring kernel), else the CPU times of the NVTX ranges (whose
+    GPU projection needs the CUDA calls and GPU rows that only the second pass reads).
+    ``runs``: (first, last) step index of each analysed run, inclusive.
+    """
+
+    source: str
+    label: str
+    table: pl.DataFrame
+    runs: tuple[tuple[int, int], ...]
+    exact: bool
+
+    @property
+    def needed(self) -> list[int]:
+        """Step indexes whose GPU rows the second pass reads: each run and the step after it
+        (its start ends the run's last step)."""
+        last = int(self.table["index"].max())  # type: ignore[arg-type]
+        return sorted({i for a, b in self.runs for i in range(a, min(b + 1, last) + 1)})
+
+
+def plan_steps(
+    table: pl.DataFrame,
+    source: str,
+    label: str,
+    exact: bool,
+    analysable: int,
+    steady: tuple[int, int] | None = None,
+) -> StepPlan:
+    """Choose the steps to analyse: every steady step when ``analysable`` (how many the row
+    budget allows) covers them, else ``analysable`` of them in up to :data:`RUNS` runs of
+    consecutive steps spread evenly over the steady state. ``table``: index, name, start, end
+    (GPU times when ``exact``, else CPU times, and then ``steady``, the first and last
+    position of the steady state, decided on GPU durations: :func:`steady_bounds`)."""
+    table = with_durations(table.rename({"start": "gpu_start", "end": "gpu_end"}))
+    first, last = steady or steady_range(table["duration"].to_list())
+    table = table.with_columns(
+        steady=pl.int_range(pl.len()).is_between(first, last),
+        position=pl.int_range(pl.len()),
+    )
+    index = table["index"].to_list()
+    count = last - first + 1
+    n = max(1, min(analysable, count))
+    if n >= count:
+        runs = [(first, last)]
+    else:
+        k = min(RUNS, n)
+        length = n // k
+        starts = [first + round(i * (count - length) / max(k - 1, 1)) for i in range(k)]
+        runs = [(a, a + length - 1) for a in starts]
+    merged: list[tuple[int, int]] = []
+    for a, b in runs:
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return StepPlan(
+        source,
+        label,
+        table.select(
+            "index", "name", start="gpu_start", end="gpu_end", duration="duration", steady="steady"
+        ),
+        tuple((index[a], index[b]) for a, b in merged),
+        exact,
+    )
+
+
+def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
+    """Steps of a window-mode trace: the plan's steps, with GPU times and exact durations for
+    those of its runs (NVTX ranges projected through the CUDA calls the trace holds)."""
+    table = plan.table
+    if plan.exact:
+        gpu = table.select("index", gpu_start="start", gpu_end="end")
+    else:
+        ranges = table.filter(pl.col("index").is_in(plan.needed)).select("index", "start", "end")
+        owned = trace.calls_in(ranges, "index")
+        gpu = (
+            trace.gpu_work.join(owned, on="correlation_id")
+            .group_by("index")
+            .agg(gpu_start=pl.col("start").min(), gpu_end=pl.col("end").max())
+        )
+    measured = []
+    for a, b in plan.runs:
+        run = with_durations(
+            gpu.filter(pl.col("index").is_between(a, b + 1) & pl.col("gpu_start").is_not_null())
+        ).sort("index")
+        measured.append(
+            run.filter(pl.col("index") <= b).select(
+                "index", "gpu_start", "gpu_end", "duration", "step_end", run=pl.lit(a)
+            )
+        )
+    exact = pl.concat(measured) if measured else None
+    if exact is None or exact.is_empty():
+        exact = pl.DataFrame(
+            schema={
+                "index": pl.Int64,
+                "gpu_start": pl.Int64,
+                "gpu_end": pl.Int64,
+                "duration": pl.Int64,
+                "step_end": pl.Int64,
+                "run": pl.Int64,
+            }
+        )
+    steps = (
+        table.join(exact, on="index", how="left", suffix="_gpu")
+        .with_columns(
+            duration=pl.coalesce("duration_gpu", "duration"),
+            analysed=pl.col("steady") & pl.col("gpu_start").is_not_null(),
+        )
+        .sort("index")
+    )
+    steps = flag_outliers(steps, pl.col("analysed"))
+    spans = _merge_spans(
+        [
+            (int(rows["gpu_start"].min()), int(rows["step_end"].max()))  # type: ignore[arg-type]
+            for (_run,), rows in steps.filter(pl.col("analysed")).group_by(["run"])
+        ]
+    )
+    if not spans:  # nothing of the plan found on the GPU: the rows read are the window
+        lo, hi = trace.span
+        spans = [(lo, max(hi, lo + 1))]
+    return Steps(
+        plan.source,
+        steps.select(
+            "index", "name", "gpu_start", "gpu_end", "duration", "steady", "outlier", "analysed"
+        ),
+        (spans[0][0], spans[-1][1]),
+        plan.label,
+        tuple(spans),
+    )
+
+
+def _merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        elif hi > lo:
+            out.append((lo, hi))
+    return out
 
 
 def _median(values: list[int]) -> float:

@@ -77,15 +77,18 @@ def gap_histogram(gaps: pl.DataFrame) -> dict[str, list]:
 
 
 def metric_series(
-    metrics: pl.DataFrame, window: tuple[int, int], points: int = 400
+    metrics: pl.DataFrame, window: timeline.Spans, points: int = 400
 ) -> dict[str, list]:
-    """GPU metrics averaged into ``points`` bins over the window, per metric."""
+    """GPU metrics averaged into ``points`` bins over the window (from its first to its last
+    ns: a window of several spans shows no samples between them), per metric."""
     inside = metrics.filter(
-        pl.col("timestamp").is_between(*window)
+        timeline.inside("timestamp", window)
         & pl.col("metric").is_in(list(METRICS_OF_INTEREST.values()))
     )
     if inside.is_empty():
         return {}
+    spans = timeline.spans_of(window)
+    window = (spans[0][0], spans[-1][1])
     width = max((window[1] - window[0]) // points, 1)
     binned = (
         inside.with_columns(bin=((pl.col("timestamp") - window[0]) // width))

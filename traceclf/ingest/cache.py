@@ -47,7 +47,7 @@ from traceclf.ingest.schema import check_sqlite_file
 from traceclf.model import Trace
 
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 RESULT_FORMAT = 1
 META = "meta.json"
 # Caps on what is parsed back: a damaged or planted file must not exhaust memory.
@@ -66,10 +66,13 @@ def load_trace_cached(
     use_cache: bool = True,
     cache_dir: Path | None = None,
     progress: Progress | None = None,
+    write: bool = True,
 ) -> Trace:
     """:func:`~traceclf.ingest.load.load_trace` through the Parquet cache.
 
-    ``use_cache=False`` neither reads nor writes a cache. ``cache_dir`` (default
+    ``use_cache=False`` neither reads nor writes a cache; ``write=False`` reads an entry but
+    writes none on a miss (writing costs about as much as a second of loading a GB: worth it
+    only when the export will be loaded again). ``cache_dir`` (default
     ``$TRACECLF_CACHE_DIR``, then the user's cache directory) is where the cache lives. Cache
     problems never fail a load: the export is read instead.
     """
@@ -87,7 +90,7 @@ def load_trace_cached(
         step("cache")
         return trace
     trace = load_trace(path, progress=progress)
-    if identity(path) != key:  # rewritten while we read it: do not file it under its old key
+    if not write or identity(path) != key:  # (rewritten while read: file it under no key)
         return trace
     step("writing cache")
     with contextlib.suppress(*CACHE_ERRORS):
@@ -126,6 +129,15 @@ def read_result(path: Path, variant: str, key: str, cache_dir: Path | None = Non
         return result
     except (*CACHE_ERRORS, RecursionError):  # a nesting bomb is a RecursionError
         return None
+
+
+def analysed_before(path: Path, key: str, cache_dir: Path | None = None) -> bool:
+    """Whether a result of version ``key`` of the export is cached under any options: then a
+    trace model of it is being loaded again, and caching that pays."""
+    folder = slot_of(path, cache_dir) / f"{RESULTS_PREFIX}{key}"
+    with contextlib.suppress(*CACHE_ERRORS):
+        return is_owned(folder) and any(folder.glob("*.json"))
+    return False
 
 
 def write_result(
@@ -191,6 +203,7 @@ def read_entry(entry: Path, path: Path) -> Trace | None:
         tables=frozenset(meta["tables"]),
         nccl_payload=meta["nccl_payload"],
         session=meta["session"],
+        unusable_rows=dict(meta["unusable_rows"]),
         **dict(zip(Trace.FRAMES, frames, strict=True)),
     )
 
@@ -212,6 +225,8 @@ def _read_meta(file: Path) -> dict:
         and isinstance(meta.get("session"), dict)
         and isinstance(meta.get("frames"), dict)
         and set(meta["frames"]) == set(Trace.FRAMES)
+        and isinstance(meta.get("unusable_rows"), dict)
+        and all(isinstance(n, int) for n in meta["unusable_rows"].values())
     )
     if not ok:
         raise ValueError("meta.json is not a cache entry's")
@@ -251,6 +266,7 @@ def write_entry(trace: Trace, slot: Path, key: str) -> bool:
             "nccl_payload": trace.nccl_payload,
             "session": trace.session,
             "frames": {name: _frame_meta(getattr(trace, name)) for name in Trace.FRAMES},
+            "unusable_rows": trace.unusable_rows,
         }
         # meta.json is written last, but the rename below is what publishes the entry.
         (tmp / META).write_text(json.dumps(meta), encoding="utf-8")

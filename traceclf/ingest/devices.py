@@ -4,6 +4,7 @@ samples the measures use (``GPU_METRICS``, resolved by metric name: ids are not 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import polars as pl
@@ -44,7 +45,16 @@ METRIC_TABLE_COLUMNS = {
 }
 
 
-def read_gpu_metrics(reader: Reader, window: tuple[int, int] | None) -> pl.DataFrame:
+def read_gpu_metrics(
+    reader: Reader,
+    window: tuple[int, int] | Sequence[tuple[int, int]] | None,
+    *,
+    rowids: Sequence[tuple[int, int]] | None = None,
+) -> pl.DataFrame:
+    """Samples of the metrics in :data:`METRIC_NAMES` inside ``window`` (one or several time
+    windows; None: all), only from the rowid ranges ``rowids`` when given."""
+    from traceclf.ingest.load import in_ranges
+
     columns = reader.info.columns
     if any(not need <= set(columns.get(t, ())) for t, need in METRIC_TABLE_COLUMNS.items()):
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
@@ -58,12 +68,17 @@ def read_gpu_metrics(reader: Reader, window: tuple[int, int] | None) -> pl.DataF
     ids = ", ".join(str(i) for i in wanted["metricId"].unique().to_list())
     clauses = [f"metricId IN ({ids})"]
     if window is not None:
-        clauses.append(f"timestamp BETWEEN {int(window[0])} AND {int(window[1])}")
-    raw = reader.sql(
-        reader.partitioned(
-            "SELECT timestamp, typeId, metricId, value FROM GPU_METRICS", "GPU_METRICS", clauses
+        spans = [window] if isinstance(window[0], int) else list(window)
+        clauses.append(
+            " OR ".join(f"(timestamp BETWEEN {int(lo)} AND {int(hi)})" for lo, hi in spans) or "0"
         )
+    select = "SELECT timestamp, typeId, metricId, value FROM GPU_METRICS"
+    queries = (
+        reader.partitioned(select, "GPU_METRICS", clauses)
+        if rowids is None
+        else in_ranges(select, rowids, clauses)
     )
+    raw = reader.sql(queries) if queries else pl.DataFrame()
     if raw.is_empty():
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
     return (

@@ -8,9 +8,10 @@ optional ones that an export lacks become typed nulls.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -19,38 +20,11 @@ import connectorx as cx
 import polars as pl
 
 from traceclf.errors import TraceError
-from traceclf.ingest.devices import (
-    decode_pid,
-    nccl_payload,
-    read_device_map,
-    read_gpu_metrics,
-    read_gpus,
-    read_processes,
-    read_session,
-    read_threads,
-)
+from traceclf.ingest.assemble import build_trace
+from traceclf.ingest.devices import read_gpu_metrics
 from traceclf.ingest.schema import ExportInfo, inspect_export, readonly_uri
 from traceclf.model import Trace
 
-# copyKind values of CUpti_ActivityMemcpyKind
-COPY_KINDS = {
-    1: "HtoD",
-    2: "DtoH",
-    3: "HtoA",
-    4: "AtoH",
-    5: "AtoA",
-    6: "AtoD",
-    7: "DtoA",
-    8: "DtoD",
-    9: "HtoH",
-    10: "PtoP",
-    11: "UVM_HtoD",
-    12: "UVM_DtoH",
-    13: "UVM_DtoD",
-}
-MEMORY_KIND_PAGEABLE = 0
-NVTX_RANGE_TYPES = (59, 60)  # push/pop and start/end ranges
-NVTX_DOMAIN_CREATE = 75
 # What load_trace passes to its ``progress`` callback, in order: one call as each stage starts.
 LOAD_STAGES = (
     "strings",
@@ -67,27 +41,65 @@ LOAD_STAGES = (
 
 @dataclass(frozen=True)
 class Col:
-    """One logical column: its physical names across nsys versions, dtype, and whether required."""
+    """One logical column: its physical names across nsys versions, dtype, and whether required.
+
+    ``sql``, when given, computes the column in SQLite from the physical columns present (it
+    gets their names and returns an expression, or None when it cannot be computed): fewer,
+    narrower columns cross into Arrow than the raw ones it combines.
+    """
 
     name: str
     sources: tuple[str, ...]
     dtype: type[pl.DataType] | pl.DataType = pl.Int64
     required: bool = False
+    sql: Callable[[frozenset[str]], str | None] | None = None
+    # what an ``sql`` column holds for NULL: connectorx types a computed column from its first
+    # value and fails on a NULL there, so a computed column is never NULL in SQL
+    null_as: int | None = None
 
 
-def _c(name: str, *sources: str, dtype=pl.Int64, required: bool = False) -> Col:
+def _c(
+    name: str,
+    *sources: str,
+    dtype: type[pl.DataType] | pl.DataType = pl.Int64,
+    required: bool = False,
+) -> Col:
     return Col(name, sources or (name,), dtype, required)
+
+
+def _product(name: str, sources: tuple[str, ...], missing: int, dtype=pl.Int64) -> Col:
+    """``name`` = the product (or sum, for missing=0) of those of ``sources`` present, each
+    NULL read as ``missing``; the launch configuration as three numbers instead of eight."""
+    op = " * " if missing else " + "
+
+    def sql(present: frozenset[str]) -> str:
+        terms = [f'coalesce("{c}", {missing})' for c in sources if c in present]
+        return op.join(terms) if terms else str(missing)
+
+    return Col(name, sources, dtype, sql=sql)
+
+
+def _pid(*sources: str) -> Col:
+    """Process id decoded in SQL from a serialized globalPid/globalTid (bits 24..47)."""
+
+    def sql(present: frozenset[str]) -> str | None:
+        src = next((c for c in sources if c in present), None)
+        return f'coalesce(("{src}" >> 24) & 16777215, -1)' if src else None
+
+    return Col("pid", sources, pl.Int64, sql=sql, null_as=-1)
 
 
 GPU_ROW = (
     _c("start", required=True),
     _c("end", required=True),
-    _c("device_id", "deviceId"),
-    _c("stream_id", "streamId"),
+    _c("device_id", "deviceId", dtype=pl.Int32),
+    _c("stream_id", "streamId", dtype=pl.Int32),
     _c("correlation_id", "correlationId"),
-    _c("global_pid", "globalPid", "globalTid"),
+    _pid("globalPid", "globalTid"),
 )
 
+# Only the columns some measure or step finder uses; what the model keeps of each is listed in
+# traceclf/model.py.
 TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
     "kernels": (
         ("CUPTI_ACTIVITY_KIND_KERNEL",),
@@ -96,17 +108,12 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
             # Exports without demangled names still have a short or mangled one.
             _c("name_id", "demangledName", "name", "shortName", "mangledName", required=True),
             _c("short_id", "shortName"),
-            _c("grid_x", "gridX"),
-            _c("grid_y", "gridY"),
-            _c("grid_z", "gridZ"),
-            _c("block_x", "blockX"),
-            _c("block_y", "blockY"),
-            _c("block_z", "blockZ"),
-            _c("registers", "registersPerThread"),
-            _c("static_smem", "staticSharedMemory"),
-            _c("dynamic_smem", "dynamicSharedMemory"),
+            _c("registers", "registersPerThread", dtype=pl.Int32),
             _c("graph_node_id", "graphNodeId"),
             _c("graph_id", "graphId"),
+            _product("grid_blocks", ("gridX", "gridY", "gridZ"), 1),
+            _product("block_threads", ("blockX", "blockY", "blockZ"), 1, pl.Int32),
+            _product("smem_per_block", ("staticSharedMemory", "dynamicSharedMemory"), 0, pl.Int32),
         ),
     ),
     "graphs": (
@@ -118,14 +125,14 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
         (
             *GPU_ROW,
             _c("bytes", required=True),
-            _c("copy_kind", "copyKind"),
-            _c("src_kind", "srcKind"),
-            _c("dst_kind", "dstKind"),
+            _c("copy_kind", "copyKind", dtype=pl.Int32),
+            _c("src_kind", "srcKind", dtype=pl.Int32),
+            _c("dst_kind", "dstKind", dtype=pl.Int32),
         ),
     ),
     "memset": (
         ("CUPTI_ACTIVITY_KIND_MEMSET",),
-        (*GPU_ROW, _c("bytes", required=True), _c("mem_kind", "memKind")),
+        (*GPU_ROW, _c("bytes", required=True)),
     ),
     "api": (
         ("CUPTI_ACTIVITY_KIND_RUNTIME",),
@@ -135,14 +142,14 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
             _c("global_tid", "globalTid", required=True),
             _c("correlation_id", "correlationId", required=True),
             _c("name_id", "nameId", required=True),
-            _c("event_class", "eventClass"),
+            _pid("globalTid"),
         ),
     ),
     "syncs": (
         ("CUPTI_ACTIVITY_KIND_SYNCHRONIZATION",),
         (
             *GPU_ROW,
-            _c("sync_type", "syncType", "deprecatedSyncType"),
+            _c("sync_type", "syncType", "deprecatedSyncType", dtype=pl.Int32),
             _c("event_id", "eventId"),
             # Unique per record of an event (nsys >= 2023); eventId is a handle CUDA reuses.
             _c("event_sync_id", "eventSyncId"),
@@ -153,10 +160,10 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
     "events": (
         ("CUPTI_ACTIVITY_KIND_CUDA_EVENT",),
         (
-            _c("device_id", "deviceId"),
-            _c("stream_id", "streamId"),
+            _c("device_id", "deviceId", dtype=pl.Int32),
+            _c("stream_id", "streamId", dtype=pl.Int32),
             _c("correlation_id", "correlationId", required=True),
-            _c("global_pid", "globalPid"),
+            _pid("globalPid"),
             _c("event_id", "eventId"),
             _c("event_sync_id", "eventSyncId"),
         ),
@@ -166,7 +173,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
         (
             _c("start", required=True),
             _c("end"),
-            _c("event_type", "eventType", required=True),
+            _c("event_type", "eventType", required=True, dtype=pl.Int32),
             _c("text", dtype=pl.String),
             _c("text_id", "textId"),
             _c("global_tid", "globalTid"),
@@ -177,11 +184,10 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
         ("CUDA_GPU_MEMORY_USAGE_EVENTS",),
         (
             _c("start", required=True),
-            _c("global_pid", "globalPid"),
-            _c("device_id", "deviceId"),
+            _pid("globalPid"),
+            _c("device_id", "deviceId", dtype=pl.Int32),
             _c("bytes", required=True),
-            _c("op", "memoryOperationType", required=True),
-            _c("mem_kind", "memKind"),
+            _c("op", "memoryOperationType", required=True, dtype=pl.Int32),
         ),
     ),
     "overhead": (
@@ -191,9 +197,13 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
             _c("end", required=True),
             _c("global_tid", "globalTid"),
             _c("name_id", "nameId"),
+            _pid("globalTid"),
         ),
     ),
 }
+# The event tables of the GPU and the CUDA API whose rows are checked for usability (a time, an
+# end not before the start, a process) and that the window mode reads by rowid range.
+EVENT_TABLES = ("kernels", "graphs", "memcpy", "memset", "api", "syncs")
 
 # Tables with more rows than this are read in rowid ranges on several cores (2x on 2 cores).
 PARTITION_MIN_ROWS = 500_000
@@ -239,55 +249,102 @@ class Reader:
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TraceError(self.info.path, f"corrupt or unreadable database ({detail})") from None
 
+    def table_of(self, logical: str) -> str | None:
+        """The physical table behind a logical one in this export, if any."""
+        return next((t for t in TABLES[logical][0] if self.info.has(t)), None)
+
+    @functools.cached_property
+    def strings(self) -> pl.DataFrame:
+        """StringIds: (id, value)."""
+        if not self.info.has("StringIds"):
+            return pl.DataFrame(schema={"id": pl.Int64, "value": pl.String})
+        return self.sql("SELECT id, value FROM StringIds").with_columns(
+            pl.col("id").cast(pl.Int64), pl.col("value").cast(pl.String)
+        )
+
     def read(
-        self, logical: str, window: tuple[int, int] | None = None, where: str | None = None
+        self,
+        logical: str,
+        window: Window | Sequence[Window] | None = None,
+        where: str | None = None,
+        *,
+        rowids: Sequence[tuple[int, int]] | None = None,
+        rowid: bool = False,
     ) -> pl.DataFrame:
-        tables, cols = TABLES[logical]
-        table = next((t for t in tables if self.info.has(t)), None)
+        """The rows of ``logical`` overlapping ``window`` (one time window or several), with
+        ``where``; only those in the rowid ranges ``(after, upto]`` of ``rowids`` when given;
+        with their rowid as ``_rowid`` when ``rowid``."""
+        cols = TABLES[logical][1]
+        if rowid:
+            cols = (*cols, _c("_rowid", "rowid"))
+        table = self.table_of(logical)
         if table is None:
             return empty_frame(cols)
-        present = self.info.columns[table]
+        present = frozenset(self.info.columns[table])
         select, missing = [], []
         for col in cols:
-            src = next((s for s in col.sources if s in present), None)
-            if src is None:
-                if col.required:
-                    raise TraceError(
-                        self.info.path,
-                        f"table {table} lacks column {col.sources[0]!r} "
-                        f"(schema {self.info.schema_version or 'unknown'})",
-                    )
-                missing.append(col)
-            else:
+            expr = col.sql(present) if col.sql else None
+            src = next((s for s in col.sources if s in present or s == "rowid"), None)
+            if expr is not None:
+                select.append(f"{expr} AS {col.name}")
+            elif src is not None and col.sql is None:
                 select.append(f'"{src}" AS {col.name}')
+            elif col.required:
+                raise TraceError(
+                    self.info.path,
+                    f"table {table} lacks column {col.sources[0]!r} "
+                    f"(schema {self.info.schema_version or 'unknown'})",
+                )
+            else:
+                missing.append(col)
         clauses = [where] if where else []
         if window is not None and logical in TIMED:
-            lo, hi = window
             end = '"end"' if "end" in present else "start"
-            clauses.append(f"start < {int(hi)} AND {end} > {int(lo)}")
-        df = self.sql(self.partitioned(f"SELECT {', '.join(select)} FROM {table}", table, clauses))
-        return df.with_columns([pl.lit(None, dtype=c.dtype).alias(c.name) for c in missing]).select(
-            [pl.col(c.name).cast(c.dtype, strict=False) for c in cols]
+            clauses.append(overlap_clause(window, end))
+        query = f"SELECT {', '.join(select)} FROM {table}"
+        queries = (
+            self.partitioned(query, table, clauses)
+            if rowids is None
+            else in_ranges(query, rowids, clauses)
         )
+        df = self.sql(queries) if queries else pl.DataFrame()
+        if df.is_empty():
+            return empty_frame(cols)
+        return df.with_columns([pl.lit(None, dtype=c.dtype).alias(c.name) for c in missing]).select(
+            [_typed(c) for c in cols]
+        )
+
+    def pid_sql(self, logical: str) -> str | None:
+        """SQL expression of a row's process id in ``logical``'s table, if it has one."""
+        table = self.table_of(logical)
+        col = next((c for c in TABLES[logical][1] if c.name == "pid"), None)
+        if table is None or col is None or col.sql is None:
+            return None
+        return col.sql(frozenset(self.info.columns[table]))
+
+    def empty(self, logical: str) -> pl.DataFrame:
+        """A frame with ``logical``'s columns and no rows."""
+        return empty_frame(TABLES[logical][1])
 
     def partitioned(self, select: str, table: str, clauses: list[str]) -> str | list[str]:
         """``select`` with ``clauses``, split into rowid ranges that connectorx reads on
-        several cores when the table is big (SQLite finds max(rowid) without a scan)."""
+        several cores when the table is big (SQLite finds min and max rowid without a scan)."""
         parts = _read_parallelism()
         if parts > 1:
-            last = self.sql(f"SELECT coalesce(max(rowid), 0) AS n FROM {table}")["n"][0]
-            parts = parts if last >= PARTITION_MIN_ROWS else 1
+            # one aggregate per subquery: SQLite then reads each off the B-tree's edge
+            bounds = self.sql(
+                f"SELECT coalesce((SELECT min(rowid) FROM {table}), 1) - 1 AS lo, "
+                f"coalesce((SELECT max(rowid) FROM {table}), 0) AS hi"
+            ).row(0)
+            first, last = int(bounds[0]), int(bounds[1])
+            parts = parts if last - first >= PARTITION_MIN_ROWS else 1
         if parts == 1:
             return select + "".join(
                 f" {'WHERE' if i == 0 else 'AND'} ({c})" for i, c in enumerate(clauses)
             )
-        bounds = [last * i // parts for i in range(parts + 1)]
-        return [
-            select
-            + " WHERE "
-            + " AND ".join([f"rowid > {lo} AND rowid <= {hi}", *(f"({c})" for c in clauses)])
-            for lo, hi in itertools.pairwise(bounds)
-        ]
+        # rowids start at min(rowid), which may be 0 or negative: those rows are events too
+        cuts = [first + (last - first) * i // parts for i in range(parts + 1)]
+        return in_ranges(select, list(itertools.pairwise(cuts)), clauses, split=False)
 
     def small_table(self, table: str, columns: Iterable[str]) -> pl.DataFrame:
         """Those of ``columns`` that a small metadata table (GPU info, processes) has, or an
@@ -300,26 +357,52 @@ class Reader:
         return self.sql(f"SELECT {select} FROM {table}")
 
 
+Window = tuple[int, int]
+
+
+def overlap_clause(window: Window | Sequence[Window], end: str = '"end"') -> str:
+    """SQL: the row overlaps ``window`` (or one of several windows)."""
+    spans = [window] if isinstance(window[0], int) else list(window)  # type: ignore[list-item]
+    terms = [f"(start < {int(hi)} AND {end} > {int(lo)})" for lo, hi in spans]  # type: ignore[misc]
+    return " OR ".join(terms) if terms else "0"
+
+
+def in_ranges(
+    select: str, ranges: Sequence[tuple[int, int]], clauses: list[str], split: bool = True
+) -> list[str]:
+    """One query per rowid range ``(after, upto]``; with ``split`` a range bigger than
+    :data:`PARTITION_MIN_ROWS` is cut in parts so that the cores share it."""
+    parts = _read_parallelism() if split else 1
+    pieces: list[tuple[int, int]] = []
+    for after, upto in ranges:
+        n = 1 if upto - after < PARTITION_MIN_ROWS // 2 else parts
+        pieces += [
+            (after + (upto - after) * i // n, after + (upto - after) * (i + 1) // n)
+            for i in range(n)
+        ]
+    return [
+        select
+        + " WHERE "
+        + " AND ".join([f"rowid > {int(lo)} AND rowid <= {int(hi)}", *(f"({c})" for c in clauses)])
+        for lo, hi in pieces
+        if hi > lo
+    ]
+
+
+def _typed(col: Col) -> pl.Expr:
+    expr = pl.col(col.name)
+    if col.null_as is not None:
+        expr = pl.when(expr != col.null_as).then(expr)
+    return expr.cast(col.dtype, strict=False).alias(col.name)
+
+
 def empty_frame(cols: tuple[Col, ...]) -> pl.DataFrame:
     return pl.DataFrame(schema={c.name: c.dtype for c in cols})
 
 
-def decode_tid(col: str) -> pl.Expr:
-    return (pl.col(col) % (1 << 24)).cast(pl.Int64)
-
-
-def _names(strings: pl.DataFrame, id_col: str, out: str) -> Callable[[pl.DataFrame], pl.DataFrame]:
-    def attach(df: pl.DataFrame) -> pl.DataFrame:
-        return df.join(strings.rename({"id": id_col, "value": out}), on=id_col, how="left").drop(
-            id_col
-        )
-
-    return attach
-
-
 def load_trace(
     path: str | Path,
-    window: tuple[int, int] | None = None,
+    window: Window | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
     """Open one SQLite export and return its :class:`~traceclf.model.Trace`.
@@ -329,148 +412,11 @@ def load_trace(
     called with each of :data:`LOAD_STAGES` (e.g. a :class:`traceclf.progress.LoadProgress`).
     """
     path = Path(path)
-    info = inspect_export(path, check_pages=False)
-    reader = Reader(info)
-    step = progress or (lambda _msg: None)
-
-    step("strings")
-    strings = (
-        reader.sql("SELECT id, value FROM StringIds")
-        if info.has("StringIds")
-        else pl.DataFrame(schema={"id": pl.Int64, "value": pl.String})
-    ).with_columns(pl.col("id").cast(pl.Int64), pl.col("value").cast(pl.String))
-
-    step("kernels")
-    kernels = reader.read("kernels", window)
-    kernels = _names(strings, "name_id", "name")(kernels)
-    kernels = _names(strings, "short_id", "short_name")(kernels)
-    # Categorical: a few hundred distinct names over millions of rows (~4x less memory).
-    kernels = kernels.with_columns(
-        name=pl.coalesce("name", "short_name", pl.lit("<unknown kernel>")).cast(pl.Categorical),
-        short_name=pl.coalesce("short_name", "name", pl.lit("<unknown kernel>")).cast(
-            pl.Categorical
-        ),
-        grid_blocks=(
-            pl.col("grid_x").fill_null(1)
-            * pl.col("grid_y").fill_null(1)
-            * pl.col("grid_z").fill_null(1)
-        ),
-        block_threads=(
-            pl.col("block_x").fill_null(1)
-            * pl.col("block_y").fill_null(1)
-            * pl.col("block_z").fill_null(1)
-        ),
-        smem_per_block=pl.col("static_smem").fill_null(0) + pl.col("dynamic_smem").fill_null(0),
-    ).drop(
-        "grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z", "static_smem", "dynamic_smem"
-    )
-
-    step("graphs")
-    graphs = reader.read("graphs", window)
-
-    step("copies")
-    memcpy = (
-        reader.read("memcpy", window)
-        .with_columns(
-            op=pl.lit("memcpy"),
-            direction=pl.col("copy_kind").replace_strict(
-                COPY_KINDS, default="other", return_dtype=pl.String
-            ),
-            pageable=(pl.col("src_kind") == MEMORY_KIND_PAGEABLE)
-            | (pl.col("dst_kind") == MEMORY_KIND_PAGEABLE),
-        )
-        .drop("src_kind", "dst_kind")
-    )
-    memset = (
-        reader.read("memset", window)
-        .with_columns(
-            op=pl.lit("memset"),
-            copy_kind=pl.lit(None, pl.Int64),
-            direction=pl.lit("memset"),
-            pageable=pl.lit(False),
-        )
-        .drop("mem_kind")
-    )
-    copies = pl.concat([memcpy, memset.select(memcpy.columns)], how="vertical")
-
-    step("CUDA API")
-    api = reader.read("api", window)
-    api = _names(strings, "name_id", "name")(api).with_columns(
-        name=pl.col("name").fill_null("<unknown api>").cast(pl.Categorical),
-        pid=decode_pid("global_tid"),
-        tid=decode_tid("global_tid"),
-    )
-
-    step("syncs")
-    syncs = reader.read("syncs", window)
-    events = reader.read("events")
-
-    step("NVTX")
-    nvtx = _read_nvtx(reader, strings, window)
-
-    step("memory")
-    memory = reader.read("memory")  # instants; the whole capture is needed for the peak
-    overhead = _names(strings, "name_id", "name")(reader.read("overhead", window))
-
-    step("GPU metrics")
-    gpu_metrics = read_gpu_metrics(reader, window)
-
-    gpus = read_gpus(reader)
-    processes = read_processes(reader)
-    threads = read_threads(reader, strings)
-
-    kernels, graphs, copies, syncs, events, memory = (
-        df.with_columns(pid=decode_pid("global_pid"))
-        for df in (kernels, graphs, copies, syncs, events, memory)
-    )
-    overhead = overhead.with_columns(pid=decode_pid("global_tid"))
-    return Trace(
-        path=path,
-        nsys_version=info.nsys_version,
-        schema_version=info.schema_version,
-        tables=info.tables,
-        kernels=kernels,
-        graphs=graphs,
-        copies=copies,
-        api=api,
-        syncs=syncs,
-        events=events,
-        nvtx=nvtx,
-        gpu_metrics=gpu_metrics,
-        memory=memory,
-        overhead=overhead,
-        gpus=gpus,
-        processes=processes,
-        device_map=read_device_map(reader),
-        threads=threads,
-        nccl_payload=nccl_payload(reader),
-        session=read_session(reader),
-    )
-
-
-def _read_nvtx(
-    reader: Reader, strings: pl.DataFrame, window: tuple[int, int] | None
-) -> pl.DataFrame:
-    raw = reader.read("nvtx")
-    domains = (
-        raw.filter(pl.col("event_type") == NVTX_DOMAIN_CREATE)
-        .select("domain_id", domain=pl.col("text"))
-        .unique("domain_id", maintain_order=True)
-    )
-    ranges = raw.filter(pl.col("event_type").is_in(NVTX_RANGE_TYPES) & pl.col("end").is_not_null())
-    if window is not None:
-        ranges = ranges.filter((pl.col("start") < window[1]) & (pl.col("end") > window[0]))
-    ranges = ranges.join(strings.rename({"id": "text_id", "value": "_t"}), on="text_id", how="left")
-    return (
-        ranges.join(domains, on="domain_id", how="left")
-        .select(
-            "start",
-            "end",
-            text=pl.coalesce("text", "_t", pl.lit("")),
-            domain=pl.col("domain").fill_null(""),
-            pid=decode_pid("global_tid"),
-            tid=decode_tid("global_tid"),
-            global_tid="global_tid",
-        )
-        .sort("start")
+    reader = Reader(inspect_export(path, check_pages=False))
+    return build_trace(
+        reader,
+        lambda logical: reader.read(logical, window),
+        lambda: read_gpu_metrics(reader, window),
+        nvtx_window=window,
+        progress=progress,
     )

@@ -13,8 +13,6 @@ Every ``*_frac`` is a fraction of the window's wall time unless its definition s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from traceclf.figures import series
 from traceclf.kernels import Taxonomy
 from traceclf.measures import (
@@ -30,7 +28,10 @@ from traceclf.measures import (
 )
 from traceclf.measures.window import prepare
 from traceclf.model import Trace
+from traceclf.report import RankMeasures
 from traceclf.steps import Steps
+
+__all__ = ["MEASURES", "RankMeasures", "measure_rank"]
 
 MEASURES: dict[str, str] = (
     budget.MEASURES
@@ -40,26 +41,6 @@ MEASURES: dict[str, str] = (
     | host.MEASURES
     | compute.MEASURES
 )
-
-
-@dataclass
-class RankMeasures:
-    """Measures of one rank, plus the small series the figures are drawn from."""
-
-    metrics: dict[str, float | int | bool | None]
-    comm_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
-    top_kernels: list[dict] = field(default_factory=list)
-    step_breakdown: list[dict] = field(default_factory=list)
-    idle_gaps: dict[str, list] = field(default_factory=dict)
-    gpu_metrics_series: dict[str, list] = field(default_factory=dict)
-    idle_nvtx: list[dict] = field(default_factory=list)
-    capture: dict = field(default_factory=dict)
-    step_budget: list[dict] = field(default_factory=list)  # ms per step (critical_path)
-    collectives: dict[str, list] = field(default_factory=dict)  # for the cross-rank reduce
-    phases: list[dict] = field(default_factory=list)  # NVTX phase table (measures/phases.py)
-    step_lanes: dict = field(default_factory=dict)  # one representative step, for its figure
-    memory_series: dict = field(default_factory=dict)  # allocated device memory over time
-    kernel_summary: list[dict] = field(default_factory=list)  # like nsys cuda_gpu_kern_sum
 
 
 def measure_rank(
@@ -85,7 +66,7 @@ def measure_rank(
     m["optimizer_kernels_per_step"] = compute.optimizer_kernels_per_step(w)
     m |= memory.peak(w)
     gpu_samples = trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
-    m |= compute.gpu_metric_means(gpu_samples, steps.window)
+    m |= compute.gpu_metric_means(gpu_samples, steps.spans)
     facts = capture.capture_facts(w) | {"kernel_mix_source": mix_source}
     phase_spans = phases.projected(w)
     return RankMeasures(
@@ -95,7 +76,7 @@ def measure_rank(
         top_kernels=compute.top_kernels(w),
         step_breakdown=series.step_breakdown(w),
         idle_gaps=series.gap_histogram(gaps),
-        gpu_metrics_series=series.metric_series(gpu_samples, steps.window),
+        gpu_metrics_series=series.metric_series(gpu_samples, steps.spans),
         idle_nvtx=host.idle_by_nvtx(gaps, w),
         step_budget=step_budget,
         collectives=cross_rank.collectives_of(w),

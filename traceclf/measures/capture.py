@@ -17,7 +17,8 @@ FRAMEWORK_SHARE = 0.5
 
 def capture_facts(w: RankWindow) -> dict:
     trace = w.trace
-    lo, hi = trace.span
+    # a window-mode trace holds the analysed steps only: the loader measured the capture
+    lo, hi = trace.capture_span or trace.span
     capture_ns = max(hi - lo, 1)
     work = timeline.total(trace.gpu_work)
     kernels = trace.kernels
@@ -26,7 +27,7 @@ def capture_facts(w: RankWindow) -> dict:
     return {
         "gpu_work_ms": round(work / 1e6, 4),
         "capture_ms": round(capture_ns / 1e6, 4),
-        "kernels": len(kernels),
+        "kernels": trace.capture_rows.get("kernels", len(kernels)),
         "graph_replays": len(trace.graph_executions),
         "window_share_of_capture": round(min(w.wall / capture_ns, 1.0), 4),
         "graph_trace_mode": graph_trace_mode(w),
@@ -53,14 +54,14 @@ def _training_evidence(w: RankWindow) -> dict:
     """Counts behind ``training_loop``, over the rank's whole capture: graph-level traced runs
     show their backward and optimizer kernels only in the eager warm-up before capture."""
     trace, patterns = w.trace, w.taxonomy.training
-    names = (
-        w.taxonomy.classify(trace.kernels.select("name", "start", "end", "correlation_id"))
-        .with_columns(dur=pl.col("end") - pl.col("start"))
-        .with_columns(
-            backward=pl.col("name").cast(pl.String).str.contains(patterns["backward_kernel"]),
-            framework=pl.col("name").cast(pl.String).str.contains(patterns["framework_kernel"]),
-        )
+    # the patterns run once per distinct name (a few hundred), not once per kernel (millions)
+    flags = w.taxonomy.classify(trace.kernels.select("name").unique()).with_columns(
+        backward=pl.col("name").cast(pl.String).str.contains(patterns["backward_kernel"]),
+        framework=pl.col("name").cast(pl.String).str.contains(patterns["framework_kernel"]),
     )
+    names = trace.kernels.select(
+        "name", "correlation_id", dur=pl.col("end") - pl.col("start")
+    ).join(flags.select("name", "family", "backward", "framework"), on="name", how="left")
     autograd = trace.threads.filter(
         pl.col("thread_name").str.contains(patterns["autograd_thread"])
     )["global_tid"]

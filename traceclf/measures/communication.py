@@ -19,9 +19,7 @@ def by_kind(w: RankWindow) -> dict[str, dict[str, float]]:
     comm = refine_kinds(w.kern.filter(pl.col("is_comm")), w)
     out: dict[str, dict[str, float]] = {}
     for (kind,), rows in comm.group_by(["comm_kind"]):
-        tl = timeline.timeline(
-            {"compute": w.compute, "comm": rows.select("start", "end")}, w.window
-        )
+        tl = timeline.timeline({"compute": w.compute, "comm": rows.select("start", "end")}, w.spans)
         busy = int(tl.filter(pl.col("comm") > 0)["dur"].sum())
         exposed = int(tl.filter((pl.col("comm") > 0) & (pl.col("compute") == 0))["dur"].sum())
         out[str(kind)] = {

@@ -250,8 +250,8 @@ def optimizer_kernels_per_step(w: RankWindow) -> float | None:
     return len(w.kern.join(trace.calls_in(ranges, "opt"), on="correlation_id")) / w.n_steps
 
 
-def gpu_metric_means(metrics: pl.DataFrame, window: tuple[int, int]) -> dict[str, float | None]:
-    inside = metrics.filter(pl.col("timestamp").is_between(*window))
+def gpu_metric_means(metrics: pl.DataFrame, window: timeline.Spans) -> dict[str, float | None]:
+    inside = metrics.filter(timeline.inside("timestamp", window))
     out: dict[str, float | None] = {}
     for key, name in METRICS_OF_INTEREST.items():
         values = inside.filter(pl.col("metric") == name)["value"]

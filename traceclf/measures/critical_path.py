@@ -80,7 +80,7 @@ def measure(w: RankWindow) -> tuple[dict[str, float | int | None], list[dict]]:
     def frac(col: str) -> float:
         return total[col] / wall
 
-    unresolved = int(ops.filter(pl.col("start").is_between(*w.window))["unresolved_wait"].sum())
+    unresolved = int(ops.filter(timeline.inside("start", w.spans))["unresolved_wait"].sum())
     m: dict[str, float | int | None] = {
         "non_transfer_busy_frac": frac("non_transfer_busy"),
         "compute_absent_frac": frac("compute_absent"),
@@ -103,12 +103,13 @@ def budget_ns(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The rank's operations with their dependencies, and the budget of every steady step in
     ns (:func:`step_budget`; one row for the whole window when there are no steps)."""
     ops, api = _rank_ops(w)
-    gaps = compute_gaps(ops, w.window)
+    # (the window may be several spans: gaps end at a span's edge, nothing between spans counts)
+    gaps = pl.concat([compute_gaps(ops, span) for span in timeline.spans_of(w.spans)])
     keys = ["pid", "correlation_id"]
     launches = api.select(*keys, "end").join(ops.select(keys), on=keys, how="semi")
     pieces = attribute_gaps(gaps, ops, launches, _host_holds(w))
     steps = w.steps.steady["gpu_start"].to_list() if w.steps.count else []
-    return ops, step_budget(ops, pieces, w.window, steps)
+    return ops, step_budget(ops, pieces, w.spans, steps)
 
 
 def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -344,7 +345,7 @@ def _classes_per_step(
 
 
 def step_budget(
-    ops: pl.DataFrame, pieces: pl.DataFrame, window: tuple[int, int], step_starts: list[int]
+    ops: pl.DataFrame, pieces: pl.DataFrame, window: timeline.Spans, step_starts: list[int]
 ) -> pl.DataFrame:
     """Per step (from each of ``step_starts``; one row for the window without steps), ns of
     the columns of BUDGET_COLUMNS: the iteration; device busy (kernels, graph replays, copies,
@@ -362,9 +363,11 @@ def step_budget(
         "xfer": ops.filter((kind == "copy") & pl.col("transfer")),
         "local": ops.filter((kind == "copy") & ~pl.col("transfer")),
     }
-    starts = sorted({s for s in step_starts if window[0] <= s < window[1]} | {window[0]})
+    spans = timeline.spans_of(window)
+    hull = (spans[0][0], spans[-1][1])
+    starts = sorted({s for s in step_starts if hull[0] <= s < hull[1]} | {hull[0]})
     steps = pl.DataFrame({"step_start": starts}, schema={"step_start": pl.Int64})
-    tl = timeline.timeline(layers, window, cuts=starts).sort("start")
+    tl = timeline.timeline(layers, spans, cuts=starts).sort("start")
     c, k, x, o = (pl.col(n) > 0 for n in ("compute", "comm", "xfer", "local"))
 
     def ns(cond: pl.Expr) -> pl.Expr:
@@ -382,7 +385,7 @@ def step_budget(
             exposed_copy=ns((x | o) & ~c & ~k),
             in_graph=ns(pl.col("graph") > 0),
         )
-        .join(_classes_per_step(pieces, starts, window), on="step_start", how="left")
+        .join(_classes_per_step(pieces, starts, hull), on="step_start", how="left")
         .with_columns(pl.col(CLASSES).fill_null(0))
         .sort("step_start")
     )

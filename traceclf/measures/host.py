@@ -74,7 +74,7 @@ def _idle_during(calls: pl.DataFrame, w: RankWindow) -> int:
     if calls.is_empty():
         return 0
     work = pl.concat([w.compute, w.comm, w.copies.select("start", "end")])
-    tl = timeline.timeline({"work": work, "calls": calls.select("start", "end")}, w.window)
+    tl = timeline.timeline({"work": work, "calls": calls.select("start", "end")}, w.spans)
     return int(tl.filter((pl.col("calls") > 0) & (pl.col("work") == 0))["dur"].sum())
 
 

@@ -25,7 +25,8 @@ MEASURES: dict[str, str] = {
     "d2h_gbps": "achieved device->host bandwidth (GB/s) of copies >= 1 MiB (null: none)",
     "recompute_frac": "share of forward GEMM/attention kernels re-run in backward (needs "
     "forward/backward NVTX ranges; null otherwise)",
-    "peak_memory_bytes": "peak device memory allocated (CUDA_GPU_MEMORY_USAGE_EVENTS)",
+    "peak_memory_bytes": "peak device memory allocated over the whole capture, not only the "
+    "window (CUDA_GPU_MEMORY_USAGE_EVENTS)",
     "peak_memory_frac": "peak_memory_bytes over the GPU's capacity",
 }
 SMALL_D2H_BYTES = 1024
@@ -61,7 +62,7 @@ def _exposed(copies: pl.DataFrame, w: RankWindow) -> int:
     if copies.is_empty():
         return 0
     kernels = pl.concat([w.compute, w.comm])
-    tl = timeline.timeline({"kernels": kernels, "copies": copies.select("start", "end")}, w.window)
+    tl = timeline.timeline({"kernels": kernels, "copies": copies.select("start", "end")}, w.spans)
     return int(tl.filter((pl.col("copies") > 0) & (pl.col("kernels") == 0))["dur"].sum())
 
 

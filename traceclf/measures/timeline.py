@@ -1,19 +1,83 @@
 """Interval arithmetic on polars frames of ``start``/``end`` (ns): clipping, unions, and the
-state timeline that every busy/idle/overlap measure is read from."""
+state timeline that every busy/idle/overlap measure is read from.
+
+A window is one ``(lo, hi)`` span or several disjoint ones in time order (the steps chosen
+for analysis in the default window mode: :attr:`traceclf.steps.Steps.spans`); time between
+the spans is not part of the window.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import polars as pl
 
 Window = tuple[int, int]
+Spans = Window | Sequence[Window]
 
 
-def clip(df: pl.DataFrame, window: Window) -> pl.DataFrame:
-    """Rows overlapping ``window``, with start/end clipped to it."""
-    lo, hi = window
-    return df.filter((pl.col("start") < hi) & (pl.col("end") > lo)).with_columns(
-        start=pl.col("start").clip(lower_bound=lo), end=pl.col("end").clip(upper_bound=hi)
+def spans_of(window: Spans) -> list[Window]:
+    """The spans of a window given as one span or several."""
+    if len(window) == 2 and not isinstance(window[0], tuple | list):
+        return [(int(window[0]), int(window[1]))]  # type: ignore[arg-type]
+    return [(int(lo), int(hi)) for lo, hi in window]  # type: ignore[misc]
+
+
+def length(window: Spans) -> int:
+    """Total length of the window's spans (ns)."""
+    return sum(hi - lo for lo, hi in spans_of(window))
+
+
+def clip(df: pl.DataFrame, window: Spans) -> pl.DataFrame:
+    """Rows overlapping ``window``, with start/end clipped to it (a row overlapping several
+    spans once per span)."""
+    spans = spans_of(window)
+    if len(spans) == 1:
+        return _clip_one(df, *spans[0])
+    if df.is_empty():
+        return df
+    # One pass: each row's first and last overlapping span (spans are sorted and disjoint).
+    los = pl.Series([lo for lo, _ in spans], dtype=pl.Int64)
+    his = pl.Series([hi for _, hi in spans], dtype=pl.Int64)
+    rows = df.with_columns(
+        _first=pl.lit(his).search_sorted(pl.col("start"), side="right").cast(pl.Int64),
+        _last=pl.lit(los).search_sorted(pl.col("end"), side="left").cast(pl.Int64) - 1,
+    ).filter(pl.col("_first") <= pl.col("_last"))
+    if (rows["_last"] > rows["_first"]).any():  # a row across a gap: once per span
+        rows = rows.with_columns(_first=pl.int_ranges("_first", pl.col("_last") + 1)).explode(
+            "_first"
+        )
+    return rows.with_columns(
+        start=pl.max_horizontal("start", pl.lit(los).gather(pl.col("_first"))),
+        end=pl.min_horizontal("end", pl.lit(his).gather(pl.col("_first"))),
+    ).drop("_first", "_last")
+
+
+def _clip_one(df: pl.DataFrame, lo: int, hi: int) -> pl.DataFrame:
+    start_sorted = df.height > 0 and df["start"].flags["SORTED_ASC"]
+    if not start_sorted:
+        return df.filter((pl.col("start") < hi) & (pl.col("end") > lo)).with_columns(
+            start=pl.col("start").clip(lower_bound=lo), end=pl.col("end").clip(upper_bound=hi)
+        )
+    # Rows in start order: the window is a slice (no copy) plus the few earlier rows still
+    # running at ``lo``.
+    first = int(df["start"].search_sorted(lo, side="left"))
+    upto = int(df["start"].search_sorted(hi, side="left"))
+    running = df.slice(0, first).filter(pl.col("end") > lo)
+    inside = df.slice(first, max(upto - first, 0)).filter(pl.col("end") > lo)
+    return pl.concat([running, inside], rechunk=False).with_columns(
+        start=pl.col("start").clip(lower_bound=lo).set_sorted(),
+        end=pl.col("end").clip(upper_bound=hi),
     )
+
+
+def inside(col: str, window: Spans) -> pl.Expr:
+    """``col`` (an instant) lies in one of the window's spans, ends included."""
+    spans = spans_of(window)
+    expr = pl.lit(False)
+    for lo, hi in spans:
+        expr = expr | pl.col(col).is_between(lo, hi)
+    return expr
 
 
 def union(df: pl.DataFrame) -> pl.DataFrame:
@@ -39,23 +103,26 @@ def total(df: pl.DataFrame) -> int:
 
 
 def timeline(
-    layers: dict[str, pl.DataFrame], window: Window, cuts: list[int] | None = None
+    layers: dict[str, pl.DataFrame], window: Spans, cuts: list[int] | None = None
 ) -> pl.DataFrame:
     """Sweep the window once and return disjoint segments with how many intervals of each
     layer are active in each (columns start, end, dur, and one count column per layer).
 
-    ``cuts`` are extra boundaries (e.g. step starts) so that no segment crosses one.
+    ``cuts`` are extra boundaries (e.g. step starts) so that no segment crosses one. Segments
+    between the spans of a window of several are left out.
     """
+    spans = spans_of(window)
+    window = (spans[0][0], spans[-1][1])
     events = [
         pl.concat(
             [
-                clip(df, window).select(t="start", **{name: pl.lit(1, pl.Int32)}),
-                clip(df, window).select(t="end", **{name: pl.lit(-1, pl.Int32)}),
+                clip(df, spans).select(t="start", **{name: pl.lit(1, pl.Int32)}),
+                clip(df, spans).select(t="end", **{name: pl.lit(-1, pl.Int32)}),
             ]
         )
         for name, df in layers.items()
     ]
-    bounds = [window[0], window[1], *(cuts or [])]
+    bounds = [t for span in spans for t in span] + list(cuts or [])
     events.append(pl.DataFrame({"t": bounds}, schema={"t": pl.Int64}))
     counts = (
         pl.concat(events, how="diagonal")
@@ -65,7 +132,7 @@ def timeline(
         # several events at one instant: the count after the last of them holds from there on
         .filter(pl.col("t") != pl.col("t").shift(-1).fill_null(-1))
     )
-    return (
+    segments = (
         counts.with_columns(end=pl.col("t").shift(-1))
         .rename({"t": "start"})
         .filter(
@@ -75,3 +142,9 @@ def timeline(
         )
         .with_columns(dur=pl.col("end") - pl.col("start"))
     )
+    if len(spans) > 1:  # span bounds are cuts: a segment is inside a span or between two
+        in_span = pl.lit(False)
+        for lo, hi in spans:
+            in_span = in_span | ((pl.col("start") >= lo) & (pl.col("start") < hi))
+        segments = segments.filter(in_span)
+    return segments

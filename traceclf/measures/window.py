@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from traceclf.kernels import Taxonomy
+from traceclf.kernels import Taxonomy, by_name
 from traceclf.measures import timeline
 from traceclf.model import Trace
 from traceclf.steps import Steps
@@ -32,15 +32,23 @@ class RankWindow:
 
     @property
     def window(self) -> tuple[int, int]:
+        """The hull of the window (first to last analysed ns)."""
         return self.steps.window
 
     @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The window itself: one span, or the runs of analysed steps in window mode."""
+        return self.steps.spans
+
+    @property
     def wall(self) -> int:
-        return max(self.window[1] - self.window[0], 1)
+        """ns of the window (its spans only): the denominator of every ``*_frac``."""
+        return self.steps.wall
 
     @property
     def n_steps(self) -> int:
-        return max(self.steps.used, 1)
+        """Steady steps the window covers: the denominator of every ``*_per_step``."""
+        return max(self.steps.analysed, 1)
 
     @property
     def host_traced(self) -> bool:
@@ -49,7 +57,7 @@ class RankWindow:
 
 
 def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) -> RankWindow:
-    window = steps.window
+    window = steps.spans
     kern = taxonomy.classify(timeline.clip(trace.kernels, window))
     graphs = timeline.clip(trace.graphs, window)
     graph_spans = timeline.clip(trace.graph_executions, window)
@@ -115,4 +123,4 @@ def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
             is_alloc=taxonomy.is_api("alloc"),
         )
     )
-    return api.join(names, on="name", how="left", maintain_order="left")
+    return by_name(api, names)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceclf.render.escape import visible
-from traceclf.render.text import anchor_label, fmt_bytes, fmt_ms, pct
+from traceclf.render.text import anchor_label, fmt_bytes, fmt_ms, pct, sampled
 from traceclf.report import Report
 
 RANK_COLUMNS = (
@@ -74,7 +74,8 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     label = anchor_label(anchor.get("source"), anchor.get("label"))
     steps = (
         f"{c.get('steps_used', 0)} steady of {c.get('steps_found', 0)} found, from "
-        f"{anchor.get('source', 'none')}{label}; {c.get('warmup_dropped', 0)} warm-up dropped; "
+        f"{anchor.get('source', 'none')}{label}{sampled(s)}; "
+        f"{c.get('warmup_dropped', 0)} warm-up dropped; "
         f"window {_window(report)}, {pct(c.get('window_share_of_capture'))} of the capture"
         if c.get("steps_found")
         else "no repeating step found: the whole capture is one window"
@@ -359,7 +360,7 @@ def _steps_source(report: Report) -> str:
     spread = f", spread (CV) {pct(s['cv'])}" if s.get("cv") is not None else ""
     return (
         f"from {s['source']}{label}: {s['used']} of {s['count']} steps used (warm-up and "
-        f"outliers dropped); mean {fmt_ms(s.get('mean_ms'))}, median "
+        f"outliers dropped){sampled(s)}; mean {fmt_ms(s.get('mean_ms'))}, median "
         f"{fmt_ms(s.get('median_ms'))}{spread}"
     )
 

@@ -75,9 +75,18 @@ def steps_line(report: Report) -> str:
     cv = f", spread {pct(s['cv'])}" if s.get("cv") is not None else ""
     lo, hi = s.get("window_ns", [0, 0])
     return (
-        f"Steady state: {s['used']} of {s['count']} steps (from {s['source']}{label}), "
-        f"step {fmt_ms(s.get('median_ms'))} median{cv}, window {fmt_ms((hi - lo) / 1e6)}"
+        f"Steady state: {s['used']} of {s['count']} steps (from {s['source']}{label})"
+        f"{sampled(s)}, step {fmt_ms(s.get('median_ms'))} median{cv}, window "
+        f"{fmt_ms((hi - lo) / 1e6)}"
     )
+
+
+def sampled(steps: dict) -> str:
+    """ ", 48 analysed (...)" when the window mode measured a sample of the steady steps."""
+    analysed, used = steps.get("analysed"), steps.get("used") or 0
+    if analysed is None or analysed >= used:
+        return ""
+    return f", {analysed} analysed (runs spread over the steady state; --all-steps for all)"
 
 
 def input_names(report: Report) -> str:

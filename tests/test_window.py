@@ -1,0 +1,244 @@
+"""The window mode (default) against --all-steps on real traces, and the reader under it.
+
+A capture whose event rows fit the row budget is read whole, so on the shared traces the
+default mode *is* --all-steps. To test the two-pass reader on them, the budget is set just
+under each trace's rows: pass 1 finds the steps and chooses them, pass 2 reads only their
+rows by rowid range, and every fraction must still be within 0.01 of --all-steps (the
+independent computation: the whole capture, every step projected by the full NVTX → CUDA call
+→ GPU join). A smaller budget makes it analyse a sample of the steady steps.
+
+Exports built here (shuffled tables, negative rowids, unusable rows) are constructed from a
+real one; each test says what it changes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from conftest import FIXTURES
+
+from traceclf import kernels
+from traceclf.analysis import AnalysisOptions, analyze_inputs
+from traceclf.ingest import load, rowindex, twopass
+from traceclf.ingest.load import load_trace
+from traceclf.ingest.rowindex import RowIndex
+from traceclf.report import Report
+
+EXTERNAL = FIXTURES / "external"
+TRACES = sorted(FIXTURES.glob("*.sqlite")) + sorted(EXTERNAL.glob("*.sqlite"))
+EVENT_TABLES = (
+    "CUPTI_ACTIVITY_KIND_KERNEL",
+    "CUPTI_ACTIVITY_KIND_GRAPH_TRACE",
+    "CUPTI_ACTIVITY_KIND_MEMCPY",
+    "CUPTI_ACTIVITY_KIND_MEMSET",
+    "CUPTI_ACTIVITY_KIND_RUNTIME",
+    "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION",
+)
+TOLERANCE = 0.01
+
+
+def event_rows(path: Path) -> int:
+    with sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True) as con:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        return sum(
+            con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+            for t in EVENT_TABLES
+            if t in tables
+        )
+
+
+@cache
+def analysed(path: Path, budget: int | None) -> Report:
+    """The report of ``path``: every step (budget None), or the window mode with ``budget``."""
+    opts = AnalysisOptions(use_cache=False, quiet=True, jobs=1)
+    if budget is None:
+        opts = AnalysisOptions(use_cache=False, quiet=True, jobs=1, all_steps=True)
+    else:
+        opts = AnalysisOptions(use_cache=False, quiet=True, jobs=1, row_budget=budget)
+    return analyze_inputs([str(path)], opts)
+
+
+def fractions(report: Report) -> dict[str, float | None]:
+    return {
+        k: v for k, v in report.metrics.items() if k.endswith("_frac") and not isinstance(v, bool)
+    }
+
+
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.stem)
+def test_default_mode_matches_all_steps(path: Path) -> None:
+    default = analyze_inputs([str(path)], AnalysisOptions(use_cache=False, quiet=True, jobs=1))
+    assert default.metrics == analysed(path, None).metrics  # it fits the budget: read whole
+    assert default.steps["analysed"] == default.steps["used"]
+
+
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.stem)
+def test_two_pass_read_matches_all_steps(path: Path) -> None:
+    everything, window = analysed(path, None), analysed(path, int(event_rows(path) * 0.95))
+    assert window.steps["count"] == everything.steps["count"]
+    assert window.steps["used"] == everything.steps["used"]
+    assert window.steps["analysed"] == everything.steps["used"]  # all steady steps fitted
+    expected, got = fractions(everything), fractions(window)
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        if value is None:
+            assert got[name] is None, name
+        else:
+            assert got[name] == pytest.approx(value, abs=TOLERANCE), name
+    assert window.classification["bound"] == everything.classification["bound"]
+
+
+@pytest.mark.parametrize("name", ["h100_comm_ep2", "h100_memory_offload", "h100_host_input_stall"])
+def test_sampled_steps_are_spread_and_keep_the_verdict(name: str) -> None:
+    path = FIXTURES / f"{name}.sqlite"
+    everything, sample = analysed(path, None), analysed(path, event_rows(path) // 3)
+    assert 0 < sample.steps["analysed"] < sample.steps["used"] == everything.steps["used"]
+    assert sample.classification["bound"] == everything.classification["bound"]
+    # the analysed steps reach from the start of the steady state to its end
+    steady = [i for i, s in enumerate(sample.ranks[0]["steps"]["steady"]) if s]
+    breakdown = sample.series[0]["step_breakdown"]
+    indexes = [row["index"] for row in breakdown]
+    assert len(indexes) == sample.ranks[0]["steps"]["analysed"]
+    assert indexes[0] == steady[0] and indexes[-1] >= steady[-1] - 1
+
+
+# ------------------------------------------------------------------------- the reader
+
+
+def copy_of(tmp_path: Path, name: str) -> Path:
+    return Path(shutil.copy(FIXTURES / f"{name}.sqlite", tmp_path / f"{name}.sqlite"))
+
+
+def reorder(path: Path, table: str, order: str) -> None:
+    """Rewrite ``table`` with its rows inserted in ``order`` (an SQL ORDER BY), so their rowids
+    no longer follow ``start``; the rows themselves are unchanged."""
+    with sqlite3.connect(path) as con:
+        con.execute(f"CREATE TABLE tmp AS SELECT * FROM {table} ORDER BY {order}")
+        con.execute(f"DELETE FROM {table}")
+        con.execute(f"INSERT INTO {table} SELECT * FROM tmp")
+        con.execute("DROP TABLE tmp")
+
+
+def test_rowindex_bounds_match_a_scan(tmp_path: Path) -> None:
+    path = FIXTURES / "h100_comm_ep2_overlap.sqlite"
+    table = "CUPTI_ACTIVITY_KIND_RUNTIME"
+    with rowindex.connect(path) as con:
+        index = RowIndex.build(con, table, samples=64)
+        starts = np.array([r[0] for r in con.execute(f"SELECT start FROM {table} ORDER BY rowid")])
+        assert index is not None and index.ordered and index.rows == len(starts)
+        rng = np.random.default_rng(7)
+        for lo, hi in np.sort(rng.integers(starts[0] - 10, starts[-1] + 10, (50, 2)), axis=1):
+            after, upto = index.bounds(int(lo), int(hi))
+            inside = np.flatnonzero((starts >= lo) & (starts <= hi)) + 1  # rowids are 1..n
+            if len(inside):
+                assert after < inside[0] and upto >= inside[-1]
+                assert upto - after == len(inside)  # and nothing more: exact by binary search
+
+
+def test_shuffled_rows_are_seen_and_read_by_filtered_scan(tmp_path: Path) -> None:
+    """Constructed: the kernel rows of a graph-stepped trace (exact GPU steps from pass 1)
+    in random order: the sampled order check fails, pass 2 scans with a time filter."""
+    path = copy_of(tmp_path, "h100_compute_low_occupancy")
+    reorder(path, "CUPTI_ACTIVITY_KIND_KERNEL", "random()")
+    with rowindex.connect(path) as con:
+        assert not RowIndex.build(con, "CUPTI_ACTIVITY_KIND_KERNEL").ordered
+    original = FIXTURES / "h100_compute_low_occupancy.sqlite"
+    budget = int(event_rows(original) * 0.95)
+    read = twopass.load_window(path, kernels.bundled(), budget=budget)
+    assert read.plans  # the window mode, not a whole read
+    assert read.trace.kernels["start"].is_sorted()
+    assert fractions(analysed(path, budget)) == fractions(analysed(original, budget))
+
+
+def test_shuffled_calls_fall_back_to_reading_everything(tmp_path: Path) -> None:
+    """Constructed: CUDA calls in random order, so NVTX steps cannot be projected by rowid
+    range; the export is read whole and the result is --all-steps'."""
+    path = copy_of(tmp_path, "h100_comm_ep2")
+    reorder(path, "CUPTI_ACTIVITY_KIND_RUNTIME", "random()")
+    budget = event_rows(path) // 2
+    read = twopass.load_window(path, kernels.bundled(), budget=budget)
+    assert read.plans == {} and read.trace.windows is None
+    assert (
+        analysed(path, budget).metrics == analysed(FIXTURES / "h100_comm_ep2.sqlite", None).metrics
+    )
+
+
+def test_rows_out_of_order_between_samples_are_caught_after_reading(tmp_path: Path) -> None:
+    """Constructed: two kernel rows that no sample hits trade places, so the samples look in
+    order but a rowid range read holds rows out of start order: that table is read again
+    with a filtered scan, and nothing is lost."""
+    name = "h100_compute_low_occupancy"
+    path = copy_of(tmp_path, name)
+    table = "CUPTI_ACTIVITY_KIND_KERNEL"
+    with sqlite3.connect(path) as con:
+        n = con.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0]
+        sampled = set(np.unique(np.linspace(1, n, num=min(rowindex.SAMPLES, n)).round()).tolist())
+        a = next(r for r in range(n // 2, n) if r not in sampled and r + 1 not in sampled)
+        cols = [c[1] for c in con.execute(f"PRAGMA table_info('{table}')")]
+        rows = {
+            r: con.execute(f"SELECT * FROM {table} WHERE rowid = {r}").fetchone()
+            for r in (a, a + 1)
+        }
+        sets = ", ".join(f'"{c}" = ?' for c in cols)
+        con.execute(f"UPDATE {table} SET {sets} WHERE rowid = {a}", rows[a + 1])
+        con.execute(f"UPDATE {table} SET {sets} WHERE rowid = {a + 1}", rows[a])
+    with rowindex.connect(path) as con:
+        assert RowIndex.build(con, table).ordered  # the samples do not show it
+    budget = int(event_rows(path) * 0.95)
+    read = twopass.load_window(path, kernels.bundled(), budget=budget)
+    assert read.plans and read.trace.kernels["start"].is_sorted()
+    assert read.trace.kernels.height == load_trace(path).kernels.height
+    original = FIXTURES / f"{name}.sqlite"
+    assert fractions(analysed(path, budget)) == fractions(analysed(original, budget))
+
+
+def test_rows_with_rowid_at_or_below_zero_are_read(tmp_path: Path, monkeypatch) -> None:
+    """Constructed: kernel rowids shifted to start at -99. Partitioned reads (forced for this
+    small table) and the window mode's rowid ranges must still read every row."""
+    path = copy_of(tmp_path, "h100_comm_ep2")
+    table = "CUPTI_ACTIVITY_KIND_KERNEL"
+    with sqlite3.connect(path) as con:
+        con.execute(f"UPDATE {table} SET rowid = rowid - 100")
+        rows = con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+        assert con.execute(f"SELECT count(*) FROM {table} WHERE rowid <= 0").fetchone()[0] == 100
+    monkeypatch.setattr(load, "PARTITION_MIN_ROWS", 1)
+    assert load_trace(path).kernels.height == rows
+    budget = int(event_rows(path) * 0.95)
+    window = twopass.load_window(path, kernels.bundled(), budget=budget)
+    assert window.plans
+    lo, hi = window.trace.windows[0][0], window.trace.windows[-1][1]
+    everything = load_trace(path).kernels.filter((pl.col("start") <= hi) & (pl.col("end") >= lo))
+    assert window.trace.kernels.height >= everything.height
+
+
+def test_unusable_rows_are_counted_and_left_out(tmp_path: Path) -> None:
+    """Constructed: 3 kernels ending before they start, 2 kernels and 1 memcpy with no
+    process, 4 CUDA calls with no thread (times are NOT NULL in the nsys schema)."""
+    path = copy_of(tmp_path, "h100_comm_ep2")
+    with sqlite3.connect(path) as con:
+        con.execute(
+            'UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET "end" = start - 1 WHERE rowid IN (10, 11, 12)'
+        )
+        con.execute(
+            "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET globalPid = NULL WHERE rowid IN (20, 21)"
+        )
+        con.execute("UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET globalPid = NULL WHERE rowid = 5")
+        con.execute(
+            "UPDATE CUPTI_ACTIVITY_KIND_RUNTIME SET globalTid = NULL WHERE rowid IN (30, 31, 32, 33)"
+        )
+        kernels_total = con.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchone()[0]
+    trace = load_trace(path)
+    assert trace.unusable_rows == {
+        "api.no_process": 4,
+        "kernels.end_before_start": 3,
+        "kernels.no_process": 2,
+        "memcpy.no_process": 1,
+    }
+    assert trace.kernels.height == kernels_total - 5
+    report = analyze_inputs([str(path)], AnalysisOptions(use_cache=False, quiet=True))
+    assert report.inputs[0]["unusable_rows"] == trace.unusable_rows

@@ -1,0 +1,277 @@
+"""Raw rows of the export's tables → the frames of the trace model: kernel and CUDA-call names
+resolved by lookup into Categoricals, copies and memsets as one frame, NVTX ranges with their
+text and domain, unusable rows left out and counted, start order flagged.
+
+:func:`build_trace` builds the :class:`~traceclf.model.Trace` from whatever rows a caller read:
+the whole capture (:func:`traceclf.ingest.load.load_trace`) or the analysed steps of the window
+mode (:mod:`traceclf.ingest.twopass`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import polars as pl
+
+from traceclf.ingest.devices import (
+    decode_pid,
+    nccl_payload,
+    read_device_map,
+    read_gpus,
+    read_processes,
+    read_session,
+    read_threads,
+)
+from traceclf.model import Trace
+
+if TYPE_CHECKING:
+    from traceclf.ingest.load import Reader, Window
+
+# copyKind values of CUpti_ActivityMemcpyKind
+COPY_KINDS = {
+    1: "HtoD",
+    2: "DtoH",
+    3: "HtoA",
+    4: "AtoH",
+    5: "AtoA",
+    6: "AtoD",
+    7: "DtoA",
+    8: "DtoD",
+    9: "HtoH",
+    10: "PtoP",
+    11: "UVM_HtoD",
+    12: "UVM_DtoH",
+    13: "UVM_DtoD",
+}
+MEMORY_KIND_PAGEABLE = 0
+NVTX_RANGE_TYPES = (59, 60)  # push/pop and start/end ranges
+NVTX_DOMAIN_CREATE = 75
+
+
+def decode_tid(col: str) -> pl.Expr:
+    return (pl.col(col) % (1 << 24)).cast(pl.Int64)
+
+
+def lookup_names(strings: pl.DataFrame, *ids: pl.Series) -> list[pl.Series]:
+    """Each id column as a Categorical of its StringIds values (null where absent), by lookup:
+    the few hundred distinct ids are resolved once and gathered, so no join copies the frame."""
+    used = (
+        pl.concat([i.drop_nulls() for i in ids]).unique() if ids else pl.Series([], dtype=pl.Int64)
+    )
+    known = strings.filter(pl.col("id").is_in(used.implode()))
+    if known.is_empty() or used.is_empty():
+        return [pl.Series(i.name, [None] * len(i), dtype=pl.Categorical) for i in ids]
+    values = known["value"].cast(pl.Categorical)
+    top = int(max(used.max(), known["id"].max()))  # type: ignore[arg-type]
+    if top < 0 or top > LOOKUP_MAX_ID:
+        return _lookup_by_join(known, ids)
+    codes = np.full(top + 1, len(values), dtype=np.uint32)  # len(values): the null slot
+    codes[known["id"].to_numpy()] = np.arange(len(values), dtype=np.uint32)
+    slots = pl.Series(codes)
+    table = pl.concat([values, pl.Series([None], dtype=pl.Categorical)])
+    out = []
+    for i in ids:
+        valid = i.cast(pl.Int64)
+        valid = pl.select(pl.when(valid >= 0).then(valid)).to_series()  # negative: no string
+        out.append(table.gather(slots.gather(valid)).alias(i.name))
+    return out
+
+
+# Above this id a dense lookup table would be too big: resolve names with a join instead.
+LOOKUP_MAX_ID = 50_000_000
+
+
+def _lookup_by_join(known: pl.DataFrame, ids: tuple[pl.Series, ...]) -> list[pl.Series]:
+    table = known.with_columns(pl.col("value").cast(pl.Categorical))
+    return [
+        pl.DataFrame({"id": i.cast(pl.Int64)})
+        .join(table, on="id", how="left", maintain_order="left")["value"]
+        .alias(i.name)
+        for i in ids
+    ]
+
+
+def _names(strings: pl.DataFrame, id_col: str, out: str) -> Callable[[pl.DataFrame], pl.DataFrame]:
+    def attach(df: pl.DataFrame) -> pl.DataFrame:
+        (names,) = lookup_names(strings, df[id_col])
+        return df.with_columns(names.alias(out)).drop(id_col)
+
+    return attach
+
+
+def usable(df: pl.DataFrame, logical: str, counts: dict[str, int]) -> pl.DataFrame:
+    """``df`` without the rows no measure can use: no start or end, an end before the start,
+    no process. How many of each are dropped is added to ``counts`` (the Trace's
+    ``unusable_rows``), so the report can say so rather than judge silently on fewer rows."""
+    if df.is_empty():
+        return df
+    checks = {
+        "no_time": pl.col("start").is_null()
+        | (pl.col("end").is_null() if "end" in df.columns else pl.lit(False)),
+        "end_before_start": (pl.col("end") < pl.col("start")).fill_null(False)
+        if "end" in df.columns
+        else pl.lit(False),
+        "no_process": pl.col("pid").is_null() if "pid" in df.columns else pl.lit(False),
+    }
+    found = df.select(**{k: v.sum() for k, v in checks.items()}).row(0, named=True)
+    if not any(found.values()):
+        return df
+    for reason, n in found.items():
+        if n:
+            counts[f"{logical}.{reason}"] = counts.get(f"{logical}.{reason}", 0) + int(n)
+    return df.filter(~pl.any_horizontal(*checks.values()))
+
+
+def sorted_by_start(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` in ``start`` order, flagged so (set_sorted) that later sorts, joins and searches
+    skip the work: nsys writes rows in that order, so this is a check, rarely a sort."""
+    if "start" not in df.columns or df.is_empty():
+        return df
+    if df["start"].null_count() or not df["start"].is_sorted():
+        return df.sort("start")
+    return df.with_columns(pl.col("start").set_sorted())
+
+
+ReadFn = Callable[[str], pl.DataFrame]
+
+
+def build_trace(
+    reader: Reader,
+    read: ReadFn,
+    read_metrics: Callable[[], pl.DataFrame],
+    *,
+    nvtx_window: Window | None = None,
+    nvtx: pl.DataFrame | None = None,
+    windows: tuple[Window, ...] | None = None,
+    capture: tuple[tuple[int, int] | None, dict[str, int]] = (None, {}),
+    progress: Callable[[str], None] | None = None,
+) -> Trace:
+    """The trace model from the raw frames ``read`` returns for each logical table (the whole
+    capture, one window, or the rows of chosen steps: :mod:`traceclf.ingest.twopass`).
+    ``windows`` records which time spans the frames hold (None: the whole capture)."""
+    info = reader.info
+    step = progress or (lambda _msg: None)
+    unusable: dict[str, int] = {}
+
+    step("strings")
+    strings = reader.strings
+
+    step("kernels")
+    kernels = usable(read("kernels"), "kernels", unusable)
+    name, short = lookup_names(strings, kernels["name_id"], kernels["short_id"])
+    unknown = pl.lit("<unknown kernel>").cast(pl.Categorical)
+    # Categorical: a few hundred distinct names over millions of rows (~4x less memory).
+    kernels = kernels.with_columns(
+        name=pl.coalesce(name, short).fill_null(unknown),
+        short_name=pl.coalesce(short, name).fill_null(unknown),
+    ).drop("name_id", "short_id")
+
+    step("graphs")
+    graphs = usable(read("graphs"), "graphs", unusable)
+
+    step("copies")
+    memcpy = (
+        usable(read("memcpy"), "memcpy", unusable)
+        .with_columns(
+            op=pl.lit("memcpy"),
+            direction=pl.col("copy_kind").replace_strict(
+                COPY_KINDS, default="other", return_dtype=pl.String
+            ),
+            pageable=(pl.col("src_kind") == MEMORY_KIND_PAGEABLE)
+            | (pl.col("dst_kind") == MEMORY_KIND_PAGEABLE),
+        )
+        .drop("src_kind", "dst_kind")
+    )
+    memset = usable(read("memset"), "memset", unusable).with_columns(
+        op=pl.lit("memset"),
+        copy_kind=pl.lit(None, pl.Int32),
+        direction=pl.lit("memset"),
+        pageable=pl.lit(False),
+    )
+    copies = pl.concat([memcpy, memset.select(memcpy.columns)], how="vertical")
+    if memcpy.height and memset.height:
+        copies = copies.sort("start")
+
+    step("CUDA API")
+    api = usable(read("api"), "api", unusable)
+    (api_names,) = lookup_names(strings, api["name_id"])
+    api = api.with_columns(
+        name=api_names.fill_null(pl.lit("<unknown api>").cast(pl.Categorical))
+    ).drop("name_id")
+
+    step("syncs")
+    syncs = usable(read("syncs"), "syncs", unusable)
+    events = read("events")  # cudaEventRecord rows: no time, whole capture
+
+    step("NVTX")
+    if nvtx is None:  # (the window mode has them from its first pass)
+        nvtx = nvtx_ranges(reader, read)
+    if nvtx_window is not None:
+        nvtx = nvtx.filter((pl.col("start") < nvtx_window[1]) & (pl.col("end") > nvtx_window[0]))
+
+    step("memory")
+    memory = read("memory")  # instants; the whole capture is needed for the peak
+    if memory.height and memory["pid"].null_count():
+        unusable["memory.no_process"] = memory["pid"].null_count()
+        memory = memory.filter(pl.col("pid").is_not_null())
+    overhead = _names(strings, "name_id", "name")(read("overhead"))
+
+    step("GPU metrics")
+    gpu_metrics = read_metrics()
+
+    return Trace(
+        path=info.path,
+        nsys_version=info.nsys_version,
+        schema_version=info.schema_version,
+        tables=info.tables,
+        kernels=sorted_by_start(kernels),
+        graphs=sorted_by_start(graphs),
+        copies=sorted_by_start(copies),
+        api=sorted_by_start(api),
+        syncs=sorted_by_start(syncs),
+        nvtx=nvtx,
+        gpu_metrics=gpu_metrics,
+        memory=memory,
+        overhead=sorted_by_start(overhead),
+        gpus=read_gpus(reader),
+        processes=read_processes(reader),
+        device_map=read_device_map(reader),
+        threads=read_threads(reader, strings),
+        events=events,
+        session=read_session(reader),
+        nccl_payload=nccl_payload(reader),
+        unusable_rows=dict(sorted(unusable.items())),
+        windows=windows,
+        capture_span=capture[0],
+        capture_rows=capture[1],
+    )
+
+
+def nvtx_ranges(reader: Reader, read: ReadFn | None = None) -> pl.DataFrame:
+    """NVTX push/pop and start/end ranges of the whole capture, with text and domain names,
+    sorted by start (``read`` defaults to a plain read of the table)."""
+    raw = (read or reader.read)("nvtx")
+    domains = (
+        raw.filter(pl.col("event_type") == NVTX_DOMAIN_CREATE)
+        .select("domain_id", domain=pl.col("text"))
+        .unique("domain_id", maintain_order=True)
+    )
+    ranges = raw.filter(pl.col("event_type").is_in(NVTX_RANGE_TYPES) & pl.col("end").is_not_null())
+    ranges = ranges.join(
+        reader.strings.rename({"id": "text_id", "value": "_t"}), on="text_id", how="left"
+    )
+    return (
+        ranges.join(domains, on="domain_id", how="left")
+        .select(
+            "start",
+            "end",
+            text=pl.coalesce("text", "_t", pl.lit("")),
+            domain=pl.col("domain").fill_null(""),
+            pid=decode_pid("global_tid"),
+            tid=decode_tid("global_tid"),
+            global_tid="global_tid",
+        )
+        .sort("start")
+    )

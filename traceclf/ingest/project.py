@@ -1,0 +1,125 @@
+"""The GPU start of single NVTX steps, without projecting every step.
+
+An NVTX step range is CPU time; its GPU start is the first GPU work launched by the CUDA calls
+inside it. For one step that is two SQL aggregates: the correlation ids of the rank's calls
+inside the range (one rowid range of the call table; CUPTI numbers a process's calls in call
+order, so they form one interval of ids), then the first GPU row in start order with one of
+them, looked for from the range's start onward. The window mode's first pass
+(:mod:`traceclf.ingest.twopass`) uses it to decide warm-up and a cut-off last step on GPU
+durations, as ``--all-steps`` does, and to know each analysed run's GPU span before reading it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+import numpy as np
+import polars as pl
+
+from traceclf.ingest.load import Reader
+from traceclf.ingest.rowindex import RowIndex
+
+
+class Projector:
+    """The GPU start of single NVTX steps of one rank, each from a few SQL aggregates: the
+    correlation ids of the rank's CUDA calls inside the step's range (one rowid range of the
+    call table), then the first GPU row, in start order, with one of them. CUPTI numbers a
+    process's calls in call order, so a step's calls hold one interval of ids.
+
+    Enough to decide warm-up and a cut-off last step on GPU durations, as ``--all-steps``
+    does, without projecting every step."""
+
+    BLOCK = 4096  # GPU rows per look, doubled each time; at most MAX_ROWS past the call
+    MAX_ROWS = 1 << 19
+    SAMPLE = 9  # steps whose durations give the reference (median) step
+
+    def __init__(
+        self,
+        con: sqlite3.Connection,
+        reader: Reader,
+        indexes: dict[str, RowIndex],
+        pid: int,
+        table: pl.DataFrame,
+    ) -> None:
+        self.con, self.reader, self.pid = con, reader, pid
+        self.starts = table["start"].to_list()
+        self.ends = table["end"].to_list()
+        api = indexes.get("api")
+        self.api = api if api is not None and api.ordered else None
+        self.gpu = [
+            (indexes[t], reader.pid_sql(t))
+            for t in ("kernels", "graphs", "memcpy", "memset")
+            if t in indexes and indexes[t].ordered
+        ]
+        self.usable = self.api is not None and bool(self.gpu)
+        self._starts: dict[int, int | None] = {}
+
+    def reference(self) -> float:
+        """Median duration of steps sampled evenly after the first."""
+        n = len(self.starts)
+        picks = sorted(
+            {round(1 + i * (n - 2) / max(self.SAMPLE - 1, 1)) for i in range(self.SAMPLE)}
+        )
+        known = [d for d in (self.duration(i) for i in picks if 0 < i < n) if d is not None]
+        return float(np.median(known)) if known else 0.0
+
+    def duration(self, i: int) -> float | None:
+        """GPU start to the next step's GPU start (the last step: its own GPU span)."""
+        start = self.gpu_start(i)
+        end = self.gpu_start(i + 1) if i + 1 < len(self.starts) else self._gpu_end(i)
+        return None if start is None or end is None else float(end - start)
+
+    def _calls(self, i: int) -> tuple[int, int] | None:
+        assert self.api is not None
+        lo, hi = self.starts[i], self.ends[i]
+        after, upto = self.api.bounds(lo, hi)
+        row = self.con.execute(
+            f"SELECT min(correlationId), max(correlationId) FROM {self.api.table} "
+            f"WHERE rowid > {after} AND rowid <= {upto} AND start BETWEEN {lo} AND {hi} "
+            f"AND {self.reader.pid_sql('api')} = {self.pid}"
+        ).fetchone()
+        return None if row[0] is None else (int(row[0]), int(row[1]))
+
+    def gpu_start(self, i: int) -> int | None:
+        if i not in self._starts:
+            self._starts[i] = self._first_start(i)
+        return self._starts[i]
+
+    def _first_start(self, i: int) -> int | None:
+        calls = self._calls(i)
+        if calls is None:
+            return None
+        best = None
+        for index, pid in self.gpu:
+            rowid = index.first_from(self.starts[i]) - 1  # no work starts before its call
+            stop = index.first_from(best + 1) - 1 if best is not None else None
+            block, scanned = self.BLOCK, 0
+            while rowid < index.last and scanned < self.MAX_ROWS:
+                upto = rowid + block if stop is None else stop
+                (found,) = self.con.execute(
+                    f"SELECT min(start) FROM {index.table} WHERE rowid > {rowid} "
+                    f"AND rowid <= {upto} AND {pid} = {self.pid} "
+                    f"AND correlationId BETWEEN {calls[0]} AND {calls[1]}"
+                ).fetchone()
+                if found is not None:
+                    best = found if best is None else min(best, found)
+                    break
+                if stop is not None:
+                    break
+                rowid, scanned, block = upto, scanned + block, block * 2
+        return best
+
+    def _gpu_end(self, i: int) -> int | None:
+        calls = self._calls(i)
+        if calls is None:
+            return None
+        ends = []
+        for index, pid in self.gpu:
+            (found,) = self.con.execute(
+                f'SELECT max("end") FROM {index.table} WHERE rowid > '
+                f"{index.first_from(self.starts[i]) - 1} AND {pid} = {self.pid} "
+                f"AND correlationId BETWEEN {calls[0]} AND {calls[1]}"
+            ).fetchone()
+            if found is not None:
+                ends.append(int(found))
+        return max(ends) if ends else None

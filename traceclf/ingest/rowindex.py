@@ -1,0 +1,162 @@
+"""Where a time range of an event table lies in its rowids, without reading the table.
+
+nsys writes the rows of each event table in ``start`` order, so a binary search over rowids —
+a few dozen B-tree lookups per boundary — turns a time range into a rowid range that SQLite
+reads directly. The order is not taken on trust: a few hundred rows sampled evenly must be in
+time order (``ordered``), else the caller reads that table with a filtered scan; the rows read
+by rowid range are checked again once read (:mod:`traceclf.ingest.twopass`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from traceclf.errors import TraceError
+from traceclf.ingest.schema import readonly_uri
+
+# Evenly spaced samples per table: the order check, row-count estimates, and the brackets that
+# each binary search starts from.
+SAMPLES = 256
+
+
+@contextlib.contextmanager
+def connect(path: Path) -> Iterator[sqlite3.Connection]:
+    """A read-only connection for many small lookups. Not memory-mapped: mapped pages of the
+    export would count in the process's resident memory."""
+    try:
+        con = sqlite3.connect(readonly_uri(path), uri=True, check_same_thread=False)
+    except sqlite3.Error as e:
+        raise TraceError(path, f"cannot open SQLite database: {e}") from None
+    try:
+        con.execute("PRAGMA cache_size=-16384")  # 16 MiB: the B-tree's inner pages stay cached
+        yield con
+    except sqlite3.DatabaseError as e:
+        raise TraceError(path, f"corrupt or unreadable database ({e})") from None
+    finally:
+        con.close()
+
+
+@dataclass(frozen=True)
+class RowIndex:
+    """Samples of (rowid, time) of one table, from its first row to its last, and binary
+    search between them through ``con`` (open for as long as the index is used)."""
+
+    con: sqlite3.Connection = field(repr=False)
+    table: str
+    column: str
+    rowids: np.ndarray  # int64, increasing; the first and the last rowid of the table included
+    times: np.ndarray  # int64, the ``column`` value of each sampled row
+    ordered: bool  # samples never go back in time: rowid ranges may stand for time ranges
+    found: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls, con: sqlite3.Connection, table: str, column: str = "start", samples: int = SAMPLES
+    ) -> RowIndex | None:
+        """Sample ``table``; None when it has no rows."""
+        # Two subqueries: SQLite reads min() or max() of the rowid off the B-tree's edge only
+        # when it is the query's sole aggregate; both at once would scan the table.
+        first, last = con.execute(
+            f"SELECT (SELECT min(rowid) FROM {table}), (SELECT max(rowid) FROM {table})"
+        ).fetchone()
+        if first is None:
+            return None
+        wanted = np.unique(np.linspace(first, last, num=min(samples, last - first + 1)).round())
+        ids = ",".join(str(int(i)) for i in wanted)
+        # rowid IN (...) is one B-tree seek per id; a rowid that does not exist is skipped.
+        rows = con.execute(
+            f'SELECT rowid, "{column}" FROM {table} WHERE rowid IN ({ids}) ORDER BY rowid'
+        ).fetchall()
+        rows = [(r, t) for r, t in rows if t is not None]
+        if not rows:
+            return None
+        rowids = np.array([r for r, _ in rows], dtype=np.int64)
+        times = np.array([t for _, t in rows], dtype=np.int64)
+        ordered = bool(np.all(np.diff(times) >= 0))
+        return cls(con, table, column, rowids, times, ordered)
+
+    @property
+    def first(self) -> int:
+        return int(self.rowids[0])
+
+    @property
+    def last(self) -> int:
+        return int(self.rowids[-1])
+
+    @property
+    def rows(self) -> int:
+        """Rows of the table (rowids are dense in nsys exports)."""
+        return self.last - self.first + 1
+
+    def first_from(self, t: int) -> int:
+        """The first rowid whose time is ``t`` or later (``last + 1`` if none), by binary
+        search between the samples that bracket ``t`` (remembered: steps ask again)."""
+        if t not in self.found:
+            self.found[t] = self._search(t)
+        return self.found[t]
+
+    def _search(self, t: int) -> int:
+        i = int(np.searchsorted(self.times, t, side="left"))
+        if i == 0:
+            return self.first
+        if i == len(self.times):
+            return self.last + 1
+        lo, hi = int(self.rowids[i - 1]) + 1, int(self.rowids[i])  # the answer is in [lo, hi]
+        query = (
+            f'SELECT rowid, "{self.column}" FROM {self.table} '
+            f'WHERE rowid >= ? AND "{self.column}" IS NOT NULL ORDER BY rowid LIMIT 1'
+        )
+        while lo < hi:
+            mid = (lo + hi) // 2
+            row = self.con.execute(query, (mid,)).fetchone()
+            if row is None or row[1] >= t:
+                hi = mid if row is None else min(hi, row[0])
+            else:
+                lo = row[0] + 1
+        return lo
+
+    def bounds(self, lo: int, hi: int) -> tuple[int, int]:
+        """Rowid range ``(after, upto]`` holding the rows whose time is in ``[lo, hi]``."""
+        return self.first_from(lo) - 1, self.first_from(hi + 1) - 1
+
+    def count(self, lo: int, hi: int) -> int:
+        """Rows with time in ``[lo, hi]``, estimated from the samples alone."""
+        if hi < lo:
+            return 0
+        r = np.interp([lo, hi], self.times, self.rowids)
+        return max(int(r[1] - r[0]), 0)
+
+
+def merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Rowid ranges ``(after, upto]`` merged where they overlap or touch, in order."""
+    out: list[tuple[int, int]] = []
+    for after, upto in sorted(ranges):
+        if upto <= after:
+            continue
+        if out and after <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], upto))
+        else:
+            out.append((after, upto))
+    return out
+
+
+def subtract(ranges: list[tuple[int, int]], done: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` not already in ``done`` (both merged)."""
+    out = []
+    for after, upto in ranges:
+        cursor = after
+        for d_after, d_upto in done:
+            if d_upto <= cursor or d_after >= upto:
+                continue
+            if d_after > cursor:
+                out.append((cursor, d_after))
+            cursor = max(cursor, d_upto)
+        if cursor < upto:
+            out.append((cursor, upto))
+    return out

@@ -1,0 +1,463 @@
+"""The default window mode: read a long capture in two passes, so that time and memory follow
+the steps analysed, not the capture's length.
+
+Pass 1 finds the steps of every rank cheaply — the NVTX step ranges (CPU times), else the
+CUDA-graph executions, else the kernel that recurs most regularly in a slice of the kernel
+table — and chooses the steady steps to analyse: all of them when the row budget allows,
+else runs of consecutive steps spread evenly over the steady state
+(:func:`traceclf.steps.plan_steps`). Pass 2 reads only those steps' rows, by rowid ranges found
+by binary search on ``start`` (:mod:`traceclf.ingest.rowindex`); a table whose rows are not in
+``start`` order is read with a filtered scan instead. NVTX ranges and memory events are read
+whole: warm-up detection and the peak of allocated memory need the whole capture.
+
+An export whose event tables fit in the budget is read whole, as ``--all-steps`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from traceclf.ingest import rowindex
+from traceclf.ingest.assemble import build_trace, nvtx_ranges
+from traceclf.ingest.devices import read_gpu_metrics
+from traceclf.ingest.load import EVENT_TABLES, Reader, load_trace
+from traceclf.ingest.project import Projector
+from traceclf.ingest.rowindex import RowIndex
+from traceclf.ingest.schema import inspect_export
+from traceclf.kernels import Taxonomy
+from traceclf.model import Trace
+from traceclf.steps import (
+    StepPlan,
+    plan_steps,
+    range_label,
+    recurring_kernel,
+    steady_bounds,
+    step_ranges,
+)
+
+# Event rows (kernels, CUDA calls, copies, syncs, graph executions) analysed per export by
+# default: about 0.5 GB of memory and a second of reading on two cores.
+ROW_BUDGET = 1_000_000
+# Kernel rows of the slice probed for a recurring kernel when there is neither NVTX steps nor
+# CUDA graphs (doubled until a period shows, up to PROBE_MAX_ROWS).
+PROBE_ROWS = 200_000
+PROBE_MAX_ROWS = 3_200_000
+# A table this small costs less to read whole than to reason about.
+SMALL_ROWS = 100_000
+GPU_SIDE = ("kernels", "graphs", "memcpy", "memset", "syncs")
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class WindowRead:
+    """What the window mode read: the trace (only the analysed steps' rows, unless the
+    capture fitted the budget) and, per rank pid, the plan of its steps (empty: whole capture)."""
+
+    trace: Trace
+    plans: dict[int, StepPlan]
+
+
+def load_for_analysis(
+    path: Path,
+    taxonomy: Taxonomy,
+    step_regex: str | None = None,
+    *,
+    all_steps: bool = False,
+    budget: int | None = None,
+    use_cache: bool = True,
+    cache_dir: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> WindowRead:
+    """The trace an analysis measures: the window mode's (:func:`load_window`), or with
+    ``all_steps`` the whole capture through the model cache. An entry is written then only
+    when the export was analysed before under other options: re-analysis with the same ones
+    is served by the result cache, so a cold run never pays for writing a model it will not
+    read again. The window mode reads only the analysed steps' rows: no model cache."""
+    if not all_steps:
+        return load_window(path, taxonomy, step_regex, budget or ROW_BUDGET, progress)
+    from traceclf.ingest import cache
+
+    key = cache.identity(path) if use_cache else None
+    write = key is not None and cache.analysed_before(path, key, cache_dir)
+    trace = cache.load_trace_cached(
+        path, use_cache=use_cache, cache_dir=cache_dir, progress=progress, write=write
+    )
+    return WindowRead(trace, {})
+
+
+def load_window(
+    path: str | Path,
+    taxonomy: Taxonomy,
+    step_regex: str | None = None,
+    budget: int = ROW_BUDGET,
+    progress: Callable[[str], None] | None = None,
+) -> WindowRead:
+    """Read ``path`` for the window mode (see the module's description)."""
+    path = Path(path)
+    reader = Reader(inspect_export(path, check_pages=False))
+    step = progress or (lambda _msg: None)
+    with rowindex.connect(path) as con:  # open while the indexes are searched
+        indexes = {
+            logical: RowIndex.build(con, table)
+            for logical in EVENT_TABLES
+            if (table := reader.table_of(logical)) is not None
+        }
+        indexes = {k: v for k, v in indexes.items() if v is not None}
+        if sum(i.rows for i in indexes.values()) <= budget:
+            return WindowRead(load_trace(path, progress=progress), {})
+        step("steps")
+        planner = _Planner(reader, con, indexes, taxonomy, step_regex, budget)
+        plans = planner.plans()
+        if plans is None:  # some rank's steps cannot be found cheaply: read it all
+            return WindowRead(load_trace(path, progress=progress), {})
+        trace = _read_plans(reader, con, indexes, planner, budget, progress)
+    return WindowRead(trace, plans)
+
+
+class _Planner:
+    """Pass 1: the steps of every rank, and which of them to analyse."""
+
+    def __init__(self, reader, con, indexes, taxonomy, step_regex, budget) -> None:
+        self.reader, self.con, self.indexes = reader, con, indexes
+        self.taxonomy, self.step_regex, self.budget = taxonomy, step_regex, budget
+        self.nvtx_raw = reader.read("nvtx")
+        self.spans: list[tuple[Span, Span]] = []  # (GPU rows, CUDA calls) to read per run
+
+    def plans(self) -> dict[int, StepPlan] | None:
+        self.nvtx = nvtx = nvtx_ranges(self.reader, lambda _logical: self.nvtx_raw)
+        pattern = self.step_regex or self.taxonomy.nvtx["step"]
+        plans = {}
+        for pid in self._rank_pids():
+            found = self._nvtx(nvtx, pid, pattern) or self._graphs(pid) or self._pattern(pid)
+            if found is None:
+                return None
+            table, source, label, exact = found
+            steady, projector = None, None
+            if not exact:  # CPU ranges: decide warm-up and cut-off on GPU durations
+                projector = Projector(self.con, self.reader, self.indexes, pid, table)
+                if not projector.usable:  # calls or GPU rows not in start order
+                    return None
+                steady = steady_bounds(len(table), projector.duration, projector.reference())
+            plan = plan_steps(table, source, label, exact, self._analysable(table), steady)
+            plans[pid] = plan
+            self.spans += _read_spans(plan, projector)
+        return plans or None
+
+    def _rank_pids(self) -> list[int]:
+        """Processes with GPU work, from the rows at the sampled rowids of the GPU tables
+        (a process with fewer rows than one sample interval may be missed)."""
+        pids: set[int] = set()
+        for logical in ("kernels", "graphs", "memcpy", "memset"):
+            index = self.indexes.get(logical)
+            table = self.reader.table_of(logical)
+            pid = self.reader.pid_sql(logical)
+            if index is None or table is None or pid is None:
+                continue
+            ids = ",".join(str(int(i)) for i in index.rowids)
+            pids |= {
+                int(p)
+                for (p,) in self.con.execute(
+                    f"SELECT DISTINCT {pid} FROM {table} WHERE rowid IN ({ids})"
+                )
+                if p is not None
+            }
+        return sorted(pids)
+
+    def _nvtx(self, nvtx: pl.DataFrame, pid: int, pattern: str):
+        ranges = step_ranges(nvtx.filter(pl.col("pid") == pid), pattern)
+        if ranges is None or len(ranges) < 2:
+            return None
+        table = ranges.select("index", name="text", start="start", end="end")
+        return table, "nvtx", range_label(ranges["text"]), False
+
+    def _graphs(self, pid: int):
+        """Graph-level traced replays of the most replayed graph (exact GPU times)."""
+        if "graphs" not in self.indexes:
+            return None
+        graphs = self.reader.read("graphs", where=f"{self.reader.pid_sql('graphs')} = {pid}")
+        if len(graphs) < 2:
+            return None
+        per_launch = graphs.group_by("correlation_id").agg(
+            start=pl.col("start").min(),
+            end=pl.col("end").max(),
+            key=pl.col("graph_exec_id").first(),
+        )
+        top = per_launch["key"].drop_nulls().mode()
+        if len(top):
+            per_launch = per_launch.filter(pl.col("key") == top[0])
+        table = per_launch.sort("start").select(
+            index=pl.int_range(pl.len()).cast(pl.Int64),
+            name=pl.lit("graph launch"),
+            start="start",
+            end="end",
+        )
+        return table, "graph", "cudaGraphLaunch", True
+
+    def _pattern(self, pid: int):
+        """The most regular kernel of a slice from the middle of the kernel table, then every
+        occurrence of it (one filtered scan of one column)."""
+        index = self.indexes.get("kernels")
+        if index is None:
+            return None
+        where = f"{self.reader.pid_sql('kernels')} = {pid}"
+        rows, best = PROBE_ROWS, None
+        while best is None:
+            middle = index.first + index.rows // 2
+            lo, hi = max(index.first - 1, middle - rows // 2), min(index.last, middle + rows // 2)
+            probe = self.reader.read("kernels", where=where, rowids=[(lo, hi)])
+            best = recurring_kernel(
+                probe.select(name="name_id", start="start", end="end").sort("start")
+            )
+            if best is None and (rows >= PROBE_MAX_ROWS or rows >= index.rows):
+                return None
+            rows *= 2
+        hits = self.reader.read("kernels", where=f"{where} AND ({self._name_match(best)})")
+        if len(hits) < 2:
+            return None
+        # the last step ends with the rank's last kernel (as --all-steps has it), which sits
+        # among the table's last rows
+        table = self.reader.table_of("kernels")
+        tail = f"{where} AND rowid > {index.last - Projector.BLOCK}"
+        (last_end,) = self.con.execute(f'SELECT max("end") FROM {table} WHERE {tail}').fetchone()
+        if last_end is None:
+            (last_end,) = self.con.execute(
+                f'SELECT max("end") FROM {table} WHERE {where}'
+            ).fetchone()
+        last_end = max(int(last_end or 0), int(hits["end"].max()))  # type: ignore[arg-type]
+        table = hits.sort("start").select(
+            index=pl.int_range(pl.len()).cast(pl.Int64),
+            name=pl.lit(self._string(best)),
+            start="start",
+            end=pl.col("start").shift(-1).fill_null(last_end),
+        )
+        return table, "pattern", self._string(best), True
+
+    def _name_match(self, name_id: int) -> str:
+        table = self.reader.table_of("kernels")
+        present = self.reader.info.columns[table]  # type: ignore[index]
+        column = next(
+            c for c in ("demangledName", "name", "shortName", "mangledName") if c in present
+        )
+        return f'"{column}" = {int(name_id)}'
+
+    def _string(self, string_id: int) -> str:
+        hit = self.reader.strings.filter(pl.col("id") == string_id)["value"]
+        return str(hit[0]) if len(hit) else str(string_id)
+
+    def _analysable(self, table: pl.DataFrame) -> int:
+        """How many steps the row budget allows, from the rows per step over the steps' span."""
+        lo, hi = int(table["start"].min()), int(table["end"].max())  # type: ignore[arg-type]
+        rows = sum(index.count(lo, hi) for index in self.indexes.values())
+        per_step = max(rows / max(len(table), 1), 1)
+        return max(1, int(self.budget // per_step))
+
+
+# --------------------------------------------------------------------------------- pass 2
+
+
+@dataclass
+class _Table:
+    """The rows of one event table read so far."""
+
+    index: RowIndex | None
+    done: list[tuple[int, int]]
+    frames: list[pl.DataFrame]
+    spans: list[Span]
+
+    def frame(self) -> pl.DataFrame:
+        """One frame of the rows read, each once, in rowid order (connectorx returns the
+        ranges of one read in any order; rowid ranges never overlap, filtered scans may)."""
+        if len(self.frames) > 1 or (self.frames and not self.frames[0]["_rowid"].is_sorted()):
+            rows = pl.concat(self.frames, how="vertical_relaxed")
+            if not self.by_rowid:
+                rows = rows.unique("_rowid", keep="first")
+            self.frames = [rows.sort("_rowid")]
+        return self.frames[0] if self.frames else pl.DataFrame()
+
+    @property
+    def by_rowid(self) -> bool:
+        """Whether rows are read by rowid range (the table is in start order)."""
+        return self.index is not None and self.index.ordered
+
+
+class _Pass2:
+    """Reads rows of the event tables by time span, each row once."""
+
+    def __init__(self, reader: Reader, indexes: dict[str, RowIndex]) -> None:
+        self.reader = reader
+        self.tables = {
+            logical: _Table(indexes.get(logical), [], [], [])
+            for logical in EVENT_TABLES
+            if reader.table_of(logical) is not None
+        }
+
+    def read(self, logicals: tuple[str, ...], spans: list[Span]) -> None:
+        """Add the rows of each of ``logicals`` overlapping ``spans`` (by rowid range when
+        the table is in start order, else by a filtered scan)."""
+        for logical in logicals:
+            table = self.tables.get(logical)
+            if table is None or not spans:
+                continue
+            table.spans += spans
+            if table.index is not None and table.index.ordered:
+                wanted = rowindex.merge([table.index.bounds(lo, hi) for lo, hi in spans])
+                todo = rowindex.subtract(wanted, table.done)
+                if todo:
+                    table.frames.append(self.reader.read(logical, rowids=todo, rowid=True))
+                    table.done = rowindex.merge(table.done + todo)
+            else:
+                table.frames.append(self.reader.read(logical, spans, rowid=True))
+
+    def frame(self, logical: str) -> pl.DataFrame:
+        table = self.tables.get(logical)
+        return table.frame() if table is not None else pl.DataFrame()
+
+    def finish(self, logical: str) -> pl.DataFrame:
+        """Everything read of ``logical`` that overlaps the spans asked for, in start order.
+
+        Rows read by rowid range that are not in start order break the order assumption where
+        the samples did not show it: the table is then read again with a filtered scan."""
+        table = self.tables.get(logical)
+        if table is None or not table.spans:
+            return self.reader.empty(logical)
+        df = table.frame()
+        if df.is_empty():
+            return self.reader.empty(logical)
+        spans = _merge(table.spans)
+        if table.by_rowid and not df["start"].is_sorted():
+            df = self.reader.read(logical, spans, rowid=True)
+        elif not table.by_rowid:
+            df = df.sort("start")
+        keep = pl.lit(False)
+        for lo, hi in spans:  # ends included: the row starting at ``hi`` ends the window
+            keep = keep | ((pl.col("start") <= hi) & (pl.col("end") >= lo))
+        # in start order: flagged so (set_sorted), later sorts and searches are free
+        return df.filter(keep).drop("_rowid").sort("start")
+
+
+_END = 1 << 62  # a span to the end of the capture
+
+
+def _read_spans(plan: StepPlan, projector: Projector | None) -> list[tuple[Span, Span]]:
+    """(GPU rows, CUDA calls) time spans to read for each run of ``plan``.
+
+    GPU rows from a little before the run's first GPU work (kernels still running then) to the
+    first GPU work of the step after the run (which ends the run's last step), or to the end
+    of the capture after the last step. CUDA calls: those made inside the runs' steps and the
+    next one (their correlation ids project the steps onto the GPU) and while the GPU runs
+    the window (launch, sync and idle-cause measures); with exact (GPU-timed) steps, from a
+    step before the run (the calls that launched its first work)."""
+    table = plan.table
+    starts = dict(zip(table["index"].to_list(), table["start"].to_list(), strict=True))
+    ends = dict(zip(table["index"].to_list(), table["end"].to_list(), strict=True))
+    if projector is not None:
+        step_ns = int(projector.reference()) or 1
+    else:
+        step_ns = max(int(table["duration"].median() or 0), 1)  # type: ignore[arg-type]
+    out = []
+    for a, b in plan.runs:
+        following = b + 1 if b + 1 in starts else None
+        margin = step_ns // 4  # kernels still running at the start; the work that ends the
+        # window's last idle gap (the critical path looks for it past the end)
+        if projector is None:
+            hi = (starts[following] if following is not None else ends[b]) + margin
+            out.append(((starts[a] - margin, hi), (starts[a] - step_ns, hi)))
+            continue
+        first = projector.gpu_start(a) or starts[a]
+        nxt = projector.gpu_start(following) if following is not None else None
+        gpu_hi = nxt + margin if nxt is not None else _END
+        calls_hi = max(ends[following], nxt) if nxt is not None and following else _END
+        out.append(
+            (
+                (min(first, starts[a]) - margin, gpu_hi),
+                (min(first, starts[a]), calls_hi),
+            )
+        )
+    return out
+
+
+def _read_plans(
+    reader: Reader,
+    con,
+    indexes: dict[str, RowIndex],
+    planner: _Planner,
+    budget: int,
+    progress: Callable[[str], None] | None,
+) -> Trace:
+    """Pass 2: the rows of the planned steps, then the trace model from them."""
+    p2 = _Pass2(reader, indexes)
+    p2.read(("api",), [calls for _gpu, calls in planner.spans])
+    p2.read(GPU_SIDE, [gpu for gpu, _calls in planner.spans])
+    frames = {logical: p2.finish(logical) for logical in EVENT_TABLES}
+    if "graphs" in indexes:
+        # Graph-level tracing hides the replays' kernels; the measures then take kernel shapes
+        # from the eager kernels outside the window (and the calls that captured the graph),
+        # which are few: read them all.
+        for logical in ("kernels", "api"):
+            index = indexes.get(logical)
+            if index is not None and index.rows <= max(budget // 2, SMALL_ROWS):
+                frames[logical] = reader.read(logical)
+    gpu_spans = _merge([gpu for gpu, _calls in planner.spans])
+    windows = tuple(_merge([span for pair in planner.spans for span in pair]))
+
+    def read_metrics() -> pl.DataFrame:
+        index = (
+            RowIndex.build(con, "GPU_METRICS", "timestamp")
+            if reader.info.has("GPU_METRICS")
+            else None
+        )
+        if index is not None and index.ordered:
+            ranges = rowindex.merge([index.bounds(lo, hi) for lo, hi in gpu_spans])
+            return read_gpu_metrics(reader, gpu_spans, rowids=ranges)
+        return read_gpu_metrics(reader, gpu_spans)
+
+    def read(logical: str) -> pl.DataFrame:
+        if logical in frames:
+            return frames[logical]
+        if logical == "nvtx":
+            return planner.nvtx_raw
+        return reader.read(logical)  # memory events, profiler overhead: small, whole
+
+    return build_trace(
+        reader,
+        read,
+        read_metrics,
+        nvtx=planner.nvtx,
+        windows=windows,
+        capture=_capture(reader, indexes),
+        progress=progress,
+    )
+
+
+def _capture(
+    reader: Reader, indexes: dict[str, RowIndex]
+) -> tuple[tuple[int, int] | None, dict[str, int]]:
+    """The whole capture's GPU span (first start; last end, among each table's last rows) and
+    the rows of every event table, from the indexes and a few lookups."""
+    lo, hi = None, None
+    for logical in ("kernels", "graphs", "memcpy", "memset"):
+        index = indexes.get(logical)
+        if index is None:
+            continue
+        first = int(index.times.min())
+        (last,) = index.con.execute(
+            f'SELECT max("end") FROM {index.table} WHERE rowid > {index.last - Projector.BLOCK}'
+        ).fetchone()
+        lo = first if lo is None else min(lo, first)
+        hi = int(last or 0) if hi is None else max(hi, int(last or 0))
+    span = (lo, hi) if lo is not None and hi is not None else None
+    return span, {logical: index.rows for logical, index in indexes.items()}
+
+
+def _merge(spans: list[Span]) -> list[Span]:
+    out: list[Span] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
