@@ -23,6 +23,7 @@ from traceclf.analysis import AnalysisOptions, analyze_export
 from traceclf.ingest import cache, cachedir
 from traceclf.ingest.cache import load_trace_cached
 from traceclf.ingest.load import load_trace
+from traceclf.reduce import build_report
 
 SMALL = "h100_comm_ep2"
 OTHER = "h100_host_input_stall"
@@ -54,7 +55,7 @@ def result_file(export: Path) -> Path:
 
 
 def bound_of(export: Path) -> str:
-    return analysis.build_report([analyze_export(export, OPTS)], OPTS).bound
+    return build_report([analyze_export(export, OPTS)]).bound
 
 
 # 1. Never follow a symlinked cache folder; delete only names the cache itself creates ---------

@@ -20,12 +20,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import polars as pl
 
 from traceclf.errors import TraceError, TraceWarning
 from traceclf.kernels import Taxonomy
 from traceclf.model import Trace, outermost
+
+if TYPE_CHECKING:
+    from traceclf.stepplan import StepPlan
 
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the median is warm-up
 OUTLIER_FACTOR = 2.0  # a step outside [median/f, median*f] is left out of the statistics
@@ -97,6 +101,8 @@ def find_steps(
     from traceclf import kernels
 
     if plan is not None:
+        from traceclf.stepplan import planned_steps
+
         return planned_steps(trace, plan)
     taxonomy = taxonomy or kernels.bundled()
     for finder in (_nvtx_steps, _graph_steps, _pattern_steps):
@@ -333,159 +339,6 @@ def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -
         window,
         label,
     )
-
-
-# ---------------------------------------------------------------------------- window mode
-
-# Analysed steps come in at most this many runs of consecutive steps, spread evenly over the
-# steady state, so that drift over the capture is still seen.
-RUNS = 16
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """The steps of one rank as the first pass of the window mode finds them, and the runs of
-    steady steps chosen for analysis.
-
-    ``table``: index, name, start, end, duration, steady — GPU times when ``exact`` (steps
-    from graph launches or a recurring kernel), else the CPU times of the NVTX ranges (whose
-    GPU projection needs the CUDA calls and GPU rows that only the second pass reads).
-    ``runs``: (first, last) step index of each analysed run, inclusive.
-    """
-
-    source: str
-    label: str
-    table: pl.DataFrame
-    runs: tuple[tuple[int, int], ...]
-    exact: bool
-
-    @property
-    def needed(self) -> list[int]:
-        """Step indexes whose GPU rows the second pass reads: each run and the step after it
-        (its start ends the run's last step)."""
-        last = int(self.table["index"].max())  # type: ignore[arg-type]
-        return sorted({i for a, b in self.runs for i in range(a, min(b + 1, last) + 1)})
-
-
-def plan_steps(
-    table: pl.DataFrame,
-    source: str,
-    label: str,
-    exact: bool,
-    analysable: int,
-    steady: tuple[int, int] | None = None,
-) -> StepPlan:
-    """Choose the steps to analyse: every steady step when ``analysable`` (how many the row
-    budget allows) covers them, else ``analysable`` of them in up to :data:`RUNS` runs of
-    consecutive steps spread evenly over the steady state. ``table``: index, name, start, end
-    (GPU times when ``exact``, else CPU times, and then ``steady``, the first and last
-    position of the steady state, decided on GPU durations: :func:`steady_bounds`)."""
-    table = with_durations(table.rename({"start": "gpu_start", "end": "gpu_end"}))
-    first, last = steady or steady_range(table["duration"].to_list())
-    table = table.with_columns(
-        steady=pl.int_range(pl.len()).is_between(first, last),
-        position=pl.int_range(pl.len()),
-    )
-    index = table["index"].to_list()
-    count = last - first + 1
-    n = max(1, min(analysable, count))
-    if n >= count:
-        runs = [(first, last)]
-    else:
-        k = min(RUNS, n)
-        length = n // k
-        starts = [first + round(i * (count - length) / max(k - 1, 1)) for i in range(k)]
-        runs = [(a, a + length - 1) for a in starts]
-    merged: list[tuple[int, int]] = []
-    for a, b in runs:
-        if merged and a <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return StepPlan(
-        source,
-        label,
-        table.select(
-            "index", "name", start="gpu_start", end="gpu_end", duration="duration", steady="steady"
-        ),
-        tuple((index[a], index[b]) for a, b in merged),
-        exact,
-    )
-
-
-def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
-    """Steps of a window-mode trace: the plan's steps, with GPU times and exact durations for
-    those of its runs (NVTX ranges projected through the CUDA calls the trace holds)."""
-    table = plan.table
-    if plan.exact:
-        gpu = table.select("index", gpu_start="start", gpu_end="end")
-    else:
-        ranges = table.filter(pl.col("index").is_in(plan.needed)).select("index", "start", "end")
-        owned = trace.calls_in(ranges, "index")
-        gpu = (
-            trace.gpu_work.join(owned, on="correlation_id")
-            .group_by("index")
-            .agg(gpu_start=pl.col("start").min(), gpu_end=pl.col("end").max())
-        )
-    measured = []
-    for a, b in plan.runs:
-        run = with_durations(
-            gpu.filter(pl.col("index").is_between(a, b + 1) & pl.col("gpu_start").is_not_null())
-        ).sort("index")
-        measured.append(
-            run.filter(pl.col("index") <= b).select(
-                "index", "gpu_start", "gpu_end", "duration", "step_end", run=pl.lit(a)
-            )
-        )
-    exact = pl.concat(measured) if measured else None
-    if exact is None or exact.is_empty():
-        exact = pl.DataFrame(
-            schema={
-                "index": pl.Int64,
-                "gpu_start": pl.Int64,
-                "gpu_end": pl.Int64,
-                "duration": pl.Int64,
-                "step_end": pl.Int64,
-                "run": pl.Int64,
-            }
-        )
-    steps = (
-        table.join(exact, on="index", how="left", suffix="_gpu")
-        .with_columns(
-            duration=pl.coalesce("duration_gpu", "duration"),
-            analysed=pl.col("steady") & pl.col("gpu_start").is_not_null(),
-        )
-        .sort("index")
-    )
-    steps = flag_outliers(steps, pl.col("analysed"))
-    spans = _merge_spans(
-        [
-            (int(rows["gpu_start"].min()), int(rows["step_end"].max()))  # type: ignore[arg-type]
-            for (_run,), rows in steps.filter(pl.col("analysed")).group_by(["run"])
-        ]
-    )
-    if not spans:  # nothing of the plan found on the GPU: the rows read are the window
-        lo, hi = trace.span
-        spans = [(lo, max(hi, lo + 1))]
-    return Steps(
-        plan.source,
-        steps.select(
-            "index", "name", "gpu_start", "gpu_end", "duration", "steady", "outlier", "analysed"
-        ),
-        (spans[0][0], spans[-1][1]),
-        plan.label,
-        tuple(spans),
-    )
-
-
-def _merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(spans):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        elif hi > lo:
-            out.append((lo, hi))
-    return out
 
 
 def _median(values: list[int]) -> float:
