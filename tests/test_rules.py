@@ -532,3 +532,13 @@ def test_collectives_waiting_for_a_late_rank_point_at_the_rank_not_the_fabric():
     verdict = evaluate(transfer)
     assert "balance-expert-load" not in ids(verdict)
     assert any("exchange itself is slow" in e for e in verdict.classification["evidence"])
+
+
+def test_disagreeing_step_anchors_halve_the_window_reliability():
+    agree = {"metrics": {"compute_frac": 0.9, "gpu_busy_frac": 0.9, "gpu_idle_frac": 0.1}}
+    agree |= TRAINING
+    doubt = agree | {"steps": TRAINING["steps"] | {"anchors_agree": False}}
+    a, d = evaluate(agree).classification, evaluate(doubt).classification
+    assert d["confidence_basis"]["reliability"] == pytest.approx(
+        a["confidence_basis"]["reliability"] * 0.5
+    )

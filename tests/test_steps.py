@@ -121,3 +121,30 @@ def test_both_ranks_of_a_two_rank_report_have_steps():
     windows = [s.window for s, _ in ranks]
     assert windows[0] != windows[1]
     assert all(pl.Series(s.durations()).median() / 1e6 > 90 for s, _ in ranks)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "agree"),
+    [(1.0, True), (1.08, True), (0.93, True), (2.03, True), (0.334, True), (4.1, True),
+     (1.5, False), (0.7, False), (2.6, False), (0.0, False)],
+)  # fmt: skip
+def test_two_anchors_agree_when_their_step_times_match_or_are_whole_multiples(ratio, agree):
+    from traceclf.steps import anchors_agree
+
+    assert anchors_agree(ratio) is agree
+
+
+def test_a_second_anchor_cross_checks_the_step_on_real_traces():
+    """On our traces the next anchor (graph replays, or a kernel that recurs once per step)
+    implies the same step time as the NVTX steps, within 1%."""
+    from traceclf.steps import find_steps
+
+    for name in (
+        "h100_comm_ep2.sqlite",
+        "h100_host_cudagraph.sqlite",
+        "h100_memory_offload.sqlite",
+    ):
+        trace = load_trace(trace_path(name))
+        steps = find_steps(trace.for_pid(trace.rank_pids[0]))
+        assert steps.source == "nvtx"
+        assert steps.second["agrees"] and steps.second["ratio"] == pytest.approx(1, abs=0.01)

@@ -353,4 +353,5 @@ def _steps_summary(steps) -> dict:
         "steady": steps.table["steady"].to_list(),
         "outliers": int(steps.steady["outlier"].sum()) if steps.count else 0,
         "worst": slowest_step(steps),
+        "second_anchor": steps.second,
     }

@@ -77,6 +77,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
         "cv": _mean([r.steps["cv"] for r in ranks]),
         "window_ns": first.get("window_ns", [0, 0]),
         "worst": _worst_step(ranks),
+        "anchors_agree": (first.get("second_anchor") or {}).get("agrees", True),
     }
     facts = {
         "metrics": metrics,

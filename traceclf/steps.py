@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import polars as pl
@@ -51,6 +51,8 @@ class Steps:
     window: tuple[int, int]
     label: str = ""  # the range name or kernel that defined the steps
     spans: tuple[tuple[int, int], ...] = ()
+    # the next anchor's step time, as a cross-check (cross_check); None when there is none
+    second: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.spans:
@@ -105,11 +107,14 @@ def find_steps(
 
         return planned_steps(trace, plan)
     taxonomy = taxonomy or kernels.bundled()
-    for finder in (_nvtx_steps, _graph_steps, _pattern_steps):
+    finders = (_nvtx_steps, _graph_steps, _pattern_steps)
+    for i, finder in enumerate(finders):
         found = finder(trace, step_regex, taxonomy)
         if found is not None and len(found[0]) >= 1:
             table, source, label = found
-            return _choose_window(table, source, label, trace)
+            steps = _choose_window(table, source, label, trace)
+            second = cross_check(steps, trace, taxonomy, finders[i + 1 :])
+            return replace(steps, second=second)
     lo, hi = trace.span
     return Steps("none", _empty_table(), (lo, hi), "")
 
@@ -320,6 +325,48 @@ def flag_outliers(table: pl.DataFrame, among: pl.Expr) -> pl.DataFrame:
             | (pl.col("duration") < median / OUTLIER_FACTOR)
         ),
     )
+
+
+# Two anchors agree when their step times match within this, or one is a whole multiple of the
+# other within COMMENSURATE (a kernel that recurs once per layer, or once every other step).
+AGREE = 0.1
+COMMENSURATE = 0.05
+
+
+def cross_check(steps: Steps, trace: Trace, taxonomy: Taxonomy, finders) -> dict | None:
+    """The step time the next anchor that finds steps implies, beside this one's, and whether
+    the two agree (NVIDIA's method: "cross-check with a second anchor when possible; state the
+    ambiguity when candidate anchors imply materially different step times")."""
+    first = steps.durations()
+    if not len(first):
+        return None
+    for finder in finders:
+        found = finder(trace, None, taxonomy)
+        if found is None or len(found[0]) < 3:
+            continue
+        table, source, label = found
+        other = _choose_window(table, source, label, trace).durations()
+        if not len(other):
+            continue
+        ratio = float(other.median()) / float(first.median())
+        return {
+            "source": source,
+            "label": label,
+            "median_ms": round(float(other.median()) / 1e6, 4),
+            "ratio": round(ratio, 4),
+            "agrees": anchors_agree(ratio),
+        }
+    return None
+
+
+def anchors_agree(ratio: float) -> bool:
+    """Whether a second anchor's step time (``ratio`` times the first's) agrees: the same
+    within AGREE, or a whole multiple (2x, 1/3x, ...) within COMMENSURATE."""
+    if ratio <= 0:
+        return False
+    multiple = max(ratio, 1 / ratio)
+    whole = round(multiple)
+    return abs(ratio - 1) <= AGREE or (whole >= 2 and abs(multiple - whole) <= COMMENSURATE * whole)
 
 
 def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -> Steps:

@@ -40,6 +40,7 @@ def capture_block(ranks: list, exports: list) -> dict:
         "training_loop": _loop(facts),
         "training_evidence": facts[0].get("training_evidence") if facts else {},
         "step_anchor": _anchor(first),
+        "second_anchor": first.get("second_anchor"),
         "steps_found": first.get("count", 0),
         "steps_used": first.get("used", 0),
         "steps_analysed": first.get("analysed", first.get("used", 0)),

@@ -81,6 +81,8 @@ def _confidence(bound: str, env: dict[str, Any], steps: dict, scoring: Scoring) 
     )
     if source == "none":  # the whole capture is the window: no step to count
         reliability = scoring.step_source_weight.get("none", 0.5) / (1.0 + cv)
+    if steps.get("anchors_agree") is False:  # a second anchor implies another step time
+        reliability *= scoring.step_source_weight.get("disagreeing_anchors", 0.5)
     return {
         "value": round(explained * reliability, 3),
         "explained": round(explained, 3),

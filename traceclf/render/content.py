@@ -82,6 +82,12 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     )
     if s.get("cv") is not None and c.get("steps_found"):
         steps += f"; step spread (CV) {pct(s['cv'])}"
+    second = c.get("second_anchor")
+    if second:
+        other = f"{second['source']}{anchor_label(second['source'], second.get('label'))}"
+        steps += f"; a second anchor ({other}, {fmt_ms(second.get('median_ms'))}) " + (
+            "agrees" if second.get("agrees") else "DISAGREES: the step time is ambiguous"
+        )
     evidence = c.get("training_evidence") or {}
     loop = LOOPS.get(c.get("training_loop"), c.get("training_loop") or "unknown")
     loop += (
