@@ -187,3 +187,20 @@ def test_every_fix_says_what_triggered_it():
             for key, value in fix["evidence"].items():
                 if key in report(name)["metrics"] and isinstance(value, float):
                     assert value == pytest.approx(report(name)["metrics"][key], abs=1e-4)
+
+
+def test_every_fix_shows_its_evidence_ceiling_and_how_to_verify_it():
+    """Issue 11's ranked opportunities: evidence, recoverable ms/step and ceiling, action, and
+    how to verify it in the next capture — in the JSON and in every rendered format."""
+    code, md, _ = run_cli(
+        "analyze", trace_path("h100_memory_offload"), "--format", "md", "--no-cache", "-q"
+    )
+    assert code == 0
+    r = report("h100_memory_offload")
+    for fix in r["fixes"]:
+        assert fix["verify"] and fix["evidence"]
+        ceiling = fix["ceiling"]
+        assert 0 <= ceiling["recoverable_ms"] <= r["metrics"]["step_time_ms"]
+        section = md.split(f"`{fix['id']}`", 1)[1].split("### ", 1)[0]
+        assert "**Verify:** in the next capture:" in section
+        assert "**At most:**" in section and "**Because:**" in section

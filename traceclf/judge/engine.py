@@ -268,6 +268,8 @@ def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs:
         "score": round(entry["score"], 3),
         "ceiling": ceiling.ceiling(fix, env),
     }
+    if fix.verify is not None:
+        obj["verify"] = fix.verify.render(env)
     if fix.pytorch and framework:
         obj["pytorch"] = " ".join(fix.pytorch.split())
     return obj
@@ -283,7 +285,8 @@ def _evidence(fix: Fix, rule_ids: list[str], env: dict[str, Any], rs: RuleSet) -
     if fix.requires is not None:
         names |= fix.requires.names
     names = _expand(names, rs)
-    return {n: env[n] for n in sorted(names) if env.get(n) is not None}
+    # a null or empty fact triggered nothing (the other side of an "or")
+    return {n: env[n] for n in sorted(names) if env.get(n) not in (None, [], "")}
 
 
 def _expand(names: set[str], rs: RuleSet) -> set[str]:

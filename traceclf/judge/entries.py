@@ -55,6 +55,7 @@ class Fix:
     after: tuple[str, ...]
     source: Path
     generic: str | None = None  # the advice for a loop that is not a DL framework's
+    verify: Template | None = None  # what the next capture shows once the fix works
     config_when: tuple[tuple[Expr, str], ...] = ()  # config lines added when the expr holds
     recovers: Recovers | None = None
 
@@ -240,6 +241,7 @@ _RULE_REQUIRED = ("id", "wall", "when", "score", "evidence")
 _RULE_OPTIONAL = ("fixes", "description", "enabled")
 _FIX_REQUIRED = ("id", "wall", "title", "why", "config")
 _FIX_OPTIONAL = (
+    "verify",
     "generic",
     "config_when",
     "preconditions",
@@ -292,6 +294,7 @@ def parse_fix(raw: Any, path: Path, index: int, names: frozenset[str]) -> Fix:
         after=e.texts("after"),
         source=path,
         generic=_text_block(e, "generic"),
+        verify=e.template("verify"),
         config_when=_config_when(e),
         recovers=_recovers(e),
     )

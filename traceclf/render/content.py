@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceclf.render.escape import visible
-from traceclf.render.text import anchor_label, fmt_bytes, fmt_ms, pct, sampled
+from traceclf.render.text import anchor_label, fmt_bytes, fmt_ms, gain, pct, sampled
 from traceclf.report import Report
 
 RANK_COLUMNS = (
@@ -268,7 +268,7 @@ def budget_rows(report: Report) -> list[tuple[str, str]]:
             (
                 "Ceiling, all fixes",
                 f"{fmt_ms(together['recoverable_ms'])} per step, throughput "
-                f"+{pct(together.get('throughput_gain'))} at most (disjoint classes only: "
+                f"{gain(together.get('throughput_gain'))} at most (disjoint classes only: "
                 f"{', '.join(together.get('from') or [])})",
             )
         )
@@ -386,3 +386,35 @@ def _gpu(g: dict) -> str:
     ]
     extra = [e for e in extra if e]
     return (g.get("name") or "unknown GPU") + (f" ({', '.join(extra)})" if extra else "")
+
+
+def fix_facts(fix: dict) -> list[tuple[str, str]]:
+    """What a fix rests on and what it can win, as (label, text) rows: the measured facts that
+    triggered it, its gain ceiling, and what the next capture shows once it works."""
+    rows = []
+    evidence = fix.get("evidence") or {}
+    if evidence:
+        rows.append(("Because", ", ".join(f"{k} {_fact(v)}" for k, v in evidence.items())))
+    ceiling = fix.get("ceiling") or {}
+    if ceiling.get("recoverable_ms") is not None:
+        rows.append(
+            (
+                "At most",
+                f"{fmt_ms(ceiling['recoverable_ms'])} per step back, throughput "
+                f"{gain(ceiling.get('throughput_gain'))} (ceiling, not a forecast; from "
+                f"{ceiling.get('from') or '–'})",
+            )
+        )
+    if fix.get("verify"):
+        rows.append(("Verify", f"in the next capture: {fix['verify']}"))
+    return rows
+
+
+def _fact(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return str(value)

@@ -16,6 +16,7 @@ from traceclf.render.content import (
     budget_rows,
     capture_rows,
     detail_rows,
+    fix_facts,
     kernel_rows,
     provenance_rows,
     rank_rows,
@@ -251,6 +252,10 @@ def _fix(i: int, fix: dict) -> str:
         parts.append(
             f'<pre><code class="language-{language}">{escape(fix["config"].strip())}</code></pre>'
         )
+    facts = fix_facts(fix)
+    if facts:
+        items = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in facts)
+        parts.append(f"<dl>{items}</dl>")
     for label, key in (("Preconditions", "preconditions"), ("Pitfalls", "pitfalls")):
         if fix.get(key):
             parts.append(f"<p><b>{label}</b></p>" + _list(fix[key]))

@@ -16,6 +16,7 @@ from traceclf.render.content import (
     budget_rows,
     capture_rows,
     detail_rows,
+    fix_facts,
     kernel_rows,
     provenance_rows,
     rank_rows,
@@ -171,6 +172,9 @@ def _fix(i: int, fix: dict) -> str:
         lines += ["", _prose(fix["why"].strip())]
     if fix.get("config"):
         lines += ["", markdown_fence(fix["config"].strip(), config_language(fix["config"]))]
+    facts = fix_facts(fix)
+    if facts:
+        lines += [""] + [f"- **{label}:** {_prose(text)}" for label, text in facts]
     for label, key in (("Preconditions", "preconditions"), ("Pitfalls", "pitfalls")):
         items = fix.get(key) or []
         if items:

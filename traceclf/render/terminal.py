@@ -16,6 +16,7 @@ from traceclf.render.content import (
     budget_rows,
     capture_rows,
     detail_rows,
+    fix_facts,
     grouping_line,
     kernel_rows,
     rank_rows,
@@ -196,7 +197,7 @@ def _fixes(report: Report) -> Group:
             parts.append(_indented(for_terminal(fix["why"].strip())))
         if fix.get("config"):
             parts.append(_indented(config_block(fix["config"])))
-        labelled = [
+        labelled = [(f"{label.lower()}:", for_terminal(text)) for label, text in fix_facts(fix)] + [
             (label, for_terminal(item))
             for label, key in (("needs:", "preconditions"), ("watch out:", "pitfalls"))
             for item in fix.get(key) or []

@@ -60,11 +60,31 @@ def anchor_label(source: str | None, label: str | None, width: int = 60) -> str:
     if not label:
         return ""
     if source == "pattern":
-        label = re.sub(r"^void\s+", "", label)
-        label = re.split(r"[<(]", label, maxsplit=1)[0] or label
+        label = kernel_function(label)
     if len(label) > width:
         label = label[: width - 1] + "…"
     return f' "{label}"'
+
+
+def kernel_function(name: str) -> str:
+    """A demangled kernel name's function: no return type, template arguments, parameters or
+    namespaces ('void at::native::<unnamed>::fill_kernel<float>(int, T2)' -> 'fill_kernel')."""
+    text = name
+    for _ in range(20):  # innermost template argument lists first
+        stripped = re.sub(r"<[^<>]*>", "", text)
+        if stripped == text:
+            break
+        text = stripped
+    text = re.split(r"\(", re.sub(r"^void\s+", "", text), maxsplit=1)[0]
+    parts = [p for p in text.split("::") if p.strip()]
+    return parts[-1].strip() if parts else name
+
+
+def gain(value: float | None) -> str:
+    """A throughput gain ceiling: '+12%', or '×40' once it passes doubling."""
+    if value is None:
+        return "–"
+    return f"×{1 + value:.3g}" if value >= 1 else f"+{pct(value)}"
 
 
 def steps_line(report: Report) -> str:
