@@ -240,3 +240,28 @@ def test_straggler_needs_a_skew_beyond_the_noise():
     cr = cross_rank(ranks, {"gpu_assignment": "own"})
     assert cr["straggler_rank"] is None and cr["noise_band_frac"] == pytest.approx(0.2)
     assert "noise band" in cr["straggler_note"]
+
+
+def test_waiting_on_a_small_communication_share_is_not_called_the_fix():
+    """ulysses_2gpu_forward_window: most of the matched all-to-all time is waiting (rank 1
+    arrives last), but communication with no compute beside it is ~4% of the step, so the
+    late rank costs a few % at most: the verdict says so instead of "fix the late rank"."""
+    r = analyze(trace_path("ulysses_2gpu_forward_window"))
+    cr = r["cross_rank"]
+    exposed = [rank["metrics"]["exposed_comm_frac"] for rank in r["ranks"]]
+    cost = cr["comm_wait_frac"] * sum(exposed) / len(exposed)
+    assert cr["comm_wait_frac"] >= 0.5 and cost < 0.05
+    assert "fix the late rank" not in cr["verdict"] and "not worth chasing" in cr["verdict"]
+    assert f"at most {cost:.1%}" in cr["verdict"]
+
+
+def test_waiting_verdict_keeps_its_advice_when_the_wait_costs_much():
+    """CONSTRUCTED reduce-step input: the same wait share on 30% exposed communication."""
+    ranks = [rank(i, 100.0, 0.5, {"all_reduce": 2}, 400) for i in (0, 1)]
+    for r in ranks:
+        r["metrics"]["exposed_comm_frac"] = 0.3
+    cr = {"comm_wait_frac": 0.6, "last_arriver_rank": 1, "shared_gpu": []}
+    from traceclf.measures.cross_rank import _exposed_comm, _verdict
+
+    assert "fix the late rank" in _verdict(cr, [], _exposed_comm(ranks))
+    assert "not worth chasing" in _verdict(cr, [], 0.04)

@@ -25,6 +25,9 @@ from traceclf.measures.window import RankWindow
 
 MAX_SHIFT = 8  # instances a rank's capture may start early or late relative to the reference
 WAIT_DOMINATES = 0.5  # share of communication time above which waiting, not transfer, is the cost
+# Waiting for a late rank is worth chasing only when it costs a noteworthy share of the step
+# (as scoring.noteworthy in rules/scoring.yaml): at most wait share x exposed communication.
+WAIT_COST_NOTEWORTHY = 0.05
 FINGERPRINT_TOLERANCE = 0.1  # relative difference under which two ranks' counts match
 # A straggler's compute skew must exceed twice the step-time spread, and at least this.
 STRAGGLER_MIN_SKEW = 0.05
@@ -441,11 +444,19 @@ def cross_rank(ranks: list[dict], capture: dict | None = None) -> dict:
         "alignment_error_us": error,
         "end_spread_us": spread,
     }
-    out["verdict"] = _verdict(out, unsure)
+    out["verdict"] = _verdict(out, unsure, _exposed_comm(ranks))
     return out
 
 
-def _verdict(cr: dict, unsure: list[list[int]]) -> str | None:
+def _exposed_comm(ranks: list[dict]) -> float | None:
+    """Mean share of the step in which communication runs with no compute (what waiting in
+    collectives can cost at most), or None when no rank measured it."""
+    vals = [(r.get("metrics") or {}).get("exposed_comm_frac") for r in ranks]
+    vals = [v for v in vals if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def _verdict(cr: dict, unsure: list[list[int]], exposed: float | None = None) -> str | None:
     if unsure:
         groups = "; ".join(", ".join(map(str, g)) for g in unsure)
         return (
@@ -462,12 +473,24 @@ def _verdict(cr: dict, unsure: list[list[int]]) -> str | None:
     if wait is None:
         return None
     if wait >= WAIT_DOMINATES:
-        return (
+        said = (
             f"waiting for the last rank is {wait:.0%} of collective time (rank "
-            f"{cr['last_arriver_rank']} arrives last most often): fix the late rank "
-            "(imbalance, data, host), not the fabric"
+            f"{cr['last_arriver_rank']} arrives last most often)"
+        )
+        if exposed is not None and wait * exposed < WAIT_COST_NOTEWORTHY:
+            # 56% of 4% exposed communication is 2% of the step: not where the time goes
+            return (
+                f"{said}, but communication with no compute beside it is only {exposed:.1%} "
+                f"of the step, so the waiting costs at most {wait * exposed:.1%}: not worth "
+                "chasing"
+            )
+        return f"{said}: fix the late rank (imbalance, data, host), not the fabric"
+    said = f"transfer is {1 - wait:.0%} of collective time"
+    if exposed is not None and exposed < WAIT_COST_NOTEWORTHY:
+        return (
+            f"{said}, and communication with no compute beside it is only {exposed:.1%} of the step"
         )
     return (
-        f"transfer is {1 - wait:.0%} of collective time: the collectives themselves are the "
-        "cost (message sizes are not in the export, so no bus-bandwidth figure)"
+        f"{said}: the collectives themselves are the cost (message sizes are not in the "
+        "export, so no bus-bandwidth figure)"
     )
