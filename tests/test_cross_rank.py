@@ -265,3 +265,23 @@ def test_waiting_verdict_keeps_its_advice_when_the_wait_costs_much():
 
     assert "fix the late rank" in _verdict(cr, [], _exposed_comm(ranks))
     assert "not worth chasing" in _verdict(cr, [], 0.04)
+
+
+def test_ranks_of_unknown_placement_get_no_wait_or_transfer_rule(tmp_path):
+    """h100_comm_ep2 with TARGET_INFO_GPU and TARGET_INFO_CUDA_DEVICE dropped (a CONSTRUCTED
+    copy, as exports without GPU tables look): both ranks report device 0 and nothing says
+    whether it is one GPU, so the report must not read their collectives as transfer or
+    waiting in the rules either (the two processes in fact time-slice one H100)."""
+    path = shutil.copyfile(trace_path("h100_comm_ep2"), tmp_path / "ep2_no_gpu_tables.sqlite")
+    con = sqlite3.connect(path)
+    con.execute("DROP TABLE TARGET_INFO_GPU")
+    con.execute("DROP TABLE TARGET_INFO_CUDA_DEVICE")
+    con.commit()
+    con.close()
+    r = analyze(path)
+    assert r["capture"]["gpu_assignment"] == "unknown"
+    assert "no straggler or jitter verdict" in r["cross_rank"]["verdict"]
+    fired = {rule["id"] for rule in r["classification"]["rules"]}
+    assert not fired & {"comm-transfer-dominates", "comm-wait-dominates"}
+    assert not any("transfer" in e for e in r["classification"]["evidence"])
+    assert r["classification"]["bound"] == "communication"

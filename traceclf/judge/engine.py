@@ -145,6 +145,7 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
         "compute_skew_frac": cross.get("compute_skew_frac"),
         "training_loop": capture.get("training_loop") or "unknown",
         "ranks_share_gpu": bool(capture.get("ranks_share_gpu")),
+        "gpu_assignment": capture.get("gpu_assignment") or "own",
         "graph_trace_mode": capture.get("graph_trace_mode") or "none",
         "steps_used": steps.get("used") or 0,
         "step_source": steps.get("source") or "none",

@@ -85,6 +85,8 @@ CONTEXT_NAMES: dict[str, str] = {
     "last_arriver_rank": "rank that starts matched collectives last most often",
     "training_loop": 'capture: "training", "forward_only", "not_a_loop" or "unknown"',
     "ranks_share_gpu": "capture: two or more ranks ran on one GPU (time-slicing it)",
+    "gpu_assignment": 'capture: "own" (a GPU per rank), "shared" or "unknown" (ranks report one '
+    "device and the export cannot say whether it is one GPU)",
     "graph_trace_mode": 'capture: CUDA-graph tracing, "graph", "node" or "none"',
     "steps_used": "steady-state steps in the window",
     "step_source": 'how steps were found: "nvtx", "graph", "pattern", "mixed" or "none"',
