@@ -49,6 +49,46 @@ def test_without_cuda_api_rows_host_counts_are_unknown_not_zero(tmp_path):
     assert r["steps"]["source"] == "pattern"  # NVTX cannot be projected without correlationIds
 
 
+def test_without_cuda_api_rows_no_launch_or_python_fix_is_guessed(tmp_path):
+    """h100_host_input_stall without its CUDA API table (traced without -t cuda): the GPU
+    idles ~97% of the step, but nothing says whether the host was launching or loading data,
+    so no CUDA graphs or larger micro-batch (launch fixes) and no "Python work" claim: the
+    report says the API is missing and proposes to profile the host."""
+    r = report(edited(tmp_path, "h100_host_input_stall", "DROP TABLE CUPTI_ACTIVITY_KIND_RUNTIME"))
+    cls = r["classification"]
+    m = r["metrics"]
+    assert m["launch_calls_per_step"] is None and m["idle_other_frac"] > 0.9
+    assert cls["bound"] == "host"
+    fired = {rule["id"] for rule in cls["rules"]}
+    assert "host-python-overhead" not in fired and "host-idle-api-untraced" in fired
+    assert not any("Python" in e for e in cls["evidence"])
+    assert any(
+        f"{m['gpu_idle_frac']:.0%}" in e and "no CUDA API trace" in e for e in cls["evidence"]
+    )
+    fixes = [f["id"] for f in r["fixes"]]
+    assert "profile-host" in fixes
+    assert not {"cuda-graphs", "larger-micro-batch", "manual-gc"} & set(fixes)
+
+
+def test_nvtx_steps_without_cuda_api_are_named_when_abstaining(tmp_path):
+    """h100_host_launch_gpumetrics without its CUDA API table: its six NVTX 'step N' ranges
+    cannot be projected onto the GPU and no kernel recurs regularly (data-dependent expert
+    loop), so traceclf abstains; the reason must not deny the NVTX steps but say why they
+    cannot be used."""
+    path = edited(tmp_path, "h100_host_launch_gpumetrics", "DROP TABLE CUPTI_ACTIVITY_KIND_RUNTIME")
+    with sqlite3.connect(path) as con:
+        (steps,) = con.execute(
+            "SELECT count(*) FROM NVTX_EVENTS n LEFT JOIN StringIds s ON s.id = n.textId "
+            "WHERE coalesce(n.text, s.value) LIKE 'step %'"
+        ).fetchone()
+    r = report(path)
+    reason = r["classification"]["abstain_reason"]
+    assert r["classification"]["bound"] is None
+    assert f"the {steps} NVTX step ranges" in reason and "CUDA API trace" in reason
+    assert "no NVTX step" not in reason
+    assert r["ranks"][0]["capture"]["cuda_api_traced"] is False
+
+
 def test_empty_tables_are_read_on_every_core_count(tmp_path):
     path = edited(
         tmp_path,

@@ -85,8 +85,22 @@ def abstain_reason(capture: dict, ranks: list) -> str | None:
     if work < MIN_GPU_WORK_MS:
         return f"too little GPU work to judge: {facts}{host}"
     if capture["training_loop"] == "not_a_loop":
-        return f"no repeating step (no NVTX step, graph replay or regularly recurring kernel): {facts}{host}"
+        return f"no repeating step {_why_no_steps(ranks)}: {facts}{host}"
     return None
+
+
+def _why_no_steps(ranks: list) -> str:
+    """What the trace lacks for steps: NVTX step ranges it has but cannot place on the GPU
+    without the CUDA API trace are named, not denied."""
+    facts = [r.measures.capture for r in ranks]
+    ranges = max((f.get("nvtx_step_ranges") or 0 for f in facts), default=0)
+    if ranges and not all(f.get("cuda_api_traced", True) for f in facts):
+        return (
+            f"on the GPU: the {ranges} NVTX step ranges cannot be placed on it without the CUDA "
+            "API trace (profile with -t cuda,nvtx), and no graph replay or kernel recurs "
+            "regularly"
+        )
+    return "(no NVTX step, graph replay or regularly recurring kernel)"
 
 
 def _host_story(ranks: list) -> str:

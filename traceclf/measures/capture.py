@@ -9,6 +9,7 @@ import polars as pl
 
 from traceclf.measures import timeline
 from traceclf.measures.window import RankWindow
+from traceclf.steps import step_ranges
 
 # A framework's share of kernel time above which a loop is a deep-learning one: DL runs put
 # most of their time in ATen/cuBLAS/CUTLASS/flash/NCCL kernels, an HPC code in its own.
@@ -24,6 +25,10 @@ def capture_facts(w: RankWindow) -> dict:
     kernels = trace.kernels
     training = _training_evidence(w)
     repeating = w.steps.source != "none"
+    # NVTX step ranges are CPU time: without the CUDA API trace (correlation ids) they cannot
+    # be placed on the GPU, so steps come from elsewhere or not at all; the report says why.
+    # (The taxonomy's step pattern: a --step-range that matches nothing is warned about apart.)
+    nvtx_steps = step_ranges(trace.nvtx, w.taxonomy.nvtx["step"])
     return {
         "gpu_work_ms": round(work / 1e6, 4),
         "capture_ms": round(capture_ns / 1e6, 4),
@@ -37,6 +42,8 @@ def capture_facts(w: RankWindow) -> dict:
         "training_loop": _training_loop(training, repeating),
         "training_evidence": training,
         "unusable_rows": dict(getattr(trace, "unusable_rows", {}) or {}),
+        "cuda_api_traced": w.host_traced,
+        "nvtx_step_ranges": 0 if nvtx_steps is None else len(nvtx_steps),
     }
 
 
