@@ -52,6 +52,9 @@ def _normalised(report_json: str) -> str:
         entry["path"] = Path(entry["path"]).name
     for rank in data.get("ranks", []):
         rank["file"] = Path(rank["file"]).name
+    worst = (data.get("steps") or {}).get("worst") or {}
+    if worst.get("file"):
+        worst["file"] = Path(worst["file"]).name
     return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
 

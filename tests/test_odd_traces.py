@@ -173,3 +173,63 @@ def test_profiler_flushes_are_not_blamed_on_the_host(tmp_path):
     )
     m = report(flushed)["metrics"]
     assert m["idle_input_frac"] == 0 and m["idle_other_frac"] > 0.8
+
+
+def test_sendrecv_without_nvtx_is_not_called_pipeline_or_ep(tmp_path):
+    """h100_comm_ep2 with NCCL's NVTX ranges deleted (a CONSTRUCTED copy, as a capture without
+    NVTX tracing): the SendRecv kernels carry all-to-all here, but nothing in the export says
+    so. The kind stays ambiguous, and neither pipeline (pp-layout) nor EP fixes are built on
+    it; the evidence says why."""
+    path = edited(
+        tmp_path,
+        "h100_comm_ep2",
+        "DELETE FROM NVTX_EVENTS WHERE textId IN (SELECT id FROM StringIds WHERE value LIKE 'nccl%')",
+    )
+    r = report(path)
+    kinds = r["comm_by_kind"]
+    assert (
+        list(kinds) == ["send_recv_or_all_to_all"]
+        and kinds["send_recv_or_all_to_all"]["frac"] > 0.9
+    )
+    assert r["metrics"]["a2a_frac"] == 0
+    cls = r["classification"]
+    assert cls["bound"] == "communication"
+    assert "comm-sendrecv-kind-unknown" in {rule["id"] for rule in cls["rules"]}
+    fixes = {f["id"] for f in r["fixes"]}
+    assert not fixes & {"pp-layout", "deepep", "hybridep", "ep-overlap", "dp-tp-overlap"}
+
+
+def test_one_stray_all_reduce_does_not_propose_dp_tp_overlap(tmp_path):
+    """h100_comm_ep2 without its CUDA API table: the window also holds one all-reduce
+    (~0.3% of the step) beside ~94% ambiguous SendRecv. DP/TP overlap could hide at most that
+    0.3%, so it is not proposed, and its ceiling could never claim the SendRecv time."""
+    r = report(edited(tmp_path, "h100_comm_ep2", "DROP TABLE CUPTI_ACTIVITY_KIND_RUNTIME"))
+    kinds = r["comm_by_kind"]
+    assert "all_reduce" in kinds and kinds["all_reduce"]["exposed_frac"] < 0.05
+    assert "dp-tp-overlap" not in {f["id"] for f in r["fixes"]}
+
+
+@pytest.mark.parametrize(
+    ("kernel", "kind"),
+    [
+        ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", "all_reduce"),  # NCCL <= 2.18
+        ("ncclSymkDevKernel_AllGather_LL(ncclSymkDevWorkArgs4K)", "all_gather"),  # NCCL 2.27+
+    ],
+)
+def test_dp_tp_collectives_named_by_other_nccl_versions_propose_overlap(tmp_path, kernel, kind):
+    """h100_compute_dense_gpumetrics with its most used GEMM renamed to another NCCL version's
+    collective kernel (CONSTRUCTED): ~35% of the step becomes exposed DP/TP communication, so
+    dp-tp-overlap is proposed, its ceiling bounded by that exposed share."""
+    old = "nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN"
+    r = report(
+        edited(
+            tmp_path,
+            "h100_compute_dense_gpumetrics",
+            f"UPDATE StringIds SET value = '{kernel}' WHERE value = '{old}'",
+        )
+    )
+    row = r["comm_by_kind"][kind]
+    assert row["libraries"] == ["nccl"] and row["exposed_frac"] > 0.3
+    fix = next(f for f in r["fixes"] if f["id"] == "dp-tp-overlap")
+    step = r["metrics"]["step_time_ms"]
+    assert fix["ceiling"]["recoverable_ms"] <= row["exposed_frac"] * step + 1e-3

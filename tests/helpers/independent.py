@@ -321,7 +321,8 @@ def _budget(w: Window) -> dict:
 
 def _communication(w: Window) -> dict:
     """a2a_frac / a2a_exposed_frac: all-to-all kernels (alone / with no compute). The kind of a
-    kernel comes from its name (taxonomy.comm_kinds); a SendRecv ("send_recv" or "other")
+    kernel comes from its name (taxonomy.comm_kinds); a SendRecv ("send_recv_or_all_to_all",
+    "send_recv" or "other")
     takes the kind of the innermost collective NVTX range open on the launching thread at the
     launch, PyTorch's ``nccl:*`` ranges before NCCL's own (taxonomy.nvtx_collectives)."""
     tax = taxonomy()
@@ -338,7 +339,7 @@ def _communication(w: Window) -> dict:
     for k in w.comm_kernels:
         kind = first(tax["comm_kinds"], k["name"], "other")
         call = launch.get(k["corr"])
-        if kind in ("send_recv", "other") and call:
+        if kind in ("send_recv_or_all_to_all", "send_recv", "other") and call:
             around = [r for r in ranges.get(call["tid"], ()) if r[0] <= call["start"] <= r[1]]
             around.sort(key=lambda r: (sources.index(r[2]), -r[0]))
             kind = around[0][3] if around else kind

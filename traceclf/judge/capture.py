@@ -50,6 +50,7 @@ def capture_block(ranks: list, exports: list) -> dict:
         "graph_trace_mode": _common(f.get("graph_trace_mode") for f in facts),
         "kernel_mix_source": _common(f.get("kernel_mix_source") for f in facts),
         "gpu_metrics": any(f.get("gpu_metrics") for f in facts),
+        "cuda_api_traced": all(f.get("cuda_api_traced", True) for f in facts),
         "nccl_payload": _payload(f.get("nccl_payload") for f in facts),
         "gpu_work_ms": round(sum(f.get("gpu_work_ms") or 0 for f in facts), 4),
         "capture_ms": max((f.get("capture_ms") or 0 for f in facts), default=0),

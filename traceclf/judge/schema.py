@@ -74,6 +74,8 @@ CONTEXT_NAMES: dict[str, str] = {
     "comm_libraries": 'communication libraries seen, e.g. ["nccl"], ["deepep", "nccl"]',
     "comm_kinds": 'collective kinds seen, e.g. ["all_to_all", "all_reduce"]',
     "other_comm_kinds": "the collective kinds seen other than all-to-all",
+    "dp_tp_exposed_frac": "share of the step in all-reduce, reduce-scatter, all-gather, broadcast "
+    "and reduce kernels with no compute running (DP/TP collectives)",
     "straggler_rank": "rank with the most compute per step among like ranks (null with one "
     "rank, unlike ranks, ranks that share a GPU, or a skew within the noise)",
     "step_time_skew_frac": "spread of step time across like ranks, as a fraction of the mean",
@@ -88,6 +90,8 @@ CONTEXT_NAMES: dict[str, str] = {
     "gpu_assignment": 'capture: "own" (a GPU per rank), "shared" or "unknown" (ranks report one '
     "device and the export cannot say whether it is one GPU)",
     "graph_trace_mode": 'capture: CUDA-graph tracing, "graph", "node" or "none"',
+    "cuda_api_traced": "capture: the CUDA API was traced on every rank (the export has "
+    "CUPTI_ACTIVITY_KIND_RUNTIME rows): idle causes and launch counts are known",
     "steps_used": "steady-state steps in the window",
     "step_source": 'how steps were found: "nvtx", "graph", "pattern", "mixed" or "none"',
     "idle_top_nvtx": "the NVTX range the host was in for the most idle GPU time (null: none)",

@@ -8,6 +8,10 @@ import polars as pl
 from traceclf.measures import timeline
 from traceclf.measures.window import RankWindow
 
+# Kinds a kernel name cannot settle (NCCL's one SendRecv kernel serves all-to-all and P2P;
+# rules/kernels.yaml): the NVTX ranges around the launch decide them when present.
+REFINED_KINDS = ["send_recv_or_all_to_all", "send_recv", "other"]
+
 MEASURES: dict[str, str] = {
     "a2a_frac": "union of all-to-all kernels (EP dispatch/combine)",
     "a2a_exposed_frac": "all-to-all time with no compute kernel running",
@@ -77,8 +81,7 @@ def refine_kinds(comm: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
         comm.join(tagged, on="correlation_id", how="left")
         .with_columns(
             comm_kind=pl.when(
-                pl.col("comm_kind").is_in(["send_recv", "other"])
-                & pl.col("nvtx_kind").is_not_null()
+                pl.col("comm_kind").is_in(REFINED_KINDS) & pl.col("nvtx_kind").is_not_null()
             )
             .then(pl.col("nvtx_kind"))
             .otherwise(pl.col("comm_kind"))
