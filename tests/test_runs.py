@@ -146,3 +146,20 @@ def test_merged_report_says_why_it_merged(rank_files, cli, fmt, tmp_path: Path) 
     code, _, err = cli("analyze", "-q", "-f", fmt, "-o", out, *rank_files)
     assert code == 0, err
     assert "2 files treated as ranks of one job" in " ".join(out.read_text().split())
+
+
+def test_per_rank_files_with_recurring_kernel_steps_merge(tmp_path: Path) -> None:
+    """ulysses_2gpu_forward_window split into one file per rank (CONSTRUCTED by process, as a
+    per-rank capture would look): no NVTX step ranges, so each rank's steps come from the
+    kernel that recurs most regularly on it, and the two ranks pick different kernels (an
+    elementwise add vs a GELU) with the same ~17 ms step. Same session, overlapping captures,
+    rank-numbered names: one job, not two runs."""
+    src = FIXTURES / "external" / "ulysses_2gpu_forward_window.sqlite"
+    files = split_ranks(src, tmp_path, [144, 145], ["rank_0.sqlite", "rank_1.sqlite"])
+    a, b = (evidence(r) for r in _results(files))
+    assert a.anchor[0] == b.anchor[0] == "pattern" and a.anchor[1] != b.anchor[1]
+    report = analyze(*files)
+    assert isinstance(report, Report) and len(report.ranks) == 2
+    assert report.grouping["mode"] == "job"
+    whole = analyze(src)
+    assert report.cross_rank["collectives_matched"] == whole.cross_rank["collectives_matched"]

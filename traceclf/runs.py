@@ -3,7 +3,8 @@
 Several exports are merged into one report only when the evidence says they are one job:
 
 - nothing contradicts it: the same GPU model, the same step anchor (steps found the same way,
-  under the same NVTX label), step times within ``STEP_TOLERANCE`` of each other, captures
+  under the same NVTX label; a recurring kernel may differ per rank), step times within
+  ``STEP_TOLERANCE`` of each other, captures
   that overlap in time when both say when they ran, and no rank id claimed twice;
 - and something positive ties them: one profiling session (its UUID), captures that overlap
   in wall-clock time, or file names that differ only in a rank number (``rank_0``,
@@ -74,7 +75,7 @@ def match(a: Evidence, b: Evidence) -> tuple[list[str], list[str]]:
     against, support = [], []
     if a.gpus != b.gpus:
         against.append(f"different GPUs ({_names(a.gpus)} vs {_names(b.gpus)})")
-    if a.anchor != b.anchor:
+    if _anchor_key(a) != _anchor_key(b):
         against.append(f"steps found differently ({_anchor(a)} vs {_anchor(b)})")
     if a.step_ms and b.step_ms:
         skew = abs(a.step_ms - b.step_ms) / min(a.step_ms, b.step_ms)
@@ -168,6 +169,14 @@ def group(results: list, how: str = "auto") -> Grouping:
 
 def _names(gpus: frozenset[str]) -> str:
     return ", ".join(sorted(gpus))
+
+
+def _anchor_key(e: Evidence) -> tuple[str, str]:
+    """What two ranks of one job share about their steps: the NVTX label they name, but only
+    the kind of a recurring-kernel anchor, whose kernel each rank picks by its own timing
+    (the most regular of several per-layer kernels); step times are compared apart."""
+    source, label = e.anchor
+    return (source, label) if source == "nvtx" else (source, "")
 
 
 def _anchor(e: Evidence) -> str:
