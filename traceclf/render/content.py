@@ -64,6 +64,23 @@ LOOPS = {
 }
 
 
+def _over_ranks(c: dict) -> str:
+    """' summed over 2 ranks' when several ranks' GPU work is added (it can then exceed the
+    captured span), else ''."""
+    n = c.get("ranks") or 0
+    return f" summed over {n} ranks" if n > 1 else ""
+
+
+def no_fixes_line(report: Report) -> str:
+    """What the fixes section says when it lists none."""
+    if report.abstained:
+        return "No fixes: traceclf abstains (the reason is above)."
+    return (
+        "No fix proposed: none of the findings above is both large enough to act on and "
+        "backed by the evidence a fix needs."
+    )
+
+
 def capture_rows(report: Report) -> list[tuple[str, str]]:
     """What the trace can support, shown before any number that depends on it."""
     c = report.capture or {}
@@ -93,7 +110,9 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     loop += (
         f" — {evidence.get('backward_kernels', 0)} backward kernels, "
         f"{evidence.get('autograd_launches', 0)} launches from autograd threads, "
-        f"{evidence.get('optimizer_kernels', 0)} optimizer kernels"
+        f"{evidence.get('backward_ranges', 0)} backward NVTX ranges, "
+        f"{evidence.get('optimizer_kernels', 0)} optimizer kernels, "
+        f"{evidence.get('optimizer_ranges', 0)} optimizer NVTX ranges"
     )
     gpus = {
         "shared": "ranks share one GPU (they time-slice it: no straggler is named)",
@@ -108,8 +127,8 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     unusable = c.get("unusable_rows") or {}
     rows = [
         ("Inputs", f"{c.get('inputs', 0)} file(s), {c.get('ranks', 0)} rank(s): {gpus}"),
-        ("Work", f"{c.get('kernels', 0):,} kernels, {fmt_ms(c.get('gpu_work_ms'))} of GPU work in "
-         f"{fmt_ms(c.get('capture_ms'))} captured"),
+        ("Work", f"{c.get('kernels', 0):,} kernels, {fmt_ms(c.get('gpu_work_ms'))} of GPU work"
+         f"{_over_ranks(c)} in {fmt_ms(c.get('capture_ms'))} captured"),
         ("Steps", steps),
         ("Loop", loop),
         ("CUDA graphs", graphs),
@@ -198,7 +217,13 @@ def _host_line(report: Report) -> str:
         (row for r in report.ranks for row in r.get("idle_nvtx") or []), key=lambda x: -x["frac"]
     )
     if not rows:
-        return "no NVTX range covers the GPU's long idle gaps"
+        c, m = report.capture or {}, report.metrics
+        if c.get("cuda_api_traced") is False:
+            return "no CUDA API trace: what the host did while the GPU idled is unknown"
+        long_gaps = (m.get("idle_input_frac") or 0) + (m.get("idle_host_frac") or 0)
+        if not long_gaps:
+            return "no long idle gaps (1 ms or more with almost no CUDA calls)"
+        return f"no NVTX range covers the GPU's long idle gaps ({pct(long_gaps)} of the step)"
     parts = [
         f"NVTX '{_short(row['name'], 50)}'"
         + (f" ({row['activity']})" if row.get("activity") else "")
@@ -341,9 +366,10 @@ def _compute_line(m: dict) -> str:
         ((k.removesuffix("_time_frac"), v) for k, v in m.items() if k.endswith("_time_frac") and v),
         key=lambda kv: -kv[1],
     )
+    mix = ", ".join(f"{f} {pct(v)}" for f, v in families[:5])
     line = (
-        ", ".join(f"{f} {pct(v)}" for f, v in families[:5])
-        + f" of kernel time · small grids {pct(m.get('small_grid_kernel_frac'))}, "
+        (f"{mix} of kernel time" if mix else "no kernel time in the window")
+        + f" · small grids {pct(m.get('small_grid_kernel_frac'))}, "
         f"theoretical occupancy {pct(m.get('theoretical_occupancy_mean'))}"
     )
     if m.get("sm_active_mean") is not None:

@@ -18,6 +18,7 @@ from traceclf.render.content import (
     detail_rows,
     fix_facts,
     kernel_rows,
+    no_fixes_line,
     provenance_rows,
     rank_rows,
     verdict_line,
@@ -227,13 +228,8 @@ def _kernels(report: Report) -> str | None:
 
 
 def _fixes(report: Report) -> str:
-    if report.abstained:
-        return (
-            "<h2>What to change, in order</h2><p>No fixes: traceclf does not judge a trace it "
-            "cannot read as a loop.</p>"
-        )
     if not report.fixes:
-        return "<h2>What to change, in order</h2><p>Nothing the trace shows evidence for.</p>"
+        return f"<h2>What to change, in order</h2><p>{escape(no_fixes_line(report))}</p>"
     return "<h2>What to change, in order</h2>" + "".join(
         _fix(i, fix) for i, fix in enumerate(report.fixes, 1)
     )

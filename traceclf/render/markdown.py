@@ -18,6 +18,7 @@ from traceclf.render.content import (
     detail_rows,
     fix_facts,
     kernel_rows,
+    no_fixes_line,
     provenance_rows,
     rank_rows,
     verdict_line,
@@ -155,10 +156,8 @@ def _top_kernels(report: Report) -> str | None:
 
 
 def _fixes(report: Report) -> str:
-    if report.abstained:
-        return "No fixes: traceclf does not judge a trace it cannot read as a loop."
     if not report.fixes:
-        return "Nothing the trace shows evidence for."
+        return no_fixes_line(report)
     return "\n\n".join(_fix(i, fix) for i, fix in enumerate(report.fixes, 1))
 
 

@@ -19,6 +19,7 @@ from traceclf.render.content import (
     fix_facts,
     grouping_line,
     kernel_rows,
+    no_fixes_line,
     rank_rows,
     verdict_line,
     verdict_title,
@@ -176,10 +177,8 @@ def _top_kernels(report: Report) -> Table | None:
 
 def _fixes(report: Report) -> Group:
     parts: list = [Text("What to change, in order", style="bold underline")]
-    if report.abstained:
-        parts.append(Text("No fixes: traceclf does not judge a trace it cannot read as a loop."))
-    elif not report.fixes:
-        parts.append(Text("Nothing the trace shows evidence for."))
+    if not report.fixes:
+        parts.append(Text(no_fixes_line(report)))
     for i, fix in enumerate(report.fixes, 1):
         title = for_terminal(fix.get("title", fix["id"]), "bold")
         title.append(

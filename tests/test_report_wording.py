@@ -1,0 +1,88 @@
+"""Report sentences that must not contradict the numbers beside them, on real traces (and one
+CONSTRUCTED copy): the capture's loop evidence, GPU work over several ranks, what the host
+line says when there is nothing to attribute, and the fixes section when it lists none."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+
+import pytest
+from realtraces import trace_path
+
+import traceclf
+from traceclf.render.content import capture_rows, detail_rows, no_fixes_line
+
+
+def rows(report) -> dict[str, str]:
+    return dict(capture_rows(report)) | dict(detail_rows(report))
+
+
+def nvtx_count(name: str, like: str) -> int:
+    con = sqlite3.connect(f"file:{trace_path(name)}?mode=ro", uri=True)
+    try:
+        (n,) = con.execute(
+            "SELECT count(*) FROM NVTX_EVENTS n LEFT JOIN StringIds s ON s.id = n.textId "
+            "WHERE coalesce(n.text, s.value) LIKE ?",
+            (like,),
+        ).fetchone()
+    finally:
+        con.close()
+    return n
+
+
+def test_loop_line_counts_the_nvtx_ranges_behind_a_training_verdict():
+    """h100_host_launch_gpumetrics: its unfused Adam runs elementwise kernels (no optimizer
+    kernel by name) inside NVTX 'optimizer' ranges; the loop line must show those ranges, not
+    read '0 optimizer kernels' beside 'the optimizer step launches 84 kernels'."""
+    r = traceclf.analyze(trace_path("h100_host_launch_gpumetrics"), use_cache=False)
+    ranges = nvtx_count("h100_host_launch_gpumetrics", "optimizer")
+    assert ranges > 0 and r.capture["training_evidence"]["optimizer_kernels"] == 0
+    assert f"{ranges} optimizer NVTX ranges" in rows(r)["Loop"]
+
+
+def test_gpu_work_of_several_ranks_is_said_to_be_summed():
+    """ulysses_2gpu_forward_window: 541 ms of GPU work over two ranks in a 300 ms capture."""
+    r = traceclf.analyze(trace_path("ulysses_2gpu_forward_window"), use_cache=False)
+    c = r.capture
+    assert c["gpu_work_ms"] > c["capture_ms"]
+    assert "summed over 2 ranks" in rows(r)["Work"]
+
+
+def test_host_line_without_long_idle_gaps_says_so():
+    """h100_host_cudagraph: the GPU is busy ~100%, so there are no gaps to attribute."""
+    r = traceclf.analyze(trace_path("h100_host_cudagraph"), use_cache=False)
+    assert r.metrics["idle_input_frac"] + r.metrics["idle_host_frac"] == 0
+    assert rows(r)["Host"].startswith("no long idle gaps")
+
+
+def test_no_fixes_line_does_not_deny_the_evidence_shown():
+    """cloverleaf_a100: the evidence names a sync after every kernel (7.7% idle), yet no wall
+    but the bound reaches the bar for fixes: the section must not say the trace shows no
+    evidence."""
+    r = traceclf.analyze(trace_path("cloverleaf_a100"), use_cache=False)
+    assert not r.fixes and any("synchronising" in e for e in r.classification["evidence"])
+    line = no_fixes_line(r)
+    assert "evidence for" not in line and "findings above" in line
+
+
+def test_compute_line_without_kernels_in_the_window(tmp_path):
+    """h100_memory_offload with every kernel but the first deleted (CONSTRUCTED: a copy-only
+    loop): no family list that starts with ' of kernel time'."""
+    path = shutil.copyfile(trace_path("h100_memory_offload"), tmp_path / "copies_only.sqlite")
+    con = sqlite3.connect(path)
+    con.execute(
+        "DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL "
+        "WHERE rowid != (SELECT min(rowid) FROM CUPTI_ACTIVITY_KIND_KERNEL)"
+    )
+    con.commit()
+    con.close()
+    r = traceclf.analyze(path, use_cache=False)
+    assert rows(r)["Compute"].startswith("no kernel time in the window")
+    assert "10 backward NVTX ranges" in rows(r)["Loop"]
+
+
+@pytest.mark.parametrize("name", ["nvfuser_matmul_test_h100"])
+def test_abstaining_report_points_at_its_reason(name):
+    r = traceclf.analyze(trace_path(name), use_cache=False)
+    assert r.abstained and "abstains" in no_fixes_line(r)
