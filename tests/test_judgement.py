@@ -204,3 +204,22 @@ def test_every_fix_shows_its_evidence_ceiling_and_how_to_verify_it():
         section = md.split(f"`{fix['id']}`", 1)[1].split("### ", 1)[0]
         assert "**Verify:** in the next capture:" in section
         assert "**At most:**" in section and "**Because:**" in section
+
+
+def test_fusion_config_shows_moe_and_backward_lines_only_with_their_evidence():
+    """Ulysses (forward only, no MoE routing kernels, all-to-all for sequence parallelism):
+    no MoE router/permute fusion and no gradient-accumulation fusion (a backward-pass GEMM
+    fusion). The CUDA-graph MoE training run (routing kernels, backward) keeps both."""
+    uly = next(
+        f for f in report("ulysses_2gpu_forward_window")["fixes"] if f["id"] == "kernel-fusion"
+    )
+    assert "moe_" not in uly["config"] and "gradient_accumulation_fusion" not in uly["config"]
+    assert "bias_activation_fusion" in uly["config"]
+    moe = report("h100_host_cudagraph")
+    fusion = next(f for f in moe["fixes"] if f["id"] == "kernel-fusion")
+    assert moe["capture"]["training_loop"] == "training"
+    assert moe["metrics"]["permute_moe_time_frac"] >= 0.01
+    assert "moe_permute_fusion" in fusion["config"]
+    assert "gradient_accumulation_fusion" in fusion["config"]
+    assert fusion["evidence"]["training_loop"] == "training"
+    assert fusion["evidence"]["permute_moe_time_frac"] == moe["metrics"]["permute_moe_time_frac"]

@@ -12,6 +12,7 @@ from typing import Any
 
 from traceclf.judge import ceiling
 from traceclf.judge.entries import WALLS, Fix, GpuFamily, Rule, Scoring
+from traceclf.judge.expr import Expr
 from traceclf.judge.schema import RuleSet, known_names, load_rules
 
 
@@ -269,7 +270,8 @@ def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any
 
 def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs: RuleSet) -> dict:
     config = fix.config if framework else fix.generic
-    extra = [lines for when, lines in fix.config_when if framework and when.holds(env)]
+    held = [(when, lines) for when, lines in fix.config_when if framework and when.holds(env)]
+    extra = [lines for _, lines in held]
     obj = {
         "id": fix.id,
         "wall": entry["wall"],
@@ -279,7 +281,7 @@ def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs:
         "advice": "framework" if framework else "generic",
         "preconditions": list(fix.preconditions),
         "pitfalls": list(fix.pitfalls),
-        "evidence": _evidence(fix, entry["rules"], env, rs),
+        "evidence": _evidence(fix, entry["rules"], env, rs, [when for when, _ in held]),
         "rule_ids": list(dict.fromkeys(entry["rules"])),
         "score": round(entry["score"], 3),
         "ceiling": ceiling.ceiling(fix, env),
@@ -291,15 +293,20 @@ def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs:
     return obj
 
 
-def _evidence(fix: Fix, rule_ids: list[str], env: dict[str, Any], rs: RuleSet) -> dict:
+def _evidence(
+    fix: Fix, rule_ids: list[str], env: dict[str, Any], rs: RuleSet, shown: Iterable[Expr] = ()
+) -> dict:
     """The measured facts that triggered a fix: every name in the conditions of the rules that
-    proposed it and in its own ``requires``, with its value (definitions are expanded into the
-    names they use, so each fact is a measure or a context fact)."""
+    proposed it, in its own ``requires`` and in the ``config_when`` conditions whose config it
+    shows, with its value (definitions are expanded into the names they use, so each fact is a
+    measure or a context fact)."""
     names: set[str] = set()
     for rule_id in rule_ids:
         names |= rs.rules[rule_id].when.names
     if fix.requires is not None:
         names |= fix.requires.names
+    for when in shown:
+        names |= when.names
     names = _expand(names, rs)
     # a null or empty fact triggered nothing (the other side of an "or")
     return {n: env[n] for n in sorted(names) if env.get(n) not in (None, [], "")}
