@@ -7,6 +7,7 @@ optional tables that a capture did not produce.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Callable
 from functools import cache
@@ -15,6 +16,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from conftest import SMALL_TRACE, fixture_trace
+from helpers.cli import run_cli
 from helpers.files import copy_export, drop_tables
 from helpers.variants import (
     as_nsys_2021_early,
@@ -207,3 +209,24 @@ def test_metadata_table_without_name_value_columns(tmp_path: Path) -> None:
     info = inspect_export(path)
     assert (info.nsys_version, info.schema_version) == (None, None)
     assert kernel_totals(load_trace(path)).equals(kernel_totals(original()))
+
+
+def test_unresolved_event_waits_are_not_called_dependency_stalls(tmp_path: Path) -> None:
+    """h100_comm_ep2_overlap reshaped as nsys 2022 wrote it (no eventSyncId): compute waits
+    for the all-to-all on another stream through events the export cannot resolve. That time
+    is unattributed (residual), not "issued, dependencies done, still not running"; the
+    ceilings of the communication fixes treat it as possibly recoverable (at most the exposed
+    all-to-all) instead of claiming they recover nothing, and the report says why."""
+    path = variant(tmp_path, as_nsys_2022, "h100_comm_ep2_overlap")
+    code, out, err = run_cli("analyze", path, "-f", "json", "-q", "--no-cache")
+    assert code == 0, err
+    r = json.loads(out)
+    m = r["metrics"]
+    assert m["event_waits_unresolved"] > 0
+    assert m["attribution_residual_frac"] > 0.5 and m["dependency_stalled_frac"] < 0.05
+    assert r["classification"]["bound"] == "communication"
+    assert "comm-waits-unresolved" in {rule["id"] for rule in r["classification"]["rules"]}
+    deepep = next(f for f in r["fixes"] if f["id"] == "deepep")
+    step = m["step_time_ms"]
+    recoverable = deepep["ceiling"]["recoverable_ms"]
+    assert 0.5 * m["a2a_exposed_frac"] * step < recoverable <= m["a2a_exposed_frac"] * step + 1e-3

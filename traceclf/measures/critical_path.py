@@ -180,7 +180,18 @@ def attribute_gaps(
         ["pid", "correlation_id"], keep="first"
     )
     info = ops.join(launch, on=["pid", "correlation_id"], how="left").select(
-        "op_id", "kind", "start", "end", "launch_end", "dep_end", "dep_op"
+        "op_id",
+        "kind",
+        "start",
+        "end",
+        "launch_end",
+        "dep_end",
+        "dep_op",
+        # it also waits for an event whose record the export lacks (nsys <= 2022 wrote no
+        # eventSyncId): its wait after its known dependencies is not "stalled" but unexplained
+        unres=pl.col("unresolved_wait").fill_null(False)
+        if "unresolved_wait" in ops.columns
+        else pl.lit(False),
     )
     nxt = (
         info.filter(pl.col("kind").is_in(COMPUTE_KINDS))
@@ -192,7 +203,13 @@ def attribute_gaps(
         gaps.sort("end")
         .join_asof(nxt, left_on="end", right_on="k_start", strategy="forward")
         .join(
-            info.select(cur="op_id", k_launch="launch_end", k_dep="dep_end", nxt_op="dep_op"),
+            info.select(
+                cur="op_id",
+                k_launch="launch_end",
+                k_dep="dep_end",
+                nxt_op="dep_op",
+                k_unres="unres",
+            ),
             on="cur",
             how="left",
         )
@@ -210,7 +227,7 @@ def attribute_gaps(
     followed = g.filter(pl.col("cur").is_not_null())
     pieces = [
         g.filter(pl.col("cur").is_null()).select("start", "end", cls=pl.lit("unresolved")),
-        followed.select(start="ready", end="end", cls="stalled"),
+        followed.select(start="ready", end="end", cls=_stalled_or_unresolved("k_unres")),
     ]
     starved = followed.filter(known).select("start", end="lo")
     host_pieces, sync_seeds = _split_host_syncs(starved, host_syncs, info)
@@ -280,6 +297,13 @@ def _split_host_syncs(
     return [free, latency], seeds.cast(seeds_schema)  # type: ignore[arg-type]
 
 
+def _stalled_or_unresolved(unres: str) -> pl.Expr:
+    """The class of the wait between an operation's known readiness and its start: "stalled"
+    (the walk's class for it), or "unresolved" when it also waited for an event the export
+    cannot resolve, which may be what held it."""
+    return pl.when(pl.col(unres).fill_null(False)).then(pl.lit("unresolved")).otherwise("stalled")
+
+
 def _walk(seeds: pl.DataFrame, info: pl.DataFrame, max_hops: int) -> list[pl.DataFrame]:
     """Walk critical paths back from ``seeds`` (lo, stalled, t, nxt_op: time [lo, t] is left
     to explain and nxt_op is the operation that finished at t), one hop per iteration for all
@@ -306,7 +330,7 @@ def _walk(seeds: pl.DataFrame, info: pl.DataFrame, max_hops: int) -> list[pl.Dat
         )
         pieces += [
             walk.select(start="run_from", end="t", cls="cls", producer_op="cur"),
-            walk.select(start="ready", end="run_from", cls="stalled"),
+            walk.select(start="ready", end="run_from", cls=_stalled_or_unresolved("unres")),
         ]
         walk = walk.select("lo", "stalled", t="ready", nxt_op="dep_op").filter(
             (pl.col("t") > pl.col("lo")) & pl.col("nxt_op").is_not_null()
