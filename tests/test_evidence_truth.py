@@ -51,6 +51,7 @@ RELATIVE_TOL = 0.01
 NOT_RECOMPUTED = {
     "training_loop": "capture classification (issue 10 capture block), not a number",
     "ranks_share_gpu": "capture fact from TARGET_INFO_CUDA_DEVICE, not a number",
+    "moe_evidence": "capture fact: kernels or NVTX ranges named for MoE routing, not a number",
     "graph_trace_mode": "capture fact, not a number",
     "steps_used": "the step finder's output, an input of this suite",
     "step_source": "the step finder's output, an input of this suite",
@@ -268,6 +269,7 @@ def _context(rep: dict) -> dict:
     capture, steps, cross = rep["capture"], rep["steps"], rep["cross_rank"]
     return {
         "training_loop": capture.get("training_loop") or "unknown",
+        "moe_evidence": bool(capture.get("moe_evidence")),
         "ranks_share_gpu": bool(capture.get("ranks_share_gpu")),
         "graph_trace_mode": capture.get("graph_trace_mode") or "none",
         "steps_used": steps.get("used") or 0,

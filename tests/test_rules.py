@@ -257,7 +257,7 @@ def comm_facts(gpu: dict | None, libraries=("nccl",), **extra) -> dict:
         "rank_count": 8,
         "comm_by_kind": {"all_to_all": {"frac": metrics["a2a_frac"], "libraries": list(libraries),
                                         "exposed_frac": metrics["a2a_exposed_frac"]}},
-    } | TRAINING  # fmt: skip
+    } | TRAINING | {"capture": {"training_loop": "training", "moe_evidence": True}}  # fmt: skip
 
 
 def test_straggler_rank_is_named_when_others_wait_for_it():
@@ -415,7 +415,14 @@ def facts_of(name: str) -> dict:
         "rank_count": len(ranks),
         "comm_by_kind": kinds,
         "cross_rank": {},
-        "capture": {"training_loop": ranks[0].capture["training_loop"]},
+        "capture": {
+            "training_loop": ranks[0].capture["training_loop"],
+            "moe_evidence": any(
+                r.capture["training_evidence"]["moe_kernels"]
+                or r.capture["training_evidence"]["moe_ranges"]
+                for r in ranks
+            ),
+        },
         "steps": {
             "source": steps.source,
             "used": steps.used,

@@ -35,6 +35,7 @@ class Taxonomy:
     fp8_gemm: str = ""
     cuda_api: dict[str, str] = field(default_factory=dict, hash=False)  # sync, launch, ...
     training: dict[str, str] = field(default_factory=dict, hash=False)  # backward_kernel, ...
+    moe: dict[str, str] = field(default_factory=dict, hash=False)  # kernel, nvtx
 
     def family(self, col: str = "name") -> pl.Expr:
         return first_match(col, self.families, "other")

@@ -39,6 +39,11 @@ def capture_block(ranks: list, exports: list) -> dict:
         "gpu_assignment": assignment,
         "training_loop": _loop(facts),
         "training_evidence": facts[0].get("training_evidence") if facts else {},
+        "moe_evidence": any(
+            (f.get("training_evidence") or {}).get("moe_kernels")
+            or (f.get("training_evidence") or {}).get("moe_ranges")
+            for f in facts
+        ),
         "step_anchor": _anchor(first),
         "second_anchor": first.get("second_anchor"),
         "steps_found": first.get("count", 0),

@@ -146,6 +146,7 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
         "step_time_skew_frac": cross.get("step_time_skew_frac"),
         "compute_skew_frac": cross.get("compute_skew_frac"),
         "training_loop": capture.get("training_loop") or "unknown",
+        "moe_evidence": bool(capture.get("moe_evidence")),
         "ranks_share_gpu": bool(capture.get("ranks_share_gpu")),
         "gpu_assignment": capture.get("gpu_assignment")
         or ("shared" if capture.get("ranks_share_gpu") else "own"),

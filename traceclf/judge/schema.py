@@ -87,6 +87,7 @@ CONTEXT_NAMES: dict[str, str] = {
     "last_arriver_rank": "rank that starts matched collectives last most often",
     "training_loop": 'capture: "training", "forward_only", "not_a_loop" or "unknown"',
     "ranks_share_gpu": "capture: two or more ranks ran on one GPU (time-slicing it)",
+    "moe_evidence": "capture: kernels or NVTX ranges of mixture-of-experts routing (taxonomy moe)",
     "gpu_assignment": 'capture: "own" (a GPU per rank), "shared" or "unknown" (ranks report one '
     "device and the export cannot say whether it is one GPU)",
     "graph_trace_mode": 'capture: CUDA-graph tracing, "graph", "node" or "none"',

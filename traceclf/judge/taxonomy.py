@@ -33,6 +33,7 @@ PATTERN_MAPS = {
     "nvtx": ("step", "forward", "backward", "optimizer"),
     "cuda_api": ("sync", "launch", "alloc", "graph_launch"),
     "training": ("backward_kernel", "autograd_thread", "backward_nvtx", "framework_kernel"),
+    "moe": ("kernel", "nvtx"),
 }
 
 
@@ -77,6 +78,7 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> Taxonomy:
         fp8_gemm=fp8,
         cuda_api=maps["cuda_api"],
         training=maps["training"],
+        moe=maps["moe"],
     )
 
 

@@ -86,6 +86,13 @@ def _training_evidence(w: RankWindow) -> dict:
         "framework_kernel_frac": (
             round(int(names.filter("framework")["dur"].sum()) / total, 4) if total else None
         ),
+        # mixture-of-experts routing: kernels or NVTX ranges named for it (taxonomy `moe`)
+        "moe_kernels": int(
+            flags.filter(pl.col("name").cast(pl.String).str.contains(w.taxonomy.moe["kernel"]))
+            .join(names.select("name"), on="name")
+            .height
+        ),
+        "moe_ranges": int(nvtx.str.contains(w.taxonomy.moe["nvtx"]).sum()),
     }
 
 
