@@ -163,3 +163,50 @@ def test_per_rank_files_with_recurring_kernel_steps_merge(tmp_path: Path) -> Non
     assert report.grouping["mode"] == "job"
     whole = analyze(src)
     assert report.cross_rank["collectives_matched"] == whole.cross_rank["collectives_matched"]
+
+
+def _stretch_process(path: Path, pid: int, factor: int) -> None:
+    """Constructed: every event of process ``pid`` in the export at ``path`` runs ``factor``
+    times slower (its times stretched from the capture's first event), so that the two
+    processes of one export no longer look like ranks of one job."""
+    import sqlite3
+
+    con = sqlite3.connect(path)
+    try:
+        (t0,) = con.execute("SELECT min(start) FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchone()
+        stretch = (
+            f'start = {t0} + (start - {t0}) * {factor}, "end" = {t0} + ("end" - {t0}) * {factor}'
+        )
+        for table, col in (
+            ("CUPTI_ACTIVITY_KIND_KERNEL", "globalPid"),
+            ("CUPTI_ACTIVITY_KIND_MEMCPY", "globalPid"),
+            ("CUPTI_ACTIVITY_KIND_MEMSET", "globalPid"),
+            ("CUPTI_ACTIVITY_KIND_SYNCHRONIZATION", "globalPid"),
+            ("CUPTI_ACTIVITY_KIND_RUNTIME", "globalTid"),
+            ("NVTX_EVENTS", "globalTid"),
+        ):
+            con.execute(
+                f"UPDATE {table} SET {stretch} WHERE (({col} >> 24) & 16777215) = ? "
+                'AND start IS NOT NULL AND "end" IS NOT NULL',
+                (pid,),
+            )
+        con.commit()
+    finally:
+        con.close()
+
+
+def test_unrelated_processes_in_one_export_are_separate_runs(tmp_path: Path) -> None:
+    """Two processes of one export whose steps take 117 and ~234 ms are not ranks of one job
+    (ranks wait for each other every step): one report each, not an average of two workloads.
+    The two real ranks of the same export stay one job (test_per_rank_files_of_one_job_merge)."""
+    export = copy_export(fixture_trace(EP2), tmp_path / "two_jobs.sqlite")
+    _stretch_process(export, EP2_PIDS[1], 2)
+    result = analyze(export, use_cache=False)
+    assert isinstance(result, RunSet) and len(result.runs) == 2
+    names = [row["run"] for row in result.summary]
+    assert names == [f"two_jobs.sqlite (pid {pid})" for pid in EP2_PIDS]
+    steps = [run.steps["median_ms"] for run in result.runs]
+    assert steps[1] == pytest.approx(2 * steps[0], rel=0.1)
+    assert "step times differ" in result.grouping["reason"]
+    merged = analyze(export, use_cache=False, grouping="job")
+    assert isinstance(merged, Report) and len(merged.ranks) == 2

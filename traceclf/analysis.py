@@ -70,6 +70,8 @@ class ExportResult:
     job: dict = field(default_factory=dict)
     # rows left out as unusable (Trace.unusable_rows): among the rows read
     unusable_rows: dict[str, int] = field(default_factory=dict)
+    # one process of a multi-process export split off as a run of its own (runs.py)
+    part: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -147,7 +149,7 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     from traceclf.judge.schema import load_rules
     from traceclf.parallel import map_exports
     from traceclf.reduce import build_report
-    from traceclf.runs import RunSet, group
+    from traceclf.runs import RunSet, group, split_unrelated_ranks
     from traceclf.steps import check_step_regex, warn_unmatched_step_regex
 
     # Reject bad options and files before any heavy work starts.
@@ -177,6 +179,7 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     )
     # A report exported into the cache is reported under the name the user gave.
     results = [r.named(named) for r, (_export, named) in zip(results, sources, strict=True)]
+    results = split_unrelated_ranks(results, opts.grouping)
     grouping = group(results, opts.grouping)
     reports = []
     for members in grouping.groups:

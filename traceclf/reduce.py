@@ -103,6 +103,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
                 "ranks": len(e.ranks),
                 "unusable_rows": e.unusable_rows,
             }
+            | ({"part": e.part} if e.part else {})
             for e in results
         ],
         gpus=gpus,

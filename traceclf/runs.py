@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from traceclf.report import Report
@@ -58,8 +58,9 @@ def evidence(result) -> Evidence:
     ranks = set(job.get("nccl_ranks") or []) or set(job.get("env_ranks") or [])
     if named and not ranks:
         ranks = {int(named.group(1))}
+    part = getattr(result, "part", None)
     return Evidence(
-        name=Path(result.path).name,
+        name=Path(result.path).name + (f" ({part})" if part else ""),
         gpus=frozenset((r.gpu or {}).get("name") or "unknown GPU" for r in result.ranks),
         anchor=(first.get("source") or "none", first.get("label") or ""),
         step_ms=sum(step_ms) / len(step_ms) if step_ms else None,
@@ -116,6 +117,27 @@ class Grouping:
 
     def for_report(self) -> dict:
         return {"mode": self.mode, "decided_by": self.decided_by, "reason": self.reason}
+
+
+def split_unrelated_ranks(results: list, how: str = "auto") -> list:
+    """Processes of one export that cannot be ranks of one job (another GPU model, steps found
+    another way, step times more than ``STEP_TOLERANCE`` apart) are split into one result
+    each, so that :func:`group` reports them as separate runs instead of averaging two
+    workloads. ``--job`` keeps every export whole."""
+    if how == "job":
+        return results
+    out = []
+    for result in results:
+        if len(result.ranks) < 2:
+            out.append(result)
+            continue
+        parts = [replace(result, ranks=[rank], part=f"pid {rank.pid}") for rank in result.ranks]
+        first = evidence(parts[0])
+        if any(match(first, evidence(p))[1] for p in parts[1:]):
+            out.extend(parts)
+        else:
+            out.append(result)
+    return out
 
 
 def group(results: list, how: str = "auto") -> Grouping:
@@ -240,7 +262,10 @@ def summary_row(report: Report) -> dict:
     m = report.metrics
     fix = report.fixes[0] if report.fixes else {}
     return {
-        "run": ", ".join(Path(i["path"]).name for i in report.inputs),
+        "run": ", ".join(
+            Path(i["path"]).name + (f" ({i['part']})" if i.get("part") else "")
+            for i in report.inputs
+        ),
         "bound": report.classification.get("bound"),
         "step_ms": report.steps.get("median_ms"),
         "busy_frac": m.get("gpu_busy_frac"),
