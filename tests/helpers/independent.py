@@ -419,8 +419,9 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     one cause: other when profiler overhead covers half of it; input / host when it lasts
     >= 1 ms and CUDA calls cover less than half of it (input with evidence of data loading:
     an NVTX data range over half of it, or it ends where a host->device copy of >= 1 MiB
-    starts); sync when a synchronising call returned inside it or at most 20 µs before it;
-    launch when the host started CUDA calls in it; other otherwise."""
+    starts); sync when a synchronising call returned inside it or at most 20 µs before it, or
+    allocator calls (which synchronise the device) cover at least half of it; launch when the
+    host started CUDA calls in it; other otherwise."""
     busy = merged(w.compute, w.comm, w.copies)
     s = np.concatenate([[w.lo], busy[:, 1]])
     e = np.concatenate([busy[:, 0], [w.hi]])
@@ -432,6 +433,8 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     i = np.searchsorted(sync_ends, s - SYNC_SLACK_NS)  # the first sync returning since then
     after_sync = i < len(sync_ends)
     after_sync[after_sync] = sync_ends[i[after_sync]] <= e[after_sync]
+    allocs = [a for a in w.api if api_is("alloc", a["name"])]
+    after_sync |= covered(spans(allocs), s, e) * 2 >= dur
     profiler = covered(spans(w.rows["overhead"]), s, e) * 2 >= dur
     long = (dur >= LONG_GAP_NS) & (covered(spans(w.api), s, e) * 2 < dur)
     tax = taxonomy()

@@ -16,7 +16,8 @@ MEASURES: dict[str, str] = {
     "median_launch_us": "median duration of a launch call on the host",
     "short_kernel_frac": "kernels shorter than the median launch call",
     "idle_launch_frac": "idle time while the host was issuing CUDA calls (launch-bound)",
-    "idle_sync_frac": "idle time right after a synchronising call returned (sync-bound)",
+    "idle_sync_frac": "idle time right after a synchronising call returned, or filled by "
+    "cudaMalloc/cudaFree (which synchronise the device) (sync-bound)",
     "idle_input_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them and evidence "
     "of data loading: an NVTX data range over the gap, or the gap ends with a host->device copy "
     "of >= 1 MiB (the next batch) (input-bound)",
@@ -128,6 +129,8 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     covered = np.minimum(end[inside], gend[idx_in]) - start[inside]
     api_ns = np.bincount(idx_in, weights=covered, minlength=len(gaps))
     n_calls = np.bincount(idx_in, minlength=len(gaps))
+    # cudaMalloc/cudaFree synchronise the device: a gap they fill is a stall, not launching
+    alloc_ns = timeline.covered(calls.filter(pl.col("is_alloc")), gstart, gend)
     # A synchronising call that returns inside a gap, or at most SYNC_SLACK_NS before it starts,
     # drained the queue. Every such gap counts: with kernels of a few µs the next gap starts
     # within the slack too, and must not take the sync away from the gap it returned in.
@@ -138,7 +141,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     gaps = gaps.with_columns(
         api_ns=pl.Series(api_ns),
         calls=pl.Series(n_calls),
-        after_sync=pl.Series(after_sync),
+        after_sync=pl.Series(after_sync) | pl.Series(alloc_ns * 2 >= gaps["dur"].to_numpy()),
         profiler_ns=pl.Series(profiler_ns),
     )
     long_gap = (pl.col("dur") >= INPUT_GAP_NS) & (pl.col("api_ns") * 2 < pl.col("dur"))

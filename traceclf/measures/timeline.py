@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import polars as pl
 
 Window = tuple[int, int]
@@ -100,6 +101,23 @@ def total(df: pl.DataFrame) -> int:
     """Total length of the union of the intervals."""
     merged = union(df)
     return int((merged["end"] - merged["start"]).sum()) if len(merged) else 0
+
+
+def covered(df: pl.DataFrame, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """ns of each [start, end) that the union of ``df``'s intervals covers: P(end) - P(start),
+    with P(t) the length of the union before t (vectorised, no loop over intervals)."""
+    merged = union(df)
+    if merged.is_empty():
+        return np.zeros(len(starts), dtype=np.int64)
+    lo, hi = merged["start"].to_numpy(), merged["end"].to_numpy()
+    before = np.concatenate([[0], np.cumsum(hi - lo)])
+
+    def prefix(t: np.ndarray) -> np.ndarray:
+        n = np.searchsorted(lo, t, side="right")  # intervals starting at or before t
+        over = np.where(n > 0, np.maximum(hi[np.maximum(n - 1, 0)] - t, 0), 0)
+        return before[n] - over
+
+    return prefix(ends) - prefix(starts)
 
 
 def timeline(

@@ -150,7 +150,10 @@ def _verdict(report: Report) -> str:
         f"<p><b>{escape(verdict_line(report))}</b></p>",
     ]
     if not report.abstained:
-        parts.append(f'<div class="scores">{rows}</div>')
+        parts.append(
+            '<p class="sub">rule scores: how strongly the evidence points at each wall '
+            "(not shares of time)</p>" + f'<div class="scores">{rows}</div>'
+        )
     if cls.get("evidence"):
         parts.append("<h3>Evidence</h3>" + _list(cls["evidence"]))
     if report.applied:

@@ -98,7 +98,7 @@ def _verdict(report: Report) -> str:
     lines += [
         "",
         _table(
-            ("wall", "score", ""),
+            ("wall", "rule score (strength of evidence, not a share of time)", ""),
             [
                 (
                     Markdown(f"**{w}**") if w == report.bound else w,

@@ -30,6 +30,7 @@ from traceclf.render.text import provenance, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.report import WALLS, Report
 
+SCORE_NOTE = "rule scores: how strongly the evidence points at each wall (not shares of time)"
 WALL_STYLE = {"memory": "magenta", "communication": "cyan", "host": "yellow", "compute": "green"}
 
 
@@ -99,7 +100,12 @@ def _verdict(report: Report) -> Panel:
     title = for_terminal(f" {verdict_title(report)} ", f"bold {style}")
     headline = for_terminal(verdict_line(report), "bold" if report.abstained else "")
     headline.append("\n")
-    body = [headline] if report.abstained else [headline, bars, Text(""), evidence, Text(""), tail]
+    scale = Text(SCORE_NOTE, style="dim")
+    body = (
+        [headline]
+        if report.abstained
+        else [headline, scale, bars, Text(""), evidence, Text(""), tail]
+    )
     return Panel(Group(*body), title=title, title_align="left", border_style=style)
 
 
