@@ -223,3 +223,33 @@ def test_measures_match_the_budget(tmp_path):
     assert m["launch_starved_frac"] == 0 and m["attribution_residual_frac"] == 0
     assert rows[0]["blocking_comm"] == pytest.approx(0.007)  # ms
     assert pl.DataFrame(rows).height == 1
+
+
+def test_long_streams_keep_their_stream_order():
+    """CONSTRUCTED frames, no export: 70,000 back-to-back kernels on one stream (a kernel-dense
+    capture has millions). Each waits for the one before it. An earlier sweep packed (segment,
+    completion rank) into 32 bits and lost every dependency past ~2**16 operations."""
+    from traceclf.measures import dependencies
+
+    n = 70_000
+    ops = pl.DataFrame(
+        {
+            "pid": [1] * n,
+            "device_id": [0] * n,
+            "stream_id": [7] * n,
+            "correlation_id": list(range(10, 10 + n)),
+            "start": [i * 10 for i in range(n)],
+            "end": [i * 10 + 5 + i % 3 for i in range(n)],
+        },
+        schema_overrides={"device_id": pl.Int32, "stream_id": pl.Int32},
+    )
+    empty = pl.DataFrame(
+        schema={
+            c: pl.Int64
+            for c in ("pid", "device_id", "stream_id", "correlation_id", "event_sync_id")
+        }
+    )
+    deps = dependencies.resolve_dependencies(ops, empty, empty)
+    assert deps["dep_end"].to_list() == [None, *ops["end"].to_list()[:-1]]
+    assert deps["dep_op"].to_list() == [None, *range(n - 1)]
+    assert not deps["unresolved_wait"].any()

@@ -5,16 +5,20 @@ class) and dependency-stalled, with what cannot be resolved reported as a residu
 
 The split follows each compute-absent gap's critical path back from the compute operation
 that ended it (:func:`attribute_gaps`), through the dependencies of
-:mod:`traceclf.measures.dependencies`: sorts, joins and one join per hop, never a loop over
-events. docs/measures.md ("Critical path") defines every class.
+:mod:`traceclf.measures.dependencies`: binary searches and gathers by operation id (an
+operation's row), one gather per hop, never a loop over events or a join of millions of rows.
+The budget is read off the unions of each kind of work (:mod:`traceclf.measures.busy`).
+docs/measures.md ("Critical path") defines every class.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
-from traceclf.measures import dependencies, timeline
-from traceclf.measures.dependencies import COMPUTE_KINDS
+from traceclf.kernels import by_name
+from traceclf.measures import busy, dependencies, timeline
+from traceclf.measures.dependencies import COMPUTE_KINDS, KIND, CallIndex
 from traceclf.measures.host import SYNC_SLACK_NS
 from traceclf.measures.window import RankWindow
 
@@ -51,7 +55,10 @@ PRODUCER_CLASS = {"collective": "comm", "copy": "copy", "compute": "compute", "g
 BLOCKING = ("blocking_comm", "blocking_copy", "blocking_compute", "blocking_host_sync")
 # Classes of compute-absent time: they partition it.
 CLASSES = ("launch_starved", *BLOCKING, "dependency_stalled", "unresolved")
-PIECE_SCHEMA = {"start": pl.Int64, "end": pl.Int64, "cls": pl.String, "producer_op": pl.Int64}
+CLASS = pl.Enum(CLASSES)
+PIECE_SCHEMA = {"start": pl.Int64, "end": pl.Int64, "cls": CLASS, "producer_op": pl.Int64}
+# The columns of an operation the walk reads (an operation's id is its row).
+INFO = ("kind", "start", "end", "launch_end", "dep_end", "dep_op", "unresolved_wait")
 MAX_HOPS = 64  # longest dependency chain followed inside one gap
 BUDGET_COLUMNS = (
     "iteration",
@@ -102,29 +109,31 @@ def measure(w: RankWindow) -> tuple[dict[str, float | int | None], list[dict]]:
 def budget_ns(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The rank's operations with their dependencies, and the budget of every steady step in
     ns (:func:`step_budget`; one row for the whole window when there are no steps)."""
-    ops, api = _rank_ops(w)
+    ops = _rank_ops(w)
     # (the window may be several spans: gaps end at a span's edge, nothing between spans counts)
     gaps = pl.concat([compute_gaps(ops, span) for span in timeline.spans_of(w.spans)])
-    keys = ["pid", "correlation_id"]
-    launches = api.select(*keys, "end").join(ops.select(keys), on=keys, how="semi")
-    pieces = attribute_gaps(gaps, ops, launches, _host_holds(w))
+    pieces = attribute_gaps(gaps, ops, _host_holds(w))
     steps = w.steps.steady["gpu_start"].to_list() if w.steps.count else []
     return ops, step_budget(ops, pieces, w.spans, steps)
 
 
-def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
+def _rank_ops(w: RankWindow) -> pl.DataFrame:
     """The rank's GPU operations from the window's start on (a producer that matters ends
-    inside the window; the compute that ends the last gap may start after it), with their
-    dependencies resolved."""
+    inside the window; the compute that ends the last gap may start after it), each with its
+    launch call's end (``launch_end``) and its dependencies resolved; only the columns the
+    split reads (:data:`INFO`, ``transfer``, ``unresolved_wait``) are kept."""
     trace, lo = w.trace, w.window[0]
-    cols = ("pid", "device_id", "stream_id", "correlation_id", "start", "end", "graph_node_id")
-    kern = w.taxonomy.classify(trace.kernels.filter(pl.col("end") > lo).select(*cols, "name"))
-    graphs = trace.graphs.filter(pl.col("end") > lo)
-    copies = trace.copies.filter(pl.col("end") > lo)
-    ops = dependencies.gpu_ops(kern, graphs, copies)
-    waits = dependencies.stream_waits(trace.syncs, trace.api)
+    kernels = trace.kernels
+    names = (
+        kernels.select("name").unique().with_columns(is_comm=w.taxonomy.family() == "communication")
+    )
+    is_comm = by_name(kernels.select("name"), names)["is_comm"]
+    ops = dependencies.gpu_ops(kernels, is_comm, trace.graphs, trace.copies, since=lo)
+    calls = CallIndex(trace.api)
+    waits = dependencies.stream_waits(trace.syncs, calls)
+    ops = ops.with_columns(launch_end=calls.column("end", ops["pid"], ops["correlation_id"]))
     resolved = dependencies.resolve_dependencies(ops, waits, trace.events)
-    return resolved, trace.api
+    return resolved.select(*INFO, "transfer")
 
 
 def _host_holds(w: RankWindow) -> pl.DataFrame:
@@ -138,29 +147,62 @@ def _host_holds(w: RankWindow) -> pl.DataFrame:
     return held.select("start", "end")
 
 
+def _codes(ops: pl.DataFrame, kinds: tuple[str, ...]) -> np.ndarray:
+    """Whether each operation's kind is one of ``kinds``."""
+    codes = ops["kind"].to_physical().to_numpy()
+    return np.isin(codes, [KIND.categories.to_list().index(k) for k in kinds])
+
+
 def compute_gaps(ops: pl.DataFrame, window: tuple[int, int]) -> pl.DataFrame:
     """Stretches of ``window`` with no compute (kernel or graph replay) on any stream."""
     lo, hi = window
-    busy = timeline.union(timeline.clip(ops.filter(pl.col("kind").is_in(COMPUTE_KINDS)), window))
-    edges = pl.concat(
-        [
-            pl.DataFrame({"end": [lo]}, schema={"end": pl.Int64}),
-            busy.select("end"),
-        ]
-    ).with_columns(next_start=pl.concat([busy["start"], pl.Series([hi], dtype=pl.Int64)]))
-    return edges.select(start="end", end="next_start").filter(pl.col("end") > pl.col("start"))
+    start, end = ops["start"].to_numpy(), ops["end"].to_numpy()
+    keep = _codes(ops, COMPUTE_KINDS) & (start < hi) & (end > lo)
+    starts, ends = busy.union(np.maximum(start[keep], lo), np.minimum(end[keep], hi))
+    edge = np.concatenate([[lo], ends])
+    nxt = np.concatenate([starts, [hi]])
+    real = edge < nxt
+    return pl.DataFrame(
+        {"start": edge[real], "end": nxt[real]}, schema={"start": pl.Int64, "end": pl.Int64}
+    )
+
+
+def _next_compute(info: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Start times of compute operations (sorted, distinct) and, for each, the operation that
+    ends a gap there: of several starting at once, the one whose launch returned first."""
+    ids = np.flatnonzero(_codes(info, COMPUTE_KINDS))
+    start = info["start"].to_numpy()[ids]
+    dup = np.zeros(len(ids), bool)
+    dup[1:] = start[1:] == start[:-1]
+    keep = ~dup
+    if dup.any():
+        tied = np.flatnonzero(dup | np.append(dup[1:], False))
+        launch = info["launch_end"].gather(pl.Series(ids[tied])).fill_null(2**62)
+        first = (
+            pl.DataFrame({"i": tied, "start": start[tied], "launch": launch})
+            .sort("start", "launch", maintain_order=True)
+            .unique("start", keep="first", maintain_order=True)
+        )
+        keep[tied] = False
+        keep[first["i"].to_numpy()] = True
+    return start[keep], ids[keep]
+
+
+def _at(info: pl.DataFrame, col: str, ids: pl.Series) -> pl.Series:
+    """``col`` of the operations ``ids`` (null where the id is)."""
+    return info[col].gather(ids)
 
 
 def attribute_gaps(
     gaps: pl.DataFrame,
-    ops: pl.DataFrame,
-    launches: pl.DataFrame,
+    info: pl.DataFrame,
     host_syncs: pl.DataFrame | None = None,
     max_hops: int = MAX_HOPS,
 ) -> pl.DataFrame:
     """Split each compute-absent gap into disjoint pieces (start, end, cls, producer_op) of
-    the classes in CLASSES. K is the compute operation that ended the gap (the first to start
-    at or after its end).
+    the classes in CLASSES. ``info`` holds the operations (:data:`INFO`; an operation's id is
+    its row). K is the compute operation that ended the gap (the first to start at or after
+    its end).
 
     - Until K's launch call returned, K was not issued: launch_starved, except while the host
       sat in a synchronising call (``host_syncs``: start, end): then it was waiting for the
@@ -176,49 +218,32 @@ def attribute_gaps(
       API not traced: launch-starved and stalled cannot be told apart), or a chain longer than
       ``max_hops``.
     """
-    launch = launches.select("pid", "correlation_id", launch_end="end").unique(
-        ["pid", "correlation_id"], keep="first"
+    k_start, k_op = _next_compute(info)
+    pos = np.searchsorted(k_start, gaps["end"].to_numpy(), side="left")
+    found = pos < len(k_start)
+    cur = (
+        pl.select(
+            pl.when(pl.Series(found)).then(pl.Series(k_op[np.minimum(pos, max(len(k_op) - 1, 0))]))
+        ).to_series()
+        if len(k_op)
+        else pl.Series([None] * gaps.height, dtype=pl.Int64)
     )
-    info = ops.join(launch, on=["pid", "correlation_id"], how="left").select(
-        "op_id",
-        "kind",
-        "start",
-        "end",
-        "launch_end",
-        "dep_end",
-        "dep_op",
+    g = gaps.with_columns(
+        cur=cur,
+        k_launch=_at(info, "launch_end", cur),
+        k_dep=_at(info, "dep_end", cur),
+        nxt_op=_at(info, "dep_op", cur),
         # it also waits for an event whose record the export lacks (nsys <= 2022 wrote no
         # eventSyncId): its wait after its known dependencies is not "stalled" but unexplained
-        unres=pl.col("unresolved_wait").fill_null(False)
-        if "unresolved_wait" in ops.columns
-        else pl.lit(False),
-    )
-    nxt = (
-        info.filter(pl.col("kind").is_in(COMPUTE_KINDS))
-        .sort("start", pl.col("launch_end").fill_null(2**62))
-        .unique("start", keep="first", maintain_order=True)
-        .select(k_start="start", cur="op_id")
-    )
-    g = (
-        gaps.sort("end")
-        .join_asof(nxt, left_on="end", right_on="k_start", strategy="forward")
-        .join(
-            info.select(
-                cur="op_id",
-                k_launch="launch_end",
-                k_dep="dep_end",
-                nxt_op="dep_op",
-                k_unres="unres",
-            ),
-            on="cur",
-            how="left",
-        )
+        k_unres=_at(info, "unresolved_wait", cur),
     )
     known = pl.col("k_launch").is_not_null()
     issued = pl.max_horizontal("start", pl.col("k_launch").clip(upper_bound=pl.col("end")))
     g = g.with_columns(
         lo=pl.when(known).then(issued).otherwise(pl.col("start")),
-        stalled=pl.when(known).then(pl.lit("dependency_stalled")).otherwise(pl.lit("unresolved")),
+        stalled=pl.when(known)
+        .then(pl.lit("dependency_stalled", CLASS))
+        .otherwise(pl.lit("unresolved", CLASS)),
     ).with_columns(
         ready=pl.max_horizontal("k_dep", "k_launch")
         .clip(pl.col("lo"), pl.col("end"))
@@ -226,16 +251,13 @@ def attribute_gaps(
     )
     followed = g.filter(pl.col("cur").is_not_null())
     pieces = [
-        g.filter(pl.col("cur").is_null()).select("start", "end", cls=pl.lit("unresolved")),
+        g.filter(pl.col("cur").is_null()).select("start", "end", cls=pl.lit("unresolved", CLASS)),
         followed.select(start="ready", end="end", cls=_stalled_or_unresolved("k_unres")),
     ]
     starved = followed.filter(known).select("start", end="lo")
     host_pieces, sync_seeds = _split_host_syncs(starved, host_syncs, info)
     pieces += host_pieces
-    seeds = [
-        followed.select("lo", "stalled", t="ready", nxt_op="nxt_op"),
-        sync_seeds,
-    ]
+    seeds = [followed.select("lo", "stalled", t="ready", nxt_op="nxt_op"), sync_seeds]
     pieces += _walk(pl.concat(seeds, how="vertical_relaxed"), info, max_hops)
     return (
         pl.concat(
@@ -257,51 +279,63 @@ def _split_host_syncs(
 ) -> tuple[list[pl.DataFrame], pl.DataFrame]:
     """Launch-starved intervals minus the time the host sat in a synchronising call; for each
     such stretch [s0, s1], the GPU operation it waited for (the last to finish by s1) seeds a
-    walk, and the time after that operation finished is the call's return latency."""
-    seeds_schema = {"lo": pl.Int64, "stalled": pl.String, "t": pl.Int64, "nxt_op": pl.Int64}
+    walk, and the time after that operation finished is the call's return latency. Only the
+    (few) intervals a call overlaps are split; the others are launch-starved whole."""
+    seeds_schema = {"lo": pl.Int64, "stalled": CLASS, "t": pl.Int64, "nxt_op": pl.Int64}
+    no_seeds = pl.DataFrame(schema=seeds_schema)
+    starving = pl.lit("launch_starved", CLASS)
     if host_syncs is None or host_syncs.is_empty() or starved.is_empty():
-        return [starved.with_columns(cls=pl.lit("launch_starved"))], pl.DataFrame(
-            schema=seeds_schema
-        )
-    lo, hi = int(starved["start"].min()), int(starved["end"].max())
+        return [starved.with_columns(cls=starving)], no_seeds
+    u_start, u_end = busy.union(*_sorted_intervals(host_syncs))
+    s, e = starved["start"].to_numpy(), starved["end"].to_numpy()
+    j = np.searchsorted(u_end, s, side="right")  # the first call stretch ending after s
+    touched = (j < len(u_end)) & (u_start[np.minimum(j, len(u_end) - 1)] < e)
+    whole = starved.filter(pl.Series(~touched)).with_columns(cls=starving)
+    starved = starved.filter(pl.Series(touched))
+    if starved.is_empty():
+        return [whole], no_seeds
+    lo, hi = int(starved["start"].min()), int(starved["end"].max())  # type: ignore[arg-type]
     tl = timeline.timeline({"ls": starved, "sync": host_syncs.select("start", "end")}, (lo, hi))
     in_ls = tl.filter(pl.col("ls") > 0)
-    free = in_ls.filter(pl.col("sync") == 0).select("start", "end", cls=pl.lit("launch_starved"))
+    free = in_ls.filter(pl.col("sync") == 0).select("start", "end", cls=starving)
     held = timeline.union(in_ls.filter(pl.col("sync") > 0).select("start", "end"))
     # The awaited work: the last operation to finish by the time the call returned, or the
     # last one started before it if that ends within SYNC_SLACK_NS after (a pageable copy's
     # last bytes land just after its call returns).
-    finished = info.select(x_end="end", x_op="op_id").sort("x_end")
-    started = info.select(y_start="start", y_end="end", y_op="op_id").sort("y_start")
-    held = (
-        held.sort("end")
-        .join_asof(finished, left_on="end", right_on="x_end", strategy="backward")
-        .with_columns(before=pl.col("end") - 1)
-        .join_asof(started, left_on="before", right_on="y_start", strategy="backward")
-        .with_columns(
-            late=(pl.col("y_end") > pl.col("end"))
-            & (pl.col("y_end") <= pl.col("end") + SYNC_SLACK_NS)
-        )
-        .with_columns(
-            x_op=pl.when("late").then("y_op").otherwise("x_op"),
-            x_end=pl.when("late").then("y_end").otherwise("x_end"),
-        )
-        .with_columns(x_end=pl.col("x_end").clip(pl.col("start"), pl.col("end")))
+    h_start, h_end = held["start"].to_numpy(), held["end"].to_numpy()
+    op_start, op_end = info["start"].to_numpy(), info["end"].to_numpy()
+    by_end = np.argsort(op_end, kind="stable")
+    x = np.searchsorted(op_end[by_end], h_end, side="right") - 1
+    y = np.searchsorted(op_start, h_end - 1, side="right") - 1
+    x_op = np.where(x >= 0, by_end[np.maximum(x, 0)], -1)
+    y_end = np.where(y >= 0, op_end[np.maximum(y, 0)], 0)
+    late = (y >= 0) & (y_end > h_end) & (y_end <= h_end + SYNC_SLACK_NS)
+    x_op = np.where(late, np.maximum(y, 0), x_op)
+    x_end = np.clip(op_end[np.maximum(x_op, 0)], h_start, h_end)
+    has = x_op >= 0
+    latency = pl.DataFrame({"start": np.where(has, x_end, h_start), "end": h_end}).with_columns(
+        cls=pl.lit("blocking_host_sync", CLASS)
     )
-    latency = held.select(start=pl.col("x_end").fill_null(pl.col("start")), end="end").with_columns(
-        cls=pl.lit("blocking_host_sync")
+    seeds = pl.DataFrame({"lo": h_start[has], "t": x_end[has], "nxt_op": x_op[has]}).with_columns(
+        stalled=pl.lit("dependency_stalled", CLASS)
     )
-    seeds = held.filter(pl.col("x_op").is_not_null()).select(
-        lo="start", stalled=pl.lit("dependency_stalled"), t="x_end", nxt_op="x_op"
-    )
-    return [free, latency], seeds.cast(seeds_schema)  # type: ignore[arg-type]
+    return [whole, free, latency], seeds.select(list(seeds_schema)).cast(seeds_schema)  # type: ignore[arg-type]
+
+
+def _sorted_intervals(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    ordered = df.select("start", "end").sort("start", "end", maintain_order=True)
+    return ordered["start"].to_numpy(), ordered["end"].to_numpy()
 
 
 def _stalled_or_unresolved(unres: str) -> pl.Expr:
     """The class of the wait between an operation's known readiness and its start: "stalled"
     (the walk's class for it), or "unresolved" when it also waited for an event the export
     cannot resolve, which may be what held it."""
-    return pl.when(pl.col(unres).fill_null(False)).then(pl.lit("unresolved")).otherwise("stalled")
+    return (
+        pl.when(pl.col(unres).fill_null(False))
+        .then(pl.lit("unresolved", CLASS))
+        .otherwise("stalled")
+    )
 
 
 def _walk(seeds: pl.DataFrame, info: pl.DataFrame, max_hops: int) -> list[pl.DataFrame]:
@@ -309,63 +343,62 @@ def _walk(seeds: pl.DataFrame, info: pl.DataFrame, max_hops: int) -> list[pl.Dat
     to explain and nxt_op is the operation that finished at t), one hop per iteration for all
     of them at once: the producer's run is blocking by its class, the wait between its
     readiness and its start is ``stalled``, then on to what it waited for."""
+    producer = pl.col("kind").replace_strict(
+        {kind: f"blocking_{cls}" for kind, cls in PRODUCER_CLASS.items()},
+        default="blocking_compute",
+        return_dtype=CLASS,
+    )
     pieces: list[pl.DataFrame] = []
     walk = seeds.filter((pl.col("t") > pl.col("lo")) & pl.col("nxt_op").is_not_null())
     for _ in range(max_hops):
         if walk.is_empty():
             break
+        cur = walk["nxt_op"]
         walk = (
             walk.select("lo", "stalled", "t", cur="nxt_op")
-            .join(info.rename({"op_id": "cur"}), on="cur", how="left")
+            .with_columns(_at(info, c, cur) for c in INFO)
             .with_columns(run_from=pl.col("start").clip(pl.col("lo"), pl.col("t")))
             .with_columns(
                 ready=pl.max_horizontal("dep_end", "launch_end")
                 .clip(pl.col("lo"), pl.col("run_from"))
                 .fill_null(pl.col("lo")),
-                cls=pl.concat_str(
-                    pl.lit("blocking_"),
-                    pl.col("kind").replace_strict(PRODUCER_CLASS, default="compute"),
-                ),
+                cls=producer,
             )
         )
         pieces += [
             walk.select(start="run_from", end="t", cls="cls", producer_op="cur"),
-            walk.select(start="ready", end="run_from", cls=_stalled_or_unresolved("unres")),
+            walk.select(
+                start="ready", end="run_from", cls=_stalled_or_unresolved("unresolved_wait")
+            ),
         ]
         walk = walk.select("lo", "stalled", t="ready", nxt_op="dep_op").filter(
             (pl.col("t") > pl.col("lo")) & pl.col("nxt_op").is_not_null()
         )
     if not walk.is_empty():  # a chain longer than max_hops: say so rather than guess
-        pieces.append(walk.select(start="lo", end="t", cls=pl.lit("unresolved")))
+        pieces.append(walk.select(start="lo", end="t", cls=pl.lit("unresolved", CLASS)))
     return pieces
 
 
-def _classes_per_step(
-    pieces: pl.DataFrame, starts: list[int], window: tuple[int, int]
-) -> pl.DataFrame:
-    """ns of each class per step: the pieces are disjoint, so each is cut at the step
+def _classes_per_step(pieces: pl.DataFrame, bounds: np.ndarray) -> np.ndarray:
+    """ns of each class (columns, in CLASSES order) per step (rows; step i runs from
+    ``bounds[i]`` to ``bounds[i + 1]``): the pieces are disjoint, so each is cut at the step
     boundaries it spans (rare) and summed, without sweeping a timeline per class."""
-    bounds = pl.Series([*starts, window[1]], dtype=pl.Int64)
-    cut = (
-        timeline.clip(pieces, window)
-        .with_columns(
-            first=pl.lit(bounds).search_sorted(pl.col("start"), side="right").cast(pl.Int64) - 1,
-            last=pl.lit(bounds).search_sorted(pl.col("end"), side="left").cast(pl.Int64) - 1,
-        )
-        .with_columns(step=pl.int_ranges("first", pl.col("last") + 1))
-        .explode("step")
-        .with_columns(
-            lo=pl.lit(bounds).gather(pl.col("step")), hi=pl.lit(bounds).gather(pl.col("step") + 1)
-        )
-        .with_columns(
-            dur=pl.min_horizontal("end", "hi") - pl.max_horizontal("start", "lo"),
-            step_start=pl.col("lo"),
-        )
-    )
-    sums = cut.group_by("step_start").agg(
-        **{cls: pl.col("dur").filter(pl.col("cls") == cls).sum() for cls in CLASSES}
-    )
-    return sums.cast({cls: pl.Int64 for cls in CLASSES})  # type: ignore[arg-type]
+    out = np.zeros((len(bounds) - 1, len(CLASSES)), np.int64)
+    lo, hi = int(bounds[0]), int(bounds[-1])
+    start = np.maximum(pieces["start"].to_numpy(), lo)
+    end = np.minimum(pieces["end"].to_numpy(), hi)
+    cls = pieces["cls"].to_physical().to_numpy().astype(np.int64)
+    keep = end > start
+    start, end, cls = start[keep], end[keep], cls[keep]
+    first = np.searchsorted(bounds, start, side="right") - 1
+    last = np.searchsorted(bounds, end, side="left") - 1
+    count = last - first + 1
+    row = np.repeat(np.arange(len(start)), count)
+    step = first[row] + np.arange(len(row)) - np.repeat(np.cumsum(count) - count, count)
+    dur = np.minimum(end[row], bounds[step + 1]) - np.maximum(start[row], bounds[step])
+    # float sums of integer ns below 2**53 are exact
+    flat = np.bincount(step * len(CLASSES) + cls[row], weights=dur, minlength=out.size)
+    return np.rint(flat).astype(np.int64).reshape(out.shape)
 
 
 def step_budget(
@@ -378,41 +411,44 @@ def step_budget(
     compute busy); occupied-not-computing (device busy - compute busy); exposed communication
     and copies (the upper bounds of blocking); compute-absent split into the classes of
     :func:`attribute_gaps`; the residual (compute-absent minus launch-starved, blocking and
-    dependency-stalled: measured, not absorbed); time inside graph replays."""
-    kind = pl.col("kind")
-    layers = {
-        "compute": ops.filter(kind.is_in(COMPUTE_KINDS)),
-        "graph": ops.filter(kind == "graph"),
-        "comm": ops.filter(kind == "collective"),
-        "xfer": ops.filter((kind == "copy") & pl.col("transfer")),
-        "local": ops.filter((kind == "copy") & ~pl.col("transfer")),
-    }
+    dependency-stalled: measured, not absorbed); time inside graph replays.
+
+    Each is the length of a union of kinds of work within the step's part of the window, read
+    off the union's running length (:class:`traceclf.measures.busy.Busy`)."""
     spans = timeline.spans_of(window)
     hull = (spans[0][0], spans[-1][1])
     starts = sorted({s for s in step_starts if hull[0] <= s < hull[1]} | {hull[0]})
-    steps = pl.DataFrame({"step_start": starts}, schema={"step_start": pl.Int64})
-    tl = timeline.timeline(layers, spans, cuts=starts).sort("start")
-    c, k, x, o = (pl.col(n) > 0 for n in ("compute", "comm", "xfer", "local"))
-
-    def ns(cond: pl.Expr) -> pl.Expr:
-        return pl.col("dur").filter(cond).sum()
-
-    per = (
-        tl.join_asof(steps, left_on="start", right_on="step_start", strategy="backward")
-        .group_by("step_start")
-        .agg(
-            iteration=pl.col("dur").sum(),
-            device_busy=ns(c | k | x | o),
-            non_transfer_busy=ns(c | o),
-            compute_busy=ns(c),
-            exposed_comm=ns(k & ~c),
-            exposed_copy=ns((x | o) & ~c & ~k),
-            in_graph=ns(pl.col("graph") > 0),
-        )
-        .join(_classes_per_step(pieces, starts, hull), on="step_start", how="left")
-        .with_columns(pl.col(CLASSES).fill_null(0))
-        .sort("step_start")
-    )
+    bounds = np.array([*starts, hull[1]], dtype=np.int64)
+    start, end = ops["start"].to_numpy(), ops["end"].to_numpy()
+    transfer = ops["transfer"].to_numpy()
+    compute = _codes(ops, COMPUTE_KINDS)
+    comm = _codes(ops, ("collective",))
+    local = _codes(ops, ("copy",)) & ~transfer
+    unions = {
+        "compute": compute,
+        "compute_comm": compute | comm,
+        "compute_local": compute | local,
+        "device": np.ones(len(start), bool),
+        "graph": _codes(ops, ("graph",)),
+    }
+    length = {
+        name: busy.Busy(*busy.union(start[mask], end[mask])).within(bounds, spans)
+        for name, mask in unions.items()
+    }
+    iteration = busy.within_spans(bounds, spans)
+    per = pl.DataFrame(
+        {
+            "step_start": bounds[:-1],
+            "iteration": iteration,
+            "device_busy": length["device"],
+            "non_transfer_busy": length["compute_local"],
+            "compute_busy": length["compute"],
+            "exposed_comm": length["compute_comm"] - length["compute"],
+            "exposed_copy": length["device"] - length["compute_comm"],
+            "in_graph": length["graph"],
+        }
+        | dict(zip(CLASSES, _classes_per_step(pieces, bounds).T, strict=True))
+    ).filter(pl.col("iteration") > 0)
     return (
         per.with_columns(
             compute_absent=pl.col("iteration") - pl.col("compute_busy"),

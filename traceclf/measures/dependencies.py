@@ -2,58 +2,141 @@
 CUDA events, work on other streams (NVIDIA's "device dependency edges", mechanised).
 
 Frames (integer ns on the session timeline):
-- ``ops`` (:func:`gpu_ops`): one row per GPU operation: op_id, pid, device_id, stream_id,
-  correlation_id, start, end, kind ("compute", "graph", "collective", "copy"), transfer (a
-  host<->device or peer copy). A node-traced CUDA-graph replay is one op: its nodes share the
-  launch's correlationId and the trace shows no dependency between them.
+- ``ops`` (:func:`gpu_ops`): one row per GPU operation, sorted by (start, end); an operation's
+  id (``op_id``, ``dep_op``) is its row index. Columns: pid, device_id, stream_id,
+  correlation_id, start, end, kind (:data:`KIND`: "compute", "graph", "collective", "copy"),
+  transfer (a host<->device or peer copy). A node-traced CUDA-graph replay is one op: its nodes
+  share the launch's correlationId and the trace shows no dependency between them.
 - ``waits``: cudaStreamWaitEvent records (``Trace.syncs``): pid, device_id, stream_id (the
   waiting stream), correlation_id, event_sync_id.
 - ``records``: cudaEventRecord records (``Trace.events``): pid, device_id, stream_id (the
   recording stream), correlation_id, event_sync_id.
+
+A kernel-dense capture has millions of operations and tens of millions of CUDA calls, so the
+per-operation work is sorts, binary searches and gathers by row index on numpy arrays; joins
+and window functions run only on the few rows that CUDA events involve.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
 COMPUTE_KINDS = ("compute", "graph")
+KIND = pl.Enum(["compute", "graph", "collective", "copy"])
 TRANSFER_DIRECTIONS = ("HtoD", "DtoH", "PtoP", "UVM_HtoD", "UVM_DtoH")
 MAX_RELAY_HOPS = 8  # event waits relayed through this many streams are followed
 NO_EVENT = 0xFFFFFFFF  # eventId / eventSyncId of a sync record that names no event
 KEY = ("pid", "device_id", "stream_id")
 STREAM_WAIT = r"(?i)StreamWaitEvent"  # cudaStreamWaitEvent / cuStreamWaitEvent
+NULL = np.iinfo(np.int64).min  # sorts first, as polars sorts nulls
+PID_BITS, CORR_BITS = 24, 39  # pid decoded from 24 bits; a key (pid, correlationId) in 63
 
 
-def stream_waits(syncs: pl.DataFrame, api: pl.DataFrame) -> pl.DataFrame:
+class CallIndex:
+    """The CUDA calls of a rank by (pid, correlationId): the row of the first call (in the
+    frame's order) with each key, found by binary search on one integer key rather than a
+    join of millions of rows. Calls come in start order, which is correlationId order for one
+    process (one counter), so the key usually needs no sort."""
+
+    def __init__(self, api: pl.DataFrame) -> None:
+        self.api = api
+        self.rows, self.keys = _sorted_keys(api["pid"], api["correlation_id"])
+
+    def find(self, pid: pl.Series, corr: pl.Series) -> np.ndarray:
+        """Row in ``api`` of the first call with each (pid, corr), or -1."""
+        if self.keys is None:  # keys beyond 63 bits (no nsys export has them): a join
+            return _find_by_join(self.api, pid, corr)
+        query = _key(pid, corr)
+        if not len(self.keys):
+            return np.full(len(query), -1, np.int64)
+        pos = np.minimum(np.searchsorted(self.keys, query, side="left"), len(self.keys) - 1)
+        hit = (query >= 0) & (self.keys[pos] == query)
+        return np.where(hit, self.rows[pos], -1)
+
+    def column(self, name: str, pid: pl.Series, corr: pl.Series) -> pl.Series:
+        """``name`` of the first call with each (pid, corr); null where there is none."""
+        row = self.find(pid, corr)
+        found = pl.Series(np.where(row >= 0, row, 0).astype(np.uint32))
+        out = self.api[name].gather(found) if len(self.api) else pl.repeat(None, len(row))
+        return pl.select(pl.when(pl.Series(row >= 0)).then(out)).to_series().alias(name)
+
+
+def _key(pid: pl.Series, corr: pl.Series) -> np.ndarray:
+    """(pid << CORR_BITS) | corr, or -1 where either is null or out of range."""
+    p = pid.fill_null(-1).to_numpy().astype(np.int64, copy=False)
+    c = corr.fill_null(-1).to_numpy().astype(np.int64, copy=False)
+    ok = (p >= 0) & (p < 1 << PID_BITS) & (c >= 0) & (c < 1 << CORR_BITS)
+    return np.where(ok, (p << CORR_BITS) | c, -1)
+
+
+def _sorted_keys(pid: pl.Series, corr: pl.Series) -> tuple[np.ndarray, np.ndarray | None]:
+    c = corr.drop_nulls()
+    if len(c) and (int(c.min()) < 0 or int(c.max()) >= 1 << CORR_BITS):  # type: ignore[arg-type]
+        return np.empty(0, np.int64), None
+    keys = _key(pid, corr)
+    valid = keys >= 0
+    rows = np.flatnonzero(valid) if not valid.all() else np.arange(len(keys))
+    keys = keys[rows] if len(rows) != len(keys) else keys
+    if len(keys) > 1 and not bool(np.all(keys[1:] >= keys[:-1])):
+        order = np.argsort(keys, kind="stable")  # stable: the first call of a key stays first
+        keys, rows = keys[order], rows[order]
+    return rows, keys
+
+
+def _find_by_join(api: pl.DataFrame, pid: pl.Series, corr: pl.Series) -> np.ndarray:
+    first = (
+        api.select("pid", "correlation_id")
+        .with_row_index("_row")
+        .unique(["pid", "correlation_id"], keep="first", maintain_order=True)
+    )
+    query = pl.DataFrame({"pid": pid, "correlation_id": corr})
+    found = query.join(first, on=["pid", "correlation_id"], how="left", maintain_order="left")
+    return found["_row"].fill_null(-1).to_numpy().astype(np.int64)
+
+
+def stream_waits(syncs: pl.DataFrame, calls: CallIndex) -> pl.DataFrame:
     """The cudaStreamWaitEvent rows of ``syncs``: named so by the CUDA call they came from
     (nsys 2025.3 gives cudaStreamSynchronize the same syncType), or, without the CUDA API,
     by syncType 2 with an event."""
-    keys = ["pid", "correlation_id"]
-    calls = api.select(*keys, "name").join(syncs.select(keys), on=keys, how="semi")
-    named = syncs.join(
-        calls.select(*keys, api_name=pl.col("name").cast(pl.String)).unique(keys),
-        on=keys,
-        how="left",
-    )
+    if syncs.is_empty():
+        return syncs
+    api_name = calls.column("name", syncs["pid"], syncs["correlation_id"])
     is_wait = (
         pl.when(pl.col("api_name").is_not_null())
-        .then(pl.col("api_name").str.contains(STREAM_WAIT))
+        .then(pl.col("api_name").cast(pl.String).str.contains(STREAM_WAIT))
         .otherwise((pl.col("sync_type") == 2) & (pl.col("event_id") != NO_EVENT))
     )
-    return named.filter(is_wait).drop("api_name")
+    return syncs.with_columns(api_name=api_name).filter(is_wait).drop("api_name")
 
 
-def gpu_ops(kern: pl.DataFrame, graphs: pl.DataFrame, copies: pl.DataFrame) -> pl.DataFrame:
-    """Every GPU operation of one rank as one row (see module doc). ``kern`` is classified
-    (``is_comm``); node-traced graph kernels collapse into one op per replay."""
+def gpu_ops(
+    kern: pl.DataFrame,
+    is_comm: pl.Series,
+    graphs: pl.DataFrame,
+    copies: pl.DataFrame,
+    since: int | None = None,
+) -> pl.DataFrame:
+    """Every GPU operation of one rank that ends after ``since`` as one row (see module
+    doc); ``is_comm`` flags the communication kernels of ``kern``. Node-traced graph kernels
+    collapse into one op per replay."""
     cols = ["pid", "device_id", "stream_id", "correlation_id", "start", "end"]
-    eager = kern.filter(pl.col("graph_node_id").is_null()).select(
-        *cols,
-        kind=pl.when(pl.col("is_comm")).then(pl.lit("collective")).otherwise(pl.lit("compute")),
-        transfer=pl.lit(False),
+    schema = {c: pl.Int64 for c in cols} | {"device_id": pl.Int32, "stream_id": pl.Int32}
+    node = pl.col("graph_node_id").is_not_null()
+    after = pl.col("end") > since if since is not None else pl.lit(True)
+    kern = kern.select(*cols, "graph_node_id").with_columns(_comm=is_comm)
+    eager = (
+        kern.lazy()
+        .filter(after & ~node)
+        .select(
+            *cols,
+            kind=pl.when("_comm").then(pl.lit("collective")).otherwise(pl.lit("compute")),
+            transfer=pl.lit(False),
+        )
     )
     nodes = (
-        kern.filter(pl.col("graph_node_id").is_not_null())
+        kern.lazy()
+        .filter(after & node)
         .sort("start")
         .group_by("pid", "correlation_id")
         .agg(
@@ -64,17 +147,20 @@ def gpu_ops(kern: pl.DataFrame, graphs: pl.DataFrame, copies: pl.DataFrame) -> p
         )
         .select(*cols, kind=pl.lit("graph"), transfer=pl.lit(False))
     )
-    replays = graphs.select(*cols, kind=pl.lit("graph"), transfer=pl.lit(False))
-    moved = copies.select(
-        *cols, kind=pl.lit("copy"), transfer=pl.col("direction").is_in(TRANSFER_DIRECTIONS)
+    replays = (
+        graphs.lazy().filter(after).select(*cols, kind=pl.lit("graph"), transfer=pl.lit(False))
     )
-    schema = {c: pl.Int64 for c in cols} | {"kind": pl.String, "transfer": pl.Boolean}
+    moved = (
+        copies.lazy()
+        .filter(after)
+        .select(*cols, kind=pl.lit("copy"), transfer=pl.col("direction").is_in(TRANSFER_DIRECTIONS))
+    )
+    typed = schema | {"kind": KIND, "transfer": pl.Boolean}
     return (
-        pl.concat([f.cast(schema) for f in (eager, nodes, replays, moved)])  # type: ignore[arg-type]
+        pl.concat([f.cast(typed) for f in (eager, nodes, replays, moved)])  # type: ignore[arg-type]
         .with_columns(pl.col("device_id", "stream_id").fill_null(-1))
-        .sort("start", "end")
-        .with_row_index("op_id")
-        .with_columns(pl.col("op_id").cast(pl.Int64))
+        .sort("start", "end", maintain_order=True)
+        .collect()
     )
 
 
@@ -91,130 +177,212 @@ def resolve_dependencies(
     enqueued on its recording stream before the record, following waits on that stream
     (relayed dependencies) up to MAX_RELAY_HOPS streams away. Records are joined to waits by
     (pid, eventSyncId), never by the reused event handle.
-    """
-    sid = pl.Int64
+
+    The entries (operations, waits, records) are sorted by (pid, device, stream,
+    correlationId, type): a *segment* is one operation and the waits and records after it on
+    its stream. An operation depends on the whole previous segment of its stream (the latest
+    completion in it, and the operation that completed then); a record completes with the part
+    of its segment before it. Almost every segment is a lone operation, whose completion is its
+    own end: only the segments that hold a wait or a record are swept row by row."""
+    n = ops.height
+    waits_e, records_e = _events(waits), _events(records)
+    cols = ["pid", "device_id", "stream_id", "correlation_id"]
+    parts = [ops.select(cols), waits_e.select(cols), records_e.select(cols)]
+    etype = np.concatenate(
+        [
+            np.zeros(n, np.int8),
+            np.ones(waits_e.height, np.int8),
+            np.full(records_e.height, 2, np.int8),
+        ]
+    )
+
+    def column(name: str) -> np.ndarray:
+        return np.concatenate([p[name].cast(pl.Int64).fill_null(NULL).to_numpy() for p in parts])
+
+    stream = [column(c) for c in KEY]
+    order = np.lexsort((etype, column("correlation_id"), *reversed(stream)))
+    stream = [s[order] for s in stream]
+    first = np.ones(len(order), bool)
+    if len(order) > 1:
+        first[1:] = np.any([s[1:] != s[:-1] for s in stream], axis=0)
+    del stream
+    etype = etype[order]
+    seg = np.cumsum((etype == 0) | first) - 1
+    # entries of segments that hold a wait or a record: swept row by row
+    event_seg = np.zeros(int(seg[-1]) + 1 if len(seg) else 0, bool)
+    event_seg[seg[etype > 0]] = True
+    in_sub = event_seg[seg]
+    sub_rows = np.flatnonzero(in_sub)
+    sub = pl.DataFrame(
+        {
+            "row": sub_rows,
+            "seg": seg[sub_rows],
+            "first": first[sub_rows],
+            "etype": etype[sub_rows],
+            "ref": order[sub_rows],  # op row, or n + wait, or n + waits + record
+        }
+    )
+    ends = ops["end"].to_numpy()
+    op_ref = np.where(sub["etype"].to_numpy() == 0, sub["ref"].to_numpy(), 0)
+    sub = _attach_events(sub, n, waits_e, records_e).with_columns(
+        op_end=_nullable(ends[op_ref] if n else op_ref, sub["etype"].to_numpy() == 0)
+    )
+    # Per segment: latest completion, the op that completed then, any unresolved wait.
+    # A lone operation's segment is the operation itself.
+    seg_end = np.full(len(event_seg), -1, np.int64)
+    seg_op = np.full(len(event_seg), -1, np.int64)
+    seg_unres = np.zeros(len(event_seg), bool)
+    lone = np.flatnonzero(~in_sub & (etype == 0))
+    lone_op = order[lone]
+    seg_end[seg[lone]] = ends[lone_op]
+    seg_op[seg[lone]] = np.where(ends[lone_op] >= 0, lone_op, -1)
+    sub = _relay(sub)
+    last = sub.group_by("seg").agg(pl.all().sort_by("row").last())
+    seg_ids = last["seg"].to_numpy()
+    cm = last["cm"].to_numpy()
+    seg_end[seg_ids] = np.where(cm >= 0, cm, -1)
+    seg_op[seg_ids] = last["prod"].fill_null(-1).to_numpy()
+    seg_unres[seg_ids] = last["unres"].to_numpy()
+    # Each operation reads the previous segment of its stream.
+    op_rows = np.flatnonzero(etype == 0)
+    op_ids = order[op_rows]
+    back = ~first[op_rows]
+    prev = np.where(back, seg[op_rows] - 1, 0)
+    dep_end = np.full(n, NULL, np.int64)
+    dep_op = np.full(n, -1, np.int64)
+    unresolved = np.zeros(n, bool)
+    has_end = back & (seg_end[prev] >= 0)
+    dep_end[op_ids] = np.where(has_end, seg_end[prev], NULL)
+    dep_op[op_ids] = np.where(back, seg_op[prev], -1)
+    unresolved[op_ids] = back & seg_unres[prev]
+    return ops.with_columns(
+        dep_end=_nullable(dep_end, dep_end != NULL),
+        dep_op=_nullable(dep_op, dep_op >= 0),
+        unresolved_wait=pl.Series(unresolved),
+    )
+
+
+def _nullable(values: np.ndarray, valid: np.ndarray) -> pl.Series:
+    return pl.select(pl.when(pl.Series(valid)).then(pl.Series(values))).to_series()
+
+
+def _events(df: pl.DataFrame) -> pl.DataFrame:
+    """Waits or records with the columns the sweep reads, eventSyncId NO_EVENT as null."""
     base = ["pid", "device_id", "stream_id", "correlation_id"]
-
-    def events(df: pl.DataFrame, etype: int) -> pl.DataFrame:
-        return (
-            df.select(*base, "event_sync_id")
-            .cast({c: sid for c in (*base, "event_sync_id")})
-            .with_columns(pl.col("device_id", "stream_id").fill_null(-1))
-            .with_columns(
-                etype=pl.lit(etype, pl.Int8),
-                end=pl.lit(None, sid),
-                op_id=pl.lit(None, sid),
-                event_sync_id=pl.when(pl.col("event_sync_id") == NO_EVENT)
-                .then(None)
-                .otherwise(pl.col("event_sync_id")),
-            )
-        )
-
-    entries = (
-        pl.concat(
-            [
-                ops.select(
-                    *base,
-                    event_sync_id=pl.lit(None, sid),
-                    etype=pl.lit(0, pl.Int8),
-                    end="end",
-                    op_id="op_id",
-                ),
-                events(waits, 1),
-                events(records, 2),
-            ],
-            how="vertical_relaxed",
-        )
-        .sort(*KEY, "correlation_id", "etype")
-        .with_row_index("row")
-        .with_columns(first=pl.any_horizontal(pl.col(c) != pl.col(c).shift(1) for c in KEY))
+    if df.is_empty():
+        return pl.DataFrame(schema={c: pl.Int64 for c in (*base, "event_sync_id")})
+    return (
+        df.select(*base, "event_sync_id")
+        .cast({c: pl.Int64 for c in (*base, "event_sync_id")})
         .with_columns(
-            first=pl.col("first").fill_null(True),
-            # a segment: one operation and the waits/records after it, on one stream
-            seg=((pl.col("etype") == 0) | pl.col("first").fill_null(True)).cum_sum(),
-            wait_end=pl.lit(-1, sid),
-            wait_op=pl.lit(None, sid),
+            pl.col("device_id", "stream_id").fill_null(-1),
+            event_sync_id=pl.when(pl.col("event_sync_id") == NO_EVENT)
+            .then(None)
+            .otherwise(pl.col("event_sync_id")),
         )
     )
-    record_keys = entries.filter(pl.col("etype") == 2).select("pid", "event_sync_id", "row")
-    wait_keys = entries.filter(pl.col("etype") == 1).select("row", "pid", "event_sync_id")
-    matched = wait_keys.join(
-        record_keys.select("pid", "event_sync_id"), on=["pid", "event_sync_id"], how="semi"
+
+
+def _attach_events(
+    sub: pl.DataFrame, n: int, waits: pl.DataFrame, records: pl.DataFrame
+) -> pl.DataFrame:
+    """The swept entries with their pid and eventSyncId (waits, records), whether a wait's
+    record is in the export (``matched``; ``unresolved`` when not), and wait_end/wait_op,
+    filled in by :func:`_relay`."""
+    events = pl.concat(
+        [waits.select("pid", "event_sync_id"), records.select("pid", "event_sync_id")]
     )
-    entries = entries.with_columns(
-        unresolved=(pl.col("etype") == 1) & ~pl.col("row").is_in(matched["row"].implode())
+    ev = pl.when(pl.col("etype") > 0).then(pl.col("ref").cast(pl.Int64) - n)
+    sub = sub.with_columns(ev=ev)
+    if events.height:
+        sub = sub.with_columns(
+            pid=events["pid"].gather(sub["ev"]),
+            event_sync_id=events["event_sync_id"].gather(sub["ev"]),
+        )
+    else:
+        sub = sub.with_columns(pid=pl.lit(None, pl.Int64), event_sync_id=pl.lit(None, pl.Int64))
+    recorded = (
+        sub.filter(pl.col("etype") == 2)
+        .select("pid", "event_sync_id")
+        .drop_nulls()
+        .unique()
+        .with_columns(_rec=pl.lit(True))
     )
-    # Waits take the completion of their record, which may itself follow waits on its stream:
-    # one more round per relay hop, until nothing changes.
-    for _ in range(MAX_RELAY_HOPS + 1 if len(matched) else 0):
-        swept = _sweep(entries)
+    sub = sub.join(recorded, on=["pid", "event_sync_id"], how="left", maintain_order="left")
+    matched = (pl.col("etype") == 1) & pl.col("_rec").fill_null(False)
+    return sub.with_columns(
+        matched=matched,
+        unresolved=(pl.col("etype") == 1) & ~matched,
+        wait_end=pl.lit(-1, pl.Int64),
+        wait_op=pl.lit(None, pl.Int64),
+    ).drop("_rec", "ev")
+
+
+def _relay(sub: pl.DataFrame) -> pl.DataFrame:
+    """Sweep the event segments; waits take the completion of their record, which may itself
+    follow waits on its stream: one more round per relay hop, until nothing changes."""
+    if sub.is_empty():
+        return sub.with_columns(
+            cm=pl.lit(None, pl.Int64), prod=pl.lit(None, pl.Int64), unres=pl.lit(False)
+        )
+    rounds = MAX_RELAY_HOPS + 1 if bool(sub["matched"].any()) else 0
+    for _ in range(rounds):
+        swept = _sweep(sub)
         completion = (
-            record_keys.join(swept.select("row", "dep_end", "dep_op"), on="row")
-            .drop("row")
-            .unique(["pid", "event_sync_id"], keep="last")
+            swept.filter(pl.col("etype") == 2)
+            .sort("row")
+            .select("pid", "event_sync_id", "dep_end", "dep_op")
+            .unique(["pid", "event_sync_id"], keep="last", maintain_order=True)
         )
-        resolved = wait_keys.join(completion, on=["pid", "event_sync_id"], how="left").select(
-            "row", new_end=pl.col("dep_end").fill_null(-1), new_op="dep_op"
+        is_wait = pl.col("etype") == 1
+        updated = (
+            sub.join(completion, on=["pid", "event_sync_id"], how="left", maintain_order="left")
+            .with_columns(
+                wait_end=pl.when(is_wait)
+                .then(pl.col("dep_end").fill_null(-1))
+                .otherwise("wait_end"),
+                wait_op=pl.when(is_wait)
+                .then(pl.coalesce("dep_op", "wait_op"))
+                .otherwise("wait_op"),
+            )
+            .drop("dep_end", "dep_op")
         )
-        updated = entries.join(resolved, on="row", how="left", maintain_order="left").with_columns(
-            wait_end=pl.coalesce("new_end", "wait_end"), wait_op=pl.coalesce("new_op", "wait_op")
-        )
-        changed = not updated["wait_end"].equals(entries["wait_end"])
-        entries = updated.drop("new_end", "new_op")
+        changed = not updated["wait_end"].equals(sub["wait_end"])
+        sub = updated
         if not changed:
             break
-    deps = (
-        _sweep(entries)
-        .filter(pl.col("etype") == 0)
-        .select("op_id", "dep_end", "dep_op", "unresolved_wait")
-    )
-    return ops.join(deps, on="op_id", how="left").with_columns(
-        pl.col("unresolved_wait").fill_null(False)
-    )
+    return _sweep(sub)
 
 
-def _sweep(entries: pl.DataFrame) -> pl.DataFrame:
-    """Per entry, the latest completion among what precedes it on its stream since the last
-    operation before it (that operation included), and the operation that completes then:
-    a cumulative maximum within each segment, read one row back.
-
-    Segments are contiguous and numbered in order, so one global cumulative maximum of
-    ``seg * B + code`` (``code``: the completion's rank, < B) restarts at every segment without
-    a window function per group (tens of thousands of groups)."""
+def _sweep(sub: pl.DataFrame) -> pl.DataFrame:
+    """Per entry of the event segments (in stream order): the latest completion in its segment
+    up to it (``cm``: an operation's end, a wait's record's completion), the entry that
+    completed then (``prod``: the last to reach that maximum), whether an unresolved wait came
+    before it in the segment (``unres``); and, read one row back, what a record completes with
+    (``dep_end``, ``dep_op``)."""
     cand_end = (
         pl.when(pl.col("etype") == 0)
-        .then(pl.col("end"))
+        .then(pl.col("op_end"))
         .when(pl.col("etype") == 1)
         .then(pl.col("wait_end"))
         .otherwise(pl.lit(-1))
         .fill_null(-1)
     )
-    cand_op = pl.when(pl.col("etype") == 0).then(pl.col("op_id")).otherwise(pl.col("wait_op"))
-    out = entries.with_columns(cand_end=cand_end, cand_op=cand_op).with_columns(
-        code=pl.col("cand_end").rank("dense").cast(pl.Int64)
-    )
-    base = int(out["code"].max() or 0) + 1
-    decode = out.select("code", cm="cand_end").unique("code")
+    cand_op = pl.when(pl.col("etype") == 0).then(pl.col("ref").cast(pl.Int64)).otherwise("wait_op")
     out = (
-        out.with_columns(key=pl.col("seg") * base + pl.col("code"))
-        .with_columns(cm_key=pl.col("key").cum_max())
+        sub.sort("row")
+        .with_columns(cand_end=cand_end, cand_op=cand_op)
+        .with_columns(cm=pl.col("cand_end").cum_max().over("seg"))
         .with_columns(
-            code=pl.col("cm_key") - pl.col("seg") * base,
-            new=(pl.col("key") == pl.col("cm_key")) & (pl.col("cand_end") >= 0),
-            unres=(pl.col("seg") * 2 + pl.col("unresolved").cast(pl.Int64)).cum_max()
-            - pl.col("seg") * 2,
+            prod=pl.when((pl.col("cand_end") == pl.col("cm")) & (pl.col("cand_end") >= 0))
+            .then("cand_op")
+            .forward_fill()
+            .over("seg"),
+            unres=pl.col("unresolved").cum_max().over("seg"),
         )
-        .drop("cm", strict=False)
-        .join(decode, on="code", how="left", maintain_order="left")
-        .with_columns(
-            prod_seg=pl.when("new").then(pl.col("seg")).forward_fill(),
-            prod=pl.when("new").then(pl.col("cand_op")).forward_fill(),
-        )
-        .with_columns(prod=pl.when(pl.col("prod_seg") == pl.col("seg")).then(pl.col("prod")))
     )
-    back = ~pl.col("first")  # the row before belongs to the same stream
+    back = ~pl.col("first")
     return out.with_columns(
         dep_end=pl.when(back & (pl.col("cm").shift(1) >= 0)).then(pl.col("cm").shift(1)),
         dep_op=pl.when(back).then(pl.col("prod").shift(1)),
-        unresolved_wait=(back & (pl.col("unres").shift(1) == 1)).fill_null(False),
-    )
+    ).drop("cand_end", "cand_op")
