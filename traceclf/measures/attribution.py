@@ -1,0 +1,304 @@
+"""Compute-absent time split into the classes of the critical path (docs/measures.md,
+"Critical path": launch-starved, blocking by producer, blocking host sync,
+dependency-stalled, unresolved), per step.
+
+:func:`attribute_gaps` follows each gap's critical path back from the compute operation that
+ended it; :func:`class_ns` sums the pieces per step. A kernel-dense capture has millions of
+gaps, so both work on numpy arrays, gathering operations by id (an operation's id is its row
+in ``ops``), gaps in batches of :data:`BATCH`: memory follows the batch, not the capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from traceclf.measures import busy, timeline
+from traceclf.measures.dependencies import COMPUTE_KINDS, KIND
+from traceclf.measures.host import SYNC_SLACK_NS
+
+# Producer class of a blocking interval, from the kind of the operation that ran then.
+PRODUCER_CLASS = {"collective": "comm", "copy": "copy", "compute": "compute", "graph": "compute"}
+BLOCKING = ("blocking_comm", "blocking_copy", "blocking_compute", "blocking_host_sync")
+# Classes of compute-absent time: they partition it.
+CLASSES = ("launch_starved", *BLOCKING, "dependency_stalled", "unresolved")
+MAX_HOPS = 64  # longest dependency chain followed inside one gap
+BATCH = 1 << 20  # gaps attributed at once
+LAUNCH_STARVED, HOST_SYNC = CLASSES.index("launch_starved"), CLASSES.index("blocking_host_sync")
+STALLED, UNRESOLVED = CLASSES.index("dependency_stalled"), CLASSES.index("unresolved")
+# A piece of a gap: start, end (ns) and its class (index into CLASSES, one or one per piece).
+Piece = tuple[np.ndarray, np.ndarray, np.ndarray | int]
+
+
+def kind_is(ops: pl.DataFrame, kinds: tuple[str, ...]) -> np.ndarray:
+    """Whether each operation's kind (:data:`~traceclf.measures.dependencies.KIND`) is one
+    of ``kinds``."""
+    table = np.isin(KIND.categories.to_numpy(), kinds)
+    return table[ops["kind"].to_physical().to_numpy()]
+
+
+def _valued(s: pl.Series) -> tuple[np.ndarray, np.ndarray]:
+    """A nullable integer column as (values, valid): nulls read as 0."""
+    return s.fill_null(0).to_numpy(), s.is_not_null().to_numpy()
+
+
+@dataclass
+class Ops:
+    """The operations as arrays (ids are rows): what the walk gathers."""
+
+    start: np.ndarray
+    end: np.ndarray
+    producer: np.ndarray  # the class (index into CLASSES) an operation blocks as
+    compute: np.ndarray
+    launch: tuple[np.ndarray, np.ndarray]  # its launch call's end, valid
+    dep: tuple[np.ndarray, np.ndarray]  # when its dependencies finished, valid
+    dep_op: np.ndarray  # the operation that finished then, or -1
+    # it also waited for an event whose record the export lacks (nsys <= 2022 wrote no
+    # eventSyncId): its wait after its known dependencies is unexplained, not "stalled"
+    unresolved: np.ndarray
+    _by_end: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, ops: pl.DataFrame) -> Ops:
+        codes = ops["kind"].to_physical().to_numpy()
+        names = KIND.categories.to_list()
+        producer = np.array([CLASSES.index(f"blocking_{PRODUCER_CLASS[k]}") for k in names])
+        return cls(
+            start=ops["start"].to_numpy(),
+            end=ops["end"].to_numpy(),
+            producer=producer[codes],
+            compute=kind_is(ops, COMPUTE_KINDS),
+            launch=_valued(ops["launch_end"]),
+            dep=_valued(ops["dep_end"]),
+            dep_op=ops["dep_op"].fill_null(-1).to_numpy(),
+            unresolved=(
+                ops["unresolved_wait"].fill_null(False).to_numpy()
+                if "unresolved_wait" in ops.columns
+                else np.zeros(ops.height, bool)
+            ),
+        )
+
+    @property
+    def by_end(self) -> tuple[np.ndarray, np.ndarray]:
+        """Operation ids in end order (ties in id order) and their ends, sorted once when
+        first needed."""
+        if self._by_end is None:
+            order = np.argsort(self.end, kind="stable")
+            self._by_end = order, self.end[order]
+        return self._by_end
+
+    def next_compute(self) -> tuple[np.ndarray, np.ndarray]:
+        """Start times of compute operations (sorted, distinct) and, for each, the operation
+        that ends a gap there: of several starting at once, the one whose launch returned
+        first (unknown launches last)."""
+        ids = np.flatnonzero(self.compute)
+        start = self.start[ids]
+        dup = np.zeros(len(ids), bool)
+        dup[1:] = start[1:] == start[:-1]
+        keep = ~dup
+        if dup.any():
+            tied = np.flatnonzero(dup | np.append(dup[1:], False))
+            end, valid = self.launch[0][ids[tied]], self.launch[1][ids[tied]]
+            first = (
+                pl.DataFrame({"i": tied, "start": start[tied], "launch": end})
+                .with_columns(launch=pl.when(pl.Series(valid)).then("launch").otherwise(2**62))
+                .sort("start", "launch", maintain_order=True)
+                .unique("start", keep="first", maintain_order=True)
+            )
+            keep[tied] = False
+            keep[first["i"].to_numpy()] = True
+        return start[keep], ids[keep]
+
+
+def _max_valid(
+    a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The larger of two nullable values, ignoring a null one (polars' max_horizontal)."""
+    (x, vx), (y, vy) = a, b
+    both = np.maximum(x, y)
+    return np.where(vx & vy, both, np.where(vx, x, y)), vx | vy
+
+
+def attribute_gaps(
+    gaps: pl.DataFrame,
+    ops: pl.DataFrame,
+    host_syncs: pl.DataFrame | None = None,
+    max_hops: int = MAX_HOPS,
+) -> Iterator[Piece]:
+    """Split each compute-absent gap (start, end) into disjoint pieces of the classes in
+    CLASSES. ``ops`` holds the operations (kind, start, end, launch_end, dep_end, dep_op,
+    unresolved_wait; an operation's id is its row). K is the compute operation that ended the gap (the first to
+    start at or after its end).
+
+    - Until K's launch call returned, K was not issued: launch_starved, except while the host
+      sat in a synchronising call (``host_syncs``: start, end): then it was waiting for the
+      GPU, and the time is attributed to the work it waited for (the last GPU operation that
+      finished before the call returned, walked back as below) and to the call's own return
+      latency (blocking_host_sync).
+    - After K was issued, the critical path is walked back from K through what each operation
+      waited for (``resolve_dependencies``): the time a producer ran is ``blocking_<class>``
+      of that producer (collective, copy, compute); the time between a producer's (or K's)
+      readiness and its start is dependency_stalled (issued, dependencies done, not running:
+      queueing, another process on the GPU, a dependency the export does not show).
+    - unresolved: no compute follows in the trace, K's launch call is not in the export (CUDA
+      API not traced: launch-starved and stalled cannot be told apart), an operation's wait
+      after its known dependencies when it also waited for an event the export cannot resolve
+      (which may be what held it), or a chain longer than ``max_hops``.
+    """
+    arrays = Ops.of(ops)
+    k_start, k_op = arrays.next_compute()
+    syncs = None
+    if host_syncs is not None and not host_syncs.is_empty():
+        ordered = host_syncs.select("start", "end").sort("start", "end", maintain_order=True)
+        syncs = (ordered, *busy.union(ordered["start"].to_numpy(), ordered["end"].to_numpy()))
+    gs, ge = gaps["start"].to_numpy(), gaps["end"].to_numpy()
+    for lo, hi in _batches(gs, ge):
+        yield from _attribute(gs[lo:hi], ge[lo:hi], arrays, k_start, k_op, syncs, max_hops)
+
+
+def _batches(start: np.ndarray, end: np.ndarray) -> Iterator[tuple[int, int]]:
+    """Row ranges of about BATCH gaps, never cut between two gaps that touch (a synchronising
+    call over both is one stretch of waiting)."""
+    lo = 0
+    while lo < len(start):
+        hi = min(lo + BATCH, len(start))
+        while hi < len(start) and start[hi] <= end[hi - 1]:
+            hi += 1
+        yield lo, hi
+        lo = hi
+
+
+def _attribute(
+    gs: np.ndarray,
+    ge: np.ndarray,
+    ops: Ops,
+    k_start: np.ndarray,
+    k_op: np.ndarray,
+    syncs: tuple[pl.DataFrame, np.ndarray, np.ndarray] | None,
+    max_hops: int,
+) -> Iterator[Piece]:
+    pos = np.searchsorted(k_start, ge, side="left")
+    found = pos < len(k_start)
+    cur = np.where(found, k_op[np.minimum(pos, max(len(k_op) - 1, 0))], 0) if len(k_op) else pos
+    yield gs[~found], ge[~found], UNRESOLVED
+    gs, ge, cur = gs[found], ge[found], cur[found]
+    launch = ops.launch[0][cur], ops.launch[1][cur]
+    known = launch[1]
+    issued = np.maximum(gs, np.minimum(launch[0], ge))
+    lo = np.where(known, issued, gs)
+    stalled = np.where(known, STALLED, UNRESOLVED)
+    ready, has_ready = _max_valid((ops.dep[0][cur], ops.dep[1][cur]), launch)
+    ready = np.where(has_ready, np.clip(ready, lo, ge), lo)
+    yield ready, ge, np.where(ops.unresolved[cur], UNRESOLVED, stalled)
+    starved = gs[known], lo[known]
+    seeds = [(lo, stalled, ready, ops.dep_op[cur])]
+    yield from _split_host_syncs(*starved, syncs, ops, seeds)  # (adds the sync seeds)
+    del gs, ge, cur, launch, issued
+    yield from _walk(
+        *(np.concatenate(c) for c in zip(*seeds, strict=True)), ops=ops, max_hops=max_hops
+    )
+
+
+def _split_host_syncs(
+    start: np.ndarray,
+    end: np.ndarray,
+    syncs: tuple[pl.DataFrame, np.ndarray, np.ndarray] | None,
+    ops: Ops,
+    seeds: list,
+) -> Iterator[Piece]:
+    """Launch-starved intervals minus the time the host sat in a synchronising call; for each
+    such stretch [s0, s1], the GPU operation it waited for (the last to finish by s1) seeds a
+    walk (appended to ``seeds``), and the time after that operation finished is the call's
+    return latency. Only the (few) intervals a call overlaps are split; the others are
+    launch-starved whole."""
+    if syncs is None or not len(start):
+        yield start, end, LAUNCH_STARVED
+        return
+    calls, u_start, u_end = syncs
+    j = np.searchsorted(u_end, start, side="right")  # the first call stretch ending after start
+    touched = (j < len(u_end)) & (u_start[np.minimum(j, len(u_end) - 1)] < end)
+    yield start[~touched], end[~touched], LAUNCH_STARVED
+    if not touched.any():
+        return
+    starved = pl.DataFrame({"start": start[touched], "end": end[touched]})
+    lo, hi = int(starved["start"].min()), int(starved["end"].max())  # type: ignore[arg-type]
+    tl = timeline.timeline({"ls": starved, "sync": calls}, (lo, hi))
+    in_ls = tl.filter(pl.col("ls") > 0)
+    free = in_ls.filter(pl.col("sync") == 0)
+    yield free["start"].to_numpy(), free["end"].to_numpy(), LAUNCH_STARVED
+    held = timeline.union(in_ls.filter(pl.col("sync") > 0).select("start", "end"))
+    # The awaited work: the last operation to finish by the time the call returned, or the
+    # last one started before it if that ends within SYNC_SLACK_NS after (a pageable copy's
+    # last bytes land just after its call returns).
+    h_start, h_end = held["start"].to_numpy(), held["end"].to_numpy()
+    by_end, ends = ops.by_end
+    x = np.searchsorted(ends, h_end, side="right") - 1
+    y = np.searchsorted(ops.start, h_end - 1, side="right") - 1
+    x_op = np.where(x >= 0, by_end[np.maximum(x, 0)], -1)
+    y_end = ops.end[np.maximum(y, 0)]
+    late = (y >= 0) & (y_end > h_end) & (y_end <= h_end + SYNC_SLACK_NS)
+    x_op = np.where(late, y, x_op)
+    has = x_op >= 0
+    x_end = np.clip(ops.end[np.maximum(x_op, 0)], h_start, h_end)
+    yield np.where(has, x_end, h_start), h_end, HOST_SYNC
+    seeds.append((h_start[has], np.full(int(has.sum()), STALLED), x_end[has], x_op[has]))
+
+
+def _walk(
+    lo: np.ndarray, stalled: np.ndarray, t: np.ndarray, nxt: np.ndarray, ops: Ops, max_hops: int
+) -> Iterator[Piece]:
+    """Walk critical paths back from the seeds (time [lo, t] is left to explain, and ``nxt``
+    is the operation that finished at t; -1: none), one hop per iteration for all of them at
+    once: the producer's run is blocking by its class, the wait between its readiness and its
+    start is ``stalled``, then on to what it waited for."""
+    go = (t > lo) & (nxt >= 0)
+    lo, stalled, t, cur = lo[go], stalled[go], t[go], nxt[go]
+    for _ in range(max_hops):
+        if not len(cur):
+            return
+        run_from = np.clip(ops.start[cur], lo, t)
+        ready, has = _max_valid(
+            (ops.dep[0][cur], ops.dep[1][cur]), (ops.launch[0][cur], ops.launch[1][cur])
+        )
+        ready = np.where(has, np.clip(ready, lo, run_from), lo)
+        yield run_from, t, ops.producer[cur]
+        yield ready, run_from, np.where(ops.unresolved[cur], UNRESOLVED, stalled)
+        nxt = ops.dep_op[cur]
+        go = (ready > lo) & (nxt >= 0)
+        lo, stalled, t, cur = lo[go], stalled[go], ready[go], nxt[go]
+    if len(cur):  # a chain longer than max_hops: say so rather than guess
+        yield lo, t, UNRESOLVED
+
+
+def class_ns(pieces: Iterable[Piece], bounds: np.ndarray) -> np.ndarray:
+    """ns of each class (columns, in CLASSES order) per step (rows; step i runs from
+    ``bounds[i]`` to ``bounds[i + 1]``): the pieces are clipped to the steps and summed, a
+    piece that spans step boundaries (rare) cut at each."""
+    out = np.zeros((len(bounds) - 1, len(CLASSES)), np.int64)
+    lo, hi = int(bounds[0]), int(bounds[-1])
+    for start, end, cls in pieces:
+        start, end = np.maximum(start, lo), np.minimum(end, hi)
+        keep = end > start
+        start, end = start[keep], end[keep]
+        cls = np.broadcast_to(np.asarray(cls, np.int64), keep.shape)[keep]
+        first = np.searchsorted(bounds, start, side="right") - 1
+        last = np.searchsorted(bounds, end, side="left") - 1
+        one = first == last
+        _add(out, first[one], cls[one], end[one] - start[one])
+        if not one.all():
+            s, e, c, f = start[~one], end[~one], cls[~one], first[~one]
+            count = last[~one] - f + 1
+            row = np.repeat(np.arange(len(s)), count)
+            step = f[row] + np.arange(len(row)) - np.repeat(np.cumsum(count) - count, count)
+            dur = np.minimum(e[row], bounds[step + 1]) - np.maximum(s[row], bounds[step])
+            _add(out, step, c[row], dur)
+    return out
+
+
+def _add(out: np.ndarray, step: np.ndarray, cls: np.ndarray, dur: np.ndarray) -> None:
+    # float sums of integer ns below 2**53 are exact
+    flat = np.bincount(step * out.shape[1] + cls, weights=dur, minlength=out.size)
+    out += np.rint(flat).astype(np.int64).reshape(out.shape)
