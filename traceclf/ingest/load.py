@@ -242,7 +242,10 @@ class Reader:
     def sql(self, query: str | list[str]) -> pl.DataFrame:
         """Run a query (or several whose results are concatenated, read in parallel)."""
         try:
-            return pl.from_arrow(cx.read_sql(self.uri, query, return_type="arrow"))  # type: ignore[return-value]
+            table = cx.read_sql(self.uri, query, return_type="arrow")
+            if isinstance(query, list) and len(query) > 1:
+                table = _in_start_order(table)
+            return pl.from_arrow(table)  # type: ignore[return-value]
         except BaseException as e:  # connectorx surfaces SQLite corruption as Rust panics
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
@@ -358,6 +361,23 @@ class Reader:
 
 
 Window = tuple[int, int]
+
+
+def _in_start_order(table):
+    """The record batches of several queries read in parallel, in the order of their first
+    ``start``: connectorx interleaves the batches of the queries, so a table that nsys wrote in
+    start order would come back out of order and be sorted row by row (a copy of every
+    column). Batches are moved, not rows: a table that is not in start order stays so."""
+    if "start" not in table.column_names:
+        return table
+    import pyarrow as pa
+
+    batches = [b for b in table.to_batches() if b.num_rows]
+    first = [b.column("start")[0].as_py() for b in batches]
+    if None in first:
+        return table
+    order = sorted(range(len(batches)), key=first.__getitem__)
+    return pa.Table.from_batches([batches[i] for i in order], schema=table.schema)
 
 
 def overlap_clause(window: Window | Sequence[Window], end: str = '"end"') -> str:
