@@ -4,8 +4,10 @@ and the GPU metrics over the window."""
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
+from traceclf.measures import busy as busy_mod
 from traceclf.measures import timeline
 from traceclf.measures.compute import METRICS_OF_INTEREST
 from traceclf.measures.host import IDLE_CAUSES
@@ -19,39 +21,29 @@ def step_breakdown(w: RankWindow) -> list[dict]:
     steady = w.steps.steady
     if steady.is_empty():
         return []
-    c, k, p = pl.col("compute") > 0, pl.col("comm") > 0, pl.col("copy") > 0
-    seg = (
-        w.timeline.with_columns(
-            state=pl.when(c)
-            .then(pl.lit("compute"))
-            .when(k)
-            .then(pl.lit("exposed_comm"))
-            .when(p)
-            .then(pl.lit("copy"))
-            .otherwise(pl.lit("idle")),
-            comm_ns=pl.when(k).then(pl.col("dur")).otherwise(0),
-        )
-        .sort("start")
-        .join_asof(
-            steady.select("index", step_start="gpu_start").sort("step_start"),
-            left_on="start",
-            right_on="step_start",
-            strategy="backward",
-        )
-        .filter(pl.col("index").is_not_null())
+    # Each steady step runs to the next one's start (the last to the window's end); a step
+    # with no time inside the window's spans has no row.
+    steps = steady.select("index", step_start="gpu_start").sort("step_start")
+    starts = steps["step_start"].to_numpy()
+    last = max(int(w.window[1]), int(starts[-1]))
+    bounds = np.append(starts, last)
+    spans = timeline.spans_of(w.spans)
+    busy = w.layers
+
+    def within(layer) -> np.ndarray:
+        return layer.within(bounds, spans)
+
+    compute, kernels, work = within(busy.compute), within(busy.compute_comm), within(busy.work)
+    inside = busy_mod.within_spans(bounds, spans)
+    per = steps.with_columns(
+        compute=pl.Series(compute),
+        exposed_comm=pl.Series(kernels - compute),
+        copy=pl.Series(work - kernels),
+        idle=pl.Series(inside - work),
+        comm_total=pl.Series(within(busy.comm)),
+        _inside=pl.Series(inside),
     )
-    per = (
-        seg.group_by("index", "step_start")
-        .agg(
-            *(
-                pl.col("dur").filter(pl.col("state") == s).sum().alias(s)
-                for s in ("compute", "exposed_comm", "copy", "idle")
-            ),
-            comm_total=pl.col("comm_ns").sum(),
-        )
-        .sort("index")
-    )
-    return per.to_dicts()
+    return per.filter(pl.col("_inside") > 0).drop("_inside").sort("index").to_dicts()
 
 
 def gap_histogram(gaps: pl.DataFrame) -> dict[str, list]:

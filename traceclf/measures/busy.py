@@ -1,13 +1,16 @@
-"""Unions of intervals and their length inside parts of the window, on numpy arrays in start
-order: one linear pass per union instead of sorting every interval's start and end events
-(millions of kernels in a kernel-dense capture; :func:`traceclf.measures.timeline.timeline`
-is the general sweep when the counts per layer matter, not just whether any is active)."""
+"""Unions of intervals and the time they cover, on numpy arrays in start order: one linear pass
+per union instead of sorting every interval's start and end events (millions of kernels in a
+kernel-dense capture). Every busy / idle / overlap measure is a length of such a union, or a
+difference of two: time with compute and no communication is |compute ∪ comm| − |comm|.
+:func:`traceclf.measures.timeline.timeline` is the general sweep when the counts per layer
+matter, not just whether any is active."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
+import polars as pl
 
 
 def union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -24,28 +27,81 @@ def union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Busy:
-    """Disjoint sorted intervals and the time they cover before any instant."""
+    """Disjoint sorted intervals (runs) and the time they cover before any instant."""
 
     def __init__(self, start: np.ndarray, end: np.ndarray) -> None:
-        self.start, self.end = start, end
-        self.before = np.concatenate([[0], np.cumsum(end - start)])  # covered before run i
+        keep = end > start  # an empty run covers nothing, and would split a gap in two
+        self.start, self.end = (start, end) if keep.all() else (start[keep], end[keep])
+        self.before = np.concatenate([[0], np.cumsum(self.end - self.start)])  # before run i
+
+    @classmethod
+    def of(cls, *frames: pl.DataFrame) -> Busy:
+        """The union of the intervals (start, end) of ``frames``, in any order."""
+        start = np.concatenate([f["start"].to_numpy() for f in frames] or [np.empty(0, np.int64)])
+        end = np.concatenate([f["end"].to_numpy() for f in frames] or [np.empty(0, np.int64)])
+        return cls.of_arrays(start, end)
+
+    @classmethod
+    def of_arrays(cls, start: np.ndarray, end: np.ndarray) -> Busy:
+        if len(start) > 1 and not bool(np.all(start[1:] >= start[:-1])):
+            order = np.argsort(start, kind="stable")  # a merge of a few sorted runs
+            start, end = start[order], end[order]
+        return cls(*union(start.astype(np.int64, copy=False), end.astype(np.int64, copy=False)))
+
+    def __or__(self, other: Busy) -> Busy:
+        if not len(other.start):
+            return self
+        if not len(self.start):
+            return other
+        return Busy.of_arrays(
+            np.concatenate([self.start, other.start]), np.concatenate([self.end, other.end])
+        )
+
+    @property
+    def total(self) -> int:
+        return int(self.before[-1])
 
     def upto(self, t: np.ndarray) -> np.ndarray:
         """ns covered before each instant of ``t``."""
+        t = np.asarray(t, np.int64)
         if not len(self.start):
-            return np.zeros(len(t), np.int64)
+            return np.zeros(t.shape, np.int64)
         i = np.searchsorted(self.start, t, side="right") - 1
         j = np.maximum(i, 0)
         inside = np.clip(t - self.start[j], 0, self.end[j] - self.start[j])
         return np.where(i >= 0, self.before[j] + inside, 0)
 
+    def covered(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """ns covered inside each [start[i], end[i])."""
+        return self.upto(end) - self.upto(start)
+
+    def overlap(self, other: Busy) -> int:
+        """ns covered by both."""
+        return int(self.covered(other.start, other.end).sum())
+
     def within(self, bounds: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
         """ns covered in each part i = [bounds[i], bounds[i + 1]) of the window's spans."""
         out = np.zeros(len(bounds) - 1, np.int64)
         for lo, hi in spans:
-            a, b = np.clip(bounds[:-1], lo, hi), np.clip(bounds[1:], lo, hi)
-            out += self.upto(b) - self.upto(a)
+            out += self.covered(np.clip(bounds[:-1], lo, hi), np.clip(bounds[1:], lo, hi))
         return out
+
+    def gaps(self, spans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The stretches of the spans not covered, as disjoint sorted intervals (touching
+        ones merged)."""
+        starts, ends = [], []
+        for lo, hi in spans:
+            a = np.searchsorted(self.end, lo, side="right")  # first run ending after lo
+            b = np.searchsorted(self.start, hi, side="left")  # runs starting before hi
+            edge = np.concatenate([[lo], np.minimum(self.end[a:b], hi)])
+            nxt = np.concatenate([np.maximum(self.start[a:b], lo), [hi]])
+            real = nxt > edge
+            starts.append(edge[real])
+            ends.append(nxt[real])
+        return union(
+            np.concatenate(starts or [[]]).astype(np.int64),
+            np.concatenate(ends or [[]]).astype(np.int64),
+        )
 
 
 def within_spans(bounds: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import polars as pl
 
 from traceclf.measures import timeline
+from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
 
 # Kinds a kernel name cannot settle (NCCL's one SendRecv kernel serves all-to-all and P2P;
@@ -23,9 +24,9 @@ def by_kind(w: RankWindow) -> dict[str, dict[str, float]]:
     comm = refine_kinds(w.kern.filter(pl.col("is_comm")), w)
     out: dict[str, dict[str, float]] = {}
     for (kind,), rows in comm.group_by(["comm_kind"]):
-        tl = timeline.timeline({"compute": w.compute, "comm": rows.select("start", "end")}, w.spans)
-        busy = int(tl.filter(pl.col("comm") > 0)["dur"].sum())
-        exposed = int(tl.filter((pl.col("comm") > 0) & (pl.col("compute") == 0))["dur"].sum())
+        running = Busy.of(timeline.clip(rows.select("start", "end"), w.spans))
+        busy = running.total
+        exposed = busy - w.layers.compute.overlap(running)
         out[str(kind)] = {
             "frac": round(busy / w.wall, 4),
             "exposed_frac": round(exposed / w.wall, 4),

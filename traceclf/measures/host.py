@@ -7,6 +7,7 @@ import numpy as np
 import polars as pl
 
 from traceclf.measures import timeline
+from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
 
 MEASURES: dict[str, str] = {
@@ -74,9 +75,8 @@ def _idle_during(calls: pl.DataFrame, w: RankWindow) -> int:
     """ns of the window in which the GPU is idle and one of ``calls`` is in flight."""
     if calls.is_empty():
         return 0
-    work = pl.concat([w.compute, w.comm, w.copies.select("start", "end")])
-    tl = timeline.timeline({"work": work, "calls": calls.select("start", "end")}, w.spans)
-    return int(tl.filter((pl.col("calls") > 0) & (pl.col("work") == 0))["dur"].sum())
+    in_flight = Busy.of(timeline.clip(calls.select("start", "end"), w.spans))
+    return in_flight.total - w.layers.work.overlap(in_flight)
 
 
 def idle(gaps: pl.DataFrame, w: RankWindow) -> dict[str, float]:
@@ -93,12 +93,12 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     """Idle stretches of the GPU with their host-side cause (docs/measures.md) and, for the
     long ones, the NVTX range the host was in (``nvtx``, ``activity``, ``nvtx_ns``); every cause
     is "other" when the CUDA API was not traced, since the causes are read from it."""
-    tl = w.timeline
     calls = w.api if w.host_traced else None
-    idle = tl.filter((pl.col("compute") == 0) & (pl.col("comm") == 0) & (pl.col("copy") == 0))
-    gaps = timeline.union(idle.select("start", "end")).with_columns(
-        dur=pl.col("end") - pl.col("start")
-    )
+    layers = w.layers
+    idle_start, idle_end = layers.work.gaps(timeline.spans_of(w.spans))
+    gaps = pl.DataFrame(
+        {"start": idle_start, "end": idle_end}, schema={"start": pl.Int64, "end": pl.Int64}
+    ).with_columns(dur=pl.col("end") - pl.col("start"))
     schema = {
         "start": pl.Int64,
         "end": pl.Int64,
@@ -118,9 +118,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
             nvtx_ns=pl.lit(0, pl.Int64),
         ).select(list(schema))
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
-    profiled = idle.filter(pl.col("profiler") > 0)
-    pidx = np.searchsorted(gstart, profiled["start"].to_numpy(), side="right") - 1
-    profiler_ns = np.bincount(pidx, weights=profiled["dur"].to_numpy(), minlength=len(gaps))
+    profiler_ns = layers.profiler.covered(gstart, gend)  # (all of a gap is idle)
     start, end = calls["start"].to_numpy(), calls["end"].to_numpy()
     # Host coverage: CUDA calls that start inside a gap, clipped to it.
     idx = np.searchsorted(gstart, start, side="right") - 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import polars as pl
 
 from traceclf.measures import timeline
+from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
 
 MEASURES: dict[str, str] = {
@@ -61,9 +62,8 @@ def _exposed(copies: pl.DataFrame, w: RankWindow) -> int:
     """ns of the window with a copy of ``copies`` in flight and no kernel running."""
     if copies.is_empty():
         return 0
-    kernels = pl.concat([w.compute, w.comm])
-    tl = timeline.timeline({"kernels": kernels, "copies": copies.select("start", "end")}, w.spans)
-    return int(tl.filter((pl.col("copies") > 0) & (pl.col("kernels") == 0))["dur"].sum())
+    in_flight = Busy.of(timeline.clip(copies.select("start", "end"), w.spans))
+    return in_flight.total - w.layers.compute_comm.overlap(in_flight)
 
 
 def _gbps(copies: pl.DataFrame) -> float | None:

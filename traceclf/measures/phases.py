@@ -83,27 +83,34 @@ def phase_table(w: RankWindow, gaps: pl.DataFrame, spans: pl.DataFrame) -> list[
     spans = partition(spans, w.window)
     if spans.is_empty():
         return []
-    tl = w.timeline
-    c, k, p = pl.col("compute") > 0, pl.col("comm") > 0, pl.col("copy") > 0
-    layers = {
-        "compute": tl.filter(c),
-        "exposed_comm": tl.filter(k & ~c),
-        "copy": tl.filter(p & ~c & ~k),
-    } | {f"idle_{cause}": gaps.filter(pl.col("cause") == cause) for cause in IDLE_CAUSES}
+    busy = w.layers
+    # (a state is a difference of unions: exposed communication = any kernel - compute)
+    states = {
+        "compute": (busy.compute, None),
+        "exposed_comm": (busy.compute_comm, busy.compute),
+        "copy": (busy.work, busy.compute_comm),
+    }
+    idle = {f"idle_{cause}": gaps.filter(pl.col("cause") == cause) for cause in IDLE_CAUSES}
     starts, ends = spans["start"].to_numpy(), spans["end"].to_numpy()
-    per_span = {name: _covered(df, starts, ends) for name, df in layers.items()}
+    per_span = {
+        name: outer.covered(starts, ends) - (inner.covered(starts, ends) if inner else 0)
+        for name, (outer, inner) in states.items()
+    } | {name: _covered(df, starts, ends) for name, df in idle.items()}
     rows = spans.with_columns(
         time=pl.col("end") - pl.col("start"), **{n: pl.Series(v) for n, v in per_span.items()}
     )
     step_starts = w.steps.steady["gpu_start"].sort().to_numpy() if w.steps.count else None
-    names = list(layers)
+    names = list(per_span)
     table = (
         rows.with_columns(step=_step_of(rows["start"].to_numpy(), step_starts))
         .group_by("phase")
         .agg(pl.col("time").sum(), *(pl.col(n).sum() for n in names), pl.col("step").n_unique())
     )
     outside = {"phase": OUTSIDE, "time": w.wall - int(table["time"].sum())}
-    for name, df in layers.items():
+    for name, (outer, inner) in states.items():
+        total = outer.total - (inner.total if inner else 0)
+        outside[name] = total - int(table[name].sum())
+    for name, df in idle.items():
         outside[name] = int(timeline.total(df.select("start", "end"))) - int(table[name].sum())
     order = {p: i for i, p in enumerate(PHASES)}
     out = [

@@ -1,17 +1,51 @@
 """One rank's steady-state window, prepared once for every wall's measures: the event frames
-clipped to the window and classified with the taxonomy, and the state timeline (how many
-compute, communication, copy and profiler intervals are active in each segment)."""
+clipped to the window and classified with the taxonomy, and the time each layer of GPU work
+covers (:class:`Layers`: compute, communication, copies, profiler overhead and their unions),
+from which every busy, idle and exposed time is read."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import polars as pl
 
 from traceclf.kernels import Taxonomy, by_name
 from traceclf.measures import timeline
+from traceclf.measures.busy import Busy
 from traceclf.model import Trace
 from traceclf.steps import Steps
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The window's GPU work as unions of intervals (clipped to the window's spans): compute
+    (kernels other than communication, and graph replays), communication kernels, copies and
+    memsets, profiler overhead; and the unions that states are read from."""
+
+    compute: Busy
+    comm: Busy
+    copy: Busy
+    profiler: Busy
+    compute_comm: Busy  # compute or communication: any kernel
+    work: Busy  # any GPU work: busy
+
+    @classmethod
+    def of(cls, compute: Busy, comm: Busy, copy: Busy, profiler: Busy) -> Layers:
+        kernels = compute | comm
+        return cls(compute, comm, copy, profiler, kernels, kernels | copy)
+
+    def state_times(self) -> dict[str, int]:
+        """ns of the window in each state (busy, compute, exposed comm, ...)."""
+        return {
+            "busy": self.work.total,
+            "compute": self.compute.total,
+            "compute_only": self.compute_comm.total - self.comm.total,
+            "comm": self.comm.total,
+            "exposed_comm": self.compute_comm.total - self.compute.total,
+            "copy": self.copy.total,
+            "exposed_copy": self.work.total - self.compute_comm.total,
+        }
 
 
 @dataclass(frozen=True)
@@ -25,10 +59,25 @@ class RankWindow:
     graph_spans: pl.DataFrame  # one interval per graph replay, either tracing mode
     copies: pl.DataFrame
     api: pl.DataFrame  # CUDA calls with is_sync / is_launch / is_alloc flags
-    compute: pl.DataFrame  # intervals of compute kernels and graph replays
-    comm: pl.DataFrame  # intervals of communication kernels
-    timeline: pl.DataFrame  # segments with counts per layer (timeline.timeline)
-    state: dict[str, int]  # ns of the window in each state (state_times)
+    layers: Layers  # what each layer of GPU work covers
+    state: dict[str, int]  # ns of the window in each state (Layers.state_times)
+
+    @functools.cached_property
+    def compute(self) -> pl.DataFrame:
+        """Intervals of compute kernels and graph replays."""
+        return pl.concat(
+            [
+                self.kern.select("start", "end", "is_comm")
+                .filter(~pl.col("is_comm"))
+                .drop("is_comm"),
+                self.graph_spans.select("start", "end"),
+            ]
+        )
+
+    @functools.cached_property
+    def comm(self) -> pl.DataFrame:
+        """Intervals of communication kernels."""
+        return self.kern.select("start", "end", "is_comm").filter(pl.col("is_comm")).drop("is_comm")
 
     @property
     def window(self) -> tuple[int, int]:
@@ -65,17 +114,15 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
     api = classify_api(
         timeline.clip(trace.api.select("start", "end", "name", "correlation_id"), window), taxonomy
     )
-    compute = pl.concat(
-        [kern.filter(~pl.col("is_comm")).select("start", "end"), graph_spans.select("start", "end")]
-    )
-    comm = kern.filter(pl.col("is_comm")).select("start", "end")
-    step_starts = steps.steady["gpu_start"].to_list() if steps.count else []
+    starts, ends = kern["start"].to_numpy(), kern["end"].to_numpy()
+    is_comm = kern["is_comm"].fill_null(False).to_numpy()
     # Profiler overhead (CUPTI buffer flushes, ...) is a layer of its own: not GPU work, but
     # idle time it covers is the profiler's, not the training loop's.
-    tl = timeline.timeline(
-        {"compute": compute, "comm": comm, "copy": copies, "profiler": trace.overhead},
-        window,
-        cuts=step_starts,
+    layers = Layers.of(
+        compute=Busy.of_arrays(starts[~is_comm], ends[~is_comm]) | Busy.of(graph_spans),
+        comm=Busy.of_arrays(starts[is_comm], ends[is_comm]),
+        copy=Busy.of(copies),
+        profiler=Busy.of(timeline.clip(trace.overhead, window)),
     )
     return RankWindow(
         trace,
@@ -87,29 +134,9 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
         graph_spans,
         copies,
         api,
-        compute,
-        comm,
-        tl,
-        state_times(tl),
+        layers,
+        layers.state_times(),
     )
-
-
-def state_times(tl: pl.DataFrame) -> dict[str, int]:
-    """ns of the window in each state of the timeline (busy, compute, exposed comm, ...)."""
-    c, k, p = pl.col("compute") > 0, pl.col("comm") > 0, pl.col("copy") > 0
-
-    def t(cond: pl.Expr) -> int:
-        return int(tl.filter(cond)["dur"].sum())
-
-    return {
-        "busy": t(c | k | p),
-        "compute": t(c),
-        "compute_only": t(c & ~k),
-        "comm": t(k),
-        "exposed_comm": t(k & ~c),
-        "copy": t(p),
-        "exposed_copy": t(p & ~c & ~k),
-    }
 
 
 def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
