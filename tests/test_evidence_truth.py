@@ -119,7 +119,8 @@ def recomputed(path: Path) -> tuple[dict, ...]:
     for rank in report(path)["ranks"]:
         steps = rank["steps"]
         window = tuple(steps["window_ns"])
-        out.append(ind.rank_measures(path, rank["pid"], window, steps["used"]) | step_stats(steps))
+        mine = ind.rank_measures(path, rank["pid"], window, steps["used"], steps["source"])
+        out.append(mine | step_stats(steps))
     return tuple(out)
 
 

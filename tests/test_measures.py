@@ -158,3 +158,24 @@ def test_every_measure_is_defined_and_documented():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "measures.md").read_text()
     missing = [name for name in MEASURES if f"`{name}`" not in doc]
     assert not missing, f"docs/measures.md lacks {missing}"
+
+
+@pytest.mark.parametrize(
+    "name", ["h100_host_cudagraph.sqlite", "h100_host_cudagraph_nodetrace.sqlite"]
+)
+def test_graph_runs_count_the_launches_of_their_steps(name):
+    """The host runs whole steps ahead of the GPU when it replays CUDA graphs: the calls made
+    while the GPU runs the window are other steps' (they once counted 0 graph launches per
+    step). Each steady step of these runs replays its graph once and launches one eager
+    kernel, and the calls of a step are the calls made inside its NVTX range."""
+    (m,) = metrics(name)
+    assert m["launch_calls_per_step"] == 2.0
+    assert m["median_launch_us"] is not None
+
+
+def test_communication_run_launches_each_kernel_once():
+    """Every kernel of a steady step was launched by one call of that step (NCCL's too):
+    launches per step equal kernel rows per step. Calls clipped to the GPU window by time
+    counted 48 of 129 (the host, blocked in NCCL, launched the rest outside the window)."""
+    for m in metrics("h100_comm_ep2.sqlite"):
+        assert m["launch_calls_per_step"] == m["kernels_per_step"] == 129

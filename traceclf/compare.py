@@ -20,8 +20,10 @@ were found). Only a regression makes the CLI exit 1.
 Measures that moved. Fractions of the step (busy, exposed communication, copies, idle causes,
 ...) compare in percentage points; per-step counts and sizes (kernels, syncs, bytes) compare
 relative to before. A change is material past the thresholds in ``MEASURES``. Launch counts
-include CUDA-graph launches (``launch_calls_per_step`` + ``graph_launches_per_step``), so a run
-that moved its kernels into a graph shows fewer launches, not none.
+include CUDA-graph launches, so a run that moved its kernels into a graph shows fewer launches,
+not none (``launch_calls_per_step`` counts each step's ``cudaGraphLaunch``; a report saved by a
+traceclf that missed them, counting the calls made while the GPU ran the window, has its graph
+executions per step stand in).
 
 Tracing mode. Nsight Systems traces CUDA graphs either as one row per graph execution
 (graph-level, the default) or one row per kernel inside it (``--cuda-graph-trace=node``). The

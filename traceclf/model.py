@@ -204,6 +204,14 @@ class Trace:
         )
 
     @functools.cached_property
+    def call_index(self):
+        """The CUDA calls by (pid, correlationId) (:class:`traceclf.correlation.CallIndex`):
+        which call launched a GPU operation, by binary search rather than a join."""
+        from traceclf.correlation import CallIndex
+
+        return CallIndex(self.api)
+
+    @functools.cached_property
     def calls_by_start(self) -> pl.DataFrame:
         """(start, correlation_id) of every CUDA call, sorted by start: the one projection
         that every NVTX range → GPU work mapping shares (sorted once, or not at all when the

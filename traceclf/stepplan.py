@@ -127,8 +127,14 @@ def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
                 "run": pl.Int64,
             }
         )
+    cpu = (  # an NVTX step's range on the host
+        [pl.col("start").alias("cpu_start"), pl.col("end").alias("cpu_end")]
+        if not plan.exact
+        else [pl.lit(None, pl.Int64).alias("cpu_start"), pl.lit(None, pl.Int64).alias("cpu_end")]
+    )
     steps = (
-        table.join(exact, on="index", how="left", suffix="_gpu")
+        table.with_columns(cpu)
+        .join(exact, on="index", how="left", suffix="_gpu")
         .with_columns(
             duration=pl.coalesce("duration_gpu", "duration"),
             analysed=pl.col("steady") & pl.col("gpu_start").is_not_null(),
@@ -148,7 +154,16 @@ def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
     return Steps(
         plan.source,
         steps.select(
-            "index", "name", "gpu_start", "gpu_end", "duration", "steady", "outlier", "analysed"
+            "index",
+            "name",
+            "gpu_start",
+            "gpu_end",
+            "duration",
+            "steady",
+            "outlier",
+            "analysed",
+            "cpu_start",
+            "cpu_end",
         ),
         (spans[0][0], spans[-1][1]),
         plan.label,

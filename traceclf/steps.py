@@ -40,7 +40,8 @@ class Steps:
     """The steps of one rank and the part of them the measures cover.
 
     ``table`` has every step found (index, name, gpu_start, gpu_end, duration, steady,
-    outlier, analysed). By default (window mode) a long capture is analysed on a sample of its
+    outlier, analysed, and cpu_start/cpu_end: the NVTX range of a step found on the host,
+    null for steps found on the GPU). By default (window mode) a long capture is analysed on a sample of its
     steady steps, in runs spread evenly over the steady state: ``analysed`` marks them, and
     ``spans`` are the GPU time spans they cover (the measures' window; ``window`` is their
     hull). With every steady step analysed, ``spans`` is the one span ``window``.
@@ -59,6 +60,10 @@ class Steps:
             object.__setattr__(self, "spans", (self.window,))
         if "analysed" not in self.table.columns:
             object.__setattr__(self, "table", self.table.with_columns(analysed=pl.col("steady")))
+        missing = [c for c in ("cpu_start", "cpu_end") if c not in self.table.columns]
+        if missing:
+            nulls = [pl.lit(None, pl.Int64).alias(c) for c in missing]
+            object.__setattr__(self, "table", self.table.with_columns(nulls))
 
     @property
     def count(self) -> int:
@@ -130,6 +135,8 @@ def _empty_table() -> pl.DataFrame:
             "steady": pl.Boolean,
             "outlier": pl.Boolean,
             "analysed": pl.Boolean,
+            "cpu_start": pl.Int64,
+            "cpu_end": pl.Int64,
         }
     )
 
@@ -380,9 +387,12 @@ def _choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -
     window = (int(table["gpu_start"][first]), int(table["step_end"][last]))
     if window[1] <= window[0]:
         window = (window[0], max(capture_end, window[0] + 1))
+    cpu = [c for c in ("cpu_start", "cpu_end") if c in table.columns]
     return Steps(
         source,
-        table.select("index", "name", "gpu_start", "gpu_end", "duration", "steady", "outlier"),
+        table.select(
+            "index", "name", "gpu_start", "gpu_end", "duration", "steady", "outlier", *cpu
+        ),
         window,
         label,
     )

@@ -145,10 +145,12 @@ QUERIES = {
     "kernels": "SELECT start, end, {pid} AS pid, deviceId AS device, correlationId AS corr, "
     "demangledName AS name_id, shortName AS short_id, gridX*gridY*gridZ AS grid, "
     "blockX*blockY*blockZ AS block, {node} AS node FROM CUPTI_ACTIVITY_KIND_KERNEL",
-    "graphs": "SELECT start, end, {pid} AS pid FROM CUPTI_ACTIVITY_KIND_GRAPH_TRACE",
-    "memcpy": "SELECT start, end, {pid} AS pid, bytes, copyKind, srcKind, dstKind "
-    "FROM CUPTI_ACTIVITY_KIND_MEMCPY",
-    "memset": "SELECT start, end, {pid} AS pid FROM CUPTI_ACTIVITY_KIND_MEMSET",
+    "graphs": "SELECT start, end, {pid} AS pid, correlationId AS corr "
+    "FROM CUPTI_ACTIVITY_KIND_GRAPH_TRACE",
+    "memcpy": "SELECT start, end, {pid} AS pid, correlationId AS corr, bytes, copyKind, "
+    "srcKind, dstKind FROM CUPTI_ACTIVITY_KIND_MEMCPY",
+    "memset": "SELECT start, end, {pid} AS pid, correlationId AS corr "
+    "FROM CUPTI_ACTIVITY_KIND_MEMSET",
     "api": "SELECT start, end, {tpid} AS pid, globalTid AS tid, correlationId AS corr, "
     "nameId AS name_id FROM CUPTI_ACTIVITY_KIND_RUNTIME",
     "nvtx": "SELECT start, end, {tpid} AS pid, globalTid AS tid, text, textId AS name_id "
@@ -235,13 +237,16 @@ def gpu_of(path: Path, pid: int) -> dict | None:
 # ---------------------------------------------------------------- one rank over one window
 
 
-def rank_measures(path: Path, pid: int, window: tuple[int, int], steps: int) -> dict:
+def rank_measures(
+    path: Path, pid: int, window: tuple[int, int], steps: int, source: str = "none"
+) -> dict:
     """The measures of rank ``pid`` over ``[lo, hi)`` holding ``steps`` steady steps (the
-    report's ``steps.used``): fractions of the window, counts and bytes per step."""
+    report's ``steps.used``), found by ``source`` (``steps.source``: nvtx, graph, pattern,
+    none): fractions of the window, counts and bytes per step."""
     ex = read_export(path)
     mine = {t: [r for r in rows if r.get("pid") == pid] for t, rows in ex.items()}
     lo, hi = window
-    w = Window(mine, lo, hi, max(hi - lo, 1), max(steps, 1), gpu_of(path, pid))
+    w = Window(mine, lo, hi, max(hi - lo, 1), max(steps, 1), gpu_of(path, pid), source)
     return (
         _budget(w)
         | _communication(w)
@@ -261,6 +266,7 @@ class Window:
     wall: int
     steps: int
     gpu: dict | None
+    source: str = "none"  # how the steps were found (the report's steps.source)
 
     def __post_init__(self) -> None:
         lo, hi, rows = self.lo, self.hi, self.rows
@@ -284,9 +290,48 @@ class Window:
         self.busy = length(self.compute, self.comm, self.copies)
         self.api = clip(rows["api"], lo, hi)
         self.launched_at = {a["corr"]: a["start"] for a in rows["api"]}
+        self.step_calls = _step_calls(self)
 
     def per_step(self, n: float) -> float:
         return n / self.steps
+
+
+def _step_calls(w: Window) -> list[dict]:
+    """docs/measures.md, "Calls per step": the CUDA calls of the window's steps. The host runs
+    ahead of the GPU, so they are not the calls made while the GPU runs the window: for NVTX
+    steps, the calls (any thread) starting inside the step ranges whose GPU work starts in the
+    window (the steady steps); for steps found on the GPU, the calls from the one that launched
+    the first GPU work starting in the window to the one that launched the first work starting
+    after it (to the last call when none does); without steps, the calls overlapping it."""
+    if w.source == "none":
+        return w.api
+    calls = sorted(w.rows["api"], key=lambda a: a["start"])
+    work = [r for t in ("kernels", "graphs", "memcpy", "memset") for r in w.rows[t]]
+    if w.source == "nvtx":
+        step = taxonomy()["nvtx"]["step"]
+        ranges, reach = [], -1
+        for n in sorted(w.rows["nvtx"], key=lambda n: n["start"]):
+            if step.search(n["text"]) and n["start"] >= reach:  # outermost step ranges
+                ranges.append((n["start"], n["end"]))
+            if step.search(n["text"]):
+                reach = max(reach, n["end"])
+        first_start: dict[int, int] = {}  # GPU start of each range's work
+        owner = {
+            a["corr"]: i for i, (s, e) in enumerate(ranges) for a in calls if s <= a["start"] <= e
+        }
+        for r in work:
+            i = owner.get(r["corr"])
+            if i is not None:
+                first_start[i] = min(first_start.get(i, r["start"]), r["start"])
+        steady = [ranges[i] for i, t in first_start.items() if w.lo <= t < w.hi]
+        return [a for a in calls if any(s <= a["start"] <= e for s, e in steady)]
+    launches = [(r["start"], w.launched_at[r["corr"]]) for r in work if r["corr"] in w.launched_at]
+    inside = [call for start, call in launches if w.lo <= start < w.hi]
+    after = [call for start, call in launches if start >= w.hi]
+    if not inside:
+        return []
+    lo, hi = min(inside), min(after) if after else None
+    return [a for a in calls if lo <= a["start"] and (hi is None or a["start"] < hi)]
 
 
 def _budget(w: Window) -> dict:
@@ -393,11 +438,15 @@ def _copies(w: Window) -> dict:
 
 
 def _host(w: Window) -> dict:
-    """Per-step counts of the CUDA calls overlapping the window (taxonomy.cuda_api), launch
-    call durations, GPU idle time inside allocator calls, and the idle gaps by cause."""
+    """Per-step counts of the CUDA calls of the window's steps (taxonomy.cuda_api,
+    :func:`_step_calls`) and the median duration of their launch calls; GPU idle time inside
+    the allocator calls and the idle gaps by cause, from the calls made while the GPU runs the
+    window."""
     calls = {
-        kind: [a for a in w.api if api_is(kind, a["name"])] for kind in ("sync", "launch", "alloc")
+        kind: [a for a in w.step_calls if api_is(kind, a["name"])]
+        for kind in ("sync", "launch", "alloc")
     }
+    in_window = {kind: [a for a in w.api if api_is(kind, a["name"])] for kind in ("sync", "alloc")}
     launch_ns = [a["end"] - a["start"] for a in calls["launch"]]
     median_launch = statistics.median(launch_ns) if launch_ns else None
     kernel_ns = [k["end"] - k["start"] for k in w.kern]
@@ -410,8 +459,8 @@ def _host(w: Window) -> dict:
         "short_kernel_frac": sum(d < median_launch for d in kernel_ns) / len(kernel_ns)
         if kernel_ns and launch_ns
         else None,
-        "alloc_idle_frac": (length(spans(calls["alloc"]), work) - length(work)) / w.wall,
-    } | _idle_causes(w, calls["sync"])
+        "alloc_idle_frac": (length(spans(in_window["alloc"]), work) - length(work)) / w.wall,
+    } | _idle_causes(w, in_window["sync"])
 
 
 def _idle_causes(w: Window, syncs: list[dict]) -> dict:

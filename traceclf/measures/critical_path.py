@@ -28,7 +28,7 @@ from traceclf.measures.attribution import (
     class_ns,
     kind_is,
 )
-from traceclf.measures.dependencies import COMPUTE_KINDS, CallIndex
+from traceclf.measures.dependencies import COMPUTE_KINDS
 from traceclf.measures.window import RankWindow
 
 MEASURES: dict[str, str] = {
@@ -130,7 +130,7 @@ def _rank_ops(w: RankWindow) -> pl.DataFrame:
     )
     is_comm = by_name(kernels.select("name"), names)["is_comm"]
     ops = dependencies.gpu_ops(kernels, is_comm, trace.graphs, trace.copies, since=lo)
-    calls = CallIndex(trace.api)
+    calls = trace.call_index
     waits = dependencies.stream_waits(trace.syncs, calls)
     ops = ops.with_columns(launch_end=calls.column("end", ops["pid"], ops["correlation_id"]))
     resolved = dependencies.resolve_dependencies(ops, waits, trace.events)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from traceclf.correlation import CallIndex
+
 COMPUTE_KINDS = ("compute", "graph")
 KIND = pl.Enum(["compute", "graph", "collective", "copy"])
 TRANSFER_DIRECTIONS = ("HtoD", "DtoH", "PtoP", "UVM_HtoD", "UVM_DtoH")
@@ -30,69 +32,6 @@ NO_EVENT = 0xFFFFFFFF  # eventId / eventSyncId of a sync record that names no ev
 KEY = ("pid", "device_id", "stream_id")
 STREAM_WAIT = r"(?i)StreamWaitEvent"  # cudaStreamWaitEvent / cuStreamWaitEvent
 NULL = np.iinfo(np.int64).min  # sorts first, as polars sorts nulls
-PID_BITS, CORR_BITS = 24, 39  # pid decoded from 24 bits; a key (pid, correlationId) in 63
-
-
-class CallIndex:
-    """The CUDA calls of a rank by (pid, correlationId): the row of the first call (in the
-    frame's order) with each key, found by binary search on one integer key rather than a
-    join of millions of rows. Calls come in start order, which is correlationId order for one
-    process (one counter), so the key usually needs no sort."""
-
-    def __init__(self, api: pl.DataFrame) -> None:
-        self.api = api
-        self.rows, self.keys = _sorted_keys(api["pid"], api["correlation_id"])
-
-    def find(self, pid: pl.Series, corr: pl.Series) -> np.ndarray:
-        """Row in ``api`` of the first call with each (pid, corr), or -1."""
-        if self.keys is None:  # keys beyond 63 bits (no nsys export has them): a join
-            return _find_by_join(self.api, pid, corr)
-        query = _key(pid, corr)
-        if not len(self.keys):
-            return np.full(len(query), -1, np.int64)
-        pos = np.minimum(np.searchsorted(self.keys, query, side="left"), len(self.keys) - 1)
-        hit = (query >= 0) & (self.keys[pos] == query)
-        return np.where(hit, self.rows[pos], -1)
-
-    def column(self, name: str, pid: pl.Series, corr: pl.Series) -> pl.Series:
-        """``name`` of the first call with each (pid, corr); null where there is none."""
-        row = self.find(pid, corr)
-        found = pl.Series(np.where(row >= 0, row, 0).astype(np.uint32))
-        out = self.api[name].gather(found) if len(self.api) else pl.repeat(None, len(row))
-        return pl.select(pl.when(pl.Series(row >= 0)).then(out)).to_series().alias(name)
-
-
-def _key(pid: pl.Series, corr: pl.Series) -> np.ndarray:
-    """(pid << CORR_BITS) | corr, or -1 where either is null or out of range."""
-    p = pid.fill_null(-1).to_numpy().astype(np.int64, copy=False)
-    c = corr.fill_null(-1).to_numpy().astype(np.int64, copy=False)
-    ok = (p >= 0) & (p < 1 << PID_BITS) & (c >= 0) & (c < 1 << CORR_BITS)
-    return np.where(ok, (p << CORR_BITS) | c, -1)
-
-
-def _sorted_keys(pid: pl.Series, corr: pl.Series) -> tuple[np.ndarray, np.ndarray | None]:
-    c = corr.drop_nulls()
-    if len(c) and (int(c.min()) < 0 or int(c.max()) >= 1 << CORR_BITS):  # type: ignore[arg-type]
-        return np.empty(0, np.int64), None
-    keys = _key(pid, corr)
-    valid = keys >= 0
-    rows = np.flatnonzero(valid) if not valid.all() else np.arange(len(keys))
-    keys = keys[rows] if len(rows) != len(keys) else keys
-    if len(keys) > 1 and not bool(np.all(keys[1:] >= keys[:-1])):
-        order = np.argsort(keys, kind="stable")  # stable: the first call of a key stays first
-        keys, rows = keys[order], rows[order]
-    return rows, keys
-
-
-def _find_by_join(api: pl.DataFrame, pid: pl.Series, corr: pl.Series) -> np.ndarray:
-    first = (
-        api.select("pid", "correlation_id")
-        .with_row_index("_row")
-        .unique(["pid", "correlation_id"], keep="first", maintain_order=True)
-    )
-    query = pl.DataFrame({"pid": pid, "correlation_id": corr})
-    found = query.join(first, on=["pid", "correlation_id"], how="left", maintain_order="left")
-    return found["_row"].fill_null(-1).to_numpy().astype(np.int64)
 
 
 def stream_waits(syncs: pl.DataFrame, calls: CallIndex) -> pl.DataFrame:

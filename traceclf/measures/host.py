@@ -11,10 +11,13 @@ from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
 
 MEASURES: dict[str, str] = {
-    "sync_calls_per_step": "cudaStream/Device/EventSynchronize and blocking cudaMemcpy per step",
-    "alloc_calls_per_step": "cudaMalloc/cudaFree (and driver equivalents) per step",
-    "launch_calls_per_step": "kernel and graph launch calls per step",
-    "median_launch_us": "median duration of a launch call on the host",
+    "sync_calls_per_step": "cudaStream/Device/EventSynchronize and blocking cudaMemcpy per step "
+    "(the calls of the analysed steps, not those made while the GPU runs the window)",
+    "alloc_calls_per_step": "cudaMalloc/cudaFree (and driver equivalents) per step (the calls "
+    "of the analysed steps)",
+    "launch_calls_per_step": "kernel and graph launch calls per step (the calls of the analysed "
+    "steps)",
+    "median_launch_us": "median duration of a launch call of the analysed steps on the host",
     "short_kernel_frac": "kernels shorter than the median launch call",
     "idle_launch_frac": "idle time while the host was issuing CUDA calls (launch-bound)",
     "idle_sync_frac": "idle time right after a synchronising call returned, or filled by "
@@ -52,7 +55,7 @@ def calls(w: RankWindow) -> dict[str, float | None]:
     was not traced."""
     if not w.host_traced:
         return dict.fromkeys(CALL_MEASURES)
-    api, kern, n_steps = w.api, w.kern, w.n_steps
+    api, kern, n_steps = w.step_calls, w.kern, w.n_steps  # the calls of the window's steps
     launches = api.filter(pl.col("is_launch"))
     launch_ns = launches["end"] - launches["start"]
     launch_median = float(launch_ns.median()) if len(launches) else None
@@ -67,7 +70,8 @@ def calls(w: RankWindow) -> dict[str, float | None]:
             if launch_median is not None and len(kern)
             else None
         ),
-        "alloc_idle_frac": _idle_during(api.filter(pl.col("is_alloc")), w) / w.wall,
+        # (the calls made while the GPU runs the window: they can leave it idle)
+        "alloc_idle_frac": _idle_during(w.api.filter(pl.col("is_alloc")), w) / w.wall,
     }
 
 

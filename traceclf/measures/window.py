@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import polars as pl
 
 from traceclf.kernels import Taxonomy, by_name
@@ -58,7 +59,8 @@ class RankWindow:
     graphs: pl.DataFrame  # graph-level traced graph executions
     graph_spans: pl.DataFrame  # one interval per graph replay, either tracing mode
     copies: pl.DataFrame
-    api: pl.DataFrame  # CUDA calls with is_sync / is_launch / is_alloc flags
+    api: pl.DataFrame  # CUDA calls while the GPU runs the window, is_sync/launch/alloc flags
+    step_calls: pl.DataFrame  # the CUDA calls of the analysed steps (step_calls), flagged
     layers: Layers  # what each layer of GPU work covers
     state: dict[str, int]  # ns of the window in each state (Layers.state_times)
 
@@ -114,6 +116,7 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
     api = classify_api(
         timeline.clip(trace.api.select("start", "end", "name", "correlation_id"), window), taxonomy
     )
+    calls = classify_api(step_calls(trace, steps), taxonomy) if steps.count else api
     starts, ends = kern["start"].to_numpy(), kern["end"].to_numpy()
     is_comm = kern["is_comm"].fill_null(False).to_numpy()
     # Profiler overhead (CUPTI buffer flushes, ...) is a layer of its own: not GPU work, but
@@ -134,6 +137,7 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
         graph_spans,
         copies,
         api,
+        calls,
         layers,
         layers.state_times(),
     )
@@ -151,3 +155,52 @@ def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
         )
     )
     return by_name(api, names)
+
+
+def step_calls(trace: Trace, steps: Steps) -> pl.DataFrame:
+    """The CUDA calls (start, end, name, correlation_id) that belong to the analysed steps.
+
+    The host runs ahead of the GPU (with CUDA graphs by whole steps), so the calls made while
+    the GPU runs a step are not that step's. A step found on the host (NVTX) owns the calls
+    made inside its range, on any thread of the process; for steps found on the GPU (graph
+    launches, a recurring kernel) each run of analysed steps owns the calls from the one that
+    launched its first GPU work (by correlationId) to the one that launched the first work
+    after it — or to the process's last call, when nothing follows."""
+    api = trace.api.select("start", "end", "name", "correlation_id")
+    starts = api["start"].to_numpy()
+    steady = steps.steady.filter(pl.col("cpu_start").is_not_null())
+    if steps.source == "nvtx" and not steady.is_empty():  # a call at a range's end is in it
+        lo = np.searchsorted(starts, steady["cpu_start"].to_numpy(), side="left")
+        hi = np.searchsorted(starts, steady["cpu_end"].to_numpy(), side="right")
+    else:
+        lo, hi = _launched_runs(trace, steps, starts)
+    inside = np.zeros(len(starts) + 1, np.int64)  # +1 from each range's first row to its end
+    np.add.at(inside, lo, 1)
+    np.add.at(inside, hi, -1)
+    return api.filter(pl.Series(np.cumsum(inside)[:-1] > 0))
+
+
+def _launched_runs(trace: Trace, steps: Steps, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row ranges [lo, hi) of the (start-sorted) calls from the launch of each span's first GPU
+    work to the launch of the first work after the span."""
+    work = [
+        f.select("start", "pid", "correlation_id")
+        for f in (trace.kernels, trace.graphs, trace.copies)
+    ]
+    gpu = pl.concat([w for w in work if not w.is_empty()] or work[:1])
+    row = trace.call_index.find(gpu["pid"], gpu["correlation_id"])
+    launched = row >= 0
+    gpu_start, call_start = gpu["start"].to_numpy()[launched], starts[row[launched]]
+    lo, hi = [], []
+    for a, b in timeline.spans_of(steps.spans):
+        mine = (gpu_start >= a) & (gpu_start < b)
+        if not mine.any():
+            continue
+        later = gpu_start >= b
+        lo.append(np.searchsorted(starts, call_start[mine].min(), side="left"))
+        hi.append(
+            np.searchsorted(starts, call_start[later].min(), side="left")
+            if later.any()
+            else len(starts)
+        )
+    return np.array(lo, np.int64), np.array(hi, np.int64)

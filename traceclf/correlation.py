@@ -1,0 +1,96 @@
+"""Which CUDA call launched a GPU operation: calls looked up by (pid, correlationId).
+
+A kernel-dense capture has tens of millions of calls, so the lookup is a binary search on one
+sorted integer key, not a join that hashes every call. Calls come in start order, which is
+correlationId order for one process (one counter), so the key usually needs no sort; a rank's
+trace has one process, so the key is usually the correlationId column itself, not a copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+PID_BITS, CORR_BITS = 24, 39  # pid decoded from 24 bits; a key (pid, correlationId) in 63
+
+
+class CallIndex:
+    """The calls of ``api`` by (pid, correlationId): the row of the first call (in the frame's
+    order) with each key."""
+
+    def __init__(self, api: pl.DataFrame) -> None:
+        self.api = api
+        pid, corr = api["pid"], api["correlation_id"]
+        self.pid = _single(pid) if not corr.null_count() else None
+        self.rows: np.ndarray | None = None  # row of each key (None: the keys' own order)
+        self.keys: np.ndarray | None
+        if self.pid is not None:
+            self.keys = corr.to_numpy()
+        elif len(corr) and (_min(corr) < 0 or _max(corr) >= 1 << CORR_BITS):
+            self.keys = None  # keys beyond 63 bits (no nsys export has them): a join
+            return
+        else:
+            keys, valid = _key(pid, corr)
+            self.rows = np.flatnonzero(valid)
+            self.keys = keys[self.rows]
+        if len(self.keys) > 1 and not bool(np.all(self.keys[1:] >= self.keys[:-1])):
+            order = np.argsort(self.keys, kind="stable")  # the first call of a key stays first
+            self.keys = self.keys[order]
+            self.rows = order if self.rows is None else self.rows[order]
+
+    def find(self, pid: pl.Series, corr: pl.Series) -> np.ndarray:
+        """Row in ``api`` of the first call with each (pid, corr), or -1."""
+        if self.keys is None:
+            return _find_by_join(self.api, pid, corr)
+        if self.pid is not None:
+            query = corr.fill_null(0).to_numpy()
+            valid = (corr.is_not_null() & (pid == self.pid).fill_null(False)).to_numpy()
+        else:
+            query, valid = _key(pid, corr)
+        if not len(self.keys):
+            return np.full(len(query), -1, np.int64)
+        pos = np.minimum(np.searchsorted(self.keys, query, side="left"), len(self.keys) - 1)
+        hit = valid & (self.keys[pos] == query)
+        return np.where(hit, pos if self.rows is None else self.rows[pos], -1)
+
+    def column(self, name: str, pid: pl.Series, corr: pl.Series) -> pl.Series:
+        """``name`` of the first call with each (pid, corr); null where there is none."""
+        row = self.find(pid, corr)
+        if not len(self.api):
+            return pl.Series(name, [None] * len(row), dtype=self.api.schema[name])
+        out = self.api[name].gather(pl.Series(np.where(row >= 0, row, 0).astype(np.uint32)))
+        return pl.select(pl.when(pl.Series(row >= 0)).then(out)).to_series().alias(name)
+
+
+def _min(s: pl.Series) -> int:
+    return int(s.min())  # type: ignore[arg-type]
+
+
+def _max(s: pl.Series) -> int:
+    return int(s.max())  # type: ignore[arg-type]
+
+
+def _single(pid: pl.Series) -> int | None:
+    """The one process of ``pid``, if it holds one (and no null)."""
+    if not len(pid) or pid.null_count() or _min(pid) != _max(pid):
+        return None
+    return _min(pid)
+
+
+def _key(pid: pl.Series, corr: pl.Series) -> tuple[np.ndarray, np.ndarray]:
+    """(pid << CORR_BITS) | corr, and where it is valid (both known, in range)."""
+    p = pid.fill_null(-1).to_numpy().astype(np.int64, copy=False)
+    c = corr.fill_null(-1).to_numpy().astype(np.int64, copy=False)
+    ok = (p >= 0) & (p < 1 << PID_BITS) & (c >= 0) & (c < 1 << CORR_BITS)
+    return np.where(ok, (p << CORR_BITS) | c, -1), ok
+
+
+def _find_by_join(api: pl.DataFrame, pid: pl.Series, corr: pl.Series) -> np.ndarray:
+    first = (
+        api.select("pid", "correlation_id")
+        .with_row_index("_row")
+        .unique(["pid", "correlation_id"], keep="first", maintain_order=True)
+    )
+    query = pl.DataFrame({"pid": pid, "correlation_id": corr})
+    found = query.join(first, on=["pid", "correlation_id"], how="left", maintain_order="left")
+    return found["_row"].fill_null(-1).to_numpy().astype(np.int64)
