@@ -211,12 +211,50 @@ class Trace:
 
         return CallIndex(self.api)
 
+    def launched_in(self, work: pl.DataFrame, ranges: pl.DataFrame, key: str) -> pl.Series:
+        """For each row of ``work`` (pid, correlation_id: kernels, graph replays, copies), the
+        ``key`` of the range of ``ranges`` (start, end, key) in which the CUDA call that
+        launched it was made; null where none was. The GPU side of :meth:`calls_in`, with the
+        same ranges (outermost ones) and ends included: the launch is found by correlationId
+        (:attr:`call_index`), its range by binary search, so nothing joins millions of rows."""
+        import numpy as np  # here: a cached result's re-analysis imports this module, not numpy
+
+        outer = outermost(ranges.select("start", "end", key))
+        starts = self.call_index.column("start", work["pid"], work["correlation_id"])
+        at = starts.fill_null(-1).to_numpy()
+        lo, hi = outer["start"].to_numpy(), outer["end"].to_numpy()
+        i = np.searchsorted(lo, at, side="right") - 1  # the last range starting by then
+        j = np.maximum(i, 0)
+        inside = starts.is_not_null().to_numpy() & (i >= 0)
+        if len(outer):
+            inside &= at <= hi[j]
+        keys = outer[key].gather(pl.Series(j.astype(np.uint32))) if len(outer) else None
+        if keys is None:
+            return pl.Series(key, [None] * len(work), dtype=ranges.schema[key])
+        return pl.select(pl.when(pl.Series(inside)).then(keys)).to_series().alias(key)
+
     @functools.cached_property
     def calls_by_start(self) -> pl.DataFrame:
         """(start, correlation_id) of every CUDA call, sorted by start: the one projection
         that every NVTX range → GPU work mapping shares (sorted once, or not at all when the
         loader flagged the calls already in order)."""
         return self.api.select("start", "correlation_id").sort("start")
+
+    def gpu_spans(self, ranges: pl.DataFrame, key: str) -> pl.DataFrame:
+        """(``key``, gpu_start, gpu_end): first start and last end of the GPU work (kernels,
+        graph replays, copies) launched inside each range of ``ranges`` (start, end, key) —
+        how a CPU-side NVTX range is projected onto the GPU."""
+        work = pl.concat(
+            [
+                f.select("start", "end").with_columns(self.launched_in(f, ranges, key))
+                for f in (self.kernels, self.graphs, self.copies)
+            ]
+        )
+        return (
+            work.drop_nulls(key)
+            .group_by(key)
+            .agg(gpu_start=pl.col("start").min(), gpu_end=pl.col("end").max())
+        )
 
     @property
     def span(self) -> tuple[int, int]:

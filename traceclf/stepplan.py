@@ -99,12 +99,7 @@ def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
         gpu = table.select("index", gpu_start="start", gpu_end="end")
     else:
         ranges = table.filter(pl.col("index").is_in(plan.needed)).select("index", "start", "end")
-        owned = trace.calls_in(ranges, "index")
-        gpu = (
-            trace.gpu_work.join(owned, on="correlation_id")
-            .group_by("index")
-            .agg(gpu_start=pl.col("start").min(), gpu_end=pl.col("end").max())
-        )
+        gpu = trace.gpu_spans(ranges, "index")
     measured = []
     for a, b in plan.runs:
         run = with_durations(

@@ -158,9 +158,7 @@ def _nvtx_steps(trace: Trace, step_regex: str | None, taxonomy: Taxonomy):
     if ranges is None:
         return None
     label = range_label(ranges["text"])
-    owned = trace.calls_in(ranges, "index")
-    work = trace.gpu_work.join(owned, on="correlation_id")
-    gpu = work.group_by("index").agg(gpu_start=pl.col("start").min(), gpu_end=pl.col("end").max())
+    gpu = trace.gpu_spans(ranges, "index")
     table = (
         ranges.select("index", name="text", cpu_start="start", cpu_end="end")
         .join(gpu, on="index", how="left")

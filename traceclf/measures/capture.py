@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceclf.measures import timeline
+from traceclf.kernels import by_name
+from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
 from traceclf.steps import step_ranges
 
@@ -21,7 +22,7 @@ def capture_facts(w: RankWindow) -> dict:
     # a window-mode trace holds the analysed steps only: the loader measured the capture
     lo, hi = trace.capture_span or trace.span
     capture_ns = max(hi - lo, 1)
-    work = timeline.total(trace.gpu_work)
+    work = Busy.of(trace.kernels, trace.graphs, trace.copies).total
     kernels = trace.kernels
     training = _training_evidence(w)
     repeating = w.steps.source != "none"
@@ -63,25 +64,29 @@ def _training_evidence(w: RankWindow) -> dict:
     trace, patterns = w.trace, w.taxonomy.training
     # the patterns run once per distinct name (a few hundred), not once per kernel (millions)
     flags = w.taxonomy.classify(trace.kernels.select("name").unique()).with_columns(
+        optimizer=pl.col("family") == "optimizer",
         backward=pl.col("name").cast(pl.String).str.contains(patterns["backward_kernel"]),
         framework=pl.col("name").cast(pl.String).str.contains(patterns["framework_kernel"]),
     )
-    names = trace.kernels.select(
-        "name", "correlation_id", dur=pl.col("end") - pl.col("start")
-    ).join(flags.select("name", "family", "backward", "framework"), on="name", how="left")
+    names = by_name(
+        trace.kernels.select("name", dur=pl.col("end") - pl.col("start")),
+        flags.select("name", "optimizer", "backward", "framework"),
+    )
     autograd = trace.threads.filter(
         pl.col("thread_name").str.contains(patterns["autograd_thread"])
     )["global_tid"]
-    autograd_launches = trace.api.filter(pl.col("global_tid").is_in(autograd.implode())).join(
-        names.select("correlation_id"), on="correlation_id"
+    # kernels launched from an autograd thread (the launch found by correlationId)
+    launcher = trace.call_index.column(
+        "global_tid", trace.kernels["pid"], trace.kernels["correlation_id"]
     )
+    autograd_launches = int(launcher.is_in(autograd.implode()).sum())
     nvtx = trace.nvtx["text"]
     total = int(names["dur"].sum())
     return {
         "backward_kernels": int(names["backward"].sum()),
-        "autograd_launches": len(autograd_launches),
+        "autograd_launches": autograd_launches,
         "backward_ranges": int(nvtx.str.contains(patterns["backward_nvtx"]).sum()),
-        "optimizer_kernels": int((names["family"] == "optimizer").sum()),
+        "optimizer_kernels": int(names["optimizer"].sum()),
         "optimizer_ranges": int(nvtx.str.contains(w.taxonomy.nvtx["optimizer"]).sum()),
         "framework_kernel_frac": (
             round(int(names.filter("framework")["dur"].sum()) / total, 4) if total else None

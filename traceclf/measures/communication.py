@@ -49,9 +49,15 @@ def refine_kinds(comm: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     trace = w.trace
     if comm.is_empty() or trace.nvtx.is_empty():
         return comm
+    calls = trace.call_index  # the call that launched each kernel, by correlationId
     launches = (
-        trace.api.join(comm.select("correlation_id"), on="correlation_id")
-        .select("correlation_id", "start", "global_tid")
+        comm.select(
+            "correlation_id",
+            calls.column("start", comm["pid"], comm["correlation_id"]),
+            calls.column("global_tid", comm["pid"], comm["correlation_id"]),
+        )
+        .drop_nulls("start")
+        .unique("correlation_id")
         .sort("start")
     )
     found = []

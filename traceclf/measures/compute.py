@@ -96,8 +96,9 @@ def warmup_kernels(w: RankWindow) -> tuple[pl.DataFrame, float, str]:
     trace = w.trace
     capture = trace.api.filter(pl.col("name").cast(pl.String).str.contains(CAPTURE_API))
     replay_ns = float(w.graph_spans.select((pl.col("end") - pl.col("start")).median()).item() or 0)
-    launched = trace.kernels.join(
-        trace.api.select("correlation_id", api_start="start"), on="correlation_id", how="left"
+    kernels = trace.kernels
+    launched = kernels.with_columns(
+        api_start=trace.call_index.column("start", kernels["pid"], kernels["correlation_id"])
     )
     if capture.is_empty():
         before = launched.filter(pl.col("end") <= w.window[0])
@@ -247,7 +248,8 @@ def optimizer_kernels_per_step(w: RankWindow) -> float | None:
     ).with_columns(opt=pl.lit(True))
     if ranges.is_empty():
         return None
-    return len(w.kern.join(trace.calls_in(ranges, "opt"), on="correlation_id")) / w.n_steps
+    launched = trace.launched_in(w.kern, ranges, "opt")
+    return int(launched.is_not_null().sum()) / w.n_steps
 
 
 def gpu_metric_means(metrics: pl.DataFrame, window: timeline.Spans) -> dict[str, float | None]:
@@ -282,14 +284,16 @@ def kernel_summary(w: RankWindow) -> list[dict]:
     share of kernel time, total, instances, mean, median, min, max and sample standard deviation
     (ns, durations not clipped to the window); the KERNEL_SUMMARY_ROWS longest in total."""
     lo, hi = w.window
-    kern = w.trace.kernels.filter(pl.col("start").is_between(lo, hi, closed="left"))
+    kern = w.trace.kernels.select("name", "short_name", "start", "end").filter(
+        pl.col("start").is_between(lo, hi, closed="left")
+    )
     if kern.is_empty():
         return []
     summary = (
-        kern.with_columns(dur=pl.col("end") - pl.col("start"), name=pl.col("name").cast(pl.String))
-        .group_by("name")
+        kern.select("name", "short_name", dur=pl.col("end") - pl.col("start"))
+        .group_by("name")  # (by the Categorical's codes: strings only for the few names)
         .agg(
-            short_name=pl.col("short_name").cast(pl.String).first(),
+            short_name=pl.col("short_name").first(),
             total_ns=pl.col("dur").sum(),
             instances=pl.len(),
             avg_ns=pl.col("dur").mean(),
@@ -298,7 +302,10 @@ def kernel_summary(w: RankWindow) -> list[dict]:
             max_ns=pl.col("dur").max(),
             stddev_ns=pl.col("dur").std().fill_null(0.0),
         )
-        .with_columns(time_frac=pl.col("total_ns") / pl.col("total_ns").sum())
+        .with_columns(
+            pl.col("name", "short_name").cast(pl.String),
+            time_frac=pl.col("total_ns") / pl.col("total_ns").sum(),
+        )
         .sort(["total_ns", "name"], descending=[True, False])
         .head(KERNEL_SUMMARY_ROWS)
     )

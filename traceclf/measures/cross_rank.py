@@ -46,9 +46,15 @@ INSTANCE_SCHEMA = {
 def collectives_of(w: RankWindow) -> dict[str, list]:
     """Every collective kernel of the rank in the capture (not only the window: matching
     across ranks needs the order from the start), as columns stream_id, kind, start, end."""
+    kernels = w.trace.kernels
+    # the patterns run once per distinct name; only communication kernels are classified
+    names = w.taxonomy.classify(kernels.select("name").unique())
+    comm_names = names.filter(pl.col("is_comm"))["name"].implode()
     kern = w.taxonomy.classify(
-        w.trace.kernels.select("name", "stream_id", "correlation_id", "start", "end")
-    ).filter(pl.col("is_comm"))
+        kernels.select("name", "pid", "stream_id", "correlation_id", "start", "end").filter(
+            pl.col("name").is_in(comm_names)
+        )
+    )
     comm = communication.refine_kinds(kern, w).sort("start")
     return {
         "stream_id": comm["stream_id"].fill_null(-1).to_list(),

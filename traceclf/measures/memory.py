@@ -87,10 +87,8 @@ def recompute_frac(w: RankWindow) -> float | None:
         or phases.filter(pl.col("phase") == "bwd").is_empty()
     ):
         return None
-    tagged = trace.calls_in(phases, "phase")
-    heavy = w.kern.filter(pl.col("family").is_in(["gemm", "attention"])).join(
-        tagged, on="correlation_id"
-    )
+    heavy = w.kern.filter(pl.col("family").is_in(["gemm", "attention"]))
+    heavy = heavy.with_columns(trace.launched_in(heavy, phases, "phase")).drop_nulls("phase")
     sig = ["name", "grid_blocks", "block_threads"]
     counts = (
         heavy.group_by([*sig, "phase"])

@@ -46,20 +46,10 @@ def projected(w: RankWindow) -> pl.DataFrame:
     )
     if ranges.is_empty():
         return pl.DataFrame(schema=schema)
-    tagged = trace.calls_in(ranges.select("start", "end", "range_id"), "range_id")
-    work = pl.concat(
-        [
-            df.select("start", "end", "correlation_id")
-            for df in (trace.kernels, trace.graphs, trace.copies)
-        ]
+    spans = trace.gpu_spans(ranges.select("start", "end", "range_id"), "range_id").join(
+        ranges.select("range_id", "phase"), on="range_id"
     )
-    spans = (
-        work.join(tagged, on="correlation_id")
-        .group_by("range_id")
-        .agg(pl.col("start").min(), pl.col("end").max())
-        .join(ranges.select("range_id", "phase"), on="range_id")
-    )
-    return spans.select("phase", "start", "end").sort("start")
+    return spans.select("phase", start="gpu_start", end="gpu_end").sort("start")
 
 
 def partition(spans: pl.DataFrame, window: timeline.Window) -> pl.DataFrame:
