@@ -72,10 +72,12 @@ class Taxonomy:
         return pl.col(col).cast(pl.String).str.contains(self.cuda_api[kind])
 
     def classify(self, kernels: pl.DataFrame) -> pl.DataFrame:
-        """Add ``family``, ``is_comm``, ``comm_library`` and ``comm_kind`` columns.
+        """Add ``family``, ``is_comm``, ``comm_library`` and ``comm_kind`` columns
+        (Categoricals: a label per kernel costs 4 bytes, not a string).
 
         The regexes run once per distinct name (a few hundred), not once per kernel (millions).
         """
+        labels = ("family", "comm_library", "comm_kind")
         names = (
             kernels.select("name")
             .unique()
@@ -85,6 +87,7 @@ class Taxonomy:
                 comm_library=pl.when(pl.col("family") == "communication").then(self.comm_library()),
                 comm_kind=pl.when(pl.col("family") == "communication").then(self.comm_kind()),
             )
+            .with_columns(pl.col(labels).cast(pl.Categorical))
         )
         return by_name(kernels, names)
 

@@ -220,7 +220,7 @@ class Trace:
         import numpy as np  # here: a cached result's re-analysis imports this module, not numpy
 
         outer = outermost(ranges.select("start", "end", key))
-        starts = self.call_index.column("start", work["pid"], work["correlation_id"])
+        starts = self._launch_starts(work)
         at = starts.fill_null(-1).to_numpy()
         lo, hi = outer["start"].to_numpy(), outer["end"].to_numpy()
         i = np.searchsorted(lo, at, side="right") - 1  # the last range starting by then
@@ -239,6 +239,22 @@ class Trace:
         that every NVTX range → GPU work mapping shares (sorted once, or not at all when the
         loader flagged the calls already in order)."""
         return self.api.select("start", "correlation_id").sort("start")
+
+    def _launch_starts(self, work: pl.DataFrame) -> pl.Series:
+        """Start of the call that launched each row of ``work``; found once for the trace's
+        own kernels, graph replays and copies (every NVTX projection asks for them)."""
+        name = next((n for n in ("kernels", "graphs", "copies") if getattr(self, n) is work), None)
+        cache = self._launches
+        if name is not None and name in cache:
+            return cache[name]
+        starts = self.call_index.column("start", work["pid"], work["correlation_id"])
+        if name is not None:
+            cache[name] = starts
+        return starts
+
+    @functools.cached_property
+    def _launches(self) -> dict[str, pl.Series]:
+        return {}
 
     def gpu_spans(self, ranges: pl.DataFrame, key: str) -> pl.DataFrame:
         """(``key``, gpu_start, gpu_end): first start and last end of the GPU work (kernels,

@@ -98,10 +98,10 @@ class Busy:
             real = nxt > edge
             starts.append(edge[real])
             ends.append(nxt[real])
-        return union(
-            np.concatenate(starts or [[]]).astype(np.int64),
-            np.concatenate(ends or [[]]).astype(np.int64),
-        )
+        start = np.concatenate(starts or [[]]).astype(np.int64)
+        end = np.concatenate(ends or [[]]).astype(np.int64)
+        # (gaps of one span never touch: only the last of a span and the first of the next)
+        return union(start, end) if len(spans) > 1 else (start, end)
 
 
 def within_spans(bounds: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:

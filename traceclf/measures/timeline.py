@@ -61,15 +61,26 @@ def _clip_one(df: pl.DataFrame, lo: int, hi: int) -> pl.DataFrame:
             start=pl.col("start").clip(lower_bound=lo), end=pl.col("end").clip(upper_bound=hi)
         )
     # Rows in start order: the window is a slice (no copy) plus the few earlier rows still
-    # running at ``lo``.
+    # running at ``lo``; only rows that cross an edge get new times (a copy of a column of
+    # millions of rows for a few clipped values would cost more than the rest of the clip).
     first = int(df["start"].search_sorted(lo, side="left"))
     upto = int(df["start"].search_sorted(hi, side="left"))
     running = df.slice(0, first).filter(pl.col("end") > lo)
-    inside = df.slice(first, max(upto - first, 0)).filter(pl.col("end") > lo)
-    return pl.concat([running, inside], rechunk=False).with_columns(
-        start=pl.col("start").clip(lower_bound=lo).set_sorted(),
-        end=pl.col("end").clip(upper_bound=hi),
-    )
+    inside = df.slice(first, max(upto - first, 0))
+    if not (inside["end"] > lo).all():  # (only an empty row at ``lo`` can fail it)
+        inside = inside.filter(pl.col("end") > lo)
+    # rows from the first one that ends after ``hi`` on: clipped; those before: as they are
+    late = (inside["end"] > hi).arg_true()
+    cut = int(late[0]) if len(late) else inside.height
+    clipped = [
+        running.with_columns(
+            start=pl.col("start").clip(lower_bound=lo), end=pl.col("end").clip(upper_bound=hi)
+        ),
+        inside.slice(0, cut),
+        inside.slice(cut).with_columns(end=pl.col("end").clip(upper_bound=hi)),
+    ]
+    out = pl.concat(clipped, rechunk=False)
+    return out.with_columns(out["start"].set_sorted()) if out.height else out
 
 
 def inside(col: str, window: Spans) -> pl.Expr:

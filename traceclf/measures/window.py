@@ -116,13 +116,19 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
     api = classify_api(
         timeline.clip(trace.api.select("start", "end", "name", "correlation_id"), window), taxonomy
     )
-    calls = classify_api(step_calls(trace, steps), taxonomy) if steps.count else api
+    calls = step_calls(trace, steps, taxonomy) if steps.count else api
     starts, ends = kern["start"].to_numpy(), kern["end"].to_numpy()
     is_comm = kern["is_comm"].fill_null(False).to_numpy()
     # Profiler overhead (CUPTI buffer flushes, ...) is a layer of its own: not GPU work, but
     # idle time it covers is the profiler's, not the training loop's.
+    compute = ~is_comm
     layers = Layers.of(
-        compute=Busy.of_arrays(starts[~is_comm], ends[~is_comm]) | Busy.of(graph_spans),
+        compute=(
+            Busy.of_arrays(starts, ends)  # (no communication: no copy of every kernel)
+            if compute.all()
+            else Busy.of_arrays(starts[compute], ends[compute])
+        )
+        | Busy.of(graph_spans),
         comm=Busy.of_arrays(starts[is_comm], ends[is_comm]),
         copy=Busy.of(copies),
         profiler=Busy.of(timeline.clip(trace.overhead, window)),
@@ -157,8 +163,9 @@ def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
     return by_name(api, names)
 
 
-def step_calls(trace: Trace, steps: Steps) -> pl.DataFrame:
-    """The CUDA calls (start, end, name, correlation_id) that belong to the analysed steps.
+def step_calls(trace: Trace, steps: Steps, taxonomy: Taxonomy) -> pl.DataFrame:
+    """The sync, launch and allocation calls (start, end, is_sync, is_launch, is_alloc) that
+    belong to the analysed steps.
 
     The host runs ahead of the GPU (with CUDA graphs by whole steps), so the calls made while
     the GPU runs a step are not that step's. A step found on the host (NVTX) owns the calls
@@ -166,7 +173,7 @@ def step_calls(trace: Trace, steps: Steps) -> pl.DataFrame:
     launches, a recurring kernel) each run of analysed steps owns the calls from the one that
     launched its first GPU work (by correlationId) to the one that launched the first work
     after it — or to the process's last call, when nothing follows."""
-    api = trace.api.select("start", "end", "name", "correlation_id")
+    api = trace.api
     starts = api["start"].to_numpy()
     steady = steps.steady.filter(pl.col("cpu_start").is_not_null())
     if steps.source == "nvtx" and not steady.is_empty():  # a call at a range's end is in it
@@ -177,7 +184,10 @@ def step_calls(trace: Trace, steps: Steps) -> pl.DataFrame:
     inside = np.zeros(len(starts) + 1, np.int64)  # +1 from each range's first row to its end
     np.add.at(inside, lo, 1)
     np.add.at(inside, hi, -1)
-    return api.filter(pl.Series(np.cumsum(inside)[:-1] > 0))
+    flags = classify_api(api.select("name"), taxonomy).drop("name")
+    counted = pl.any_horizontal(pl.all().fill_null(False))
+    keep = flags.select(counted & pl.Series(np.cumsum(inside)[:-1] > 0)).to_series()
+    return pl.concat([api.select("start", "end"), flags], how="horizontal").filter(keep)
 
 
 def _launched_runs(trace: Trace, steps: Steps, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
