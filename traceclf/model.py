@@ -275,10 +275,13 @@ class Trace:
     @property
     def span(self) -> tuple[int, int]:
         """First start and last end of any GPU work."""
-        work = self.gpu_work
-        if work.is_empty():
+        frames = [f for f in (self.kernels, self.graphs, self.copies) if not f.is_empty()]
+        if not frames:
             return (0, 0)
-        return int(work["start"].min()), int(work["end"].max())
+        return (
+            min(int(f["start"].min()) for f in frames),  # type: ignore[arg-type]
+            max(int(f["end"].max()) for f in frames),  # type: ignore[arg-type]
+        )
 
     def __repr__(self) -> str:
         """One line: what was read, not every frame (a notebook shows this)."""

@@ -198,10 +198,20 @@ def range_label(names: pl.Series) -> str:
 
 
 def _graph_steps(trace: Trace, _regex: str | None, taxonomy: Taxonomy):
-    launches = trace.api.filter(taxonomy.is_api("graph_launch"))
+    # (the pattern runs once per distinct call name, not once per call)
+    graph_launch = trace.api.select("name").unique().filter(taxonomy.is_api("graph_launch"))
+    launches = trace.api.filter(pl.col("name").is_in(graph_launch["name"].implode()))
     if len(launches) < 2:
         return None
-    work = trace.gpu_work.join(launches.select("correlation_id"), on="correlation_id")
+    launched = launches["correlation_id"].implode()
+    work = pl.concat(
+        [
+            f.select("start", "end", "correlation_id").filter(
+                pl.col("correlation_id").is_in(launched)
+            )
+            for f in (trace.kernels, trace.graphs, trace.copies)
+        ]
+    )
     if work.is_empty():
         return None
     per_launch = work.group_by("correlation_id").agg(

@@ -69,7 +69,9 @@ def gpu_ops(
         .filter(after & ~node)
         .select(
             *cols,
-            kind=pl.when("_comm").then(pl.lit("collective")).otherwise(pl.lit("compute")),
+            kind=pl.when("_comm")
+            .then(pl.lit("collective", KIND))
+            .otherwise(pl.lit("compute", KIND)),
             transfer=pl.lit(False),
         )
     )
@@ -84,15 +86,21 @@ def gpu_ops(
             pl.col("start").min(),
             pl.col("end").max(),
         )
-        .select(*cols, kind=pl.lit("graph"), transfer=pl.lit(False))
+        .select(*cols, kind=pl.lit("graph", KIND), transfer=pl.lit(False))
     )
     replays = (
-        graphs.lazy().filter(after).select(*cols, kind=pl.lit("graph"), transfer=pl.lit(False))
+        graphs.lazy()
+        .filter(after)
+        .select(*cols, kind=pl.lit("graph", KIND), transfer=pl.lit(False))
     )
     moved = (
         copies.lazy()
         .filter(after)
-        .select(*cols, kind=pl.lit("copy"), transfer=pl.col("direction").is_in(TRANSFER_DIRECTIONS))
+        .select(
+            *cols,
+            kind=pl.lit("copy", KIND),
+            transfer=pl.col("direction").is_in(TRANSFER_DIRECTIONS),
+        )
     )
     typed = schema | {"kind": KIND, "transfer": pl.Boolean}
     return (

@@ -43,6 +43,7 @@ CALL_MEASURES = (
     "alloc_idle_frac",
 )
 IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
+CAUSE = pl.Enum(IDLE_CAUSES)  # (millions of gaps: a byte each, not a string)
 INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
 SYNC_SLACK_NS = 20_000  # a sync returns this soon after the GPU drains
 BATCH_COPY_BYTES = 1 << 20  # a host->device copy this big after a gap is the next batch
@@ -107,7 +108,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
         "start": pl.Int64,
         "end": pl.Int64,
         "dur": pl.Int64,
-        "cause": pl.String,
+        "cause": CAUSE,
         "nvtx": pl.String,
         "activity": pl.String,
         "nvtx_ns": pl.Int64,
@@ -116,7 +117,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
         return pl.DataFrame(schema=schema)
     if calls is None:
         return gaps.with_columns(
-            cause=pl.lit("other"),
+            cause=pl.lit("other", CAUSE),
             nvtx=pl.lit(None, pl.String),
             activity=pl.lit(None, pl.String),
             nvtx_ns=pl.lit(0, pl.Int64),
@@ -151,16 +152,16 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     data = (pl.col("activity") == "data").fill_null(False) | pl.col("batch_copy")
     return gaps.with_columns(
         cause=pl.when(pl.col("profiler_ns") * 2 >= pl.col("dur"))
-        .then(pl.lit("other"))  # a profiler flush, not the host's doing
+        .then(pl.lit("other", CAUSE))  # a profiler flush, not the host's doing
         .when(pl.col("long") & data)
-        .then(pl.lit("input"))
+        .then(pl.lit("input", CAUSE))
         .when(pl.col("long"))
-        .then(pl.lit("host"))
+        .then(pl.lit("host", CAUSE))
         .when(pl.col("after_sync"))
-        .then(pl.lit("sync"))
+        .then(pl.lit("sync", CAUSE))
         .when(pl.col("calls") > 0)
-        .then(pl.lit("launch"))
-        .otherwise(pl.lit("other"))
+        .then(pl.lit("launch", CAUSE))
+        .otherwise(pl.lit("other", CAUSE))
     ).select(list(schema))
 
 
@@ -207,8 +208,19 @@ def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     batch = w.trace.copies.filter(
         pl.col("direction").is_in(["HtoD", "UVM_HtoD"]) & (pl.col("bytes") >= BATCH_COPY_BYTES)
     )["start"]
-    return gaps.join(best, on="start", how="left").with_columns(
-        nvtx_ns=pl.col("nvtx_ns").fill_null(0),
+    # the few long gaps' ranges put in place by position (gaps are in start order), not by a
+    # join that copies every column of millions of gaps
+    at = pl.Series(np.searchsorted(gaps["start"].to_numpy(), best["start"].to_numpy()))
+    named = {
+        name: pl.repeat(None, gaps.height, dtype=best.schema[name], eager=True)
+        .scatter(at, best[name])
+        .alias(name)
+        for name in ("nvtx", "activity")
+    }
+    nvtx_ns = pl.repeat(0, gaps.height, dtype=pl.Int64, eager=True).scatter(at, best["nvtx_ns"])
+    return gaps.with_columns(
+        *named.values(),
+        nvtx_ns=nvtx_ns,
         batch_copy=pl.col("long") & pl.col("end").is_in(batch.implode()),
     )
 
