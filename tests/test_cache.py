@@ -104,7 +104,7 @@ def test_nothing_is_written_beside_the_export(export: Path, tmp_path: Path) -> N
     assert sorted(p.name for p in export.parent.iterdir()) == [SMALL]
     slot = cachedir.slot_of(export)
     assert slot.parent == tmp_path / "global-cache"  # $TRACECLF_CACHE_DIR
-    assert any(n.startswith(cache.RESULTS_PREFIX) for n in entries(slot))
+    assert any(n.startswith(cachedir.RESULTS_PREFIX) for n in entries(slot))
 
 
 def test_cache_dir_is_always_honoured(export: Path, tmp_path: Path, monkeypatch) -> None:
@@ -199,7 +199,7 @@ def test_two_processes_at_once(export: Path) -> None:
 
 def test_losing_the_rename_race_keeps_the_winner(export: Path) -> None:
     trace = load_trace(export)
-    slot, key = cachedir.slot_of(export), cache.export_key(export)
+    slot, key = cachedir.slot_of(export), cachedir.export_key(export)
     assert cache.write_entry(trace, slot, key)
     winner = (slot / key / "kernels.parquet").stat().st_mtime_ns
     assert cache.write_entry(trace, slot, key)
@@ -248,7 +248,7 @@ def test_reanalysis_of_an_unchanged_export_reads_only_the_result(export: Path, m
     monkeypatch.setattr(cache, "read_entry", lambda *_a: pytest.fail("trace model was read"))
     again = analyze_export(export, opts)
     assert again.to_dict() == first.to_dict()
-    assert any(n.startswith(cache.RESULTS_PREFIX) for n in entries(cachedir.slot_of(export)))
+    assert any(n.startswith(cachedir.RESULTS_PREFIX) for n in entries(cachedir.slot_of(export)))
 
 
 def test_result_cache_follows_options_and_can_be_bypassed(export: Path, monkeypatch):
@@ -280,3 +280,55 @@ def test_analysis_writes_a_trace_model_only_when_it_will_be_read_again(export: P
     assert len(list(slot.glob(f"{cachedir.RESULTS_PREFIX}*/*.json"))) == 1
     analyze_export(export, AnalysisOptions(quiet=True, all_steps=True, step_regex="Iteration"))
     assert len(models()) == 1
+
+
+REANALYSE_IN_CHILD = (
+    "import sys\n"
+    "from traceclf.cli import main\n"
+    "sys.argv = ['traceclf', 'analyze', sys.argv[1], '--format', 'json', '-q', *sys.argv[2:]]\n"
+    "try:\n"
+    "    main()\n"
+    "except SystemExit as e:\n"
+    "    assert not e.code, e.code\n"
+    "heavy = ('polars', 'numpy', 'pyarrow', 'connectorx', 'rich', 'traceclf.measures.rank')\n"
+    "print('imported:', sorted(m for m in heavy if m in sys.modules), file=sys.stderr)\n"
+)
+
+
+def reanalyse(export: Path, *args: str) -> str:
+    """Analyse ``export`` in a fresh process; what heavy modules that process imported."""
+    done = subprocess.run(
+        [sys.executable, "-c", REANALYSE_IN_CHILD, str(export), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("mode", [(), ("--all-steps",)], ids=["window", "all-steps"])
+def test_a_cached_reanalysis_imports_no_engine(export: Path, mode: tuple[str, ...]) -> None:
+    """Re-analysing an unchanged export of one rank reads its result and the rule set's
+    stamp: neither polars nor numpy, the loader nor the measures (each costs more than the
+    rest of it). (Several ranks are matched across ranks, which takes polars.)"""
+    export = Path(shutil.copy2(trace_path("h100_host_input_stall.sqlite"), export.parent))
+    first = reanalyse(export, *mode)
+    assert "polars" in first  # the first analysis measured the trace
+    assert reanalyse(export, *mode) == "imported: []"
+    stamps = list((export.parent.parent / "global-cache").glob("rules-*.json"))
+    assert len(stamps) == 1
+
+
+def test_changed_rules_are_checked_again_on_a_cached_result(export: Path, tmp_path: Path) -> None:
+    """The stamp vouches for one rule set: a --rules folder edited after a cached analysis
+    is checked again, and a pattern polars cannot run still fails with the file's name."""
+    from helpers.cli import run_cli
+
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    good = "taxonomy:\n  families:\n    - family: gemm\n      match: 'my_gemm'\n"
+    (rules / "mine.yaml").write_text(good)
+    assert run_cli("analyze", export, "--rules", rules, "-f", "json", "-q").code == 0
+    (rules / "mine.yaml").write_text(good.replace("my_gemm", "(?<=x)gemm"))  # look-behind
+    code, _out, err = run_cli("analyze", export, "--rules", rules, "-f", "json", "-q")
+    assert code == 2 and "mine.yaml" in err and "not a usable regex" in err

@@ -20,7 +20,7 @@ from helpers.files import copy_export, folder_listing
 
 from traceclf import analysis
 from traceclf.analysis import AnalysisOptions, analyze_export
-from traceclf.ingest import cache, cachedir
+from traceclf.ingest import cache, cachedir, results
 from traceclf.ingest.cache import load_trace_cached
 from traceclf.ingest.load import load_trace
 from traceclf.reduce import build_report
@@ -162,8 +162,8 @@ def test_file_replaced_during_analysis_is_not_cached_under_the_old_identity(
 def test_results_are_keyed_by_the_identity_read_before_the_analysis(export: Path) -> None:
     key = cachedir.export_key(export)
     os.utime(export, ns=(0, export.stat().st_mtime_ns + 10**9))
-    assert not cache.write_result(export, "a" * 24, key, {"x": 1})  # the file moved on
-    assert cache.read_result(export, "a" * 24, key) is None
+    assert not results.write_result(export, "a" * 24, key, {"x": 1})  # the file moved on
+    assert results.read_result(export, "a" * 24, key) is None
 
 
 # 10. Any cache problem falls back to no cache; an invalid entry is a miss ---------------------
@@ -187,7 +187,7 @@ def test_full_disk_while_writing_the_result_falls_back(export: Path, monkeypatch
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(cache, "write_atomic", enospc)
+        m.setattr(results, "write_atomic", enospc)
         assert bound_of(export) == "communication"
     assert bound_of(export) == "communication"
 
@@ -274,7 +274,7 @@ def _result_types_changed_with_checksum(file: Path) -> None:
     data = json.loads(file.read_text())
     data["result"]["ranks"][0]["pid"] = "1191"
     data["result"]["ranks"][0]["measures"]["metrics"]["gpu_busy_frac"] = [1]
-    data["sha256"] = cache._checksum(data["result"])
+    data["sha256"] = results._checksum(data["result"])
     file.write_text(json.dumps(data))
 
 

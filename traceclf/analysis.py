@@ -150,17 +150,21 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     from traceclf.parallel import map_exports
     from traceclf.reduce import build_report
     from traceclf.runs import RunSet, group, split_unrelated_ranks
-    from traceclf.steps import check_step_regex, warn_unmatched_step_regex
 
     # Reject bad options and files before any heavy work starts.
-    check_step_regex(opts.step_regex)
-    load_rules(opts.rules_dir)
+    if opts.step_regex is not None:  # (steps.py imports polars: not without a --step-range)
+        from traceclf.steps import check_step_regex
+
+        check_step_regex(opts.step_regex)
+    load_rules(opts.rules_dir, remember=_rules_stamp_root(opts))
     if opts.grouping not in ("auto", "job", "runs"):
         raise TraceError(None, f"grouping must be auto, job or runs (got {opts.grouping!r})")
     sources = resolve_sources(inputs, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
     exports = [export for export, _named in sources]
     for path in exports:
-        inspect_export(path)
+        # a damaged page would have failed the analysis whose result is cached for this very
+        # version of the file: the page check (a read of the whole file) is for new ones only
+        inspect_export(path, check_pages=not _result_cached(path, opts))
     # A spinner per worker process would garble stderr: progress only for in-process loads.
     in_process = len(exports) == 1 or opts.jobs == 1
     results = map_exports(
@@ -174,9 +178,12 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
         dask_address=opts.dask_address,
         quiet=opts.quiet,
     )
-    warn_unmatched_step_regex(
-        [r.ranks for r in results], [r.path for r in results], opts.step_regex
-    )
+    if opts.step_regex is not None:
+        from traceclf.steps import warn_unmatched_step_regex
+
+        warn_unmatched_step_regex(
+            [r.ranks for r in results], [r.path for r in results], opts.step_regex
+        )
     # A report exported into the cache is reported under the name the user gave.
     results = [r.named(named) for r, (_export, named) in zip(results, sources, strict=True)]
     results = split_unrelated_ranks(results, opts.grouping)
@@ -199,7 +206,7 @@ def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = Fals
     The identity is read before the analysis; the result is filed under it only if the export
     still has it afterwards (a file replaced meanwhile must not poison the cache).
     """
-    from traceclf.ingest import cache
+    from traceclf.ingest import results as cache
 
     path = Path(path)
     variant = _result_variant(opts)
@@ -213,6 +220,16 @@ def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = Fals
     if key is not None:
         cache.write_result(path, variant, key, result.to_dict(), opts.cache_dir)
     return result
+
+
+def _result_cached(path: Path, opts: AnalysisOptions) -> bool:
+    """Whether a result of this version of the export is cached for these options."""
+    from traceclf.ingest import results
+
+    key = results.identity(path) if opts.use_cache else None
+    if key is None:
+        return False
+    return results.read_result(path, _result_variant(opts), key, opts.cache_dir) is not None
 
 
 def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
@@ -313,7 +330,17 @@ ANALYSIS_SOURCES = (
 def _taxonomy(opts: AnalysisOptions):
     from traceclf.judge.schema import load_rules
 
-    return load_rules(opts.rules_dir).taxonomy
+    return load_rules(opts.rules_dir, remember=_rules_stamp_root(opts)).taxonomy
+
+
+def _rules_stamp_root(opts: AnalysisOptions) -> Path | None:
+    """Where a rule set that passed its checks is remembered: the cache root, unless the
+    cache is off (:mod:`traceclf.judge.stamp`)."""
+    if not opts.use_cache:
+        return None
+    from traceclf.ingest.cachedir import cache_root
+
+    return cache_root(opts.cache_dir).path
 
 
 @functools.cache

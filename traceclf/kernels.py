@@ -10,8 +10,10 @@ Patterns run in polars (Rust ``regex``: linear time), once per distinct name, ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import polars as pl
+if TYPE_CHECKING:  # polars is imported where an expression is built: a cached re-analysis
+    import polars as pl  # reads the taxonomy (the rule set's) without building any
 
 Table = tuple[tuple[str, str], ...]  # (label, pattern), first match wins
 
@@ -53,6 +55,8 @@ class Taxonomy:
 
     def nvtx_collective(self, source: str, text: str = "text", domain: str = "domain") -> pl.Expr:
         """Collective kind that an NVTX range of ``source`` names (null when it names none)."""
+        import polars as pl
+
         expr = pl.lit(None, dtype=pl.String)
         for entry in reversed(self.nvtx_collectives):
             if entry.source != source:
@@ -69,6 +73,8 @@ class Taxonomy:
 
     def is_api(self, kind: str, col: str = "name") -> pl.Expr:
         """Whether a CUDA call is of ``kind`` (a key of ``cuda_api``: sync, launch, alloc...)."""
+        import polars as pl
+
         return pl.col(col).cast(pl.String).str.contains(self.cuda_api[kind])
 
     def classify(self, kernels: pl.DataFrame) -> pl.DataFrame:
@@ -77,6 +83,8 @@ class Taxonomy:
 
         The regexes run once per distinct name (a few hundred), not once per kernel (millions).
         """
+        import polars as pl
+
         labels = ("family", "comm_library", "comm_kind")
         names = (
             kernels.select("name")
@@ -98,6 +106,7 @@ def by_name(df: pl.DataFrame, per_name: pl.DataFrame, col: str = "name") -> pl.D
     ``col`` is one, so that no column of ``df`` is copied (millions of rows, a few hundred
     names)."""
     import numpy as np  # here: a cached result's re-analysis imports this module, not numpy
+    import polars as pl
 
     extra = [c for c in per_name.columns if c != col]
     if df.is_empty() or per_name.is_empty() or df[col].dtype != pl.Categorical:
@@ -113,6 +122,8 @@ def by_name(df: pl.DataFrame, per_name: pl.DataFrame, col: str = "name") -> pl.D
 
 
 def first_match(col: str, table: Table, default: str | None) -> pl.Expr:
+    import polars as pl
+
     expr = pl.lit(default, dtype=pl.String)
     for label, pattern in reversed(table):
         expr = (
@@ -133,6 +144,8 @@ def bundled() -> Taxonomy:
 def theoretical_occupancy(gpu: dict | None) -> pl.Expr:
     """Warps resident per SM over the SM's maximum, from the launch config and the GPU limits
     (the CUDA occupancy calculator's block limits: warps, registers, shared memory, blocks)."""
+    import polars as pl
+
     if not gpu or not gpu.get("max_warps_per_sm"):
         return pl.lit(None, dtype=pl.Float64)
     warp = gpu.get("threads_per_warp") or 32

@@ -1,5 +1,5 @@
-"""Parquet cache of the normalised trace model, so re-analysing an unchanged export is cheap,
-and a JSON cache of each export's analysis result.
+"""Parquet cache of the normalised trace model, so re-analysing an unchanged export is cheap
+(the JSON cache of each export's analysis result is :mod:`traceclf.ingest.results`).
 
 Loading a multi-GB export costs seconds; reading its model back from Parquet costs a fraction
 of that. Where the cache lives and which names it owns there is :mod:`traceclf.ingest.cachedir`:
@@ -17,8 +17,6 @@ a failed analysis. The export itself is only ever read.
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import json
 import os
 import shutil
@@ -28,31 +26,26 @@ from pathlib import Path
 
 import polars as pl
 
-import traceclf
-from traceclf import model
-from traceclf.atomic import write_atomic
-from traceclf.ingest import devices, load, schema
 from traceclf.ingest.cachedir import (
-    RESULTS_PREFIX,
     TMP_PREFIX,
     ensure_slot,
-    export_key,
     is_owned,
     prune_slot,
     readable_slot,
     slot_of,
 )
 from traceclf.ingest.load import load_trace
+from traceclf.ingest.results import (  # (re-exported: the result cache is its own module)
+    CACHE_FORMAT,
+    identity,
+)
 from traceclf.ingest.schema import check_sqlite_file
 from traceclf.model import Trace
 
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
-CACHE_FORMAT = 4
-RESULT_FORMAT = 1
 META = "meta.json"
 # Caps on what is parsed back: a damaged or planted file must not exhaust memory.
 MAX_META_BYTES = 1 << 20
-MAX_RESULT_BYTES = 64 << 20
 # Anything a cache operation may raise, polars' own errors (ENOSPC arrives as a ComputeError)
 # and panics from a damaged Parquet file included; none of it may fail an analysis.
 CACHE_ERRORS = (Exception, pl.exceptions.PanicException)
@@ -96,88 +89,6 @@ def load_trace_cached(
     with contextlib.suppress(*CACHE_ERRORS):
         write_entry(trace, slot, key)
     return trace
-
-
-def identity(path: Path) -> str | None:
-    """The export's cache key, or None when it cannot be read (then: no cache)."""
-    try:
-        return export_key(path)
-    except OSError:
-        return None
-
-
-def read_result(path: Path, variant: str, key: str, cache_dir: Path | None = None) -> dict | None:
-    """The cached analysis result of version ``key`` of the export, for ``variant`` (options
-    and analysis code); None when absent, unreadable or failing its checksum. Re-analysing an
-    unchanged export then skips the trace model altogether."""
-    slot = slot_of(path, cache_dir)
-    folder = slot / f"{RESULTS_PREFIX}{key}"
-    file = folder / f"{variant}.json"
-    if not (readable_slot(slot) and is_owned(folder) and is_owned(file, "file")):
-        return None
-    try:
-        with file.open("rb") as f:
-            raw = f.read(MAX_RESULT_BYTES + 1)
-        if len(raw) > MAX_RESULT_BYTES:
-            return None
-        data = json.loads(raw)
-        if not isinstance(data, dict) or data.get("format") != RESULT_FORMAT:
-            return None
-        result = data.get("result")
-        if not isinstance(result, dict) or data.get("sha256") != _checksum(result):
-            return None
-        return result
-    except (*CACHE_ERRORS, RecursionError):  # a nesting bomb is a RecursionError
-        return None
-
-
-def analysed_before(path: Path, key: str, cache_dir: Path | None = None) -> bool:
-    """Whether a result of version ``key`` of the export is cached under any options: then a
-    trace model of it is being loaded again, and caching that pays."""
-    folder = slot_of(path, cache_dir) / f"{RESULTS_PREFIX}{key}"
-    with contextlib.suppress(*CACHE_ERRORS):
-        return is_owned(folder) and any(folder.glob("*.json"))
-    return False
-
-
-def write_result(
-    path: Path, variant: str, key: str, result: dict, cache_dir: Path | None = None
-) -> bool:
-    """Store an analysis result of version ``key`` of the export, atomically, if the export
-    is still that version (it may have been replaced during the analysis). Failures are
-    ignored: a cache must never fail an analysis. True when stored."""
-    if identity(path) != key:
-        return False
-    slot = slot_of(path, cache_dir)
-    folder = slot / f"{RESULTS_PREFIX}{key}"
-    try:
-        if not ensure_slot(slot):
-            return False
-        with contextlib.suppress(FileExistsError):
-            folder.mkdir()
-        if not is_owned(folder):
-            return False
-        envelope = {"format": RESULT_FORMAT, "sha256": _checksum(result), "result": result}
-        write_atomic(folder / f"{variant}.json", json.dumps(envelope))
-    except CACHE_ERRORS:
-        return False
-    prune_slot(slot, keep=key)
-    return True
-
-
-def _checksum(result: dict) -> str:
-    text = json.dumps(result, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-@functools.cache
-def code_fingerprint() -> str:
-    """Cache format, versions and the source of the modules that shape the trace model."""
-    digest = hashlib.sha256(f"{CACHE_FORMAT}:{traceclf.__version__}:{pl.__version__}".encode())
-    for module in (load, devices, model, schema):
-        with contextlib.suppress(OSError, TypeError):  # no source shipped: version must do
-            digest.update(Path(module.__file__).read_bytes())  # type: ignore[arg-type]
-    return digest.hexdigest()
 
 
 def read_entry(entry: Path, path: Path) -> Trace | None:

@@ -12,6 +12,7 @@ Names traceclf owns in the root, and the only names it ever deletes::
         results-<32 hex>/<24 hex>.json      analysis results of that version, per option set
         .tmp-*                              a writer's temporaries (removed once stale)
     <report stem>-<12 hex>-<12 hex>.sqlite  nsys exports of .nsys-rep reports (stamped)
+    rules-<32 hex>.json                     a rule set that passed its checks (judge/stamp.py)
 
 The root itself may be a symbolic link (a user's choice); everything traceclf creates inside
 it must be a real folder or file owned by this user, so a link planted in a cache can neither
@@ -47,6 +48,7 @@ RESULTS_RE = re.compile(r"results-[0-9a-f]{32}")
 RESULT_FILE_RE = re.compile(r"[0-9a-f]{24}\.json")
 EXPORT_RE = re.compile(r".+-[0-9a-f]{12}-[0-9a-f]{12}\.sqlite")
 TMP_EXPORT_RE = re.compile(r"\..+\.\d+-[0-9a-f]{8}\.tmp\.sqlite")
+RULES_STAMP_RE = re.compile(r"rules-[0-9a-f]{32}\.json")
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ def export_key(path: Path) -> str:
     """Identity of an export as the loader would see it: resolved path, size, mtime, inode,
     and a content fingerprint (the first MiB, which holds SQLite's header and its change
     counter, and the last 64 KiB). Raises OSError when the file cannot be read."""
-    from traceclf.ingest.cache import code_fingerprint
+    from traceclf.ingest.results import code_fingerprint
 
     st = path.stat()
     digest = hashlib.sha256(
@@ -217,8 +219,8 @@ def clear(cache_dir: Path | None = None) -> tuple[int, int]:
 
 
 def owned_items(root: Path) -> list[tuple[str, Path]]:
-    """The slots and exports in ``root`` that traceclf made, by name, kind, owner and (for
-    exports) the stamp traceclf writes into their SQLite header."""
+    """The slots, exports and rule stamps in ``root`` that traceclf made, by name, kind,
+    owner and (for exports) the stamp traceclf writes into their SQLite header."""
     items: list[tuple[str, Path]] = []
     try:
         children = sorted(root.iterdir())
@@ -230,6 +232,8 @@ def owned_items(root: Path) -> list[tuple[str, Path]]:
             items.append(("slot", child))
         elif _owned_export(child):
             items.append(("export", child))
+        elif RULES_STAMP_RE.fullmatch(name) and is_owned(child, "file"):
+            items.append(("rules", child))
     return items
 
 

@@ -73,10 +73,10 @@ def load_for_analysis(
     read again. The window mode reads only the analysed steps' rows: no model cache."""
     if not all_steps:
         return load_window(path, taxonomy, step_regex, budget or ROW_BUDGET, progress)
-    from traceclf.ingest import cache
+    from traceclf.ingest import cache, results
 
-    key = cache.identity(path) if use_cache else None
-    write = key is not None and cache.analysed_before(path, key, cache_dir)
+    key = results.identity(path) if use_cache else None
+    write = key is not None and results.analysed_before(path, key, cache_dir)
     trace = cache.load_trace_cached(
         path, use_cache=use_cache, cache_dir=cache_dir, progress=progress, write=write
     )

@@ -10,6 +10,7 @@ applies, how to tell it is already applied), ``gpu_families`` (GPU name/chip -> 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import stat
@@ -21,6 +22,7 @@ from typing import Any
 import yaml
 
 from traceclf.errors import TraceError
+from traceclf.judge import stamp
 from traceclf.judge.entries import (
     Definition,
     Fix,
@@ -150,18 +152,28 @@ def bundled_rules_dir() -> Path:
 
 
 def known_names() -> frozenset[str]:
-    """Every measure (traceclf.measures.MEASURES) and context name a rule may use."""
-    from traceclf.measures import MEASURES
+    """Every measure (traceclf.measures.MEASURES) and context name a rule may use (from a
+    rule stamp when one vouches for them: importing every measure costs a cached re-analysis
+    more than the rest of it)."""
+    global _NAMES
+    if _NAMES is None:
+        from traceclf.measures import MEASURES
 
-    return frozenset(MEASURES) | frozenset(CONTEXT_NAMES)
+        _NAMES = frozenset(MEASURES) | frozenset(CONTEXT_NAMES)
+    return _NAMES
 
 
-def load_rules(rules_dir: Path | str | None = None) -> RuleSet:
+_NAMES: frozenset[str] | None = None
+
+
+def load_rules(rules_dir: Path | str | None = None, remember: Path | None = None) -> RuleSet:
     """The bundled rule set, with ``rules_dir`` (if given) merged over it: an entry with the id
     of a bundled one replaces it. Raises TraceError naming the file for any problem.
 
     Read once per process while the files are unchanged (an analysis needs the rules for its
-    checks, its taxonomy and its verdict): callers share the returned RuleSet, read-only."""
+    checks, its taxonomy and its verdict): callers share the returned RuleSet, read-only. With
+    ``remember`` (a cache root), a rule set that passed its checks is stamped there, and a
+    stamped one is read without checking its patterns again (:mod:`traceclf.judge.stamp`)."""
     folders = [bundled_rules_dir()]
     if rules_dir is not None:
         user = Path(rules_dir)
@@ -175,7 +187,7 @@ def load_rules(rules_dir: Path | str | None = None) -> RuleSet:
     if key not in _LOADED:
         if len(_LOADED) >= 8:  # a long-lived process with many --rules folders
             _LOADED.clear()
-        _LOADED[key] = _load(folders, files)
+        _LOADED[key] = _load(folders, files, remember)
     return _LOADED[key]
 
 
@@ -190,10 +202,31 @@ def _identity(path: Path) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _load(folders: list[Path], layers: list[list[Path]]) -> RuleSet:
-    docs = [[(path, _read_yaml(path)) for path in layer] for layer in layers]
-    definitions = parse_definitions(docs, known_names())
-    names = known_names() | frozenset(definitions)
+def _load(folders: list[Path], layers: list[list[Path]], remember: Path | None) -> RuleSet:
+    global _NAMES
+    texts = [[(path, _read_text(path)) for path in layer] for layer in layers]  # (once each)
+    docs = [[(path, _read_yaml(path, text)) for path, text in layer] for layer in texts]
+    stamped = None
+    if remember is not None:
+        with contextlib.suppress(OSError):
+            stamped = stamp.Stamp(remember, stamp.key([f for layer in texts for f in layer]))
+    vouched = stamped.names if stamped is not None else None
+    if vouched is not None and _NAMES is None:
+        _NAMES = vouched
+    with stamp.checked(vouched is None):
+        ruleset = _parse(folders, docs, known_names())
+    if stamped is not None:
+        if vouched is None:
+            stamped.write(known_names())
+        stamp.ACTIVE = stamped
+    return ruleset
+
+
+def _parse(
+    folders: list[Path], docs: list[list[tuple[Path, dict]]], known: frozenset[str]
+) -> RuleSet:
+    definitions = parse_definitions(docs, known)
+    names = known | frozenset(definitions)
     rules: dict[str, Rule] = {}
     fixes: dict[str, Fix] = {}
     families: list[GpuFamily] = []
@@ -266,8 +299,8 @@ def _is_disable_stub(raw: Any) -> bool:
     )
 
 
-def _read_yaml(path: Path) -> dict:
-    text = _read_text(path)
+def _read_yaml(path: Path, text: str | None = None) -> dict:
+    text = _read_text(path) if text is None else text
     try:
         _check_shape(path, text)
         doc = yaml.load(text, Loader=_LOADER)  # a SafeLoader, C or Python

@@ -13,81 +13,19 @@ Every ``*_frac`` is a fraction of the window's wall time unless its definition s
 
 from __future__ import annotations
 
-from traceclf.figures import series
-from traceclf.kernels import Taxonomy
-from traceclf.measures import (
-    budget,
-    capture,
-    communication,
-    compute,
-    critical_path,
-    cross_rank,
-    host,
-    memory,
-    phases,
-)
-from traceclf.measures.window import prepare
-from traceclf.model import Trace
-from traceclf.report import RankMeasures
-from traceclf.steps import Steps
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from traceclf.measures.rank import MEASURES, RankMeasures, measure_rank
 
 __all__ = ["MEASURES", "RankMeasures", "measure_rank"]
 
-MEASURES: dict[str, str] = (
-    budget.MEASURES
-    | critical_path.MEASURES
-    | communication.MEASURES
-    | memory.MEASURES
-    | host.MEASURES
-    | compute.MEASURES
-)
 
+def __getattr__(name: str) -> Any:
+    """``MEASURES``, ``measure_rank`` and ``RankMeasures`` from :mod:`.rank`, imported on
+    first use (PEP 562)."""
+    if name in __all__:
+        from traceclf.measures import rank
 
-def measure_rank(
-    trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy | None = None
-) -> RankMeasures:
-    """Every measure of one rank (``trace`` restricted to it: :meth:`Trace.for_pid`) over its
-    steady-state window; ``taxonomy`` defaults to the bundled rules/kernels.yaml."""
-    from traceclf import kernels
-
-    w = prepare(trace, steps, gpu, taxonomy or kernels.bundled())
-    m = budget.measure(w)
-    path_measures, step_budget = critical_path.measure(w)
-    m |= path_measures
-    comm_by_kind = communication.by_kind(w)
-    m |= communication.a2a(comm_by_kind)
-    m |= memory.copies(w)
-    m |= host.calls(w)
-    gaps = host.idle_gaps(w)
-    m |= host.idle(gaps, w)
-    mix, mix_source = compute.kernel_mix(w)
-    m |= mix
-    m["recompute_frac"] = memory.recompute_frac(w)
-    m["optimizer_kernels_per_step"] = compute.optimizer_kernels_per_step(w)
-    m |= memory.peak(w)
-    gpu_samples = trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
-    m |= compute.gpu_metric_means(gpu_samples, steps.spans)
-    facts = capture.capture_facts(w) | {"kernel_mix_source": mix_source}
-    phase_spans = phases.projected(w)
-    return RankMeasures(
-        metrics={k: _round(v) for k, v in m.items()},
-        capture=facts,
-        comm_by_kind=comm_by_kind,
-        top_kernels=compute.top_kernels(w),
-        step_breakdown=series.step_breakdown(w),
-        idle_gaps=series.gap_histogram(gaps),
-        gpu_metrics_series=series.metric_series(gpu_samples, steps.spans),
-        idle_nvtx=host.idle_by_nvtx(gaps, w),
-        step_budget=step_budget,
-        collectives=cross_rank.collectives_of(w),
-        phases=phases.phase_table(w, gaps, phase_spans),
-        step_lanes=series.step_lanes(w, phase_spans),
-        memory_series=series.memory_series(
-            trace.memory, (gpu or {}).get("memory_bytes"), steps.window
-        ),
-        kernel_summary=compute.kernel_summary(w),
-    )
-
-
-def _round(v):
-    return round(v, 6) if isinstance(v, float) else v
+        return getattr(rank, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,124 @@
+"""The result cache: each export's analysis result as checked JSON, keyed by the export's
+identity (its path, size, times and fingerprint, and the code that reads it) and the options.
+
+Kept apart from the trace-model cache (:mod:`traceclf.ingest.cache`, Parquet through polars):
+re-analysing an unchanged export reads one small file here and imports neither polars nor
+the loader. See :mod:`traceclf.ingest.cachedir` for where the files live.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+import traceclf
+from traceclf.atomic import write_atomic
+from traceclf.ingest.cachedir import (
+    RESULTS_PREFIX,
+    ensure_slot,
+    export_key,
+    is_owned,
+    prune_slot,
+    readable_slot,
+    slot_of,
+)
+
+# Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
+CACHE_FORMAT = 4
+RESULT_FORMAT = 1
+MAX_RESULT_BYTES = 64 << 20  # a damaged or planted file must not exhaust memory
+# the modules that shape the trace model (read as files: importing them imports polars)
+MODEL_SOURCES = ("ingest/load.py", "ingest/devices.py", "model.py", "ingest/schema.py")
+CACHE_ERRORS = (Exception,)  # none of it may fail an analysis
+
+
+def identity(path: Path) -> str | None:
+    """The export's cache key, or None when it cannot be read (then: no cache)."""
+    try:
+        return export_key(path)
+    except OSError:
+        return None
+
+
+def read_result(path: Path, variant: str, key: str, cache_dir: Path | None = None) -> dict | None:
+    """The cached analysis result of version ``key`` of the export, for ``variant`` (options
+    and analysis code); None when absent, unreadable or failing its checksum. Re-analysing an
+    unchanged export then skips the trace model altogether."""
+    slot = slot_of(path, cache_dir)
+    folder = slot / f"{RESULTS_PREFIX}{key}"
+    file = folder / f"{variant}.json"
+    if not (readable_slot(slot) and is_owned(folder) and is_owned(file, "file")):
+        return None
+    try:
+        with file.open("rb") as f:
+            raw = f.read(MAX_RESULT_BYTES + 1)
+        if len(raw) > MAX_RESULT_BYTES:
+            return None
+        data = json.loads(raw)
+        if not isinstance(data, dict) or data.get("format") != RESULT_FORMAT:
+            return None
+        result = data.get("result")
+        if not isinstance(result, dict) or data.get("sha256") != _checksum(result):
+            return None
+        return result
+    except (*CACHE_ERRORS, RecursionError):  # a nesting bomb is a RecursionError
+        return None
+
+
+def analysed_before(path: Path, key: str, cache_dir: Path | None = None) -> bool:
+    """Whether a result of version ``key`` of the export is cached under any options: then a
+    trace model of it is being loaded again, and caching that pays."""
+    folder = slot_of(path, cache_dir) / f"{RESULTS_PREFIX}{key}"
+    with contextlib.suppress(*CACHE_ERRORS):
+        return is_owned(folder) and any(folder.glob("*.json"))
+    return False
+
+
+def write_result(
+    path: Path, variant: str, key: str, result: dict, cache_dir: Path | None = None
+) -> bool:
+    """Store an analysis result of version ``key`` of the export, atomically, if the export
+    is still that version (it may have been replaced during the analysis). Failures are
+    ignored: a cache must never fail an analysis. True when stored."""
+    if identity(path) != key:
+        return False
+    slot = slot_of(path, cache_dir)
+    folder = slot / f"{RESULTS_PREFIX}{key}"
+    try:
+        if not ensure_slot(slot):
+            return False
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir()
+        if not is_owned(folder):
+            return False
+        envelope = {"format": RESULT_FORMAT, "sha256": _checksum(result), "result": result}
+        write_atomic(folder / f"{variant}.json", json.dumps(envelope))
+    except CACHE_ERRORS:
+        return False
+    prune_slot(slot, keep=key)
+    return True
+
+
+def _checksum(result: dict) -> str:
+    text = json.dumps(result, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """Cache format, versions and the source of the modules that shape the trace model."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        polars = version("polars")
+    except PackageNotFoundError:
+        polars = "?"
+    digest = hashlib.sha256(f"{CACHE_FORMAT}:{traceclf.__version__}:{polars}".encode())
+    package = Path(traceclf.__file__).parent
+    for name in MODEL_SOURCES:
+        with contextlib.suppress(OSError):  # no source shipped: version must do
+            digest.update((package / name).read_bytes())
+    return digest.hexdigest()
