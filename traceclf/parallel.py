@@ -73,7 +73,12 @@ def _advancing(result: R, advance: Callable[[], None]) -> R:
 def _map_local(
     fn: Callable[[T], R], items: list[T], workers: int, advance: Callable[[], None]
 ) -> list[R]:
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_share_cores,
+        initargs=(workers,),
+    )
     try:
         with _main_hidden_from_workers(fn):  # workers start on the first submit
             futures = [pool.submit(fn, item) for item in items]
@@ -87,6 +92,20 @@ def _map_local(
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         _stop_resource_tracker()
+
+
+def _share_cores(workers: int) -> None:
+    """In a worker, before polars is imported: its share of the CPUs for polars' thread pool
+    and for parallel reads (:func:`traceclf.ingest.load._read_parallelism`). Two workers
+    with a thread per CPU each would put twice as many busy threads as CPUs on the machine
+    and lose time switching between them (a user's own POLARS_MAX_THREADS is kept)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = str(max(1, (cpus or 1) // workers))
+    os.environ.setdefault("POLARS_MAX_THREADS", share)
+    os.environ[WORKER_CPUS] = share
+
+
+WORKER_CPUS = "TRACECLF_WORKER_CPUS"  # a worker's share of the CPUs (set in the worker)
 
 
 def _stop_resource_tracker() -> None:

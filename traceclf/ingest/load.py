@@ -8,6 +8,7 @@ optional ones that an export lacks become typed nulls.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -210,11 +211,14 @@ PARTITION_MIN_ROWS = 500_000
 
 
 def _read_parallelism() -> int:
-    """Cores for one read: CPUs this process may use (worker processes share them), at most 4."""
+    """Cores for one read: CPUs this process may use, or its share of them in a worker of
+    ``--jobs`` (traceclf.parallel), at most 4."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
+    with contextlib.suppress(ValueError):
+        cpus = min(cpus, int(os.environ.get("TRACECLF_WORKER_CPUS") or cpus))
     return max(1, min(4, cpus))
 
 

@@ -4,7 +4,7 @@ One module per wall computes that wall's measures and owns their one-line defini
 (``MEASURES``): :mod:`.budget` (step time, busy, idle, compute, communication and copies),
 :mod:`.critical_path` (what blocked compute), :mod:`.communication`, :mod:`.memory`,
 :mod:`.host` and :mod:`.compute`; :mod:`.cross_rank` is the reduce across ranks; :mod:`.window`
-prepares the clipped, classified frames and the state timeline they all read, and
+prepares the clipped, classified frames and the unions of GPU work they all read, and
 :mod:`.timeline` holds the interval arithmetic. ``traceclf measures`` prints the definitions;
 docs/measures.md lists them with the function that computes each.
 
