@@ -9,6 +9,9 @@ mode (:mod:`traceclf.ingest.twopass`).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -221,7 +224,7 @@ def build_trace(
     step("GPU metrics")
     gpu_metrics = read_metrics()
 
-    return Trace(
+    trace = Trace(
         path=info.path,
         nsys_version=info.nsys_version,
         schema_version=info.schema_version,
@@ -247,6 +250,19 @@ def build_trace(
         capture_span=capture[0],
         capture_rows=capture[1],
     )
+    release_read_buffers()
+    return trace
+
+
+def release_read_buffers() -> None:
+    """Hand the pages of the raw rows back to the system. connectorx's Arrow buffers live on
+    the C heap, and freeing them after their conversion leaves them resident beside polars'
+    own memory until the heap is trimmed: at 1 GB of export, some 300 MB of peak memory for
+    nothing (glibc only; elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def nvtx_ranges(reader: Reader, read: ReadFn | None = None) -> pl.DataFrame:
