@@ -398,11 +398,30 @@ def cli_runs(path: Path, all_steps: bool) -> list[Run]:
         variants.append((" --all-steps", [*cmd, "--all-steps"]))
     runs = []
     for suffix, command in variants:
-        clear_cache(path, env)
-        for mode in ("cold", "warm"):
-            run = measure("traceclf analyze" + suffix, mode, command, env=env)
-            runs.append(run)
+        tool = "traceclf analyze" + suffix
+        cold = []
+        for _ in range(REPEAT["n"]):  # each cold run starts with no cache at all
+            clear_cache(path, env)
+            cold.append(measure(tool, "cold", command, env=env))
+        warm = [measure(tool, "warm", command, env=env) for _ in range(REPEAT["n"])]
+        runs += [median_run(cold), median_run(warm)]
     return runs
+
+
+# --repeat N: each row is the median run (by wall time) of N; other work on a shared machine
+# makes single runs vary by a third.
+REPEAT = {"n": 1}
+
+
+def median_run(runs: list[Run]) -> Run:
+    timed = sorted((r for r in runs if r.wall_s is not None), key=lambda r: r.wall_s or 0)
+    if not timed:
+        return runs[0]
+    run = timed[(len(timed) - 1) // 2]
+    if len(runs) > 1:
+        walls = ", ".join(f"{r.wall_s:.2f}" for r in timed)
+        run.note = (run.note + "; " if run.note else "") + f"median of {len(runs)}: {walls} s"
+    return run
 
 
 def rank_runs(folder: Path, all_steps: bool) -> list[Run]:
@@ -410,13 +429,16 @@ def rank_runs(folder: Path, all_steps: bool) -> list[Run]:
     env = traceclf_env()
     runs = []
     for jobs in (1, 2):
-        clear_cache(folder, env)
         cmd = [traceclf_exe(), "analyze", str(folder), "--format", "json", "--quiet"]
-        runs.append(
-            measure(
-                "traceclf analyze", f"cold, --jobs {jobs}", [*cmd, "--jobs", str(jobs)], env=env
+        tries = []
+        for _ in range(REPEAT["n"]):
+            clear_cache(folder, env)
+            tries.append(
+                measure(
+                    "traceclf analyze", f"cold, --jobs {jobs}", [*cmd, "--jobs", str(jobs)], env=env
+                )
             )
-        )
+        runs.append(median_run(tries))
     return runs
 
 
@@ -865,6 +887,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "(repeatable; benchmarks/before*.json hold earlier releases')",
     )
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="time each traceclf row N times and report the median run (default 1)",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         metavar="LOAD",
@@ -878,6 +907,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     SETTLE["load"] = args.settle
+    REPEAT["n"] = max(1, args.repeat)
     source = args.source or next((p for p in DEFAULT_SOURCES if p.exists()), None)
     if source is None:
         raise SystemExit("no source trace: pass --source")
