@@ -86,3 +86,19 @@ def test_compute_line_without_kernels_in_the_window(tmp_path):
 def test_abstaining_report_points_at_its_reason(name):
     r = traceclf.analyze(trace_path(name), use_cache=False)
     assert r.abstained and "abstains" in no_fixes_line(r)
+
+
+def test_megatron_config_is_labelled_and_the_pytorch_hint_shown():
+    """The Ulysses window is a plain torchrun job: the fusion fix's ``cfg.model.…`` lines are
+    Megatron-Bridge's, so every format says so and gives the PyTorch way beside them."""
+    from traceclf.render.content import config_caption, fix_facts
+    from traceclf.render.html import render_html
+    from traceclf.render.markdown import render_markdown
+
+    r = traceclf.analyze(trace_path("ulysses_2gpu_forward_window"), use_cache=False)
+    fusion = next(f for f in r.fixes if f["id"] == "kernel-fusion")
+    assert fusion["advice"] == "framework" and fusion["config"].startswith("cfg.model.")
+    assert config_caption(fusion) == "Megatron-Bridge config"
+    assert dict(fix_facts(fusion))["In PyTorch"].startswith("torch.compile")
+    for text in (render_markdown(r), render_html(r)):
+        assert "Megatron-Bridge config:" in text and "In PyTorch" in text

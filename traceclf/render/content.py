@@ -414,10 +414,26 @@ def _gpu(g: dict) -> str:
     return (g.get("name") or "unknown GPU") + (f" ({', '.join(extra)})" if extra else "")
 
 
+def config_caption(fix: dict) -> str | None:
+    """What a fix's config block is, when it is a framework's config rather than generic advice:
+    the rule files write Megatron-Bridge recipes as ``cfg.…`` assignments, and a plain PyTorch
+    user must see at a glance that those lines are not theirs (their hint is the PyTorch row)."""
+    if fix.get("advice") != "framework":
+        return None
+    lines = [ln.strip() for ln in (fix.get("config") or "").splitlines()]
+    code = [ln for ln in lines if ln and not ln.startswith("#")]
+    if code and all(ln.startswith("cfg.") for ln in code):
+        return "Megatron-Bridge config"
+    return None
+
+
 def fix_facts(fix: dict) -> list[tuple[str, str]]:
-    """What a fix rests on and what it can win, as (label, text) rows: the measured facts that
-    triggered it, its gain ceiling, and what the next capture shows once it works."""
+    """What a fix rests on and what it can win, as (label, text) rows: the same change in plain
+    PyTorch, the measured facts that triggered it, its gain ceiling, and what the next capture
+    shows once it works."""
     rows = []
+    if fix.get("pytorch"):
+        rows.append(("In PyTorch", fix["pytorch"]))
     evidence = fix.get("evidence") or {}
     if evidence:
         rows.append(("Because", ", ".join(f"{k} {_fact(v)}" for k, v in evidence.items())))

@@ -15,6 +15,7 @@ from traceclf.render.content import (
     RANK_COLUMNS,
     budget_rows,
     capture_rows,
+    config_caption,
     detail_rows,
     fix_facts,
     kernel_rows,
@@ -248,6 +249,9 @@ def _fix(i: int, fix: dict) -> str:
         parts.append(f"<p>{escape(fix['why'].strip())}</p>")
     if fix.get("config"):
         language = config_language(fix["config"])
+        caption = config_caption(fix)
+        if caption:
+            parts.append(f'<p class="caption">{escape(caption)}:</p>')
         parts.append(
             f'<pre><code class="language-{language}">{escape(fix["config"].strip())}</code></pre>'
         )

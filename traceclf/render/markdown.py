@@ -15,6 +15,7 @@ from traceclf.render.content import (
     RANK_COLUMNS,
     budget_rows,
     capture_rows,
+    config_caption,
     detail_rows,
     fix_facts,
     kernel_rows,
@@ -170,6 +171,9 @@ def _fix(i: int, fix: dict) -> str:
     if fix.get("why"):
         lines += ["", _prose(fix["why"].strip())]
     if fix.get("config"):
+        caption = config_caption(fix)
+        if caption:
+            lines += ["", f"{caption}:"]
         lines += ["", markdown_fence(fix["config"].strip(), config_language(fix["config"]))]
     facts = fix_facts(fix)
     if facts:

@@ -15,6 +15,7 @@ from traceclf.render.content import (
     RANK_COLUMNS,
     budget_rows,
     capture_rows,
+    config_caption,
     detail_rows,
     fix_facts,
     grouping_line,
@@ -201,8 +202,14 @@ def _fixes(report: Report) -> Group:
         if fix.get("why"):
             parts.append(_indented(for_terminal(fix["why"].strip())))
         if fix.get("config"):
+            caption = config_caption(fix)
+            if caption:
+                parts.append(_indented(Text(f"{caption}:", style="dim")))
             parts.append(_indented(config_block(fix["config"])))
-        labelled = [(f"{label.lower()}:", for_terminal(text)) for label, text in fix_facts(fix)] + [
+        labelled = [
+            (f"{label[0].lower()}{label[1:]}:", for_terminal(text))
+            for label, text in fix_facts(fix)
+        ] + [
             (label, for_terminal(item))
             for label, key in (("needs:", "preconditions"), ("watch out:", "pitfalls"))
             for item in fix.get(key) or []
