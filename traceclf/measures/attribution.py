@@ -63,14 +63,8 @@ class Ops:
 
     @classmethod
     def of(cls, ops: pl.DataFrame) -> Ops:
-        codes = ops["kind"].to_physical().to_numpy()
-        names = KIND.categories.to_list()
-        producer = np.array([CLASSES.index(f"blocking_{PRODUCER_CLASS[k]}") for k in names])
-        return cls(
-            start=ops["start"].to_numpy(),
-            end=ops["end"].to_numpy(),
-            producer=producer[codes],
-            compute=kind_is(ops, COMPUTE_KINDS),
+        return cls.of_arrays(
+            ops,
             launch=_valued(ops["launch_end"]),
             dep=_valued(ops["dep_end"]),
             dep_op=ops["dep_op"].fill_null(-1).to_numpy(),
@@ -79,6 +73,32 @@ class Ops:
                 if "unresolved_wait" in ops.columns
                 else np.zeros(ops.height, bool)
             ),
+        )
+
+    @classmethod
+    def of_arrays(
+        cls,
+        ops: pl.DataFrame,
+        launch: tuple[np.ndarray, np.ndarray],
+        dep: tuple[np.ndarray, np.ndarray],
+        dep_op: np.ndarray,
+        unresolved: np.ndarray,
+    ) -> Ops:
+        """``ops`` (kind, start, end) with the other columns given as arrays already."""
+        codes = ops["kind"].to_physical().to_numpy()
+        names = KIND.categories.to_list()
+        producer = np.array(
+            [CLASSES.index(f"blocking_{PRODUCER_CLASS[k]}") for k in names], np.int8
+        )
+        return cls(
+            start=ops["start"].to_numpy(),
+            end=ops["end"].to_numpy(),
+            producer=producer[codes],
+            compute=kind_is(ops, COMPUTE_KINDS),
+            launch=launch,
+            dep=dep,
+            dep_op=dep_op,
+            unresolved=unresolved,
         )
 
     @property
@@ -124,7 +144,7 @@ def _max_valid(
 
 def attribute_gaps(
     gaps: pl.DataFrame,
-    ops: pl.DataFrame,
+    ops: pl.DataFrame | Ops,
     host_syncs: pl.DataFrame | None = None,
     max_hops: int = MAX_HOPS,
 ) -> Iterator[Piece]:
@@ -148,7 +168,7 @@ def attribute_gaps(
       after its known dependencies when it also waited for an event the export cannot resolve
       (which may be what held it), or a chain longer than ``max_hops``.
     """
-    arrays = Ops.of(ops)
+    arrays = ops if isinstance(ops, Ops) else Ops.of(ops)
     k_start, k_op = arrays.next_compute()
     syncs = None
     if host_syncs is not None and not host_syncs.is_empty():

@@ -103,21 +103,47 @@ def gpu_ops(
         )
     )
     typed = schema | {"kind": KIND, "transfer": pl.Boolean}
-    return (
+    ops = (
         pl.concat([f.cast(typed) for f in (eager, nodes, replays, moved)])  # type: ignore[arg-type]
         .with_columns(pl.col("device_id", "stream_id").fill_null(-1))
-        .sort("start", "end", maintain_order=True)
         .collect()
     )
+    order = start_end_order(ops["start"].to_numpy(), ops["end"].to_numpy())
+    return ops if order is None else ops[pl.Series(order)]
+
+
+def start_end_order(start: np.ndarray, end: np.ndarray) -> np.ndarray | None:
+    """Rows in (start, end) order, ties in row order; None when they already are. Each part
+    of the operations comes in start order, so this is a merge of a few sorted runs on two
+    columns, not a sort of every column of millions of rows."""
+    if len(start) < 2:
+        return None
+    later = start[1:] > start[:-1]
+    if bool(np.all(later | ((start[1:] == start[:-1]) & (end[1:] >= end[:-1])))):
+        return None
+    return np.lexsort((end, start))  # (stable: ties keep their row order)
 
 
 def resolve_dependencies(
     ops: pl.DataFrame, waits: pl.DataFrame, records: pl.DataFrame
 ) -> pl.DataFrame:
-    """``ops`` with what each one waited for: ``dep_end`` (when the last of its dependencies
-    finished: the previous operation on its stream, or the work behind a CUDA event it waits
-    for), ``dep_op`` (the operation that finished then), ``unresolved_wait`` (it waits for an
-    event whose record is not in the export).
+    """``ops`` with the columns of :func:`resolve_arrays` (nulls where there is none)."""
+    dep_end, dep_op, unresolved = resolve_arrays(ops, waits, records)
+    return ops.with_columns(
+        dep_end=_nullable(dep_end, dep_end != NULL),
+        dep_op=_nullable(dep_op.astype(np.int64), dep_op >= 0),
+        unresolved_wait=pl.Series(unresolved),
+    )
+
+
+def resolve_arrays(
+    ops: pl.DataFrame, waits: pl.DataFrame, records: pl.DataFrame
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What each of ``ops`` waited for, as arrays by operation id (the critical path reads
+    them so: no frame of millions of rows built only to be taken apart again): ``dep_end``
+    (when the last of its dependencies finished: the previous operation on its stream, or the work behind a CUDA event it waits
+    for; NULL if none), ``dep_op`` (the operation that finished then, -1 if none; int32 when
+    ids fit), ``unresolved_wait`` (it waits for an event whose record is not in the export).
 
     Each stream is read in issue order (correlationId: one counter per process, so it orders
     launches, waits and records across threads). An event's completion is the last work
@@ -146,12 +172,15 @@ def resolve_dependencies(
     def column(name: str) -> np.ndarray:
         return np.concatenate([p[name].cast(pl.Int64).fill_null(NULL).to_numpy() for p in parts])
 
-    stream = [column(c) for c in KEY]
+    # (a key that one value fills, as pid and device usually do in a rank's trace, orders
+    # nothing and starts no stream: it is left out rather than sorted and compared)
+    stream = [k for k in (column(c) for c in KEY) if len(k) and not bool(np.all(k == k[0]))]
     order = np.lexsort((etype, column("correlation_id"), *reversed(stream)))
-    stream = [s[order] for s in stream]
-    first = np.ones(len(order), bool)
-    if len(order) > 1:
-        first[1:] = np.any([s[1:] != s[:-1] for s in stream], axis=0)
+    first = np.zeros(len(order), bool)
+    first[:1] = True
+    for key in stream:
+        key = key[order]
+        first[1:] |= key[1:] != key[:-1]
     del stream
     etype = etype[order]
     seg = np.cumsum((etype == 0) | first) - 1
@@ -196,17 +225,13 @@ def resolve_dependencies(
     back = ~first[op_rows]
     prev = np.where(back, seg[op_rows] - 1, 0)
     dep_end = np.full(n, NULL, np.int64)
-    dep_op = np.full(n, -1, np.int64)
+    dep_op = np.full(n, -1, np.int32 if n < 2**31 else np.int64)
     unresolved = np.zeros(n, bool)
     has_end = back & (seg_end[prev] >= 0)
     dep_end[op_ids] = np.where(has_end, seg_end[prev], NULL)
     dep_op[op_ids] = np.where(back, seg_op[prev], -1)
     unresolved[op_ids] = back & seg_unres[prev]
-    return ops.with_columns(
-        dep_end=_nullable(dep_end, dep_end != NULL),
-        dep_op=_nullable(dep_op, dep_op >= 0),
-        unresolved_wait=pl.Series(unresolved),
-    )
+    return dep_end, dep_op, unresolved
 
 
 def _nullable(values: np.ndarray, valid: np.ndarray) -> pl.Series:
