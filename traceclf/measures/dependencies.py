@@ -32,6 +32,7 @@ NO_EVENT = 0xFFFFFFFF  # eventId / eventSyncId of a sync record that names no ev
 KEY = ("pid", "device_id", "stream_id")
 STREAM_WAIT = r"(?i)StreamWaitEvent"  # cudaStreamWaitEvent / cuStreamWaitEvent
 NULL = np.iinfo(np.int64).min  # sorts first, as polars sorts nulls
+BLOCK = 1 << 20  # entries per block where whole-capture temporaries are not needed
 
 
 def stream_waits(syncs: pl.DataFrame, calls: CallIndex) -> pl.DataFrame:
@@ -141,8 +142,8 @@ def resolve_arrays(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What each of ``ops`` waited for, as arrays by operation id (the critical path reads
     them so: no frame of millions of rows built only to be taken apart again): ``dep_end``
-    (when the last of its dependencies finished: the previous operation on its stream, or the work behind a CUDA event it waits
-    for; NULL if none), ``dep_op`` (the operation that finished then, -1 if none; int32 when
+    (when the last of its dependencies finished: the previous operation on its stream, or
+    the work behind a CUDA event it waits for; NULL if none), ``dep_op`` (the operation that finished then, -1 if none; int32 when
     ids fit), ``unresolved_wait`` (it waits for an event whose record is not in the export).
 
     Each stream is read in issue order (correlationId: one counter per process, so it orders
@@ -182,6 +183,8 @@ def resolve_arrays(
         key = key[order]
         first[1:] |= key[1:] != key[:-1]
     del stream
+    if len(order) == n:  # no wait or record: every segment is one operation
+        return _stream_predecessors(order, first, ops["end"].to_numpy())
     etype = etype[order]
     seg = np.cumsum((etype == 0) | first) - 1
     # entries of segments that hold a wait or a record: swept row by row
@@ -232,6 +235,26 @@ def resolve_arrays(
     dep_op[op_ids] = np.where(back, seg_op[prev], -1)
     unresolved[op_ids] = back & seg_unres[prev]
     return dep_end, dep_op, unresolved
+
+
+def _stream_predecessors(
+    order: np.ndarray, first: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`resolve_arrays` when the streams hold operations only: each depends on the one
+    before it on its stream (``order``: operations in stream order; ``first``: the first of
+    its stream). Done in blocks of BLOCK entries, so that the temporaries stay small."""
+    n = len(order)
+    dep_end = np.full(n, NULL, np.int64)
+    dep_op = np.full(n, -1, np.int32 if n < 2**31 else np.int64)
+    for lo in range(1, n, BLOCK):
+        hi = min(lo + BLOCK, n)
+        back = np.flatnonzero(~first[lo:hi]) + lo
+        me, prev = order[back], order[back - 1]
+        end = ends[prev]
+        done = end >= 0
+        dep_end[me] = np.where(done, end, NULL)
+        dep_op[me] = np.where(done, prev, -1)
+    return dep_end, dep_op, np.zeros(n, bool)
 
 
 def _nullable(values: np.ndarray, valid: np.ndarray) -> pl.Series:
