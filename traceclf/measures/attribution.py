@@ -26,7 +26,7 @@ BLOCKING = ("blocking_comm", "blocking_copy", "blocking_compute", "blocking_host
 # Classes of compute-absent time: they partition it.
 CLASSES = ("launch_starved", *BLOCKING, "dependency_stalled", "unresolved")
 MAX_HOPS = 64  # longest dependency chain followed inside one gap
-BATCH = 1 << 20  # gaps attributed at once
+BATCH = 1 << 18  # gaps attributed at once (each batch holds a few dozen arrays of this size)
 LAUNCH_STARVED, HOST_SYNC = CLASSES.index("launch_starved"), CLASSES.index("blocking_host_sync")
 STALLED, UNRESOLVED = CLASSES.index("dependency_stalled"), CLASSES.index("unresolved")
 # A piece of a gap: start, end (ns) and its class (index into CLASSES, one or one per piece).
@@ -106,7 +106,7 @@ class Ops:
         """Operation ids in end order (ties in id order) and their ends, sorted once when
         first needed."""
         if self._by_end is None:
-            order = np.argsort(self.end, kind="stable")
+            order = _narrow(np.argsort(self.end, kind="stable"))
             self._by_end = order, self.end[order]
         return self._by_end
 
@@ -114,23 +114,29 @@ class Ops:
         """Start times of compute operations (sorted, distinct) and, for each, the operation
         that ends a gap there: of several starting at once, the one whose launch returned
         first (unknown launches last)."""
-        ids = np.flatnonzero(self.compute)
+        ids = _narrow(np.flatnonzero(self.compute))
         start = self.start[ids]
         dup = np.zeros(len(ids), bool)
         dup[1:] = start[1:] == start[:-1]
+        if not dup.any():
+            return start, ids
         keep = ~dup
-        if dup.any():
-            tied = np.flatnonzero(dup | np.append(dup[1:], False))
-            end, valid = self.launch[0][ids[tied]], self.launch[1][ids[tied]]
-            first = (
-                pl.DataFrame({"i": tied, "start": start[tied], "launch": end})
-                .with_columns(launch=pl.when(pl.Series(valid)).then("launch").otherwise(2**62))
-                .sort("start", "launch", maintain_order=True)
-                .unique("start", keep="first", maintain_order=True)
-            )
-            keep[tied] = False
-            keep[first["i"].to_numpy()] = True
+        tied = np.flatnonzero(dup | np.append(dup[1:], False))
+        end, valid = self.launch[0][ids[tied]], self.launch[1][ids[tied]]
+        first = (
+            pl.DataFrame({"i": tied, "start": start[tied], "launch": end})
+            .with_columns(launch=pl.when(pl.Series(valid)).then("launch").otherwise(2**62))
+            .sort("start", "launch", maintain_order=True)
+            .unique("start", keep="first", maintain_order=True)
+        )
+        keep[tied] = False
+        keep[first["i"].to_numpy()] = True
         return start[keep], ids[keep]
+
+
+def _narrow(ids: np.ndarray) -> np.ndarray:
+    """Operation ids as int32 when they fit: arrays of millions of ids held through the walk."""
+    return ids.astype(np.int32) if len(ids) < 2**31 else ids
 
 
 def _max_valid(
@@ -305,12 +311,11 @@ def class_ns(pieces: Iterable[Piece], bounds: np.ndarray) -> np.ndarray:
         start, end = start[keep], end[keep]
         cls = np.broadcast_to(np.asarray(cls, np.int64), keep.shape)[keep]
         first = np.searchsorted(bounds, start, side="right") - 1
-        last = np.searchsorted(bounds, end, side="left") - 1
-        one = first == last
+        one = end <= bounds[first + 1]  # (almost every piece: no second search for its end)
         _add(out, first[one], cls[one], end[one] - start[one])
         if not one.all():
             s, e, c, f = start[~one], end[~one], cls[~one], first[~one]
-            count = last[~one] - f + 1
+            count = np.searchsorted(bounds, e, side="left") - f
             row = np.repeat(np.arange(len(s)), count)
             step = f[row] + np.arange(len(row)) - np.repeat(np.cumsum(count) - count, count)
             dur = np.minimum(e[row], bounds[step + 1]) - np.maximum(s[row], bounds[step])

@@ -170,7 +170,9 @@ def compute_gaps(ops: pl.DataFrame, window: tuple[int, int]) -> pl.DataFrame:
     lo, hi = window
     start, end = ops["start"].to_numpy(), ops["end"].to_numpy()
     keep = kind_is(ops, COMPUTE_KINDS) & (start < hi) & (end > lo)
-    starts, ends = busy.union(np.maximum(start[keep], lo), np.minimum(end[keep], hi))
+    # (the union of the clipped intervals is the union clipped: runs, not operations, clipped)
+    starts, ends = busy.union(start[keep], end[keep])
+    starts, ends = np.maximum(starts, lo), np.minimum(ends, hi)
     edge = np.concatenate([[lo], ends])
     nxt = np.concatenate([starts, [hi]])
     real = edge < nxt
@@ -210,7 +212,7 @@ def step_budget(
         "graph": kind_is(ops, ("graph",)),
     }
     length = {
-        name: busy.Busy(*busy.union(start[mask], end[mask])).within(bounds, spans)
+        name: busy.Busy(*_union(start, end, mask)).within(bounds, spans)
         for name, mask in unions.items()
     }
     iteration = busy.within_spans(bounds, spans)
@@ -241,3 +243,8 @@ def step_budget(
         )
         .select("step_start", *BUDGET_COLUMNS)
     )
+
+
+def _union(start: np.ndarray, end: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the intervals ``mask`` selects (no copy of every operation for "all")."""
+    return busy.union(start, end) if mask.all() else busy.union(start[mask], end[mask])
