@@ -173,9 +173,13 @@ def resolve_arrays(
     def column(name: str) -> np.ndarray:
         return np.concatenate([p[name].cast(pl.Int64).fill_null(NULL).to_numpy() for p in parts])
 
+    def constant(name: str) -> bool:
+        both = pl.concat([p.select(name).cast(pl.Int64) for p in parts]).to_series()
+        return not both.null_count() and both.min() == both.max()
+
     # (a key that one value fills, as pid and device usually do in a rank's trace, orders
     # nothing and starts no stream: it is left out rather than sorted and compared)
-    stream = [k for k in (column(c) for c in KEY) if len(k) and not bool(np.all(k == k[0]))]
+    stream = [column(c) for c in KEY if not constant(c)]
     order = np.lexsort((etype, column("correlation_id"), *reversed(stream)))
     first = np.zeros(len(order), bool)
     first[:1] = True
