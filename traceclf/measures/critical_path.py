@@ -88,7 +88,8 @@ def measure(w: RankWindow) -> tuple[dict[str, float | int | None], list[dict]]:
     def frac(col: str) -> float:
         return total[col] / wall
 
-    unresolved = int(ops.filter(timeline.inside("start", w.spans))["unresolved_wait"].sum())
+    inside = timeline.inside("start", w.spans)  # (a sum, not a filtered copy of every column)
+    unresolved = int(ops.select(pl.col("unresolved_wait").filter(inside).sum()).item())
     m: dict[str, float | int | None] = {
         "non_transfer_busy_frac": frac("non_transfer_busy"),
         "compute_absent_frac": frac("compute_absent"),
@@ -170,14 +171,21 @@ def compute_gaps(ops: pl.DataFrame, window: tuple[int, int]) -> pl.DataFrame:
     lo, hi = window
     start, end = ops["start"].to_numpy(), ops["end"].to_numpy()
     keep = kind_is(ops, COMPUTE_KINDS) & (start < hi) & (end > lo)
-    # (the union of the clipped intervals is the union clipped: runs, not operations, clipped)
-    starts, ends = busy.union(start[keep], end[keep])
-    starts, ends = np.maximum(starts, lo), np.minimum(ends, hi)
-    edge = np.concatenate([[lo], ends])
-    nxt = np.concatenate([starts, [hi]])
-    real = edge < nxt
+    edges, nexts, last = [], [], lo  # (the end of the compute before the next run)
+    # Runs block by block (busy.runs), clipped to the window: the union of the clipped
+    # intervals is the union clipped. A run touching the one before leaves no gap.
+    for run_start, run_end in busy.runs(start, end, keep):
+        edge = np.concatenate([[last], np.minimum(run_end[:-1], hi)])
+        nxt = np.maximum(run_start, lo)
+        real = edge < nxt
+        edges.append(edge[real])
+        nexts.append(nxt[real])
+        last = min(int(run_end[-1]), hi)
+    edges.append(np.array([last] if last < hi else [], np.int64))
+    nexts.append(np.array([hi] if last < hi else [], np.int64))
     return pl.DataFrame(
-        {"start": edge[real], "end": nxt[real]}, schema={"start": pl.Int64, "end": pl.Int64}
+        {"start": np.concatenate(edges), "end": np.concatenate(nexts)},
+        schema={"start": pl.Int64, "end": pl.Int64},
     )
 
 
@@ -212,8 +220,7 @@ def step_budget(
         "graph": kind_is(ops, ("graph",)),
     }
     length = {
-        name: busy.Busy(*_union(start, end, mask)).within(bounds, spans)
-        for name, mask in unions.items()
+        name: busy.Busy.lengths(start, end, mask, bounds, spans) for name, mask in unions.items()
     }
     iteration = busy.within_spans(bounds, spans)
     per = pl.DataFrame(
@@ -243,8 +250,3 @@ def step_budget(
         )
         .select("step_start", *BUDGET_COLUMNS)
     )
-
-
-def _union(start: np.ndarray, end: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The union of the intervals ``mask`` selects (no copy of every operation for "all")."""
-    return busy.union(start, end) if mask.all() else busy.union(start[mask], end[mask])
