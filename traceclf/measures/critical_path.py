@@ -171,21 +171,27 @@ def compute_gaps(ops: pl.DataFrame, window: tuple[int, int]) -> pl.DataFrame:
     lo, hi = window
     start, end = ops["start"].to_numpy(), ops["end"].to_numpy()
     keep = kind_is(ops, COMPUTE_KINDS) & (start < hi) & (end > lo)
-    edges, nexts, last = [], [], lo  # (the end of the compute before the next run)
+    # At most one gap per interval and one more: written in place (pages never written are
+    # never resident), not gathered in lists and copied once more.
+    room = int(keep.sum()) + 1
+    edges, nexts = np.empty(room, np.int64), np.empty(room, np.int64)
+    count, last = 0, lo  # (gaps so far; the end of the compute before the next run)
     # Runs block by block (busy.runs), clipped to the window: the union of the clipped
     # intervals is the union clipped. A run touching the one before leaves no gap.
     for run_start, run_end in busy.runs(start, end, keep):
         edge = np.concatenate([[last], np.minimum(run_end[:-1], hi)])
         nxt = np.maximum(run_start, lo)
         real = edge < nxt
-        edges.append(edge[real])
-        nexts.append(nxt[real])
+        found = int(real.sum())
+        edges[count : count + found] = edge[real]
+        nexts[count : count + found] = nxt[real]
+        count += found
         last = min(int(run_end[-1]), hi)
-    edges.append(np.array([last] if last < hi else [], np.int64))
-    nexts.append(np.array([hi] if last < hi else [], np.int64))
+    if last < hi:
+        edges[count], nexts[count] = last, hi
+        count += 1
     return pl.DataFrame(
-        {"start": np.concatenate(edges), "end": np.concatenate(nexts)},
-        schema={"start": pl.Int64, "end": pl.Int64},
+        {"start": edges[:count], "end": nexts[:count]}, schema={"start": pl.Int64, "end": pl.Int64}
     )
 
 
