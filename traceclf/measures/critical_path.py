@@ -132,12 +132,20 @@ def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, Ops]:
         kernels.select("name").unique().with_columns(is_comm=w.taxonomy.family() == "communication")
     )
     is_comm = by_name(kernels.select("name"), names)["is_comm"]
-    ops = dependencies.gpu_ops(kernels, is_comm, trace.graphs, trace.copies, since=lo)
+    raw = dependencies.gpu_ops(kernels, is_comm, trace.graphs, trace.copies, lo, ordered=False)
+    # Operation ids are rows in (start, end) order; of the unordered rows only the columns
+    # kept are gathered into that order (the others are read through ``rows``).
+    rows = dependencies.start_end_order(raw["start"].to_numpy(), raw["end"].to_numpy())
     calls = trace.call_index
     waits = dependencies.stream_waits(trace.syncs, calls)
-    dep_end, dep_op, unresolved = dependencies.resolve_arrays(ops, waits, trace.events)
-    launch = _launch_ends(calls, ops)
-    ops = ops.select("kind", "start", "end", "transfer", unresolved_wait=pl.Series(unresolved))
+    dep_end, dep_op, unresolved = dependencies.resolve_arrays(raw, waits, trace.events, rows)
+    launch = _launch_ends(calls, raw)
+    ops = raw.select("kind", "start", "end", "transfer")
+    del raw
+    if rows is not None:
+        ops = ops[pl.Series(rows)]
+        launch = launch[0][rows], launch[1][rows]
+    ops = ops.with_columns(unresolved_wait=pl.Series(unresolved))
     has_dep = dep_end != dependencies.NULL
     dep_end[~has_dep] = 0  # (in place: Ops reads a null as 0 and not valid)
     return ops, Ops.of_arrays(ops, launch, (dep_end, has_dep), dep_op, unresolved)

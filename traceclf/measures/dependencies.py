@@ -56,10 +56,13 @@ def gpu_ops(
     graphs: pl.DataFrame,
     copies: pl.DataFrame,
     since: int | None = None,
+    ordered: bool = True,
 ) -> pl.DataFrame:
     """Every GPU operation of one rank that ends after ``since`` as one row (see module
     doc); ``is_comm`` flags the communication kernels of ``kern``. Node-traced graph kernels
-    collapse into one op per replay."""
+    collapse into one op per replay. ``ordered=False``: the rows as the parts come (kernels,
+    graph nodes, graphs, copies), for a caller that gathers only the columns it keeps in
+    :func:`start_end_order` itself."""
     cols = ["pid", "device_id", "stream_id", "correlation_id", "start", "end"]
     schema = {c: pl.Int64 for c in cols} | {"device_id": pl.Int32, "stream_id": pl.Int32}
     node = pl.col("graph_node_id").is_not_null()
@@ -109,7 +112,7 @@ def gpu_ops(
         .with_columns(pl.col("device_id", "stream_id").fill_null(-1))
         .collect()
     )
-    order = start_end_order(ops["start"].to_numpy(), ops["end"].to_numpy())
+    order = start_end_order(ops["start"].to_numpy(), ops["end"].to_numpy()) if ordered else None
     return ops if order is None else ops[pl.Series(order)]
 
 
@@ -138,7 +141,10 @@ def resolve_dependencies(
 
 
 def resolve_arrays(
-    ops: pl.DataFrame, waits: pl.DataFrame, records: pl.DataFrame
+    ops: pl.DataFrame,
+    waits: pl.DataFrame,
+    records: pl.DataFrame,
+    rows: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What each of ``ops`` waited for, as arrays by operation id (the critical path reads
     them so: no frame of millions of rows built only to be taken apart again): ``dep_end``
@@ -157,8 +163,15 @@ def resolve_arrays(
     its stream. An operation depends on the whole previous segment of its stream (the latest
     completion in it, and the operation that completed then); a record completes with the part
     of its segment before it. Almost every segment is a lone operation, whose completion is its
-    own end: only the segments that hold a wait or a record are swept row by row."""
+    own end: only the segments that hold a wait or a record are swept row by row.
+
+    ``rows``: operation i is row ``rows[i]`` of ``ops`` (operations not yet in (start, end)
+    order: the few columns read here are gathered, rather than every column beforehand)."""
     n = ops.height
+
+    def by_id(values: np.ndarray) -> np.ndarray:
+        return values if rows is None else values[rows]
+
     waits_e, records_e = _events(waits), _events(records)
     cols = ["pid", "device_id", "stream_id", "correlation_id"]
     parts = [ops.select(cols), waits_e.select(cols), records_e.select(cols)]
@@ -171,7 +184,8 @@ def resolve_arrays(
     )
 
     def column(name: str) -> np.ndarray:
-        return np.concatenate([p[name].cast(pl.Int64).fill_null(NULL).to_numpy() for p in parts])
+        values = [p[name].cast(pl.Int64).fill_null(NULL).to_numpy() for p in parts]
+        return np.concatenate([by_id(values[0]), *values[1:]])
 
     def constant(name: str) -> bool:
         both = pl.concat([p.select(name).cast(pl.Int64) for p in parts]).to_series()
@@ -188,7 +202,7 @@ def resolve_arrays(
         first[1:] |= key[1:] != key[:-1]
     del stream
     if len(order) == n:  # no wait or record: every segment is one operation
-        return _stream_predecessors(order, first, ops["end"].to_numpy())
+        return _stream_predecessors(order, first, by_id(ops["end"].to_numpy()))
     etype = etype[order]
     seg = np.cumsum((etype == 0) | first) - 1
     # entries of segments that hold a wait or a record: swept row by row
@@ -205,7 +219,7 @@ def resolve_arrays(
             "ref": order[sub_rows],  # op row, or n + wait, or n + waits + record
         }
     )
-    ends = ops["end"].to_numpy()
+    ends = by_id(ops["end"].to_numpy())
     op_ref = np.where(sub["etype"].to_numpy() == 0, sub["ref"].to_numpy(), 0)
     sub = _attach_events(sub, n, waits_e, records_e).with_columns(
         op_end=_nullable(ends[op_ref] if n else op_ref, sub["etype"].to_numpy() == 0)
