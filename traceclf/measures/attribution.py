@@ -26,7 +26,7 @@ BLOCKING = ("blocking_comm", "blocking_copy", "blocking_compute", "blocking_host
 # Classes of compute-absent time: they partition it.
 CLASSES = ("launch_starved", *BLOCKING, "dependency_stalled", "unresolved")
 MAX_HOPS = 64  # longest dependency chain followed inside one gap
-BATCH = 1 << 20  # gaps attributed at once
+BATCH = 1 << 18  # gaps attributed at once (each batch holds a few dozen arrays of this size)
 LAUNCH_STARVED, HOST_SYNC = CLASSES.index("launch_starved"), CLASSES.index("blocking_host_sync")
 STALLED, UNRESOLVED = CLASSES.index("dependency_stalled"), CLASSES.index("unresolved")
 # A piece of a gap: start, end (ns) and its class (index into CLASSES, one or one per piece).
@@ -63,14 +63,8 @@ class Ops:
 
     @classmethod
     def of(cls, ops: pl.DataFrame) -> Ops:
-        codes = ops["kind"].to_physical().to_numpy()
-        names = KIND.categories.to_list()
-        producer = np.array([CLASSES.index(f"blocking_{PRODUCER_CLASS[k]}") for k in names])
-        return cls(
-            start=ops["start"].to_numpy(),
-            end=ops["end"].to_numpy(),
-            producer=producer[codes],
-            compute=kind_is(ops, COMPUTE_KINDS),
+        return cls.of_arrays(
+            ops,
             launch=_valued(ops["launch_end"]),
             dep=_valued(ops["dep_end"]),
             dep_op=ops["dep_op"].fill_null(-1).to_numpy(),
@@ -81,12 +75,38 @@ class Ops:
             ),
         )
 
+    @classmethod
+    def of_arrays(
+        cls,
+        ops: pl.DataFrame,
+        launch: tuple[np.ndarray, np.ndarray],
+        dep: tuple[np.ndarray, np.ndarray],
+        dep_op: np.ndarray,
+        unresolved: np.ndarray,
+    ) -> Ops:
+        """``ops`` (kind, start, end) with the other columns given as arrays already."""
+        codes = ops["kind"].to_physical().to_numpy()
+        names = KIND.categories.to_list()
+        producer = np.array(
+            [CLASSES.index(f"blocking_{PRODUCER_CLASS[k]}") for k in names], np.int8
+        )
+        return cls(
+            start=ops["start"].to_numpy(),
+            end=ops["end"].to_numpy(),
+            producer=producer[codes],
+            compute=kind_is(ops, COMPUTE_KINDS),
+            launch=launch,
+            dep=dep,
+            dep_op=dep_op,
+            unresolved=unresolved,
+        )
+
     @property
     def by_end(self) -> tuple[np.ndarray, np.ndarray]:
         """Operation ids in end order (ties in id order) and their ends, sorted once when
         first needed."""
         if self._by_end is None:
-            order = np.argsort(self.end, kind="stable")
+            order = _narrow(np.argsort(self.end, kind="stable"))
             self._by_end = order, self.end[order]
         return self._by_end
 
@@ -94,23 +114,29 @@ class Ops:
         """Start times of compute operations (sorted, distinct) and, for each, the operation
         that ends a gap there: of several starting at once, the one whose launch returned
         first (unknown launches last)."""
-        ids = np.flatnonzero(self.compute)
+        ids = _narrow(np.flatnonzero(self.compute))
         start = self.start[ids]
         dup = np.zeros(len(ids), bool)
         dup[1:] = start[1:] == start[:-1]
+        if not dup.any():
+            return start, ids
         keep = ~dup
-        if dup.any():
-            tied = np.flatnonzero(dup | np.append(dup[1:], False))
-            end, valid = self.launch[0][ids[tied]], self.launch[1][ids[tied]]
-            first = (
-                pl.DataFrame({"i": tied, "start": start[tied], "launch": end})
-                .with_columns(launch=pl.when(pl.Series(valid)).then("launch").otherwise(2**62))
-                .sort("start", "launch", maintain_order=True)
-                .unique("start", keep="first", maintain_order=True)
-            )
-            keep[tied] = False
-            keep[first["i"].to_numpy()] = True
+        tied = np.flatnonzero(dup | np.append(dup[1:], False))
+        end, valid = self.launch[0][ids[tied]], self.launch[1][ids[tied]]
+        first = (
+            pl.DataFrame({"i": tied, "start": start[tied], "launch": end})
+            .with_columns(launch=pl.when(pl.Series(valid)).then("launch").otherwise(2**62))
+            .sort("start", "launch", maintain_order=True)
+            .unique("start", keep="first", maintain_order=True)
+        )
+        keep[tied] = False
+        keep[first["i"].to_numpy()] = True
         return start[keep], ids[keep]
+
+
+def _narrow(ids: np.ndarray) -> np.ndarray:
+    """Operation ids as int32 when they fit: arrays of millions of ids held through the walk."""
+    return ids.astype(np.int32) if len(ids) < 2**31 else ids
 
 
 def _max_valid(
@@ -124,7 +150,7 @@ def _max_valid(
 
 def attribute_gaps(
     gaps: pl.DataFrame,
-    ops: pl.DataFrame,
+    ops: pl.DataFrame | Ops,
     host_syncs: pl.DataFrame | None = None,
     max_hops: int = MAX_HOPS,
 ) -> Iterator[Piece]:
@@ -148,7 +174,7 @@ def attribute_gaps(
       after its known dependencies when it also waited for an event the export cannot resolve
       (which may be what held it), or a chain longer than ``max_hops``.
     """
-    arrays = Ops.of(ops)
+    arrays = ops if isinstance(ops, Ops) else Ops.of(ops)
     k_start, k_op = arrays.next_compute()
     syncs = None
     if host_syncs is not None and not host_syncs.is_empty():
@@ -285,12 +311,11 @@ def class_ns(pieces: Iterable[Piece], bounds: np.ndarray) -> np.ndarray:
         start, end = start[keep], end[keep]
         cls = np.broadcast_to(np.asarray(cls, np.int64), keep.shape)[keep]
         first = np.searchsorted(bounds, start, side="right") - 1
-        last = np.searchsorted(bounds, end, side="left") - 1
-        one = first == last
+        one = end <= bounds[first + 1]  # (almost every piece: no second search for its end)
         _add(out, first[one], cls[one], end[one] - start[one])
         if not one.all():
             s, e, c, f = start[~one], end[~one], cls[~one], first[~one]
-            count = last[~one] - f + 1
+            count = np.searchsorted(bounds, e, side="left") - f
             row = np.repeat(np.arange(len(s)), count)
             step = f[row] + np.arange(len(row)) - np.repeat(np.cumsum(count) - count, count)
             dur = np.minimum(e[row], bounds[step + 1]) - np.maximum(s[row], bounds[step])

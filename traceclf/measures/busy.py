@@ -7,7 +7,7 @@ matter, not just whether any is active."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import polars as pl
@@ -24,6 +24,32 @@ def union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     first = np.flatnonzero(new)
     last = np.append(first[1:] - 1, len(start) - 1)
     return start[first], reach[last]
+
+
+BLOCK = 1 << 20  # intervals per block of :func:`runs`
+
+
+def runs(
+    start: np.ndarray, end: np.ndarray, mask: np.ndarray, block: int = BLOCK
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The union of the intervals ``mask`` selects (in start order), block by block: each
+    block's runs (as :func:`union`), cut where the earlier blocks' reach ended, so disjoint
+    from theirs (the first may touch the last before it). Over millions of intervals the
+    temporaries stay block sized: every later interval starts after the one that set the
+    reach began, so what an interval covers before the reach the earlier blocks covered."""
+    reach = None
+    for lo in range(0, len(start), block):
+        hi = min(lo + block, len(start))
+        m = mask[lo:hi]
+        s, e = (start[lo:hi], end[lo:hi]) if m.all() else (start[lo:hi][m], end[lo:hi][m])
+        if reach is not None:
+            later = e > reach
+            s, e = np.maximum(s[later], reach), e[later]
+        if not len(s):
+            continue
+        rs, re = union(s, e)
+        reach = int(re[-1])
+        yield rs, re
 
 
 class Busy:
@@ -70,6 +96,22 @@ class Busy:
         j = np.maximum(i, 0)
         inside = np.clip(t - self.start[j], 0, self.end[j] - self.start[j])
         return np.where(i >= 0, self.before[j] + inside, 0)
+
+    @classmethod
+    def lengths(
+        cls,
+        start: np.ndarray,
+        end: np.ndarray,
+        mask: np.ndarray,
+        bounds: np.ndarray,
+        spans: Sequence[tuple[int, int]],
+    ) -> np.ndarray:
+        """:meth:`within` of the union of the intervals ``mask`` selects (in start order),
+        summed over the disjoint runs of each block (:func:`runs`)."""
+        out = np.zeros(len(bounds) - 1, np.int64)
+        for rs, re in runs(start, end, mask):
+            out += cls(rs, re).within(bounds, spans)
+        return out
 
     def covered(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
         """ns covered inside each [start[i], end[i])."""

@@ -18,11 +18,13 @@ from collections.abc import Iterable
 import numpy as np
 import polars as pl
 
+from traceclf.correlation import CallIndex
 from traceclf.kernels import by_name
 from traceclf.measures import busy, dependencies, timeline
 from traceclf.measures.attribution import (
     BLOCKING,
     CLASSES,
+    Ops,
     Piece,
     attribute_gaps,
     class_ns,
@@ -59,8 +61,6 @@ MEASURES: dict[str, str] = {
     "cannot be found by eventSyncId (older exports have none; the reused event handle is "
     "never used instead)",
 }
-# The columns of an operation the split reads (an operation's id is its row).
-INFO = ("kind", "start", "end", "launch_end", "dep_end", "dep_op", "unresolved_wait")
 BUDGET_COLUMNS = (
     "iteration",
     "device_busy",
@@ -88,7 +88,8 @@ def measure(w: RankWindow) -> tuple[dict[str, float | int | None], list[dict]]:
     def frac(col: str) -> float:
         return total[col] / wall
 
-    unresolved = int(ops.filter(timeline.inside("start", w.spans))["unresolved_wait"].sum())
+    inside = timeline.inside("start", w.spans)  # (a sum, not a filtered copy of every column)
+    unresolved = int(ops.select(pl.col("unresolved_wait").filter(inside).sum()).item())
     m: dict[str, float | int | None] = {
         "non_transfer_busy_frac": frac("non_transfer_busy"),
         "compute_absent_frac": frac("compute_absent"),
@@ -108,33 +109,58 @@ def measure(w: RankWindow) -> tuple[dict[str, float | int | None], list[dict]]:
 
 
 def budget_ns(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """The rank's operations with their dependencies, and the budget of every steady step in
-    ns (:func:`step_budget`; one row for the whole window when there are no steps)."""
-    ops = _rank_ops(w)
+    """The rank's operations (kind, start, end, transfer, unresolved_wait), and the budget of
+    every steady step in ns (:func:`step_budget`; one row for the whole window when there are
+    no steps)."""
+    ops, arrays = _rank_ops(w)
     # (the window may be several spans: gaps end at a span's edge, nothing between spans counts)
     gaps = pl.concat([compute_gaps(ops, span) for span in timeline.spans_of(w.spans)])
-    pieces = attribute_gaps(gaps, ops, _host_holds(w))  # (consumed by step_budget)
+    pieces = attribute_gaps(gaps, arrays, _host_holds(w))  # (consumed by step_budget)
     steps = w.steps.steady["gpu_start"].to_list() if w.steps.count else []
     return ops, step_budget(ops, pieces, w.spans, steps)
 
 
-def _rank_ops(w: RankWindow) -> pl.DataFrame:
+def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, Ops]:
     """The rank's GPU operations from the window's start on (a producer that matters ends
-    inside the window; the compute that ends the last gap may start after it), each with its
-    launch call's end (``launch_end``) and its dependencies resolved; only the columns the
-    split reads (:data:`INFO`, ``transfer``, ``unresolved_wait``) are kept."""
+    inside the window; the compute that ends the last gap may start after it): the columns
+    the budget reads (kind, start, end, transfer, unresolved_wait), and the arrays the split
+    walks (:class:`~traceclf.measures.attribution.Ops`: launch call's end, dependencies).
+    Dependencies come as arrays, not columns: millions of rows are not converted twice."""
     trace, lo = w.trace, w.window[0]
     kernels = trace.kernels
     names = (
         kernels.select("name").unique().with_columns(is_comm=w.taxonomy.family() == "communication")
     )
     is_comm = by_name(kernels.select("name"), names)["is_comm"]
-    ops = dependencies.gpu_ops(kernels, is_comm, trace.graphs, trace.copies, since=lo)
+    raw = dependencies.gpu_ops(kernels, is_comm, trace.graphs, trace.copies, lo, ordered=False)
+    # Operation ids are rows in (start, end) order; of the unordered rows only the columns
+    # kept are gathered into that order (the others are read through ``rows``).
+    rows = dependencies.start_end_order(raw["start"].to_numpy(), raw["end"].to_numpy())
     calls = trace.call_index
     waits = dependencies.stream_waits(trace.syncs, calls)
-    ops = ops.with_columns(launch_end=calls.column("end", ops["pid"], ops["correlation_id"]))
-    resolved = dependencies.resolve_dependencies(ops, waits, trace.events)
-    return resolved.select(*INFO, "transfer")
+    dep_end, dep_op, unresolved = dependencies.resolve_arrays(raw, waits, trace.events, rows)
+    launch = _launch_ends(calls, raw)
+    ops = raw.select("kind", "start", "end", "transfer")
+    del raw
+    if rows is not None:
+        ops = ops[pl.Series(rows)]
+        launch = launch[0][rows], launch[1][rows]
+    ops = ops.with_columns(unresolved_wait=pl.Series(unresolved))
+    has_dep = dep_end != dependencies.NULL
+    dep_end[~has_dep] = 0  # (in place: Ops reads a null as 0 and not valid)
+    return ops, Ops.of_arrays(ops, launch, (dep_end, has_dep), dep_op, unresolved)
+
+
+def _launch_ends(calls: CallIndex, ops: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """The end of each operation's launch call (0 where it is not in the export) and whether
+    it is: a gather by row from the calls' end column, not a nullable column per operation."""
+    row = calls.find(ops["pid"], ops["correlation_id"])
+    ends = calls.api["end"]
+    if ends.null_count() or not len(ends):
+        end = calls.column("end", ops["pid"], ops["correlation_id"])
+        return end.fill_null(0).to_numpy(), end.is_not_null().to_numpy()
+    valid = row >= 0
+    return np.where(valid, ends.to_numpy()[np.maximum(row, 0)], 0), valid
 
 
 def _host_holds(w: RankWindow) -> pl.DataFrame:
@@ -153,12 +179,27 @@ def compute_gaps(ops: pl.DataFrame, window: tuple[int, int]) -> pl.DataFrame:
     lo, hi = window
     start, end = ops["start"].to_numpy(), ops["end"].to_numpy()
     keep = kind_is(ops, COMPUTE_KINDS) & (start < hi) & (end > lo)
-    starts, ends = busy.union(np.maximum(start[keep], lo), np.minimum(end[keep], hi))
-    edge = np.concatenate([[lo], ends])
-    nxt = np.concatenate([starts, [hi]])
-    real = edge < nxt
+    # At most one gap per interval and one more: written in place (pages never written are
+    # never resident), not gathered in lists and copied once more.
+    room = int(keep.sum()) + 1
+    edges, nexts = np.empty(room, np.int64), np.empty(room, np.int64)
+    count, last = 0, lo  # (gaps so far; the end of the compute before the next run)
+    # Runs block by block (busy.runs), clipped to the window: the union of the clipped
+    # intervals is the union clipped. A run touching the one before leaves no gap.
+    for run_start, run_end in busy.runs(start, end, keep):
+        edge = np.concatenate([[last], np.minimum(run_end[:-1], hi)])
+        nxt = np.maximum(run_start, lo)
+        real = edge < nxt
+        found = int(real.sum())
+        edges[count : count + found] = edge[real]
+        nexts[count : count + found] = nxt[real]
+        count += found
+        last = min(int(run_end[-1]), hi)
+    if last < hi:
+        edges[count], nexts[count] = last, hi
+        count += 1
     return pl.DataFrame(
-        {"start": edge[real], "end": nxt[real]}, schema={"start": pl.Int64, "end": pl.Int64}
+        {"start": edges[:count], "end": nexts[:count]}, schema={"start": pl.Int64, "end": pl.Int64}
     )
 
 
@@ -193,8 +234,7 @@ def step_budget(
         "graph": kind_is(ops, ("graph",)),
     }
     length = {
-        name: busy.Busy(*busy.union(start[mask], end[mask])).within(bounds, spans)
-        for name, mask in unions.items()
+        name: busy.Busy.lengths(start, end, mask, bounds, spans) for name, mask in unions.items()
     }
     iteration = busy.within_spans(bounds, spans)
     per = pl.DataFrame(

@@ -32,6 +32,7 @@ NO_EVENT = 0xFFFFFFFF  # eventId / eventSyncId of a sync record that names no ev
 KEY = ("pid", "device_id", "stream_id")
 STREAM_WAIT = r"(?i)StreamWaitEvent"  # cudaStreamWaitEvent / cuStreamWaitEvent
 NULL = np.iinfo(np.int64).min  # sorts first, as polars sorts nulls
+BLOCK = 1 << 20  # entries per block where whole-capture temporaries are not needed
 
 
 def stream_waits(syncs: pl.DataFrame, calls: CallIndex) -> pl.DataFrame:
@@ -55,10 +56,13 @@ def gpu_ops(
     graphs: pl.DataFrame,
     copies: pl.DataFrame,
     since: int | None = None,
+    ordered: bool = True,
 ) -> pl.DataFrame:
     """Every GPU operation of one rank that ends after ``since`` as one row (see module
     doc); ``is_comm`` flags the communication kernels of ``kern``. Node-traced graph kernels
-    collapse into one op per replay."""
+    collapse into one op per replay. ``ordered=False``: the rows as the parts come (kernels,
+    graph nodes, graphs, copies), for a caller that gathers only the columns it keeps in
+    :func:`start_end_order` itself."""
     cols = ["pid", "device_id", "stream_id", "correlation_id", "start", "end"]
     schema = {c: pl.Int64 for c in cols} | {"device_id": pl.Int32, "stream_id": pl.Int32}
     node = pl.col("graph_node_id").is_not_null()
@@ -103,21 +107,50 @@ def gpu_ops(
         )
     )
     typed = schema | {"kind": KIND, "transfer": pl.Boolean}
-    return (
+    ops = (
         pl.concat([f.cast(typed) for f in (eager, nodes, replays, moved)])  # type: ignore[arg-type]
         .with_columns(pl.col("device_id", "stream_id").fill_null(-1))
-        .sort("start", "end", maintain_order=True)
         .collect()
     )
+    order = start_end_order(ops["start"].to_numpy(), ops["end"].to_numpy()) if ordered else None
+    return ops if order is None else ops[pl.Series(order)]
+
+
+def start_end_order(start: np.ndarray, end: np.ndarray) -> np.ndarray | None:
+    """Rows in (start, end) order, ties in row order; None when they already are. Each part
+    of the operations comes in start order, so this is a merge of a few sorted runs on two
+    columns, not a sort of every column of millions of rows."""
+    if len(start) < 2:
+        return None
+    later = start[1:] > start[:-1]
+    if bool(np.all(later | ((start[1:] == start[:-1]) & (end[1:] >= end[:-1])))):
+        return None
+    return np.lexsort((end, start))  # (stable: ties keep their row order)
 
 
 def resolve_dependencies(
     ops: pl.DataFrame, waits: pl.DataFrame, records: pl.DataFrame
 ) -> pl.DataFrame:
-    """``ops`` with what each one waited for: ``dep_end`` (when the last of its dependencies
-    finished: the previous operation on its stream, or the work behind a CUDA event it waits
-    for), ``dep_op`` (the operation that finished then), ``unresolved_wait`` (it waits for an
-    event whose record is not in the export).
+    """``ops`` with the columns of :func:`resolve_arrays` (nulls where there is none)."""
+    dep_end, dep_op, unresolved = resolve_arrays(ops, waits, records)
+    return ops.with_columns(
+        dep_end=_nullable(dep_end, dep_end != NULL),
+        dep_op=_nullable(dep_op.astype(np.int64), dep_op >= 0),
+        unresolved_wait=pl.Series(unresolved),
+    )
+
+
+def resolve_arrays(
+    ops: pl.DataFrame,
+    waits: pl.DataFrame,
+    records: pl.DataFrame,
+    rows: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What each of ``ops`` waited for, as arrays by operation id (the critical path reads
+    them so: no frame of millions of rows built only to be taken apart again): ``dep_end``
+    (when the last of its dependencies finished: the previous operation on its stream, or
+    the work behind a CUDA event it waits for; NULL if none), ``dep_op`` (the operation that finished then, -1 if none; int32 when
+    ids fit), ``unresolved_wait`` (it waits for an event whose record is not in the export).
 
     Each stream is read in issue order (correlationId: one counter per process, so it orders
     launches, waits and records across threads). An event's completion is the last work
@@ -130,8 +163,15 @@ def resolve_dependencies(
     its stream. An operation depends on the whole previous segment of its stream (the latest
     completion in it, and the operation that completed then); a record completes with the part
     of its segment before it. Almost every segment is a lone operation, whose completion is its
-    own end: only the segments that hold a wait or a record are swept row by row."""
+    own end: only the segments that hold a wait or a record are swept row by row.
+
+    ``rows``: operation i is row ``rows[i]`` of ``ops`` (operations not yet in (start, end)
+    order: the few columns read here are gathered, rather than every column beforehand)."""
     n = ops.height
+
+    def by_id(values: np.ndarray) -> np.ndarray:
+        return values if rows is None else values[rows]
+
     waits_e, records_e = _events(waits), _events(records)
     cols = ["pid", "device_id", "stream_id", "correlation_id"]
     parts = [ops.select(cols), waits_e.select(cols), records_e.select(cols)]
@@ -144,15 +184,25 @@ def resolve_dependencies(
     )
 
     def column(name: str) -> np.ndarray:
-        return np.concatenate([p[name].cast(pl.Int64).fill_null(NULL).to_numpy() for p in parts])
+        values = [p[name].cast(pl.Int64).fill_null(NULL).to_numpy() for p in parts]
+        return np.concatenate([by_id(values[0]), *values[1:]])
 
-    stream = [column(c) for c in KEY]
+    def constant(name: str) -> bool:
+        both = pl.concat([p.select(name).cast(pl.Int64) for p in parts]).to_series()
+        return not both.null_count() and both.min() == both.max()
+
+    # (a key that one value fills, as pid and device usually do in a rank's trace, orders
+    # nothing and starts no stream: it is left out rather than sorted and compared)
+    stream = [column(c) for c in KEY if not constant(c)]
     order = np.lexsort((etype, column("correlation_id"), *reversed(stream)))
-    stream = [s[order] for s in stream]
-    first = np.ones(len(order), bool)
-    if len(order) > 1:
-        first[1:] = np.any([s[1:] != s[:-1] for s in stream], axis=0)
+    first = np.zeros(len(order), bool)
+    first[:1] = True
+    for key in stream:
+        key = key[order]
+        first[1:] |= key[1:] != key[:-1]
     del stream
+    if len(order) == n:  # no wait or record: every segment is one operation
+        return _stream_predecessors(order, first, by_id(ops["end"].to_numpy()))
     etype = etype[order]
     seg = np.cumsum((etype == 0) | first) - 1
     # entries of segments that hold a wait or a record: swept row by row
@@ -169,7 +219,7 @@ def resolve_dependencies(
             "ref": order[sub_rows],  # op row, or n + wait, or n + waits + record
         }
     )
-    ends = ops["end"].to_numpy()
+    ends = by_id(ops["end"].to_numpy())
     op_ref = np.where(sub["etype"].to_numpy() == 0, sub["ref"].to_numpy(), 0)
     sub = _attach_events(sub, n, waits_e, records_e).with_columns(
         op_end=_nullable(ends[op_ref] if n else op_ref, sub["etype"].to_numpy() == 0)
@@ -196,17 +246,33 @@ def resolve_dependencies(
     back = ~first[op_rows]
     prev = np.where(back, seg[op_rows] - 1, 0)
     dep_end = np.full(n, NULL, np.int64)
-    dep_op = np.full(n, -1, np.int64)
+    dep_op = np.full(n, -1, np.int32 if n < 2**31 else np.int64)
     unresolved = np.zeros(n, bool)
     has_end = back & (seg_end[prev] >= 0)
     dep_end[op_ids] = np.where(has_end, seg_end[prev], NULL)
     dep_op[op_ids] = np.where(back, seg_op[prev], -1)
     unresolved[op_ids] = back & seg_unres[prev]
-    return ops.with_columns(
-        dep_end=_nullable(dep_end, dep_end != NULL),
-        dep_op=_nullable(dep_op, dep_op >= 0),
-        unresolved_wait=pl.Series(unresolved),
-    )
+    return dep_end, dep_op, unresolved
+
+
+def _stream_predecessors(
+    order: np.ndarray, first: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`resolve_arrays` when the streams hold operations only: each depends on the one
+    before it on its stream (``order``: operations in stream order; ``first``: the first of
+    its stream). Done in blocks of BLOCK entries, so that the temporaries stay small."""
+    n = len(order)
+    dep_end = np.full(n, NULL, np.int64)
+    dep_op = np.full(n, -1, np.int32 if n < 2**31 else np.int64)
+    for lo in range(1, n, BLOCK):
+        hi = min(lo + BLOCK, n)
+        back = np.flatnonzero(~first[lo:hi]) + lo
+        me, prev = order[back], order[back - 1]
+        end = ends[prev]
+        done = end >= 0
+        dep_end[me] = np.where(done, end, NULL)
+        dep_op[me] = np.where(done, prev, -1)
+    return dep_end, dep_op, np.zeros(n, bool)
 
 
 def _nullable(values: np.ndarray, valid: np.ndarray) -> pl.Series:
