@@ -39,8 +39,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
+
+if TYPE_CHECKING:  # (a cached result's re-analysis imports this module, not numpy)
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -243,17 +247,35 @@ class Trace:
     def _launch_starts(self, work: pl.DataFrame) -> pl.Series:
         """Start of the call that launched each row of ``work``; found once for the trace's
         own kernels, graph replays and copies (every NVTX projection asks for them)."""
-        name = next((n for n in ("kernels", "graphs", "copies") if getattr(self, n) is work), None)
+        name = self._own(work)
         cache = self._launches
         if name is not None and name in cache:
             return cache[name]
-        starts = self.call_index.column("start", work["pid"], work["correlation_id"])
+        starts = self.launch_column("start", work)
         if name is not None:
             cache[name] = starts
         return starts
 
+    def launch_column(self, column: str, work: pl.DataFrame) -> pl.Series:
+        """``column`` of the CUDA call that launched each row of ``work`` (null where none
+        did): :meth:`CallIndex.column`, with the calls of the trace's own kernels, graph
+        replays and copies searched once however many columns are asked for."""
+        name = self._own(work)
+        if name is None:
+            return self.call_index.column(column, work["pid"], work["correlation_id"])
+        if name not in self._launch_rows:
+            self._launch_rows[name] = self.call_index.find(work["pid"], work["correlation_id"])
+        return self.call_index.gather(column, self._launch_rows[name])
+
+    def _own(self, work: pl.DataFrame) -> str | None:
+        return next((n for n in ("kernels", "graphs", "copies") if getattr(self, n) is work), None)
+
     @functools.cached_property
     def _launches(self) -> dict[str, pl.Series]:
+        return {}
+
+    @functools.cached_property
+    def _launch_rows(self) -> dict[str, np.ndarray]:
         return {}
 
     def gpu_spans(self, ranges: pl.DataFrame, key: str) -> pl.DataFrame:

@@ -76,9 +76,7 @@ def _training_evidence(w: RankWindow) -> dict:
         pl.col("thread_name").str.contains(patterns["autograd_thread"])
     )["global_tid"]
     # kernels launched from an autograd thread (the launch found by correlationId)
-    launcher = trace.call_index.column(
-        "global_tid", trace.kernels["pid"], trace.kernels["correlation_id"]
-    )
+    launcher = trace.launch_column("global_tid", trace.kernels)
     autograd_launches = int(launcher.is_in(autograd.implode()).sum())
     nvtx = trace.nvtx["text"]
     total = int(names["dur"].sum())

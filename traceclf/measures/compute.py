@@ -248,8 +248,11 @@ def optimizer_kernels_per_step(w: RankWindow) -> float | None:
     ).with_columns(opt=pl.lit(True))
     if ranges.is_empty():
         return None
-    launched = trace.launched_in(w.kern, ranges, "opt")
-    return int(launched.is_not_null().sum()) / w.n_steps
+    # over the trace's own kernels, whose launches are looked up once for every measure, each
+    # counted as often as the window's kernels hold it
+    launched = trace.launched_in(trace.kernels, ranges, "opt").is_not_null().to_numpy()
+    times = timeline.times_in(trace.kernels, w.spans)
+    return int(times[launched].sum()) / w.n_steps
 
 
 def gpu_metric_means(metrics: pl.DataFrame, window: timeline.Spans) -> dict[str, float | None]:

@@ -123,10 +123,11 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
             nvtx_ns=pl.lit(0, pl.Int64),
         ).select(list(schema))
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
-    profiler_ns = layers.profiler.covered(gstart, gend)  # (all of a gap is idle)
+    profiler = layers.profiler  # (all of a gap is idle)
+    profiler_ns = timeline.covered_by_runs(profiler.start, profiler.end, gstart, gend)
     start, end = calls["start"].to_numpy(), calls["end"].to_numpy()
     # Host coverage: CUDA calls that start inside a gap, clipped to it.
-    idx = np.searchsorted(gstart, start, side="right") - 1
+    idx = timeline.rank_sorted(gstart, start, side="right") - 1
     inside = (idx >= 0) & (start < gend[np.maximum(idx, 0)])
     idx_in = idx[inside]
     covered = np.minimum(end[inside], gend[idx_in]) - start[inside]
@@ -138,7 +139,8 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     # drained the queue. Every such gap counts: with kernels of a few µs the next gap starts
     # within the slack too, and must not take the sync away from the gap it returned in.
     sync_end = np.sort(end[calls["is_sync"].fill_null(False).to_numpy()])
-    nxt = np.searchsorted(sync_end, gstart - SYNC_SLACK_NS)  # first sync returning since then
+    # first sync returning since then
+    nxt = timeline.rank_sorted(sync_end, gstart - SYNC_SLACK_NS, side="left")
     after_sync = nxt < len(sync_end)
     after_sync[after_sync] = sync_end[nxt[after_sync]] <= gend[after_sync]
     gaps = gaps.with_columns(

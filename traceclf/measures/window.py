@@ -113,10 +113,10 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
     graphs = timeline.clip(trace.graphs, window)
     graph_spans = timeline.clip(trace.graph_executions, window)
     copies = timeline.clip(trace.copies, window)
-    api = classify_api(
-        timeline.clip(trace.api.select("start", "end", "name", "correlation_id"), window), taxonomy
-    )
-    calls = step_calls(trace, steps, taxonomy) if steps.count else api
+    # flagged once for both: the window's calls and the steps' calls (millions of rows each)
+    flagged = classify_api(trace.api.select("start", "end", "name", "correlation_id"), taxonomy)
+    api = timeline.clip(flagged, window)
+    calls = step_calls(trace, steps, taxonomy, flagged) if steps.count else api
     starts, ends = kern["start"].to_numpy(), kern["end"].to_numpy()
     is_comm = kern["is_comm"].fill_null(False).to_numpy()
     # Profiler overhead (CUPTI buffer flushes, ...) is a layer of its own: not GPU work, but
@@ -163,7 +163,9 @@ def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
     return by_name(api, names)
 
 
-def step_calls(trace: Trace, steps: Steps, taxonomy: Taxonomy) -> pl.DataFrame:
+def step_calls(
+    trace: Trace, steps: Steps, taxonomy: Taxonomy, flagged: pl.DataFrame | None = None
+) -> pl.DataFrame:
     """The sync, launch and allocation calls (start, end, is_sync, is_launch, is_alloc) that
     belong to the analysed steps.
 
@@ -172,7 +174,8 @@ def step_calls(trace: Trace, steps: Steps, taxonomy: Taxonomy) -> pl.DataFrame:
     made inside its range, on any thread of the process; for steps found on the GPU (graph
     launches, a recurring kernel) each run of analysed steps owns the calls from the one that
     launched its first GPU work (by correlationId) to the one that launched the first work
-    after it — or to the process's last call, when nothing follows."""
+    after it — or to the process's last call, when nothing follows. ``flagged``: the calls
+    already flagged by :func:`classify_api`, row for row."""
     api = trace.api
     starts = api["start"].to_numpy()
     steady = steps.steady.filter(pl.col("cpu_start").is_not_null())
@@ -184,7 +187,9 @@ def step_calls(trace: Trace, steps: Steps, taxonomy: Taxonomy) -> pl.DataFrame:
     inside = np.zeros(len(starts) + 1, np.int64)  # +1 from each range's first row to its end
     np.add.at(inside, lo, 1)
     np.add.at(inside, hi, -1)
-    flags = classify_api(api.select("name"), taxonomy).drop("name")
+    if flagged is None:
+        flagged = classify_api(api.select("name"), taxonomy)
+    flags = flagged.select("is_sync", "is_launch", "is_alloc")
     counted = pl.any_horizontal(pl.all().fill_null(False))
     keep = flags.select(counted & pl.Series(np.cumsum(inside)[:-1] > 0)).to_series()
     return pl.concat([api.select("start", "end"), flags], how="horizontal").filter(keep)
