@@ -24,6 +24,16 @@ def spans_of(window: Spans) -> list[Window]:
     return [(int(lo), int(hi)) for lo, hi in window]  # type: ignore[misc]
 
 
+def complement(window: Spans) -> list[Window]:
+    """The spans of time outside the window's spans, to either side of it included."""
+    bounds = [t for span in spans_of(window) for t in span]
+    edges = [-_FAR, *bounds, _FAR]
+    return [(lo, hi) for lo, hi in zip(edges[::2], edges[1::2], strict=True) if hi > lo]
+
+
+_FAR = 1 << 62  # (times are ns since the session start: far beyond any)
+
+
 def length(window: Spans) -> int:
     """Total length of the window's spans (ns)."""
     return sum(hi - lo for lo, hi in spans_of(window))
