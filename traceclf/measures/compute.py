@@ -179,8 +179,11 @@ def _kernel_measures(
 ) -> dict[str, float | bool | None]:
     gpu = w.gpu
     sm_count = (gpu or {}).get("sm_count")
-    kern = kern.with_columns(
-        dur=pl.col("end") - pl.col("start"), occ=kernels.theoretical_occupancy(gpu)
+    kern = kern.select(  # (only what is read here: no frame of every column)
+        "family",
+        "grid_blocks",
+        dur=pl.col("end") - pl.col("start"),
+        occ=kernels.theoretical_occupancy(gpu),
     )
     total = int(kern["dur"].sum())
     graph_time = timeline.total(w.graph_spans)

@@ -192,7 +192,8 @@ def rank_sorted(hay: np.ndarray, needles: np.ndarray, side: str = "left") -> np.
         return np.searchsorted(hay, needles, side=side)  # type: ignore[call-overload]
     # needle x counts hay element h when h <= x (side "right") or h < x ("left")
     first = np.searchsorted(needles, hay, side="left" if side == "right" else "right")
-    return np.cumsum(np.bincount(first, minlength=len(needles) + 1)[:-1])
+    counts = np.bincount(first, minlength=len(needles) + 1)[:-1]
+    return np.cumsum(counts, out=counts)  # (in place: one array of every needle, not two)
 
 
 # rank_sorted searches the other way round from this many needles per element of ``hay`` on

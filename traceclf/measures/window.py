@@ -210,14 +210,17 @@ def step_calls(
         hi = np.searchsorted(starts, steady["cpu_end"].to_numpy(), side="right")
     else:
         lo, hi = _launched_runs(trace, steps, starts)
-    inside = np.zeros(len(starts) + 1, np.int64)  # +1 from each range's first row to its end
+    # +1 from each range's first row to its end; counts of ranges fit 32 bits, and the sum
+    # is taken in place (no second array of every call)
+    inside = np.zeros(len(starts) + 1, np.int32)
     np.add.at(inside, lo, 1)
     np.add.at(inside, hi, -1)
+    np.cumsum(inside, out=inside)
     if flagged is None:
         flagged = classify_api(api.select("name"), taxonomy)
     flags = flagged.select("is_sync", "is_launch", "is_alloc")
     counted = pl.any_horizontal(pl.all().fill_null(False))
-    keep = flags.select(counted & pl.Series(np.cumsum(inside)[:-1] > 0)).to_series()
+    keep = flags.select(counted & pl.Series(inside[:-1] > 0)).to_series()
     return pl.concat([api.select("start", "end"), flags], how="horizontal").filter(keep)
 
 
