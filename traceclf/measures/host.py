@@ -154,16 +154,16 @@ def _host_cover(calls: pl.DataFrame, gstart: np.ndarray, gend: np.ndarray) -> di
     (``api_ns``), and how many there are (``calls``)."""
     start = calls["start"].to_numpy()
     idx = timeline.rank_sorted(gstart, start, side="right")
-    idx -= 1  # the gap each call starts in or after
+    idx -= 1  # the gap each call starts in or after (-1: before the first)
     inside = idx >= 0
-    inside &= start < gend[np.maximum(idx, 0)]
-    idx_in = idx[inside]
-    del idx
-    covered = np.minimum(calls["end"].filter(pl.Series(inside)).to_numpy(), gend[idx_in])
+    inside &= start < np.take(gend, idx, mode="clip")
+    idx = idx[inside]  # (arrays of every call freed as soon as they are used)
+    covered = np.minimum(calls["end"].filter(pl.Series(inside)).to_numpy(), gend[idx])
     covered -= start[inside]
+    del start, inside
     return {
-        "api_ns": pl.Series(np.bincount(idx_in, weights=covered, minlength=len(gstart))),
-        "calls": pl.Series(np.bincount(idx_in, minlength=len(gstart))),
+        "api_ns": pl.Series(np.bincount(idx, weights=covered, minlength=len(gstart))),
+        "calls": pl.Series(np.bincount(idx, minlength=len(gstart))),
     }
 
 
