@@ -330,7 +330,8 @@ class Reader:
                 *[decode_pid(c.decode_from).alias(c.name) for c in decoded],  # type: ignore[arg-type]
             ).select([_typed(c) for c in cols])
         )
-        release_read_buffers()  # the batches are no longer referenced
+        if df.height >= PARTITION_MIN_ROWS:  # the batches are no longer referenced: a big
+            release_read_buffers()  # read's go back now (a trim walks the heap: not per read)
         return df
 
     def pid_sql(self, logical: str) -> str | None:
