@@ -222,7 +222,9 @@ def _gemm_measures(kern: pl.DataFrame, w: RankWindow, per_step: float) -> dict[s
     """FP8 share of GEMM time (FP8 already in use?), small-grid share of GEMM time, and how
     often one small GEMM shape repeats per step (many tiny per-expert GEMMs that a grouped GEMM
     would batch, rather than a few already-batched ones)."""
-    gemm = kern.filter(pl.col("family") == "gemm").with_columns(dur=pl.col("end") - pl.col("start"))
+    gemm = kern.select(  # (only the columns read here: no copy of every column's GEMM rows)
+        "name", "grid_blocks", dur=pl.col("end") - pl.col("start")
+    ).filter(kern["family"] == "gemm")
     total = int(gemm["dur"].sum())
     sm_count = (w.gpu or {}).get("sm_count")
     small_gemms = gemm.filter(pl.col("grid_blocks") < sm_count) if sm_count else gemm.clear()
