@@ -55,7 +55,10 @@ class CallIndex:
 
     def column(self, name: str, pid: pl.Series, corr: pl.Series) -> pl.Series:
         """``name`` of the first call with each (pid, corr); null where there is none."""
-        row = self.find(pid, corr)
+        return self.gather(name, self.find(pid, corr))
+
+    def gather(self, name: str, row: np.ndarray) -> pl.Series:
+        """``name`` of the calls at rows ``row`` of :meth:`find` (null at -1)."""
         if not len(self.api):
             return pl.Series(name, [None] * len(row), dtype=self.api.schema[name])
         out = self.api[name].gather(pl.Series(np.where(row >= 0, row, 0).astype(np.uint32)))

@@ -39,8 +39,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
+
+if TYPE_CHECKING:  # (a cached result's re-analysis imports this module, not numpy)
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -220,18 +224,25 @@ class Trace:
         import numpy as np  # here: a cached result's re-analysis imports this module, not numpy
 
         outer = outermost(ranges.select("start", "end", key))
+        if not len(outer):
+            return pl.Series(key, [None] * len(work), dtype=ranges.schema[key])
+        inside, j = self._range_of_launch(work, outer)
+        keys = outer[key].gather(pl.Series(j.astype(np.uint32)))
+        return pl.select(pl.when(pl.Series(inside)).then(keys)).to_series().alias(key)
+
+    def _range_of_launch(self, work: pl.DataFrame, outer: pl.DataFrame) -> tuple:
+        """For each row of ``work``: whether its launch call lies in one of the ``outer``
+        ranges (disjoint, sorted; at least one), and the row of that range (0 where none)."""
+        import numpy as np
+
         starts = self._launch_starts(work)
         at = starts.fill_null(-1).to_numpy()
         lo, hi = outer["start"].to_numpy(), outer["end"].to_numpy()
         i = np.searchsorted(lo, at, side="right") - 1  # the last range starting by then
         j = np.maximum(i, 0)
         inside = starts.is_not_null().to_numpy() & (i >= 0)
-        if len(outer):
-            inside &= at <= hi[j]
-        keys = outer[key].gather(pl.Series(j.astype(np.uint32))) if len(outer) else None
-        if keys is None:
-            return pl.Series(key, [None] * len(work), dtype=ranges.schema[key])
-        return pl.select(pl.when(pl.Series(inside)).then(keys)).to_series().alias(key)
+        inside &= at <= hi[j]
+        return inside, j
 
     @functools.cached_property
     def calls_by_start(self) -> pl.DataFrame:
@@ -243,31 +254,70 @@ class Trace:
     def _launch_starts(self, work: pl.DataFrame) -> pl.Series:
         """Start of the call that launched each row of ``work``; found once for the trace's
         own kernels, graph replays and copies (every NVTX projection asks for them)."""
-        name = next((n for n in ("kernels", "graphs", "copies") if getattr(self, n) is work), None)
+        name = self._own(work)
         cache = self._launches
         if name is not None and name in cache:
             return cache[name]
-        starts = self.call_index.column("start", work["pid"], work["correlation_id"])
+        starts = self.launch_column("start", work)
         if name is not None:
             cache[name] = starts
         return starts
 
+    def launch_column(self, column: str, work: pl.DataFrame) -> pl.Series:
+        """``column`` of the CUDA call that launched each row of ``work`` (null where none
+        did): :meth:`CallIndex.column`, with the calls of the trace's own kernels, graph
+        replays and copies searched once however many columns are asked for."""
+        name = self._own(work)
+        if name is None:
+            return self.call_index.column(column, work["pid"], work["correlation_id"])
+        if name not in self._launch_rows:  # (rows of the calls fit 32 bits: half the memory)
+            rows = self.call_index.find(work["pid"], work["correlation_id"])
+            self._launch_rows[name] = rows.astype("int32") if len(self.api) < 1 << 31 else rows
+        return self.call_index.gather(column, self._launch_rows[name])
+
+    def _own(self, work: pl.DataFrame) -> str | None:
+        return next((n for n in ("kernels", "graphs", "copies") if getattr(self, n) is work), None)
+
     @functools.cached_property
     def _launches(self) -> dict[str, pl.Series]:
+        return {}
+
+    @functools.cached_property
+    def _launch_rows(self) -> dict[str, np.ndarray]:
         return {}
 
     def gpu_spans(self, ranges: pl.DataFrame, key: str) -> pl.DataFrame:
         """(``key``, gpu_start, gpu_end): first start and last end of the GPU work (kernels,
         graph replays, copies) launched inside each range of ``ranges`` (start, end, key) —
         how a CPU-side NVTX range is projected onto the GPU."""
-        work = pl.concat(
-            [
-                f.select("start", "end").with_columns(self.launched_in(f, ranges, key))
-                for f in (self.kernels, self.graphs, self.copies)
-            ]
+        import numpy as np
+
+        outer = outermost(ranges.select("start", "end", key))
+        parts = [pl.DataFrame(schema={"_range": pl.UInt32, "start": pl.Int64, "end": pl.Int64})]
+        for f in (self.kernels, self.graphs, self.copies) if len(outer) else ():
+            # each frame's spans per range first: a few thousand rows, not one of every kernel
+            inside, j = self._range_of_launch(f, outer)
+            mine = pl.Series(inside)
+            parts.append(
+                pl.DataFrame(
+                    {
+                        "_range": pl.Series(j[inside].astype(np.uint32)),
+                        "start": f["start"].filter(mine).cast(pl.Int64),
+                        "end": f["end"].filter(mine).cast(pl.Int64),
+                    }
+                )
+                .group_by("_range")
+                .agg(pl.col("start").min(), pl.col("end").max())
+            )
+        spans = pl.concat(parts)
+        keys = (
+            outer[key].gather(spans["_range"])
+            if len(outer)
+            else pl.Series(key, [], dtype=ranges.schema[key])
         )
         return (
-            work.drop_nulls(key)
+            spans.with_columns(keys.alias(key))
+            .drop_nulls(key)
             .group_by(key)
             .agg(gpu_start=pl.col("start").min(), gpu_end=pl.col("end").max())
         )

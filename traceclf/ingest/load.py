@@ -21,8 +21,8 @@ import connectorx as cx
 import polars as pl
 
 from traceclf.errors import TraceError
-from traceclf.ingest.assemble import build_trace
-from traceclf.ingest.devices import read_gpu_metrics
+from traceclf.ingest.assemble import build_trace, release_read_buffers
+from traceclf.ingest.devices import decode_pid, read_gpu_metrics
 from traceclf.ingest.schema import ExportInfo, inspect_export, readonly_uri
 from traceclf.model import Trace
 
@@ -57,6 +57,9 @@ class Col:
     # what an ``sql`` column holds for NULL: connectorx types a computed column from its first
     # value and fails on a NULL there, so a computed column is never NULL in SQL
     null_as: int | None = None
+    # a process id decoded after the read from this (already read) logical column rather than
+    # in SQL: one column less through connectorx (~0.3 s on 11 M CUDA calls)
+    decode_from: str | None = None
 
 
 def _c(
@@ -80,14 +83,15 @@ def _product(name: str, sources: tuple[str, ...], missing: int, dtype=pl.Int64) 
     return Col(name, sources, dtype, sql=sql)
 
 
-def _pid(*sources: str) -> Col:
-    """Process id decoded in SQL from a serialized globalPid/globalTid (bits 24..47)."""
+def _pid(*sources: str, decode_from: str | None = None) -> Col:
+    """Process id decoded in SQL from a serialized globalPid/globalTid (bits 24..47), or with
+    ``decode_from`` in polars from that logical column of the same read."""
 
     def sql(present: frozenset[str]) -> str | None:
         src = next((c for c in sources if c in present), None)
         return f'coalesce(("{src}" >> 24) & 16777215, -1)' if src else None
 
-    return Col("pid", sources, pl.Int64, sql=sql, null_as=-1)
+    return Col("pid", sources, pl.Int64, sql=sql, null_as=-1, decode_from=decode_from)
 
 
 GPU_ROW = (
@@ -143,7 +147,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
             _c("global_tid", "globalTid", required=True),
             _c("correlation_id", "correlationId", required=True),
             _c("name_id", "nameId", required=True),
-            _pid("globalTid"),
+            _pid("globalTid", decode_from="global_tid"),
         ),
     ),
     "syncs": (
@@ -288,8 +292,11 @@ class Reader:
         if table is None:
             return empty_frame(cols)
         present = frozenset(self.info.columns[table])
-        select, missing = [], []
+        select, missing, decoded = [], [], []
         for col in cols:
+            if col.decode_from is not None:
+                decoded.append(col)
+                continue
             expr = col.sql(present) if col.sql else None
             src = next((s for s in col.sources if s in present or s == "rowid"), None)
             if expr is not None:
@@ -317,9 +324,15 @@ class Reader:
         df = self.sql(queries) if queries else pl.DataFrame()
         if df.is_empty():
             return empty_frame(cols)
-        return df.with_columns([pl.lit(None, dtype=c.dtype).alias(c.name) for c in missing]).select(
-            [_typed(c) for c in cols]
+        df = _contiguous(
+            df.with_columns(
+                *[pl.lit(None, dtype=c.dtype).alias(c.name) for c in missing],
+                *[decode_pid(c.decode_from).alias(c.name) for c in decoded],  # type: ignore[arg-type]
+            ).select([_typed(c) for c in cols])
         )
+        if df.height >= PARTITION_MIN_ROWS:  # the batches are no longer referenced: a big
+            release_read_buffers()  # read's go back now (a trim walks the heap: not per read)
+        return df
 
     def pid_sql(self, logical: str) -> str | None:
         """SQL expression of a row's process id in ``logical``'s table, if it has one."""
@@ -413,9 +426,19 @@ def in_ranges(
     ]
 
 
+def _contiguous(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` in one chunk per column, so that its Arrow record batches can be freed.
+
+    The frame over connectorx's batches is a zero-copy view of a hundred or more chunks; the
+    first frame-wide operation (adding the name column) would copy it into one chunk anyway.
+    Copying here, table by table, lets the batches go before the next table is read and before
+    the names are looked up: at 1 GB of export, ~400 MB less at the peak of loading."""
+    return df.rechunk() if max(df.n_chunks("all"), default=1) > 1 else df
+
+
 def _typed(col: Col) -> pl.Expr:
     expr = pl.col(col.name)
-    if col.null_as is not None:
+    if col.null_as is not None and col.decode_from is None:  # a decoded one has real nulls
         expr = pl.when(expr != col.null_as).then(expr)
     return expr.cast(col.dtype, strict=False).alias(col.name)
 

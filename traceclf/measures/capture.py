@@ -8,6 +8,7 @@ from __future__ import annotations
 import polars as pl
 
 from traceclf.kernels import by_name
+from traceclf.measures import timeline
 from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
 from traceclf.steps import step_ranges
@@ -22,7 +23,7 @@ def capture_facts(w: RankWindow) -> dict:
     # a window-mode trace holds the analysed steps only: the loader measured the capture
     lo, hi = trace.capture_span or trace.span
     capture_ns = max(hi - lo, 1)
-    work = Busy.of(trace.kernels, trace.graphs, trace.copies).total
+    work = _gpu_work_ns(w)
     kernels = trace.kernels
     training = _training_evidence(w)
     repeating = w.steps.source != "none"
@@ -46,6 +47,23 @@ def capture_facts(w: RankWindow) -> dict:
         "cuda_api_traced": w.host_traced,
         "nvtx_step_ranges": 0 if nvtx_steps is None else len(nvtx_steps),
     }
+
+
+def _gpu_work_ns(w: RankWindow) -> int:
+    """ns during which the trace's GPU work (kernels, graph replays, copies) runs: the window's
+    busy time plus that of the few rows outside the window (warm-up, tail), rather than a
+    union of every kernel again. Node-traced graph replays count the gaps between their nodes
+    in the window's layers, not here: those traces take the union of every row."""
+    trace = w.trace
+    frames = (trace.kernels, trace.graphs, trace.copies)
+    if trace.kernels["graph_node_id"].is_not_null().any():
+        return Busy.of(*frames).total
+    outside = [
+        timeline.clip(f.select("start", "end"), span)
+        for f in frames
+        for span in timeline.complement(w.spans)
+    ]
+    return w.layers.work.total + Busy.of(*outside).total
 
 
 def graph_trace_mode(w: RankWindow) -> str:
@@ -76,9 +94,7 @@ def _training_evidence(w: RankWindow) -> dict:
         pl.col("thread_name").str.contains(patterns["autograd_thread"])
     )["global_tid"]
     # kernels launched from an autograd thread (the launch found by correlationId)
-    launcher = trace.call_index.column(
-        "global_tid", trace.kernels["pid"], trace.kernels["correlation_id"]
-    )
+    launcher = trace.launch_column("global_tid", trace.kernels)
     autograd_launches = int(launcher.is_in(autograd.implode()).sum())
     nvtx = trace.nvtx["text"]
     total = int(names["dur"].sum())

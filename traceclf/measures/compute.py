@@ -179,8 +179,11 @@ def _kernel_measures(
 ) -> dict[str, float | bool | None]:
     gpu = w.gpu
     sm_count = (gpu or {}).get("sm_count")
-    kern = kern.with_columns(
-        dur=pl.col("end") - pl.col("start"), occ=kernels.theoretical_occupancy(gpu)
+    kern = kern.select(  # (only what is read here: no frame of every column)
+        "family",
+        "grid_blocks",
+        dur=pl.col("end") - pl.col("start"),
+        occ=kernels.theoretical_occupancy(gpu),
     )
     total = int(kern["dur"].sum())
     graph_time = timeline.total(w.graph_spans)
@@ -219,7 +222,9 @@ def _gemm_measures(kern: pl.DataFrame, w: RankWindow, per_step: float) -> dict[s
     """FP8 share of GEMM time (FP8 already in use?), small-grid share of GEMM time, and how
     often one small GEMM shape repeats per step (many tiny per-expert GEMMs that a grouped GEMM
     would batch, rather than a few already-batched ones)."""
-    gemm = kern.filter(pl.col("family") == "gemm").with_columns(dur=pl.col("end") - pl.col("start"))
+    gemm = kern.select(  # (only the columns read here: no copy of every column's GEMM rows)
+        "name", "grid_blocks", dur=pl.col("end") - pl.col("start")
+    ).filter(kern["family"] == "gemm")
     total = int(gemm["dur"].sum())
     sm_count = (w.gpu or {}).get("sm_count")
     small_gemms = gemm.filter(pl.col("grid_blocks") < sm_count) if sm_count else gemm.clear()
@@ -248,8 +253,11 @@ def optimizer_kernels_per_step(w: RankWindow) -> float | None:
     ).with_columns(opt=pl.lit(True))
     if ranges.is_empty():
         return None
-    launched = trace.launched_in(w.kern, ranges, "opt")
-    return int(launched.is_not_null().sum()) / w.n_steps
+    # over the trace's own kernels, whose launches are looked up once for every measure, each
+    # counted as often as the window's kernels hold it
+    launched = trace.launched_in(trace.kernels, ranges, "opt").is_not_null().to_numpy()
+    times = timeline.times_in(trace.kernels, w.spans)
+    return int(times[launched].sum()) / w.n_steps
 
 
 def gpu_metric_means(metrics: pl.DataFrame, window: timeline.Spans) -> dict[str, float | None]:

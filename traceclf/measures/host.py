@@ -86,10 +86,11 @@ def _idle_during(calls: pl.DataFrame, w: RankWindow) -> int:
 
 def idle(gaps: pl.DataFrame, w: RankWindow) -> dict[str, float]:
     """Share of the window idle for each cause (gaps from :func:`idle_gaps`)."""
-    out = {
-        f"idle_{cause}_frac": float(gaps.filter(pl.col("cause") == cause)["dur"].sum()) / w.wall
-        for cause in IDLE_CAUSES
-    }
+    # (one column summed per cause: no copy of the millions of gaps' rows)
+    ns = gaps.select(
+        **{cause: pl.col("dur").filter(pl.col("cause") == cause).sum() for cause in IDLE_CAUSES}
+    ).row(0, named=True)
+    out = {f"idle_{cause}_frac": float(ns[cause]) / w.wall for cause in IDLE_CAUSES}
     out["idle_host_nvtx_frac"] = float(gaps["nvtx_ns"].sum()) / w.wall
     return out
 
@@ -123,29 +124,12 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
             nvtx_ns=pl.lit(0, pl.Int64),
         ).select(list(schema))
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
-    profiler_ns = layers.profiler.covered(gstart, gend)  # (all of a gap is idle)
-    start, end = calls["start"].to_numpy(), calls["end"].to_numpy()
-    # Host coverage: CUDA calls that start inside a gap, clipped to it.
-    idx = np.searchsorted(gstart, start, side="right") - 1
-    inside = (idx >= 0) & (start < gend[np.maximum(idx, 0)])
-    idx_in = idx[inside]
-    covered = np.minimum(end[inside], gend[idx_in]) - start[inside]
-    api_ns = np.bincount(idx_in, weights=covered, minlength=len(gaps))
-    n_calls = np.bincount(idx_in, minlength=len(gaps))
-    # cudaMalloc/cudaFree synchronise the device: a gap they fill is a stall, not launching
-    alloc_ns = timeline.covered(calls.filter(pl.col("is_alloc")), gstart, gend)
-    # A synchronising call that returns inside a gap, or at most SYNC_SLACK_NS before it starts,
-    # drained the queue. Every such gap counts: with kernels of a few µs the next gap starts
-    # within the slack too, and must not take the sync away from the gap it returned in.
-    sync_end = np.sort(end[calls["is_sync"].fill_null(False).to_numpy()])
-    nxt = np.searchsorted(sync_end, gstart - SYNC_SLACK_NS)  # first sync returning since then
-    after_sync = nxt < len(sync_end)
-    after_sync[after_sync] = sync_end[nxt[after_sync]] <= gend[after_sync]
+    profiler = layers.profiler  # (all of a gap is idle)
+    # (each helper's arrays over millions of calls are freed as it returns)
     gaps = gaps.with_columns(
-        api_ns=pl.Series(api_ns),
-        calls=pl.Series(n_calls),
-        after_sync=pl.Series(after_sync) | pl.Series(alloc_ns * 2 >= gaps["dur"].to_numpy()),
-        profiler_ns=pl.Series(profiler_ns),
+        **_host_cover(calls, gstart, gend),
+        after_sync=_after_sync(calls, gstart, gend),
+        profiler_ns=pl.Series(timeline.covered_by_runs(profiler.start, profiler.end, gstart, gend)),
     )
     long_gap = (pl.col("dur") >= INPUT_GAP_NS) & (pl.col("api_ns") * 2 < pl.col("dur"))
     gaps = _attribute_nvtx(gaps.with_columns(long=long_gap), w)
@@ -163,6 +147,40 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
         .then(pl.lit("launch", CAUSE))
         .otherwise(pl.lit("other", CAUSE))
     ).select(list(schema))
+
+
+def _host_cover(calls: pl.DataFrame, gstart: np.ndarray, gend: np.ndarray) -> dict[str, pl.Series]:
+    """Per gap: ns of host coverage by the CUDA calls that start inside it, clipped to it
+    (``api_ns``), and how many there are (``calls``)."""
+    start = calls["start"].to_numpy()
+    idx = timeline.rank_sorted(gstart, start, side="right")
+    idx -= 1  # the gap each call starts in or after (-1: before the first)
+    inside = idx >= 0
+    inside &= start < np.take(gend, idx, mode="clip")
+    idx = idx[inside]  # (arrays of every call freed as soon as they are used)
+    covered = np.minimum(calls["end"].filter(pl.Series(inside)).to_numpy(), gend[idx])
+    covered -= start[inside]
+    del start, inside
+    return {
+        "api_ns": pl.Series(np.bincount(idx, weights=covered, minlength=len(gstart))),
+        "calls": pl.Series(np.bincount(idx, minlength=len(gstart))),
+    }
+
+
+def _after_sync(calls: pl.DataFrame, gstart: np.ndarray, gend: np.ndarray) -> pl.Series:
+    """Per gap: whether a synchronising call drained the queue before it, or an allocation
+    filled it."""
+    # cudaMalloc/cudaFree synchronise the device: a gap they fill is a stall, not launching
+    alloc_ns = timeline.covered(calls.filter(pl.col("is_alloc")), gstart, gend)
+    # A synchronising call that returns inside a gap, or at most SYNC_SLACK_NS before it starts,
+    # drained the queue. Every such gap counts: with kernels of a few µs the next gap starts
+    # within the slack too, and must not take the sync away from the gap it returned in.
+    sync_end = np.sort(calls.filter(pl.col("is_sync").fill_null(False))["end"].to_numpy())
+    # first sync returning since then
+    nxt = timeline.rank_sorted(sync_end, gstart - SYNC_SLACK_NS, side="left")
+    after_sync = nxt < len(sync_end)
+    after_sync[after_sync] = sync_end[nxt[after_sync]] <= gend[after_sync]
+    return pl.Series(after_sync) | pl.Series(alloc_ns * 2 >= gend - gstart)
 
 
 def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:

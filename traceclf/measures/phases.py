@@ -80,12 +80,12 @@ def phase_table(w: RankWindow, gaps: pl.DataFrame, spans: pl.DataFrame) -> list[
         "exposed_comm": (busy.compute_comm, busy.compute),
         "copy": (busy.work, busy.compute_comm),
     }
-    idle = {f"idle_{cause}": gaps.filter(pl.col("cause") == cause) for cause in IDLE_CAUSES}
+    idle = _idle_runs(gaps)
     starts, ends = spans["start"].to_numpy(), spans["end"].to_numpy()
     per_span = {
         name: outer.covered(starts, ends) - (inner.covered(starts, ends) if inner else 0)
         for name, (outer, inner) in states.items()
-    } | {name: _covered(df, starts, ends) for name, df in idle.items()}
+    } | {name: timeline.covered_by_runs(lo, hi, starts, ends) for name, (lo, hi) in idle.items()}
     rows = spans.with_columns(
         time=pl.col("end") - pl.col("start"), **{n: pl.Series(v) for n, v in per_span.items()}
     )
@@ -100,8 +100,8 @@ def phase_table(w: RankWindow, gaps: pl.DataFrame, spans: pl.DataFrame) -> list[
     for name, (outer, inner) in states.items():
         total = outer.total - (inner.total if inner else 0)
         outside[name] = total - int(table[name].sum())
-    for name, df in idle.items():
-        outside[name] = int(timeline.total(df.select("start", "end"))) - int(table[name].sum())
+    for name, (lo, hi) in idle.items():
+        outside[name] = int((hi - lo).sum()) - int(table[name].sum())
     order = {p: i for i, p in enumerate(PHASES)}
     out = [
         _row(r, w.n_steps)
@@ -126,21 +126,24 @@ def _row(r: dict, n_steps: int) -> dict:
     }
 
 
-def _covered(intervals: pl.DataFrame, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """ns of each [starts[i], ends[i]) covered by ``intervals`` (disjoint after the union)."""
-    merged = timeline.union(intervals.select("start", "end"))
-    if merged.is_empty():
-        return np.zeros(len(starts), dtype=np.int64)
-    lo, hi = merged["start"].to_numpy(), merged["end"].to_numpy()
-    before = np.concatenate([[0], np.cumsum(hi - lo)])
+def _idle_runs(gaps: pl.DataFrame) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The idle gaps of each cause as disjoint sorted runs (start, end arrays)."""
+    cause = gaps["cause"]
+    lo, hi = gaps["start"].to_numpy(), gaps["end"].to_numpy()
+    out = {}
+    for name in IDLE_CAUSES:
+        mine = (cause == name).fill_null(False).to_numpy()
+        out[f"idle_{name}"] = _runs(lo[mine], hi[mine])
+    return out
 
-    def upto(t: np.ndarray) -> np.ndarray:  # covered ns in (-inf, t)
-        i = np.searchsorted(lo, t, side="right") - 1
-        j = np.maximum(i, 0)
-        part = np.clip(t - lo[j], 0, hi[j] - lo[j])
-        return np.where(i >= 0, before[j] + part, 0)
 
-    return upto(ends) - upto(starts)
+def _runs(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of intervals [lo, hi) as disjoint sorted runs: the intervals themselves when
+    they already are (idle gaps: millions, which a union would sort again), else their union."""
+    if len(lo) and bool(np.all(hi > lo)) and bool(np.all(lo[1:] > hi[:-1])):
+        return lo, hi
+    merged = timeline.union(pl.DataFrame({"start": lo, "end": hi}))
+    return merged["start"].to_numpy(), merged["end"].to_numpy()
 
 
 def _step_of(starts: np.ndarray, step_starts: np.ndarray | None) -> pl.Series:

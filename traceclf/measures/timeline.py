@@ -24,6 +24,16 @@ def spans_of(window: Spans) -> list[Window]:
     return [(int(lo), int(hi)) for lo, hi in window]  # type: ignore[misc]
 
 
+def complement(window: Spans) -> list[Window]:
+    """The spans of time outside the window's spans, to either side of it included."""
+    bounds = [t for span in spans_of(window) for t in span]
+    edges = [-_FAR, *bounds, _FAR]
+    return [(lo, hi) for lo, hi in zip(edges[::2], edges[1::2], strict=True) if hi > lo]
+
+
+_FAR = 1 << 62  # (times are ns since the session start: far beyond any)
+
+
 def length(window: Spans) -> int:
     """Total length of the window's spans (ns)."""
     return sum(hi - lo for lo, hi in spans_of(window))
@@ -52,6 +62,17 @@ def clip(df: pl.DataFrame, window: Spans) -> pl.DataFrame:
         start=pl.max_horizontal("start", pl.lit(los).gather(pl.col("_first"))),
         end=pl.min_horizontal("end", pl.lit(his).gather(pl.col("_first"))),
     ).drop("_first", "_last")
+
+
+def times_in(df: pl.DataFrame, window: Spans) -> np.ndarray:
+    """How many times :func:`clip` keeps each row of ``df`` (rows overlapping several spans
+    are kept once per span): to count over the clipped rows without clipping."""
+    spans = spans_of(window)
+    los = np.array([lo for lo, _ in spans], np.int64)
+    his = np.array([hi for _, hi in spans], np.int64)
+    first = np.searchsorted(his, df["start"].to_numpy(), side="right")  # first span ending later
+    last = np.searchsorted(los, df["end"].to_numpy(), side="left") - 1  # last starting earlier
+    return np.maximum(last - first + 1, 0)
 
 
 def _clip_one(df: pl.DataFrame, lo: int, hi: int) -> pl.DataFrame:
@@ -120,15 +141,68 @@ def covered(df: pl.DataFrame, starts: np.ndarray, ends: np.ndarray) -> np.ndarra
     merged = union(df)
     if merged.is_empty():
         return np.zeros(len(starts), dtype=np.int64)
-    lo, hi = merged["start"].to_numpy(), merged["end"].to_numpy()
+    return covered_by_runs(merged["start"].to_numpy(), merged["end"].to_numpy(), starts, ends)
+
+
+def covered_by_runs(
+    lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> np.ndarray:
+    """ns of each [start, end) that the disjoint sorted runs [lo, hi) cover."""
+    if not len(lo):
+        return np.zeros(len(starts), dtype=np.int64)
+    if len(starts) > len(lo) and _disjoint(starts, ends):
+        return _covered_blocks(lo, hi, starts, ends)
     before = np.concatenate([[0], np.cumsum(hi - lo)])
 
     def prefix(t: np.ndarray) -> np.ndarray:
-        n = np.searchsorted(lo, t, side="right")  # intervals starting at or before t
+        n = rank_sorted(lo, t, side="right")  # runs starting at or before t
         over = np.where(n > 0, np.maximum(hi[np.maximum(n - 1, 0)] - t, 0), 0)
         return before[n] - over
 
     return prefix(ends) - prefix(starts)
+
+
+def _disjoint(starts: np.ndarray, ends: np.ndarray) -> bool:
+    """Whether the intervals are in order and none overlaps the next (idle gaps)."""
+    return bool(np.all(ends >= starts)) and bool(np.all(starts[1:] >= ends[:-1]))
+
+
+def _covered_blocks(
+    lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> np.ndarray:
+    """:func:`covered_by_runs` for disjoint sorted intervals and fewer runs: each run
+    overlaps a block of consecutive intervals, so only the (run, interval) pairs that overlap
+    are visited, not millions of intervals several times over (each pass a fresh array)."""
+    first = np.searchsorted(ends, lo, side="right")  # first interval ending after the run starts
+    n = np.maximum(np.searchsorted(starts, hi, side="left") - first, 0)  # ... starting before
+    run = np.repeat(np.arange(len(lo)), n)
+    idx = np.arange(len(run)) - np.repeat(np.cumsum(n) - n, n) + np.repeat(first, n)
+    part = np.minimum(ends[idx], hi[run]) - np.maximum(starts[idx], lo[run])
+    out = np.zeros(len(starts), np.int64)
+    np.add.at(out, idx, part)
+    return out
+
+
+def rank_sorted(hay: np.ndarray, needles: np.ndarray, side: str = "left") -> np.ndarray:
+    """``np.searchsorted(hay, needles, side)`` (``hay`` sorted), faster when ``needles`` are
+    sorted and many more: millions of idle gaps against a few thousand runs. Each element of
+    ``hay`` is placed among the needles instead, and the counts summed up: one binary search
+    per element of ``hay`` and a linear pass, rather than one search per needle."""
+    if len(needles) < RANK_MIN_RATIO * max(len(hay), 1) or not _is_sorted(needles):
+        return np.searchsorted(hay, needles, side=side)  # type: ignore[call-overload]
+    # needle x counts hay element h when h <= x (side "right") or h < x ("left")
+    first = np.searchsorted(needles, hay, side="left" if side == "right" else "right")
+    counts = np.bincount(first, minlength=len(needles) + 1)[:-1]
+    return np.cumsum(counts, out=counts)  # (in place: one array of every needle, not two)
+
+
+# rank_sorted searches the other way round from this many needles per element of ``hay`` on
+# (measured on a kernel-dense capture: 1.8x faster with 2 needles per element, 5x with 500)
+RANK_MIN_RATIO = 1
+
+
+def _is_sorted(a: np.ndarray) -> bool:
+    return len(a) < 2 or bool(np.all(a[1:] >= a[:-1]))
 
 
 def timeline(

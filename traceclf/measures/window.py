@@ -13,7 +13,7 @@ import polars as pl
 
 from traceclf.kernels import Taxonomy, by_name
 from traceclf.measures import timeline
-from traceclf.measures.busy import Busy
+from traceclf.measures.busy import Busy, union
 from traceclf.model import Trace
 from traceclf.steps import Steps
 
@@ -33,8 +33,8 @@ class Layers:
 
     @classmethod
     def of(cls, compute: Busy, comm: Busy, copy: Busy, profiler: Busy) -> Layers:
-        kernels = compute | comm
-        return cls(compute, comm, copy, profiler, kernels, kernels | copy)
+        kernels = merged(compute, comm)
+        return cls(compute, comm, copy, profiler, kernels, merged(kernels, copy))
 
     def state_times(self) -> dict[str, int]:
         """ns of the window in each state (busy, compute, exposed comm, ...)."""
@@ -47,6 +47,32 @@ class Layers:
             "copy": self.copy.total,
             "exposed_copy": self.work.total - self.compute_comm.total,
         }
+
+
+def merged(a: Busy, b: Busy) -> Busy:
+    """``a | b``: the runs of both merged in start order by position (a binary search of the
+    fewer runs among the more) rather than sorted again: millions of kernel runs and a few
+    copies. The order is a stable sort's of ``a``'s runs then ``b``'s, so the union is the same."""
+    if not len(a.start) or not len(b.start):
+        return a | b
+    if len(b.start) > len(a.start):  # (ties: ``a``'s runs first, whichever is searched)
+        at_b = np.searchsorted(b.start, a.start, side="left") + np.arange(len(a.start))
+        mine = np.zeros(len(a.start) + len(b.start), bool)
+        mine[at_b] = True
+        return _merge(b, a, ~mine)
+    at_b = np.searchsorted(a.start, b.start, side="right") + np.arange(len(b.start))
+    mine = np.ones(len(a.start) + len(b.start), bool)
+    mine[at_b] = False
+    return _merge(a, b, mine)
+
+
+def _merge(a: Busy, b: Busy, from_a: np.ndarray) -> Busy:
+    """The union of the runs of ``a`` (where ``from_a``) and ``b`` (elsewhere), in that order."""
+    start = np.empty(len(from_a), np.int64)
+    end = np.empty(len(from_a), np.int64)
+    start[from_a], end[from_a] = a.start, a.end
+    start[~from_a], end[~from_a] = b.start, b.end
+    return Busy(*union(start, end))
 
 
 @dataclass(frozen=True)
@@ -113,10 +139,10 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
     graphs = timeline.clip(trace.graphs, window)
     graph_spans = timeline.clip(trace.graph_executions, window)
     copies = timeline.clip(trace.copies, window)
-    api = classify_api(
-        timeline.clip(trace.api.select("start", "end", "name", "correlation_id"), window), taxonomy
-    )
-    calls = step_calls(trace, steps, taxonomy) if steps.count else api
+    # flagged once for both: the window's calls and the steps' calls (millions of rows each)
+    flagged = classify_api(trace.api.select("start", "end", "name", "correlation_id"), taxonomy)
+    api = timeline.clip(flagged, window)
+    calls = step_calls(trace, steps, taxonomy, flagged) if steps.count else api
     starts, ends = kern["start"].to_numpy(), kern["end"].to_numpy()
     is_comm = kern["is_comm"].fill_null(False).to_numpy()
     # Profiler overhead (CUPTI buffer flushes, ...) is a layer of its own: not GPU work, but
@@ -163,7 +189,9 @@ def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
     return by_name(api, names)
 
 
-def step_calls(trace: Trace, steps: Steps, taxonomy: Taxonomy) -> pl.DataFrame:
+def step_calls(
+    trace: Trace, steps: Steps, taxonomy: Taxonomy, flagged: pl.DataFrame | None = None
+) -> pl.DataFrame:
     """The sync, launch and allocation calls (start, end, is_sync, is_launch, is_alloc) that
     belong to the analysed steps.
 
@@ -172,7 +200,8 @@ def step_calls(trace: Trace, steps: Steps, taxonomy: Taxonomy) -> pl.DataFrame:
     made inside its range, on any thread of the process; for steps found on the GPU (graph
     launches, a recurring kernel) each run of analysed steps owns the calls from the one that
     launched its first GPU work (by correlationId) to the one that launched the first work
-    after it — or to the process's last call, when nothing follows."""
+    after it — or to the process's last call, when nothing follows. ``flagged``: the calls
+    already flagged by :func:`classify_api`, row for row."""
     api = trace.api
     starts = api["start"].to_numpy()
     steady = steps.steady.filter(pl.col("cpu_start").is_not_null())
@@ -181,12 +210,17 @@ def step_calls(trace: Trace, steps: Steps, taxonomy: Taxonomy) -> pl.DataFrame:
         hi = np.searchsorted(starts, steady["cpu_end"].to_numpy(), side="right")
     else:
         lo, hi = _launched_runs(trace, steps, starts)
-    inside = np.zeros(len(starts) + 1, np.int64)  # +1 from each range's first row to its end
+    # +1 from each range's first row to its end; counts of ranges fit 32 bits, and the sum
+    # is taken in place (no second array of every call)
+    inside = np.zeros(len(starts) + 1, np.int32)
     np.add.at(inside, lo, 1)
     np.add.at(inside, hi, -1)
-    flags = classify_api(api.select("name"), taxonomy).drop("name")
+    np.cumsum(inside, out=inside)
+    if flagged is None:
+        flagged = classify_api(api.select("name"), taxonomy)
+    flags = flagged.select("is_sync", "is_launch", "is_alloc")
     counted = pl.any_horizontal(pl.all().fill_null(False))
-    keep = flags.select(counted & pl.Series(np.cumsum(inside)[:-1] > 0)).to_series()
+    keep = flags.select(counted & pl.Series(inside[:-1] > 0)).to_series()
     return pl.concat([api.select("start", "end"), flags], how="horizontal").filter(keep)
 
 
