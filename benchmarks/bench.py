@@ -695,6 +695,22 @@ def comparison(analysis: list, before: dict) -> str:
     return "\n".join(lines)
 
 
+def page_cache() -> str:
+    """How much of the inputs the OS can keep cached: a VM whose host reclaims the page cache
+    reads inputs larger than it partly from disk, which moves the default mode's rows most
+    (they read scattered row ranges)."""
+    cached_kb = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("Cached:")
+    )
+    return (
+        f"OS page cache {cached_kb / 2**20:.1f} GiB when written (inputs were just written or "
+        'read; those larger than the cache are partly read from disk); "cold"/"warm" refer '
+        "to traceclf's caches."
+    )
+
+
 def load_during(analysis: list) -> str:
     """The machine's 1-minute load average as the runs started, and when written."""
     loads = [run.load for _, _, run in analysis if run.load is not None]
@@ -721,7 +737,7 @@ def write_results(
             f"Machine: {machine()}.",
             # Other work on the machine slows every row alike; this says whether there was any.
             load_during(analysis),
-            'OS page cache warm (inputs were just written); "cold"/"warm" refer to traceclf\'s caches.',
+            page_cache(),
             "",
             "## Targets (issue 12)",
             "",
