@@ -86,12 +86,15 @@ class Report:
 
     def to_dict(self) -> dict:
         """The contract's JSON object, in reading order: what was read and what it supports,
-        the verdict and fixes, then the numbers behind them."""
-        data = asdict(self)
-        return {k: data[k] for k in ORDER if k in data} | data
+        the verdict and fixes, then the numbers behind them (a copy: changing it leaves the
+        report as it was)."""
+        return _ordered(asdict(self))
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, default=_jsonable)
+        # Serialised straight from the fields: the deep copy of to_dict costs more than the
+        # encoding on a long --all-steps report (re-analysis reads a cached result, then this).
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        return json.dumps(_ordered(data), indent=indent, default=_jsonable)
 
     def tables(self) -> dict:
         """The report's tables as polars frames by name (steps, ranks, kernels, idle_gaps,
@@ -161,6 +164,10 @@ def to_pandas(tables: dict, table: str):
     except ImportError:
         raise ImportError("to_pandas() needs pandas: pip install 'traceclf[pandas]'") from None
     return tables[table].to_pandas()
+
+
+def _ordered(data: dict) -> dict:
+    return {k: data[k] for k in ORDER if k in data} | data
 
 
 def _jsonable(value):
