@@ -228,16 +228,20 @@ def _graph_steps(trace: Trace, _regex: str | None, taxonomy: Taxonomy):
         ]
     ).unique("correlation_id")
     per_launch = per_launch.join(execs, on="correlation_id", how="left")
+    return graph_launch_steps(per_launch, "gpu_start", "gpu_end"), "graph", "cudaGraphLaunch"
+
+
+def graph_launch_steps(per_launch: pl.DataFrame, start: str, end: str) -> pl.DataFrame:
+    """One step per launch of the graph replayed most often (``key``: its graph exec or graph
+    id; launches with no key count only when no launch has one), in ``start`` order."""
     top = per_launch["key"].drop_nulls().mode()
     if len(top):
         per_launch = per_launch.filter(pl.col("key") == top[0])
-    table = per_launch.sort("gpu_start").select(
+    return per_launch.sort(start).select(
         index=pl.int_range(pl.len()).cast(pl.Int64),
         name=pl.lit("graph launch"),
-        gpu_start="gpu_start",
-        gpu_end="gpu_end",
+        **{start: start, end: end},
     )
-    return table, "graph", "cudaGraphLaunch"
 
 
 def _pattern_steps(trace: Trace, _regex: str | None, _taxonomy: Taxonomy):

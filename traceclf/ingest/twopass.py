@@ -31,7 +31,13 @@ from traceclf.ingest.schema import inspect_export
 from traceclf.kernels import Taxonomy
 from traceclf.model import Trace
 from traceclf.stepplan import StepPlan, plan_steps
-from traceclf.steps import range_label, recurring_kernel, steady_bounds, step_ranges
+from traceclf.steps import (
+    graph_launch_steps,
+    range_label,
+    recurring_kernel,
+    steady_bounds,
+    step_ranges,
+)
 
 # Event rows (kernels, CUDA calls, copies, syncs, graph executions) analysed per export by
 # default: about 0.5 GB of memory and a second of reading on two cores.
@@ -180,16 +186,7 @@ class _Planner:
             end=pl.col("end").max(),
             key=pl.col("graph_exec_id").first(),
         )
-        top = per_launch["key"].drop_nulls().mode()
-        if len(top):
-            per_launch = per_launch.filter(pl.col("key") == top[0])
-        table = per_launch.sort("start").select(
-            index=pl.int_range(pl.len()).cast(pl.Int64),
-            name=pl.lit("graph launch"),
-            start="start",
-            end="end",
-        )
-        return table, "graph", "cudaGraphLaunch", True
+        return graph_launch_steps(per_launch, "start", "end"), "graph", "cudaGraphLaunch", True
 
     def _pattern(self, pid: int):
         """The most regular kernel of a slice from the middle of the kernel table, then every
