@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import socket
 import sqlite3
 import stat
@@ -62,23 +61,10 @@ def assert_one_line_error(result: CliResult, *needles: str) -> None:
 def run_child(*args: str | Path, memory: int | None = CHILD_MEMORY) -> CliResult:
     """``traceclf ARGS`` in a child process with its address space capped at ``memory``; a
     child still running after CHILD_TIMEOUT_S fails the test."""
-
-    def limit() -> None:
-        if memory is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "traceclf.cli", *map(str, args)],
-            capture_output=True,
-            text=True,
-            timeout=CHILD_TIMEOUT_S,
-            preexec_fn=limit,
-            check=False,
-        )
+        return run_cli_process(*args, timeout=CHILD_TIMEOUT_S, memory=memory)
     except subprocess.TimeoutExpired:
         pytest.fail(f"traceclf {' '.join(map(str, args))} still ran after {CHILD_TIMEOUT_S} s")
-    return CliResult(done.returncode, done.stdout, done.stderr)
 
 
 # -- item 5: rule files that would exhaust the machine -------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import resource
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -42,14 +43,22 @@ def run_cli(*args: str | Path) -> CliResult:
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
-def run_cli_process(*args: str | Path, timeout: float = 120) -> CliResult:
+def run_cli_process(
+    *args: str | Path, timeout: float = 120, memory: int | None = None
+) -> CliResult:
     """``traceclf ARGS`` in a fresh interpreter: also catches what bypasses Python's streams
-    (a Rust panic message, an interpreter traceback)."""
+    (a Rust panic message, an interpreter traceback). ``memory`` caps the child's address
+    space (bytes)."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
     done = subprocess.run(
         [sys.executable, "-m", "traceclf.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=limit if memory is not None else None,
         check=False,
     )
     return CliResult(done.returncode, done.stdout, done.stderr)
