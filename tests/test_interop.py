@@ -18,7 +18,7 @@ import polars as pl
 import pytest
 from conftest import oracle_csv
 from helpers.cli import run_cli
-from helpers.files import copy_export, file_state, folder_listing
+from helpers.files import copy_export, file_state, folder_listing, prefix_kernel_names
 from realtraces import trace_path
 
 import traceclf
@@ -177,11 +177,7 @@ def hostile_copy(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     export = copy_export(trace_path("h100_host_input_stall"), folder / "run.sqlite")
     with sqlite3.connect(export) as con:
-        con.execute(
-            "UPDATE StringIds SET value = ? || value WHERE id IN (SELECT shortName FROM "
-            "CUPTI_ACTIVITY_KIND_KERNEL UNION SELECT demangledName FROM CUPTI_ACTIVITY_KIND_KERNEL)",
-            (HOSTILE,),
-        )
+        prefix_kernel_names(con, HOSTILE)
         con.execute("UPDATE NVTX_EVENTS SET text = ? || text WHERE text IS NOT NULL", (HOSTILE,))
     return export
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import fixture_trace
 from helpers.cli import CliResult, run_cli
-from helpers.files import copy_export, file_state
+from helpers.files import copy_export, file_state, prefix_kernel_names
 
 TINY = "h100_host_input_stall"  # 470 KB, one rank, NVTX steps: the fastest real export
 OTHER = "h100_compute_low_occupancy"  # a different run with a different verdict (compute)
@@ -53,11 +53,7 @@ def rename_everything(path: Path, payload: str) -> Path:
     """Constructed: every kernel name, the GPU name, the nsys version and the NVTX step
     ranges of a real export start with ``payload``."""
     with sqlite3.connect(path) as con:
-        con.execute(
-            "UPDATE StringIds SET value = ? || value WHERE id IN (SELECT shortName FROM "
-            "CUPTI_ACTIVITY_KIND_KERNEL UNION SELECT demangledName FROM CUPTI_ACTIVITY_KIND_KERNEL)",
-            (payload,),
-        )
+        prefix_kernel_names(con, payload)
         con.execute("UPDATE TARGET_INFO_GPU SET name = ? || name", (payload,))
         con.execute(
             "UPDATE META_DATA_EXPORT SET value = ? || value WHERE name = 'EXPORT_PRODUCT_VERSION'",

@@ -26,6 +26,15 @@ def copy_export(src: Path, dst: Path) -> Path:
     return dst
 
 
+def prefix_kernel_names(con: sqlite3.Connection, payload: str) -> None:
+    """Constructed: every kernel's short and demangled name starts with ``payload``."""
+    con.execute(
+        "UPDATE StringIds SET value = ? || value WHERE id IN (SELECT shortName FROM "
+        "CUPTI_ACTIVITY_KIND_KERNEL UNION SELECT demangledName FROM CUPTI_ACTIVITY_KIND_KERNEL)",
+        (payload,),
+    )
+
+
 def truncated(src: Path, dst: Path) -> Path:
     """The first half of ``src``, as left by an interrupted copy."""
     data = src.read_bytes()
