@@ -13,7 +13,7 @@ import polars as pl
 
 from traceclf.kernels import Taxonomy, by_name
 from traceclf.measures import timeline
-from traceclf.measures.busy import Busy, union
+from traceclf.measures.busy import Busy
 from traceclf.model import Trace
 from traceclf.steps import Steps
 
@@ -33,8 +33,8 @@ class Layers:
 
     @classmethod
     def of(cls, compute: Busy, comm: Busy, copy: Busy, profiler: Busy) -> Layers:
-        kernels = merged(compute, comm)
-        return cls(compute, comm, copy, profiler, kernels, merged(kernels, copy))
+        kernels = compute | comm
+        return cls(compute, comm, copy, profiler, kernels, kernels | copy)
 
     def state_times(self) -> dict[str, int]:
         """ns of the window in each state (busy, compute, exposed comm, ...)."""
@@ -47,32 +47,6 @@ class Layers:
             "copy": self.copy.total,
             "exposed_copy": self.work.total - self.compute_comm.total,
         }
-
-
-def merged(a: Busy, b: Busy) -> Busy:
-    """``a | b``: the runs of both merged in start order by position (a binary search of the
-    fewer runs among the more) rather than sorted again: millions of kernel runs and a few
-    copies. The order is a stable sort's of ``a``'s runs then ``b``'s, so the union is the same."""
-    if not len(a.start) or not len(b.start):
-        return a | b
-    if len(b.start) > len(a.start):  # (ties: ``a``'s runs first, whichever is searched)
-        at_b = np.searchsorted(b.start, a.start, side="left") + np.arange(len(a.start))
-        mine = np.zeros(len(a.start) + len(b.start), bool)
-        mine[at_b] = True
-        return _merge(b, a, ~mine)
-    at_b = np.searchsorted(a.start, b.start, side="right") + np.arange(len(b.start))
-    mine = np.ones(len(a.start) + len(b.start), bool)
-    mine[at_b] = False
-    return _merge(a, b, mine)
-
-
-def _merge(a: Busy, b: Busy, from_a: np.ndarray) -> Busy:
-    """The union of the runs of ``a`` (where ``from_a``) and ``b`` (elsewhere), in that order."""
-    start = np.empty(len(from_a), np.int64)
-    end = np.empty(len(from_a), np.int64)
-    start[from_a], end[from_a] = a.start, a.end
-    start[~from_a], end[~from_a] = b.start, b.end
-    return Busy(*union(start, end))
 
 
 @dataclass(frozen=True)
