@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from traceclf import jsontext
 from traceclf.errors import TraceError
 
 WALLS = ("memory", "communication", "host", "compute")
@@ -94,7 +95,7 @@ class Report:
         # Serialised straight from the fields: the deep copy of to_dict costs more than the
         # encoding on a long --all-steps report (re-analysis reads a cached result, then this).
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        return json.dumps(_ordered(data), indent=indent, default=_jsonable)
+        return jsontext.dumps(_ordered(data), indent=indent, default=_jsonable)
 
     def tables(self) -> dict:
         """The report's tables as polars frames by name (steps, ranks, kernels, idle_gaps,

@@ -17,11 +17,11 @@ it matches, else starts a run of its own. ``--job`` (all inputs are one job) and
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from traceclf import jsontext
 from traceclf.report import Report
 
 # Ranks of one synchronous job wait for each other every step: their step times agree closely.
@@ -236,7 +236,7 @@ class RunSet:
     def to_json(self, indent: int | None = 2) -> str:
         from traceclf.report import _jsonable
 
-        return json.dumps(self.to_dict(), indent=indent, default=_jsonable)
+        return jsontext.dumps(self.to_dict(), indent=indent, default=_jsonable)
 
     def tables(self) -> dict:
         """Every run's tables stacked, with a leading ``run`` column (traceclf/export/tables.py)."""

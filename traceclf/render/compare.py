@@ -3,9 +3,9 @@ Markdown or JSON."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from traceclf import jsontext
 from traceclf.compare import Comparison, MultiComparison, Run
 from traceclf.render import emit
 from traceclf.render.escape import for_markdown, for_terminal, markdown_code
@@ -28,7 +28,7 @@ def render_comparison(
     elif fmt == "md":
         text = comparison_markdown(result)
     elif fmt == "json":
-        text = json.dumps(result.to_dict(), indent=2) + "\n"
+        text = jsontext.dumps(result.to_dict()) + "\n"
     else:
         raise ValueError(f"unknown format {fmt!r}")
     emit(text, output)
@@ -146,7 +146,7 @@ def _many_rows(result: MultiComparison) -> list[tuple[str, ...]]:
 def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None:
     """A baseline against several candidates: one row each, then each comparison's detail."""
     if fmt == "json":
-        emit(json.dumps(result.to_dict(), indent=2) + "\n", output)
+        emit(jsontext.dumps(result.to_dict()) + "\n", output)
         return
     regressed = [Path(c.after.source).name for c in result.comparisons if c.regression]
     head = (
