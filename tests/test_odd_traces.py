@@ -233,3 +233,31 @@ def test_dp_tp_collectives_named_by_other_nccl_versions_propose_overlap(tmp_path
     fix = next(f for f in r["fixes"] if f["id"] == "dp-tp-overlap")
     step = r["metrics"]["step_time_ms"]
     assert fix["ceiling"]["recoverable_ms"] <= row["exposed_frac"] * step + 1e-3
+
+
+NCCL_RANGE = (
+    "SELECT e.rowid FROM NVTX_EVENTS e JOIN StringIds s ON s.id = e.textId "
+    "WHERE s.value LIKE 'nccl%' LIMIT 1"
+)
+
+
+@pytest.mark.parametrize(
+    ("sql", "expected"),
+    [
+        ((), "declared_empty"),  # as captured: schemas declared, no range carries a value
+        (  # constructed: one NCCL range (named in StringIds, in upper case) given a size
+            (
+                f"UPDATE NVTX_EVENTS SET uint64Value = 1048576 WHERE rowid = ({NCCL_RANGE})",
+                "UPDATE StringIds SET value = upper(value) WHERE value LIKE 'nccl%'",
+            ),
+            "values",
+        ),
+        (  # constructed: a value on a range that is not NCCL's says nothing of NCCL's payload
+            ("UPDATE NVTX_EVENTS SET int32Value = 7 WHERE text LIKE 'Iteration %'",),
+            "declared_empty",
+        ),
+    ],
+)
+def test_nccl_payload_is_seen_on_nccl_ranges_only(tmp_path, sql, expected):
+    r = report(edited(tmp_path, "h100_comm_ep2", *sql))
+    assert r["capture"]["nccl_payload"] == expected

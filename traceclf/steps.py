@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from traceclf.errors import TraceError, TraceWarning
-from traceclf.kernels import Taxonomy
+from traceclf.kernels import Taxonomy, matches
 from traceclf.model import Trace, outermost
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def _empty_table() -> pl.DataFrame:
 def step_ranges(nvtx: pl.DataFrame, pattern: str) -> pl.DataFrame | None:
     """The NVTX ranges matching ``pattern`` that no other match contains, numbered (index),
     in time order; None when there are none."""
-    ranges = nvtx.filter(pl.col("text").str.contains(pattern))
+    ranges = nvtx.filter(matches(nvtx["text"], pattern))
     if ranges.is_empty():
         return None
     # Nested matches (a "step" inside another "step") would double count: keep the outermost.

@@ -214,8 +214,9 @@ def build_trace(
     events = read("events")  # cudaEventRecord rows: no time, whole capture
 
     step("NVTX")
-    if nvtx is None:  # (the window mode has them from its first pass)
-        nvtx = nvtx_ranges(reader, read)
+    raw_nvtx = read("nvtx")  # (the window mode's first pass read them: no second read)
+    if nvtx is None:
+        nvtx = nvtx_ranges(reader, raw_nvtx)
     if nvtx_window is not None:
         nvtx = nvtx.filter((pl.col("start") < nvtx_window[1]) & (pl.col("end") > nvtx_window[0]))
 
@@ -249,7 +250,7 @@ def build_trace(
         threads=read_threads(reader, strings),
         events=events,
         session=read_session(reader),
-        nccl_payload=nccl_payload(reader),
+        nccl_payload=nccl_payload(reader, raw_nvtx),
         unusable_rows=dict(sorted(unusable.items())),
         windows=windows,
         capture_span=capture[0],
@@ -270,10 +271,9 @@ def release_read_buffers() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def nvtx_ranges(reader: Reader, read: ReadFn | None = None) -> pl.DataFrame:
+def nvtx_ranges(reader: Reader, raw: pl.DataFrame) -> pl.DataFrame:
     """NVTX push/pop and start/end ranges of the whole capture, with text and domain names,
-    sorted by start (``read`` defaults to a plain read of the table)."""
-    raw = (read or reader.read)("nvtx")
+    sorted by start (``raw``: the NVTX_EVENTS rows as read)."""
     domains = (
         raw.filter(pl.col("event_type") == NVTX_DOMAIN_CREATE)
         .select("domain_id", domain=pl.col("text"))

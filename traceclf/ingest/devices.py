@@ -168,32 +168,19 @@ def read_threads(reader: Reader, strings: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-PAYLOAD_COLUMNS = (
-    "uint64Value",
-    "int64Value",
-    "doubleValue",
-    "uint32Value",
-    "int32Value",
-    "floatValue",
-    "jsonTextId",
-    "jsonText",
-    "binaryData",
-)
-
-
-def nccl_payload(reader: Reader) -> str:
+def nccl_payload(reader: Reader, raw_nvtx: pl.DataFrame) -> str:
     """Whether NCCL's NVTX ranges carry their payload (message sizes, peers...): ``"values"``,
-    ``"declared_empty"`` (payload schemas declared, no range carries a value) or ``"absent"``."""
-    columns = reader.info.columns.get("NVTX_EVENTS", ())
-    present = [c for c in PAYLOAD_COLUMNS if c in columns]
-    if present and {"text", "textId"} <= set(columns) and reader.info.has("StringIds"):
-        any_value = " OR ".join(f'e."{c}" IS NOT NULL' for c in present)
-        hit = reader.sql(
-            "SELECT count(*) AS n FROM (SELECT 1 FROM NVTX_EVENTS e "
-            "LEFT JOIN StringIds s ON s.id = e.textId "
-            f"WHERE COALESCE(e.text, s.value) LIKE 'nccl%' AND ({any_value}) LIMIT 1)"
+    ``"declared_empty"`` (payload schemas declared, no range carries a value) or ``"absent"``.
+    ``raw_nvtx``: the NVTX_EVENTS rows as read (their ``payload`` flag: any payload column
+    set), of the whole capture."""
+    carried = raw_nvtx.filter(pl.col("payload") == 1) if "payload" in raw_nvtx.columns else None
+    if carried is not None and carried.height:
+        strings = reader.strings.rename({"id": "text_id", "value": "_t"})
+        text = carried.join(strings, on="text_id", how="left").select(
+            pl.coalesce("text", "_t").str.to_lowercase()
         )
-        if int(hit["n"][0]):
+        # (SQLite's LIKE 'nccl%' of earlier releases: case-blind for ASCII)
+        if text.to_series().str.starts_with("nccl").any():
             return "values"
     return "declared_empty" if reader.info.has("NVTX_PAYLOAD_SCHEMAS") else "absent"
 

@@ -94,6 +94,31 @@ def _pid(*sources: str, decode_from: str | None = None) -> Col:
     return Col("pid", sources, pl.Int64, sql=sql, null_as=-1, decode_from=decode_from)
 
 
+# NVTX payload columns (nsys >= 2022): NCCL's ranges carry message sizes and peers here
+PAYLOAD_COLUMNS = (
+    "uint64Value",
+    "int64Value",
+    "doubleValue",
+    "uint32Value",
+    "int32Value",
+    "floatValue",
+    "jsonTextId",
+    "jsonText",
+    "binaryData",
+)
+
+
+def _any_set(name: str, sources: tuple[str, ...]) -> Col:
+    """``name`` = 1 where any of ``sources`` present holds a value, else 0: whether a row
+    carries something, as one byte instead of the columns."""
+
+    def sql(present: frozenset[str]) -> str:
+        terms = [f'"{c}" IS NOT NULL' for c in sources if c in present]
+        return f"({' OR '.join(terms)})" if terms else "0"
+
+    return Col(name, sources, pl.Int8, sql=sql)
+
+
 GPU_ROW = (
     _c("start", required=True),
     _c("end", required=True),
@@ -183,6 +208,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
             _c("text_id", "textId"),
             _c("global_tid", "globalTid"),
             _c("domain_id", "domainId"),
+            _any_set("payload", PAYLOAD_COLUMNS),
         ),
     ),
     "memory": (

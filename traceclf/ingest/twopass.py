@@ -128,7 +128,7 @@ class _Planner:
         self.spans: list[tuple[Span, Span]] = []  # (GPU rows, CUDA calls) to read per run
 
     def plans(self) -> dict[int, StepPlan] | None:
-        self.nvtx = nvtx = nvtx_ranges(self.reader, lambda _logical: self.nvtx_raw)
+        self.nvtx = nvtx = nvtx_ranges(self.reader, self.nvtx_raw)
         pattern = self.step_regex or self.taxonomy.nvtx["step"]
         plans = {}
         for pid in self._rank_pids():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceclf.kernels import by_name
+from traceclf.kernels import by_name, matches
 from traceclf.measures import timeline
 from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
@@ -101,9 +101,9 @@ def _training_evidence(w: RankWindow) -> dict:
     return {
         "backward_kernels": int(names["backward"].sum()),
         "autograd_launches": autograd_launches,
-        "backward_ranges": int(nvtx.str.contains(patterns["backward_nvtx"]).sum()),
+        "backward_ranges": int(matches(nvtx, patterns["backward_nvtx"]).sum()),
         "optimizer_kernels": int(names["optimizer"].sum()),
-        "optimizer_ranges": int(nvtx.str.contains(w.taxonomy.nvtx["optimizer"]).sum()),
+        "optimizer_ranges": int(matches(nvtx, w.taxonomy.nvtx["optimizer"]).sum()),
         "framework_kernel_frac": (
             round(int(names.filter("framework")["dur"].sum()) / total, 4) if total else None
         ),
@@ -113,7 +113,7 @@ def _training_evidence(w: RankWindow) -> dict:
             .join(names.select("name"), on="name")
             .height
         ),
-        "moe_ranges": int(nvtx.str.contains(w.taxonomy.moe["nvtx"]).sum()),
+        "moe_ranges": int(matches(nvtx, w.taxonomy.moe["nvtx"]).sum()),
     }
 
 

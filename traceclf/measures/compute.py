@@ -248,9 +248,8 @@ def optimizer_kernels_per_step(w: RankWindow) -> float | None:
     """Kernels of the window launched inside an optimizer NVTX range: a per-tensor optimizer
     step shows as many small elementwise kernels, which only the range identifies."""
     trace = w.trace
-    ranges = trace.nvtx.filter(
-        pl.col("text").str.contains(w.taxonomy.nvtx["optimizer"])
-    ).with_columns(opt=pl.lit(True))
+    ranges = trace.nvtx.filter(kernels.matches(trace.nvtx["text"], w.taxonomy.nvtx["optimizer"]))
+    ranges = ranges.with_columns(opt=pl.lit(True))
     if ranges.is_empty():
         return None
     # over the trace's own kernels, whose launches are looked up once for every measure, each

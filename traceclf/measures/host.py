@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from traceclf.kernels import matches
 from traceclf.measures import timeline
 from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
@@ -193,8 +194,9 @@ def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     nvtx, tax = w.taxonomy.nvtx, w.taxonomy
     generic = "|".join(f"(?:{nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
     step_names = w.steps.table["name"].unique().implode()
-    ranges = w.trace.nvtx.filter(
-        ~pl.col("text").is_in(step_names) & ~pl.col("text").str.contains(generic)
+    nvtx_ranges = w.trace.nvtx
+    ranges = nvtx_ranges.filter(
+        ~pl.col("text").is_in(step_names) & ~matches(nvtx_ranges["text"], generic)
     ).select("text", r_start="start", r_end="end")
     long = gaps.filter("long").select("start", "end", "dur")
     best = pl.DataFrame(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from traceclf.kernels import matches
 from traceclf.measures import timeline
 from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
@@ -77,9 +78,9 @@ def recompute_frac(w: RankWindow) -> float | None:
     Without recompute, backward runs different GEMMs (dgrad/wgrad shapes and layouts)."""
     trace, nvtx = w.trace, w.taxonomy.nvtx
     phases = trace.nvtx.with_columns(
-        phase=pl.when(pl.col("text").str.contains(nvtx["forward"]))
+        phase=pl.when(matches(trace.nvtx["text"], nvtx["forward"]))
         .then(pl.lit("fwd"))
-        .when(pl.col("text").str.contains(nvtx["backward"]))
+        .when(matches(trace.nvtx["text"], nvtx["backward"]))
         .then(pl.lit("bwd"))
     ).filter(pl.col("phase").is_not_null())
     if (

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from traceclf.kernels import matches
 from traceclf.measures import timeline
 from traceclf.measures.host import IDLE_CAUSES
 from traceclf.measures.window import RankWindow
@@ -34,7 +35,7 @@ def projected(w: RankWindow) -> pl.DataFrame:
     label = pl.lit(None, dtype=pl.String)
     for phase in reversed(PHASES):
         label = (
-            pl.when(pl.col("text").cast(pl.String).str.contains(patterns[phase]))
+            pl.when(matches(trace.nvtx["text"], patterns[phase]))
             .then(pl.lit(phase))
             .otherwise(label)
         )
