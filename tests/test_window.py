@@ -140,6 +140,25 @@ def test_rowindex_bounds_match_a_scan(tmp_path: Path) -> None:
                 assert upto - after == len(inside)  # and nothing more: exact by binary search
 
 
+def test_rowindex_bounds_hold_across_missing_rowids(tmp_path: Path) -> None:
+    """Constructed: CUDA calls with a block of rows deleted and every 7th row gone (rowids no
+    longer dense): each search ends, and the rowid range holds exactly the rows in time."""
+    path = copy_of(tmp_path, "h100_comm_ep2_overlap")
+    table = "CUPTI_ACTIVITY_KIND_RUNTIME"
+    with sqlite3.connect(path) as con:
+        con.execute(f"DELETE FROM {table} WHERE rowid BETWEEN 1000 AND 3000 OR rowid % 7 = 0")
+    with rowindex.connect(path) as con:
+        index = RowIndex.build(con, table, samples=64)
+        rows = np.array(con.execute(f"SELECT rowid, start FROM {table} ORDER BY rowid").fetchall())
+        assert index is not None and index.ordered
+        rng = np.random.default_rng(11)
+        for lo, hi in np.sort(rng.integers(rows[0, 1] - 10, rows[-1, 1] + 10, (80, 2)), axis=1):
+            after, upto = index.bounds(int(lo), int(hi))
+            inside = rows[(rows[:, 1] >= lo) & (rows[:, 1] <= hi), 0]
+            in_range = rows[(rows[:, 0] > after) & (rows[:, 0] <= upto), 0]
+            assert np.array_equal(in_range, inside)
+
+
 def test_shuffled_rows_are_seen_and_read_by_filtered_scan(tmp_path: Path) -> None:
     """Constructed: the kernel rows of a graph-stepped trace (exact GPU steps from pass 1)
     in random order: the sampled order check fails, pass 2 scans with a time filter."""
