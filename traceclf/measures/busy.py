@@ -141,17 +141,21 @@ class Busy:
     def gaps(self, spans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """The stretches of the spans not covered, as disjoint sorted intervals (touching
         ones merged)."""
-        starts, ends = [], []
+        starts, ends = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
         for lo, hi in spans:
-            a = np.searchsorted(self.end, lo, side="right")  # first run ending after lo
-            b = np.searchsorted(self.start, hi, side="left")  # runs starting before hi
-            edge = np.concatenate([[lo], np.minimum(self.end[a:b], hi)])
-            nxt = np.concatenate([np.maximum(self.start[a:b], lo), [hi]])
+            a = int(np.searchsorted(self.end, lo, side="right"))  # first run ending after lo
+            b = int(np.searchsorted(self.start, hi, side="left"))  # runs starting before hi
+            # (written in place: millions of runs, each temporary the size of all of them)
+            edge, nxt = np.empty(b - a + 1, np.int64), np.empty(b - a + 1, np.int64)
+            edge[0], nxt[-1] = lo, hi
+            np.minimum(self.end[a:b], hi, out=edge[1:])
+            np.maximum(self.start[a:b], lo, out=nxt[:-1])
             real = nxt > edge
             starts.append(edge[real])
             ends.append(nxt[real])
-        start = np.concatenate(starts or [[]]).astype(np.int64)
-        end = np.concatenate(ends or [[]]).astype(np.int64)
+            del edge, nxt, real
+        start = starts[1] if len(starts) == 2 else np.concatenate(starts)
+        end = ends[1] if len(ends) == 2 else np.concatenate(ends)
         # (gaps of one span never touch: only the last of a span and the first of the next)
         return union(start, end) if len(spans) > 1 else (start, end)
 

@@ -49,6 +49,7 @@ INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing 
 SYNC_SLACK_NS = 20_000  # a sync returns this soon after the GPU drains
 BATCH_COPY_BYTES = 1 << 20  # a host->device copy this big after a gap is the next batch
 TOP_NVTX = 5
+CALL_BLOCK = 1 << 20  # CUDA calls per block of the host-coverage count
 NVTX_COUNTERS = r",?\s*\b(seq|op_id|id|step)\s*=\s*\d+"
 
 
@@ -125,18 +126,25 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
             nvtx_ns=pl.lit(0, pl.Int64),
         ).select(list(schema))
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
+    dur = gend - gstart
     profiler = layers.profiler  # (all of a gap is idle)
-    # (each helper's arrays over millions of calls are freed as it returns)
+    api_ns, calls_in = _host_cover(calls, gstart, gend)
+    # Flags, not the counts and ns they are read from: millions of gaps (one column each,
+    # not eight bytes a gap; each helper's arrays over millions of calls freed as it returns)
     gaps = gaps.with_columns(
-        **_host_cover(calls, gstart, gend),
-        after_sync=_after_sync(calls, gstart, gend),
-        profiler_ns=pl.Series(timeline.covered_by_runs(profiler.start, profiler.end, gstart, gend)),
+        long=pl.Series((dur >= INPUT_GAP_NS) & (api_ns * 2 < dur)),
+        any_call=pl.Series(calls_in > 0),
     )
-    long_gap = (pl.col("dur") >= INPUT_GAP_NS) & (pl.col("api_ns") * 2 < pl.col("dur"))
-    gaps = _attribute_nvtx(gaps.with_columns(long=long_gap), w)
+    del api_ns, calls_in
+    flushed = timeline.covered_by_runs(profiler.start, profiler.end, gstart, gend) * 2 >= dur
+    gaps = gaps.with_columns(
+        after_sync=_after_sync(calls, gstart, gend), profiler_flush=pl.Series(flushed)
+    )
+    del dur, flushed
+    gaps = _attribute_nvtx(gaps, w)
     data = (pl.col("activity") == "data").fill_null(False) | pl.col("batch_copy")
     return gaps.with_columns(
-        cause=pl.when(pl.col("profiler_ns") * 2 >= pl.col("dur"))
+        cause=pl.when(pl.col("profiler_flush"))
         .then(pl.lit("other", CAUSE))  # a profiler flush, not the host's doing
         .when(pl.col("long") & data)
         .then(pl.lit("input", CAUSE))
@@ -144,28 +152,37 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
         .then(pl.lit("host", CAUSE))
         .when(pl.col("after_sync"))
         .then(pl.lit("sync", CAUSE))
-        .when(pl.col("calls") > 0)
+        .when(pl.col("any_call"))
         .then(pl.lit("launch", CAUSE))
         .otherwise(pl.lit("other", CAUSE))
     ).select(list(schema))
 
 
-def _host_cover(calls: pl.DataFrame, gstart: np.ndarray, gend: np.ndarray) -> dict[str, pl.Series]:
-    """Per gap: ns of host coverage by the CUDA calls that start inside it, clipped to it
-    (``api_ns``), and how many there are (``calls``)."""
-    start = calls["start"].to_numpy()
-    idx = timeline.rank_sorted(gstart, start, side="right")
-    idx -= 1  # the gap each call starts in or after (-1: before the first)
-    inside = idx >= 0
-    inside &= start < np.take(gend, idx, mode="clip")
-    idx = idx[inside]  # (arrays of every call freed as soon as they are used)
-    covered = np.minimum(calls["end"].filter(pl.Series(inside)).to_numpy(), gend[idx])
-    covered -= start[inside]
-    del start, inside
-    return {
-        "api_ns": pl.Series(np.bincount(idx, weights=covered, minlength=len(gstart))),
-        "calls": pl.Series(np.bincount(idx, minlength=len(gstart))),
-    }
+def _host_cover(
+    calls: pl.DataFrame, gstart: np.ndarray, gend: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per gap: ns of host coverage by the CUDA calls that start inside it, clipped to it, and
+    how many there are. The calls go by blocks: the temporaries of tens of millions of calls
+    at once were the peak of an ``--all-steps`` analysis."""
+    api_ns = np.zeros(len(gstart))  # (float: exact for integer ns below 2**53)
+    count = np.zeros(len(gstart), np.int64)
+    starts, ends = calls["start"].to_numpy(), calls["end"].to_numpy()
+    for lo in range(0, len(starts), CALL_BLOCK):
+        start, end = starts[lo : lo + CALL_BLOCK], ends[lo : lo + CALL_BLOCK]
+        idx = timeline.rank_sorted(gstart, start, side="right")
+        idx -= 1  # the gap each call starts in or after (-1: before the first)
+        inside = idx >= 0
+        inside &= start < np.take(gend, idx, mode="clip")
+        idx = idx[inside]
+        if not len(idx):
+            continue
+        # the calls of a block (in start order) fall in a run of gaps: count over those only
+        first = int(idx.min())
+        covered = np.minimum(end[inside], gend[idx]) - start[inside]
+        part = np.bincount(idx - first, weights=covered)
+        api_ns[first : first + len(part)] += part
+        count[first : first + len(part)] += np.bincount(idx - first, minlength=len(part))
+    return api_ns, count
 
 
 def _after_sync(calls: pl.DataFrame, gstart: np.ndarray, gend: np.ndarray) -> pl.Series:
