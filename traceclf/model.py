@@ -46,6 +46,8 @@ import polars as pl
 if TYPE_CHECKING:  # (a cached result's re-analysis imports this module, not numpy)
     import numpy as np
 
+LAUNCH_BLOCK = 1 << 20  # rows of GPU work per block when their launches are placed in ranges
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -221,13 +223,12 @@ class Trace:
         launched it was made; null where none was. The GPU side of :meth:`calls_in`, with the
         same ranges (outermost ones) and ends included: the launch is found by correlationId
         (:attr:`call_index`), its range by binary search, so nothing joins millions of rows."""
-        import numpy as np  # here: a cached result's re-analysis imports this module, not numpy
 
         outer = outermost(ranges.select("start", "end", key))
         if not len(outer):
             return pl.Series(key, [None] * len(work), dtype=ranges.schema[key])
         inside, j = self._range_of_launch(work, outer)
-        keys = outer[key].gather(pl.Series(j.astype(np.uint32)))
+        keys = outer[key].gather(pl.Series(j))
         return pl.select(pl.when(pl.Series(inside)).then(keys)).to_series().alias(key)
 
     def _range_of_launch(self, work: pl.DataFrame, outer: pl.DataFrame) -> tuple:
@@ -236,12 +237,17 @@ class Trace:
         import numpy as np
 
         starts = self._launch_starts(work)
-        at = starts.fill_null(-1).to_numpy()
         lo, hi = outer["start"].to_numpy(), outer["end"].to_numpy()
-        i = np.searchsorted(lo, at, side="right") - 1  # the last range starting by then
-        j = np.maximum(i, 0)
-        inside = starts.is_not_null().to_numpy() & (i >= 0)
-        inside &= at <= hi[j]
+        inside, j = np.zeros(len(starts), bool), np.zeros(len(starts), np.uint32)
+        # by blocks of rows: the temporaries of millions of kernels at once were a peak
+        for a in range(0, len(starts), LAUNCH_BLOCK):
+            part = starts.slice(a, LAUNCH_BLOCK)
+            at = part.fill_null(-1).to_numpy()
+            i = np.searchsorted(lo, at, side="right") - 1  # the last range starting by then
+            k = np.maximum(i, 0)
+            ok = part.is_not_null().to_numpy() & (i >= 0)
+            ok &= at <= hi[k]
+            inside[a : a + len(at)], j[a : a + len(at)] = ok, k
         return inside, j
 
     @functools.cached_property
@@ -290,7 +296,6 @@ class Trace:
         """(``key``, gpu_start, gpu_end): first start and last end of the GPU work (kernels,
         graph replays, copies) launched inside each range of ``ranges`` (start, end, key) —
         how a CPU-side NVTX range is projected onto the GPU."""
-        import numpy as np
 
         outer = outermost(ranges.select("start", "end", key))
         parts = [pl.DataFrame(schema={"_range": pl.UInt32, "start": pl.Int64, "end": pl.Int64})]
@@ -301,7 +306,7 @@ class Trace:
             parts.append(
                 pl.DataFrame(
                     {
-                        "_range": pl.Series(j[inside].astype(np.uint32)),
+                        "_range": pl.Series(j[inside]),
                         "start": f["start"].filter(mine).cast(pl.Int64),
                         "end": f["end"].filter(mine).cast(pl.Int64),
                     }

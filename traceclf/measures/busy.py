@@ -18,6 +18,9 @@ def union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     intervals that touch merge, as in :func:`traceclf.measures.timeline.union`)."""
     if not len(start):
         return np.empty(0, np.int64), np.empty(0, np.int64)
+    # already disjoint and in order (kernels of one stream): as they are, nothing allocated
+    if bool(np.all(start[1:] > end[:-1])) and bool(np.all(end >= start)):
+        return start, end
     reach = np.maximum.accumulate(end)
     new = np.ones(len(start), bool)
     new[1:] = start[1:] > reach[:-1]
@@ -58,7 +61,11 @@ class Busy:
     def __init__(self, start: np.ndarray, end: np.ndarray) -> None:
         keep = end > start  # an empty run covers nothing, and would split a gap in two
         self.start, self.end = (start, end) if keep.all() else (start[keep], end[keep])
-        self.before = np.concatenate([[0], np.cumsum(self.end - self.start)])  # before run i
+        # ns covered before run i (written in place: millions of runs, one array)
+        self.before = np.empty(len(self.start) + 1, np.int64)
+        self.before[0] = 0
+        np.subtract(self.end, self.start, out=self.before[1:])
+        np.cumsum(self.before[1:], out=self.before[1:])
 
     @classmethod
     def of(cls, *frames: pl.DataFrame) -> Busy:

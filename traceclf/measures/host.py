@@ -58,7 +58,7 @@ def calls(w: RankWindow) -> dict[str, float | None]:
     was not traced."""
     if not w.host_traced:
         return dict.fromkeys(CALL_MEASURES)
-    api, kern, n_steps = w.step_calls, w.kern, w.n_steps  # the calls of the window's steps
+    api, kern, n_steps = w.step_calls(), w.kern, w.n_steps  # the calls of the window's steps
     launches = api.filter(pl.col("is_launch"))
     launch_ns = launches["end"] - launches["start"]
     launch_median = float(launch_ns.median()) if len(launches) else None

@@ -60,7 +60,7 @@ class RankWindow:
     graph_spans: pl.DataFrame  # one interval per graph replay, either tracing mode
     copies: pl.DataFrame
     api: pl.DataFrame  # CUDA calls while the GPU runs the window, is_sync/launch/alloc flags
-    step_calls: pl.DataFrame  # the CUDA calls of the analysed steps (step_calls), flagged
+    flagged: pl.DataFrame  # every CUDA call of the rank, row for row, flagged (classify_api)
     layers: Layers  # what each layer of GPU work covers
     state: dict[str, int]  # ns of the window in each state (Layers.state_times)
 
@@ -80,6 +80,13 @@ class RankWindow:
     def comm(self) -> pl.DataFrame:
         """Intervals of communication kernels."""
         return self.kern.select("start", "end", "is_comm").filter(pl.col("is_comm")).drop("is_comm")
+
+    def step_calls(self) -> pl.DataFrame:
+        """The CUDA calls of the analysed steps (:func:`step_calls`), flagged; made when asked
+        and not kept: millions of calls over ``--all-steps``."""
+        if not self.steps.count:
+            return self.api
+        return step_calls(self.trace, self.steps, self.taxonomy, self.flagged)
 
     @property
     def window(self) -> tuple[int, int]:
@@ -116,7 +123,6 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
     # flagged once for both: the window's calls and the steps' calls (millions of rows each)
     flagged = classify_api(trace.api.select("start", "end", "name", "correlation_id"), taxonomy)
     api = timeline.clip(flagged, window)
-    calls = step_calls(trace, steps, taxonomy, flagged) if steps.count else api
     starts, ends = kern["start"].to_numpy(), kern["end"].to_numpy()
     is_comm = kern["is_comm"].fill_null(False).to_numpy()
     # Profiler overhead (CUPTI buffer flushes, ...) is a layer of its own: not GPU work, but
@@ -143,7 +149,7 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
         graph_spans,
         copies,
         api,
-        calls,
+        flagged,
         layers,
         layers.state_times(),
     )
