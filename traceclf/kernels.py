@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # polars is imported where an expression is built: a cached re-analysis
     # reads the taxonomy (the rule set's) without building any
+    from collections.abc import Callable
+
     import numpy as np
     import polars as pl
 
@@ -121,10 +123,22 @@ def by_name(df: pl.DataFrame, per_name: pl.DataFrame, col: str = "name") -> pl.D
     if not codes.null_count():
         at = slot[codes.to_numpy()]
         if not bool((at == len(per_name)).any()):  # every row's name listed: plain gathers
-            return df.with_columns(_gather(per_name[c], at) for c in extra)
+            return df.with_columns(
+                _lookup(per_name[c], len(df), lambda v: _gather(v, at)) for c in extra
+            )
     index = pl.Series(slot).gather(codes)
     padded = pl.concat([per_name.select(extra), per_name.select(extra).clear(1)])
-    return df.with_columns(padded[c].gather(index) for c in extra)
+    return df.with_columns(_lookup(padded[c], len(df), lambda v: v.gather(index)) for c in extra)
+
+
+def _lookup(values: pl.Series, n: int, gather: Callable[[pl.Series], pl.Series]) -> pl.Series:
+    """``gather(values)``, or ``n`` nulls when no name has a value (no communication kernel:
+    no library): a fresh null column is never written, so never resident."""
+    import polars as pl
+
+    if values.null_count() < len(values):
+        return gather(values)
+    return pl.repeat(None, n, dtype=values.dtype, eager=True).alias(values.name)
 
 
 def _gather(values: pl.Series, at: np.ndarray) -> pl.Series:

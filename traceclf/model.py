@@ -3,7 +3,8 @@
 All times are integer nanoseconds on the capture's session timeline. Kernel and API names are
 polars Categoricals (millions of rows, a few hundred names): cast to ``pl.String`` before
 string operations, e.g. ``pl.col("name").cast(pl.String).str.contains("nccl")``. Every GPU-side frame has
-``pid`` (decoded from ``globalPid``), so ranks that share one GPU stay apart.
+``pid`` (decoded from ``globalPid``: 24 bits, an Int32 in the event frames), so ranks that share
+one GPU stay apart.
 
 Frames and their columns
 - ``kernels``: start, end, device_id, stream_id, correlation_id, pid, name, short_name,
@@ -230,6 +231,14 @@ class Trace:
         inside, j = self._range_of_launch(work, outer)
         keys = outer[key].gather(pl.Series(j))
         return pl.select(pl.when(pl.Series(inside)).then(keys)).to_series().alias(key)
+
+    def launched_within(self, work: pl.DataFrame, ranges: pl.DataFrame) -> np.ndarray:
+        """Whether the CUDA call that launched each row of ``work`` was made in one of
+        ``ranges`` (start, end): :meth:`launched_in` as flags, without a column of keys."""
+        import numpy as np
+
+        outer = outermost(ranges.select("start", "end"))
+        return self._range_of_launch(work, outer)[0] if len(outer) else np.zeros(len(work), bool)
 
     def _range_of_launch(self, work: pl.DataFrame, outer: pl.DataFrame) -> tuple:
         """For each row of ``work``: whether its launch call lies in one of the ``outer``

@@ -91,7 +91,7 @@ def _pid(*sources: str, decode_from: str | None = None) -> Col:
         src = next((c for c in sources if c in present), None)
         return f'coalesce(("{src}" >> 24) & 16777215, -1)' if src else None
 
-    return Col("pid", sources, pl.Int64, sql=sql, null_as=-1, decode_from=decode_from)
+    return Col("pid", sources, pl.Int32, sql=sql, null_as=-1, decode_from=decode_from)
 
 
 # NVTX payload columns (nsys >= 2022): NCCL's ranges carry message sizes and peers here

@@ -249,12 +249,11 @@ def optimizer_kernels_per_step(w: RankWindow) -> float | None:
     step shows as many small elementwise kernels, which only the range identifies."""
     trace = w.trace
     ranges = trace.nvtx.filter(kernels.matches(trace.nvtx["text"], w.taxonomy.nvtx["optimizer"]))
-    ranges = ranges.with_columns(opt=pl.lit(True))
     if ranges.is_empty():
         return None
     # over the trace's own kernels, whose launches are looked up once for every measure, each
     # counted as often as the window's kernels hold it
-    launched = trace.launched_in(trace.kernels, ranges, "opt").is_not_null().to_numpy()
+    launched = trace.launched_within(trace.kernels, ranges)
     times = timeline.times_in(trace.kernels, w.spans)
     return int(times[launched].sum()) / w.n_steps
 

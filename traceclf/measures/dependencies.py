@@ -64,7 +64,7 @@ def gpu_ops(
     graph nodes, graphs, copies), for a caller that gathers only the columns it keeps in
     :func:`start_end_order` itself."""
     cols = ["pid", "device_id", "stream_id", "correlation_id", "start", "end"]
-    schema = {c: pl.Int64 for c in cols} | {"device_id": pl.Int32, "stream_id": pl.Int32}
+    schema = {c: pl.Int64 for c in cols} | {c: pl.Int32 for c in ("pid", "device_id", "stream_id")}
     node = pl.col("graph_node_id").is_not_null()
     after = pl.col("end") > since if since is not None else pl.lit(True)
     kern = kern.select(*cols, "graph_node_id").with_columns(_comm=is_comm)

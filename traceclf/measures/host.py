@@ -138,7 +138,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     del api_ns, calls_in
     flushed = timeline.covered_by_runs(profiler.start, profiler.end, gstart, gend) * 2 >= dur
     gaps = gaps.with_columns(
-        after_sync=_after_sync(calls, gstart, gend), profiler_flush=pl.Series(flushed)
+        after_sync=_after_sync(calls, gstart, gend, dur), profiler_flush=pl.Series(flushed)
     )
     del dur, flushed
     gaps = _attribute_nvtx(gaps, w)
@@ -185,20 +185,25 @@ def _host_cover(
     return api_ns, count
 
 
-def _after_sync(calls: pl.DataFrame, gstart: np.ndarray, gend: np.ndarray) -> pl.Series:
+def _after_sync(
+    calls: pl.DataFrame, gstart: np.ndarray, gend: np.ndarray, dur: np.ndarray
+) -> pl.Series:
     """Per gap: whether a synchronising call drained the queue before it, or an allocation
     filled it."""
     # cudaMalloc/cudaFree synchronise the device: a gap they fill is a stall, not launching
-    alloc_ns = timeline.covered(calls.filter(pl.col("is_alloc")), gstart, gend)
+    filled = timeline.covered(calls.filter(pl.col("is_alloc")), gstart, gend)
+    filled = np.multiply(filled, 2, out=filled) >= dur
     # A synchronising call that returns inside a gap, or at most SYNC_SLACK_NS before it starts,
     # drained the queue. Every such gap counts: with kernels of a few µs the next gap starts
     # within the slack too, and must not take the sync away from the gap it returned in.
     sync_end = np.sort(calls.filter(pl.col("is_sync").fill_null(False))["end"].to_numpy())
-    # first sync returning since then
-    nxt = timeline.rank_sorted(sync_end, gstart - SYNC_SLACK_NS, side="left")
+    # first sync returning since then (the slack moved onto the few syncs, not every gap)
+    nxt = timeline.rank_sorted(sync_end + SYNC_SLACK_NS, gstart, side="left")
     after_sync = nxt < len(sync_end)
     after_sync[after_sync] = sync_end[nxt[after_sync]] <= gend[after_sync]
-    return pl.Series(after_sync) | pl.Series(alloc_ns * 2 >= gend - gstart)
+    del nxt
+    after_sync |= filled
+    return pl.Series(after_sync)
 
 
 def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:

@@ -12,6 +12,8 @@ the backward's last ones): each phase starts where the previous one ended, so th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import polars as pl
 
@@ -81,12 +83,15 @@ def phase_table(w: RankWindow, gaps: pl.DataFrame, spans: pl.DataFrame) -> list[
         "exposed_comm": (busy.compute_comm, busy.compute),
         "copy": (busy.work, busy.compute_comm),
     }
-    idle = _idle_runs(gaps)
     starts, ends = spans["start"].to_numpy(), spans["end"].to_numpy()
     per_span = {
         name: outer.covered(starts, ends) - (inner.covered(starts, ends) if inner else 0)
         for name, (outer, inner) in states.items()
-    } | {name: timeline.covered_by_runs(lo, hi, starts, ends) for name, (lo, hi) in idle.items()}
+    }
+    idle_total = {}
+    for name, (lo, hi) in _idle_runs(gaps):  # (one cause's runs at a time: millions of gaps)
+        per_span[name] = timeline.covered_by_runs(lo, hi, starts, ends)
+        idle_total[name] = int((hi - lo).sum())
     rows = spans.with_columns(
         time=pl.col("end") - pl.col("start"), **{n: pl.Series(v) for n, v in per_span.items()}
     )
@@ -101,8 +106,8 @@ def phase_table(w: RankWindow, gaps: pl.DataFrame, spans: pl.DataFrame) -> list[
     for name, (outer, inner) in states.items():
         total = outer.total - (inner.total if inner else 0)
         outside[name] = total - int(table[name].sum())
-    for name, (lo, hi) in idle.items():
-        outside[name] = int((hi - lo).sum()) - int(table[name].sum())
+    for name, total in idle_total.items():
+        outside[name] = total - int(table[name].sum())
     order = {p: i for i, p in enumerate(PHASES)}
     out = [
         _row(r, w.n_steps)
@@ -127,15 +132,13 @@ def _row(r: dict, n_steps: int) -> dict:
     }
 
 
-def _idle_runs(gaps: pl.DataFrame) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The idle gaps of each cause as disjoint sorted runs (start, end arrays)."""
+def _idle_runs(gaps: pl.DataFrame) -> Iterator[tuple[str, tuple[np.ndarray, np.ndarray]]]:
+    """The idle gaps of each cause as disjoint sorted runs (start, end arrays), by name."""
     cause = gaps["cause"]
     lo, hi = gaps["start"].to_numpy(), gaps["end"].to_numpy()
-    out = {}
     for name in IDLE_CAUSES:
         mine = (cause == name).fill_null(False).to_numpy()
-        out[f"idle_{name}"] = _runs(lo[mine], hi[mine])
-    return out
+        yield f"idle_{name}", _runs(lo[mine], hi[mine])
 
 
 def _runs(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
