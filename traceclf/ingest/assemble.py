@@ -60,9 +60,7 @@ def decode_tid(col: str) -> pl.Expr:
 def lookup_names(strings: pl.DataFrame, *ids: pl.Series) -> list[pl.Series]:
     """Each id column as a Categorical of its StringIds values (null where absent), by lookup:
     the few hundred distinct ids are resolved once and gathered, so no join copies the frame."""
-    used = (
-        pl.concat([i.drop_nulls() for i in ids]).unique() if ids else pl.Series([], dtype=pl.Int64)
-    )
+    used = _used_ids(ids)
     known = strings.filter(pl.col("id").is_in(used.implode()))
     if known.is_empty() or used.is_empty():
         return [pl.Series(i.name, [None] * len(i), dtype=pl.Categorical) for i in ids]
@@ -77,6 +75,20 @@ def lookup_names(strings: pl.DataFrame, *ids: pl.Series) -> list[pl.Series]:
     return [table.gather(_slots(codes, slots, i, len(values))).alias(i.name) for i in ids]
 
 
+def _used_ids(ids: tuple[pl.Series, ...]) -> pl.Series:
+    """The distinct ids of the columns: marked in a table of every id when they are small
+    non-negative integers (millions of rows, a few hundred names: no hashing), else unique."""
+    present = [i.drop_nulls() for i in ids if len(i)]
+    top = max((int(i.max()) for i in present if len(i)), default=-1)  # type: ignore[arg-type]
+    low = min((int(i.min()) for i in present if len(i)), default=0)  # type: ignore[arg-type]
+    if not present or low < 0 or top > LOOKUP_MAX_ID:
+        return pl.concat(present or [pl.Series([], dtype=pl.Int64)]).unique()
+    seen = np.zeros(top + 1, bool)
+    for i in present:
+        seen[i.to_numpy()] = True
+    return pl.Series(np.flatnonzero(seen))
+
+
 def _slots(codes: np.ndarray, slots: pl.Series, ids: pl.Series, null_slot: int) -> pl.Series:
     """The slot of each id in the names' table (``null_slot`` for a negative id: no string);
     through numpy when no id is null (millions of ids: one array, not three)."""
@@ -84,6 +96,8 @@ def _slots(codes: np.ndarray, slots: pl.Series, ids: pl.Series, null_slot: int) 
         valid = ids.cast(pl.Int64)
         return slots.gather(pl.select(pl.when(valid >= 0).then(valid)).to_series())
     at = ids.to_numpy()
+    if not len(at) or int(at.min()) >= 0:  # (as nsys writes them: one gather)
+        return pl.Series(codes[at])
     return pl.Series(np.where(at >= 0, codes[np.maximum(at, 0)], np.uint32(null_slot)))
 
 
