@@ -264,7 +264,8 @@ def build_trace(
         threads=read_threads(reader, strings),
         events=events,
         session=read_session(reader),
-        nccl_payload=nccl_payload(reader, raw_nvtx),
+        # (a read of one time window has some of the NVTX rows: the payload check scans)
+        nccl_payload=nccl_payload(reader, raw_nvtx if nvtx_window is None else None),
         unusable_rows=dict(sorted(unusable.items())),
         windows=windows,
         capture_span=capture[0],

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
+from traceclf.ingest.tables import PAYLOAD_COLUMNS
+
 if TYPE_CHECKING:
     from traceclf.ingest.load import Reader
 
@@ -168,11 +170,13 @@ def read_threads(reader: Reader, strings: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def nccl_payload(reader: Reader, raw_nvtx: pl.DataFrame) -> str:
+def nccl_payload(reader: Reader, raw_nvtx: pl.DataFrame | None) -> str:
     """Whether NCCL's NVTX ranges carry their payload (message sizes, peers...): ``"values"``,
     ``"declared_empty"`` (payload schemas declared, no range carries a value) or ``"absent"``.
-    ``raw_nvtx``: the NVTX_EVENTS rows as read (their ``payload`` flag: any payload column
-    set), of the whole capture."""
+    ``raw_nvtx``: the NVTX_EVENTS rows of the whole capture as read (their ``payload`` flag:
+    any payload column set); None when only some were read: then the table is scanned."""
+    if raw_nvtx is None:
+        return _nccl_payload_scan(reader)
     carried = raw_nvtx.filter(pl.col("payload") == 1) if "payload" in raw_nvtx.columns else None
     if carried is not None and carried.height:
         strings = reader.strings.rename({"id": "text_id", "value": "_t"})
@@ -181,6 +185,22 @@ def nccl_payload(reader: Reader, raw_nvtx: pl.DataFrame) -> str:
         )
         # (SQLite's LIKE 'nccl%' of earlier releases: case-blind for ASCII)
         if text.to_series().str.starts_with("nccl").any():
+            return "values"
+    return "declared_empty" if reader.info.has("NVTX_PAYLOAD_SCHEMAS") else "absent"
+
+
+def _nccl_payload_scan(reader: Reader) -> str:
+    """:func:`nccl_payload` by a scan of NVTX_EVENTS in SQL (for a read of a time window)."""
+    columns = reader.info.columns.get("NVTX_EVENTS", ())
+    present = [c for c in PAYLOAD_COLUMNS if c in columns]
+    if present and {"text", "textId"} <= set(columns) and reader.info.has("StringIds"):
+        any_value = " OR ".join(f'e."{c}" IS NOT NULL' for c in present)
+        hit = reader.sql(
+            "SELECT count(*) AS n FROM (SELECT 1 FROM NVTX_EVENTS e "
+            "LEFT JOIN StringIds s ON s.id = e.textId "
+            f"WHERE ({any_value}) AND COALESCE(e.text, s.value) LIKE 'nccl%' LIMIT 1)"
+        )
+        if int(hit["n"][0]):
             return "values"
     return "declared_empty" if reader.info.has("NVTX_PAYLOAD_SCHEMAS") else "absent"
 

@@ -1,9 +1,8 @@
 """Read an nsys SQLite export into the typed trace model.
 
 Tables are read column-wise through connectorx into Arrow (no Python row loop), selecting only
-the columns the analysis needs and pushing the optional time window into the SQL. Column names
-differ between nsys versions, so each logical column lists the physical names it may have;
-optional ones that an export lacks become typed nulls.
+the columns the analysis needs (:mod:`traceclf.ingest.tables`: each logical column's physical
+names across nsys versions) and pushing the optional time window into the SQL.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import functools
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -24,6 +22,7 @@ from traceclf.errors import TraceError
 from traceclf.ingest.assemble import build_trace, release_read_buffers
 from traceclf.ingest.devices import decode_pid, read_gpu_metrics
 from traceclf.ingest.schema import ExportInfo, inspect_export, readonly_uri
+from traceclf.ingest.tables import TABLES, TIMED, Col
 from traceclf.model import Trace
 
 # What load_trace passes to its ``progress`` callback, in order: one call as each stage starts.
@@ -40,202 +39,6 @@ LOAD_STAGES = (
 )
 
 
-@dataclass(frozen=True)
-class Col:
-    """One logical column: its physical names across nsys versions, dtype, and whether required.
-
-    ``sql``, when given, computes the column in SQLite from the physical columns present (it
-    gets their names and returns an expression, or None when it cannot be computed): fewer,
-    narrower columns cross into Arrow than the raw ones it combines.
-    """
-
-    name: str
-    sources: tuple[str, ...]
-    dtype: type[pl.DataType] | pl.DataType = pl.Int64
-    required: bool = False
-    sql: Callable[[frozenset[str]], str | None] | None = None
-    # what an ``sql`` column holds for NULL: connectorx types a computed column from its first
-    # value and fails on a NULL there, so a computed column is never NULL in SQL
-    null_as: int | None = None
-    # a process id decoded after the read from this (already read) logical column rather than
-    # in SQL: one column less through connectorx (~0.3 s on 11 M CUDA calls)
-    decode_from: str | None = None
-
-
-def _c(
-    name: str,
-    *sources: str,
-    dtype: type[pl.DataType] | pl.DataType = pl.Int64,
-    required: bool = False,
-) -> Col:
-    return Col(name, sources or (name,), dtype, required)
-
-
-def _product(name: str, sources: tuple[str, ...], missing: int, dtype=pl.Int64) -> Col:
-    """``name`` = the product (or sum, for missing=0) of those of ``sources`` present, each
-    NULL read as ``missing``; the launch configuration as three numbers instead of eight."""
-    op = " * " if missing else " + "
-
-    def sql(present: frozenset[str]) -> str:
-        terms = [f'coalesce("{c}", {missing})' for c in sources if c in present]
-        return op.join(terms) if terms else str(missing)
-
-    return Col(name, sources, dtype, sql=sql)
-
-
-def _pid(*sources: str, decode_from: str | None = None) -> Col:
-    """Process id decoded in SQL from a serialized globalPid/globalTid (bits 24..47), or with
-    ``decode_from`` in polars from that logical column of the same read."""
-
-    def sql(present: frozenset[str]) -> str | None:
-        src = next((c for c in sources if c in present), None)
-        return f'coalesce(("{src}" >> 24) & 16777215, -1)' if src else None
-
-    return Col("pid", sources, pl.Int32, sql=sql, null_as=-1, decode_from=decode_from)
-
-
-# NVTX payload columns (nsys >= 2022): NCCL's ranges carry message sizes and peers here
-PAYLOAD_COLUMNS = (
-    "uint64Value",
-    "int64Value",
-    "doubleValue",
-    "uint32Value",
-    "int32Value",
-    "floatValue",
-    "jsonTextId",
-    "jsonText",
-    "binaryData",
-)
-
-
-def _any_set(name: str, sources: tuple[str, ...]) -> Col:
-    """``name`` = 1 where any of ``sources`` present holds a value, else 0: whether a row
-    carries something, as one byte instead of the columns."""
-
-    def sql(present: frozenset[str]) -> str:
-        terms = [f'"{c}" IS NOT NULL' for c in sources if c in present]
-        return f"({' OR '.join(terms)})" if terms else "0"
-
-    return Col(name, sources, pl.Int8, sql=sql)
-
-
-GPU_ROW = (
-    _c("start", required=True),
-    _c("end", required=True),
-    _c("device_id", "deviceId", dtype=pl.Int32),
-    _c("stream_id", "streamId", dtype=pl.Int32),
-    _c("correlation_id", "correlationId"),
-    _pid("globalPid", "globalTid"),
-)
-
-# Only the columns some measure or step finder uses; what the model keeps of each is listed in
-# traceclf/model.py.
-TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
-    "kernels": (
-        ("CUPTI_ACTIVITY_KIND_KERNEL",),
-        (
-            *GPU_ROW,
-            # Exports without demangled names still have a short or mangled one.
-            _c("name_id", "demangledName", "name", "shortName", "mangledName", required=True),
-            _c("short_id", "shortName"),
-            _c("registers", "registersPerThread", dtype=pl.Int32),
-            _c("graph_node_id", "graphNodeId"),
-            _c("graph_id", "graphId"),
-            _product("grid_blocks", ("gridX", "gridY", "gridZ"), 1),
-            _product("block_threads", ("blockX", "blockY", "blockZ"), 1, pl.Int32),
-            _product("smem_per_block", ("staticSharedMemory", "dynamicSharedMemory"), 0, pl.Int32),
-        ),
-    ),
-    "graphs": (
-        ("CUPTI_ACTIVITY_KIND_GRAPH_TRACE",),
-        (*GPU_ROW, _c("graph_id", "graphId"), _c("graph_exec_id", "graphExecId")),
-    ),
-    "memcpy": (
-        ("CUPTI_ACTIVITY_KIND_MEMCPY",),
-        (
-            *GPU_ROW,
-            _c("bytes", required=True),
-            _c("copy_kind", "copyKind", dtype=pl.Int32),
-            _c("src_kind", "srcKind", dtype=pl.Int32),
-            _c("dst_kind", "dstKind", dtype=pl.Int32),
-        ),
-    ),
-    "memset": (
-        ("CUPTI_ACTIVITY_KIND_MEMSET",),
-        (*GPU_ROW, _c("bytes", required=True)),
-    ),
-    "api": (
-        ("CUPTI_ACTIVITY_KIND_RUNTIME",),
-        (
-            _c("start", required=True),
-            _c("end", required=True),
-            _c("global_tid", "globalTid", required=True),
-            _c("correlation_id", "correlationId", required=True),
-            _c("name_id", "nameId", required=True),
-            _pid("globalTid", decode_from="global_tid"),
-        ),
-    ),
-    "syncs": (
-        ("CUPTI_ACTIVITY_KIND_SYNCHRONIZATION",),
-        (
-            *GPU_ROW,
-            _c("sync_type", "syncType", "deprecatedSyncType", dtype=pl.Int32),
-            _c("event_id", "eventId"),
-            # Unique per record of an event (nsys >= 2023); eventId is a handle CUDA reuses.
-            _c("event_sync_id", "eventSyncId"),
-        ),
-    ),
-    # cudaEventRecord: on which stream, after which launch (no time of its own: completion is
-    # read from the stream's work).
-    "events": (
-        ("CUPTI_ACTIVITY_KIND_CUDA_EVENT",),
-        (
-            _c("device_id", "deviceId", dtype=pl.Int32),
-            _c("stream_id", "streamId", dtype=pl.Int32),
-            _c("correlation_id", "correlationId", required=True),
-            _pid("globalPid"),
-            _c("event_id", "eventId"),
-            _c("event_sync_id", "eventSyncId"),
-        ),
-    ),
-    "nvtx": (
-        ("NVTX_EVENTS",),
-        (
-            _c("start", required=True),
-            _c("end"),
-            _c("event_type", "eventType", required=True, dtype=pl.Int32),
-            _c("text", dtype=pl.String),
-            _c("text_id", "textId"),
-            _c("global_tid", "globalTid"),
-            _c("domain_id", "domainId"),
-            _any_set("payload", PAYLOAD_COLUMNS),
-        ),
-    ),
-    "memory": (
-        ("CUDA_GPU_MEMORY_USAGE_EVENTS",),
-        (
-            _c("start", required=True),
-            _pid("globalPid"),
-            _c("device_id", "deviceId", dtype=pl.Int32),
-            _c("bytes", required=True),
-            _c("op", "memoryOperationType", required=True, dtype=pl.Int32),
-        ),
-    ),
-    "overhead": (
-        ("PROFILER_OVERHEAD",),
-        (
-            _c("start", required=True),
-            _c("end", required=True),
-            _c("global_tid", "globalTid"),
-            _c("name_id", "nameId"),
-            _pid("globalTid"),
-        ),
-    ),
-}
-# The event tables of the GPU and the CUDA API whose rows are checked for usability (a time, an
-# end not before the start, a process) and that the window mode reads by rowid range.
-EVENT_TABLES = ("kernels", "graphs", "memcpy", "memset", "api", "syncs")
-
 # Tables with more rows than this are read in rowid ranges on several cores (2x on 2 cores).
 PARTITION_MIN_ROWS = 500_000
 
@@ -250,10 +53,6 @@ def _read_parallelism() -> int:
     with contextlib.suppress(ValueError):
         cpus = min(cpus, int(os.environ.get("TRACECLF_WORKER_CPUS") or cpus))
     return max(1, min(4, cpus))
-
-
-# Tables with a [start, end) extent; the others (memory events) are instants.
-TIMED = {"kernels", "graphs", "memcpy", "memset", "api", "syncs", "nvtx", "overhead"}
 
 
 def _uri(path: Path) -> str:
@@ -276,15 +75,19 @@ class Reader:
         self.info = info
         self.uri = _uri(info.path)
 
-    def sql(self, query: str | list[str]) -> pl.DataFrame:
-        """Run a query (or several whose results are concatenated, read in parallel)."""
+    def sql(self, query: str | list[str], batch_rows: int | None = None) -> pl.DataFrame:
+        """Run a query (or several whose results are concatenated, read in parallel).
+        ``batch_rows``: at most as many rows as any one query returns (an event table's)."""
         try:
-            # One batch per query (connectorx's own are 64 k rows): a frame of a few chunks,
-            # which the loader makes contiguous in a third of the time it takes for hundreds.
-            stream = cx.read_sql(
-                self.uri, query, return_type="arrow_stream", batch_size=STREAM_BATCH_ROWS
-            )
-            table = stream.read_all()
+            if batch_rows is None:
+                table = cx.read_sql(self.uri, query, return_type="arrow")
+            else:
+                # One batch per query (connectorx's own are 64 k rows): a frame of a few
+                # chunks, made contiguous in a third of the time hundreds take. (connectorx
+                # reserves a batch's buffers up front: never more rows than the table has.)
+                size = max(1, min(batch_rows, STREAM_BATCH_ROWS))
+                stream = cx.read_sql(self.uri, query, return_type="arrow_stream", batch_size=size)
+                table = stream.read_all()
             if isinstance(query, list) and len(query) > 1:
                 table = _in_start_order(table)
             return pl.from_arrow(table)  # type: ignore[return-value]
@@ -321,7 +124,7 @@ class Reader:
         with their rowid as ``_rowid`` when ``rowid``."""
         cols = TABLES[logical][1]
         if rowid:
-            cols = (*cols, _c("_rowid", "rowid"))
+            cols = (*cols, Col("_rowid", ("rowid",)))
         table = self.table_of(logical)
         if table is None:
             return empty_frame(cols)
@@ -355,7 +158,7 @@ class Reader:
             if rowids is None
             else in_ranges(query, rowids, clauses)
         )
-        df = self.sql(queries) if queries else pl.DataFrame()
+        df = self.sql(queries, self._rowid_span(table)) if queries else pl.DataFrame()
         if df.is_empty():
             return empty_frame(cols)
         df = df.with_columns(
@@ -366,6 +169,16 @@ class Reader:
         if df.height >= PARTITION_MIN_ROWS:  # the batches are no longer referenced: a big
             release_read_buffers()  # read's go back now (a trim walks the heap: not per read)
         return df
+
+    @functools.cache  # noqa: B019 (one reader per export, a handful of tables)
+    def _rowid_span(self, table: str) -> int:
+        """Rows between the table's first and last rowid (SQLite reads both off the B-tree's
+        edges): no query on it returns more."""
+        lo, hi = self.sql(
+            f"SELECT coalesce((SELECT min(rowid) FROM {table}), 0) AS lo, "
+            f"coalesce((SELECT max(rowid) FROM {table}), 0) AS hi"
+        ).row(0)
+        return int(hi) - int(lo) + 1
 
     def pid_sql(self, logical: str) -> str | None:
         """SQL expression of a row's process id in ``logical``'s table, if it has one."""

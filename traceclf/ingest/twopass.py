@@ -24,10 +24,11 @@ import polars as pl
 from traceclf.ingest import rowindex
 from traceclf.ingest.assemble import build_trace, nvtx_ranges
 from traceclf.ingest.devices import read_gpu_metrics
-from traceclf.ingest.load import EVENT_TABLES, Reader, load_trace
+from traceclf.ingest.load import Reader, load_trace
 from traceclf.ingest.project import Projector
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.schema import inspect_export
+from traceclf.ingest.tables import EVENT_TABLES
 from traceclf.kernels import Taxonomy
 from traceclf.model import Trace
 from traceclf.stepplan import StepPlan, plan_steps

@@ -62,7 +62,7 @@ class Busy:
         keep = end > start  # an empty run covers nothing, and would split a gap in two
         self.start, self.end = (start, end) if keep.all() else (start[keep], end[keep])
         # ns covered before run i (written in place: millions of runs, one array)
-        self.before = np.empty(len(self.start) + 1, np.int64)
+        self.before = np.empty(len(self.start) + 1, np.result_type(self.end, self.start, np.int64))
         self.before[0] = 0
         np.subtract(self.end, self.start, out=self.before[1:])
         np.cumsum(self.before[1:], out=self.before[1:])
@@ -151,7 +151,7 @@ class Busy:
         starts, ends = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
         for lo, hi in spans:
             a = int(np.searchsorted(self.end, lo, side="right"))  # first run ending after lo
-            b = int(np.searchsorted(self.start, hi, side="left"))  # runs starting before hi
+            b = max(int(np.searchsorted(self.start, hi, side="left")), a)  # ... before hi
             # (written in place: millions of runs, each temporary the size of all of them)
             edge, nxt = np.empty(b - a + 1, np.int64), np.empty(b - a + 1, np.int64)
             edge[0], nxt[-1] = lo, hi

@@ -169,8 +169,12 @@ def _host_cover(
     starts, ends = calls["start"].to_numpy(), calls["end"].to_numpy()
     for lo in range(0, len(starts), CALL_BLOCK):
         start, end = starts[lo : lo + CALL_BLOCK], ends[lo : lo + CALL_BLOCK]
-        idx = timeline.rank_sorted(gstart, start, side="right")
-        idx -= 1  # the gap each call starts in or after (-1: before the first)
+        # the gaps the block's calls can start in: a slice (calls and gaps in start order),
+        # so the search runs over a block's worth of gaps, not every gap of the window
+        g0 = max(int(np.searchsorted(gstart, start.min(), side="right")) - 1, 0)
+        g1 = int(np.searchsorted(gstart, start.max(), side="right"))
+        idx = timeline.rank_sorted(gstart[g0:g1], start, side="right")
+        idx += g0 - 1  # the gap each call starts in or after (-1: before the first)
         inside = idx >= 0
         inside &= start < np.take(gend, idx, mode="clip")
         idx = idx[inside]
