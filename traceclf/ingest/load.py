@@ -158,7 +158,8 @@ class Reader:
             if rowids is None
             else in_ranges(query, rowids, clauses)
         )
-        df = self.sql(queries, self._rowid_span(table)) if queries else pl.DataFrame()
+        first, last = self._rowids(table)
+        df = self.sql(queries, last - first) if queries else pl.DataFrame()
         if df.is_empty():
             return empty_frame(cols)
         df = df.with_columns(
@@ -171,14 +172,14 @@ class Reader:
         return df
 
     @functools.cache  # noqa: B019 (one reader per export, a handful of tables)
-    def _rowid_span(self, table: str) -> int:
-        """Rows between the table's first and last rowid (SQLite reads both off the B-tree's
-        edges): no query on it returns more."""
+    def _rowids(self, table: str) -> tuple[int, int]:
+        """``(first - 1, last)`` rowid of the table (``(0, 0)`` when empty): SQLite reads both
+        off the B-tree's edges, one aggregate per subquery. No query returns more rows."""
         lo, hi = self.sql(
-            f"SELECT coalesce((SELECT min(rowid) FROM {table}), 0) AS lo, "
+            f"SELECT coalesce((SELECT min(rowid) FROM {table}), 1) - 1 AS lo, "
             f"coalesce((SELECT max(rowid) FROM {table}), 0) AS hi"
         ).row(0)
-        return int(hi) - int(lo) + 1
+        return int(lo), int(hi)
 
     def pid_sql(self, logical: str) -> str | None:
         """SQL expression of a row's process id in ``logical``'s table, if it has one."""
@@ -197,12 +198,7 @@ class Reader:
         several cores when the table is big (SQLite finds min and max rowid without a scan)."""
         parts = _read_parallelism()
         if parts > 1:
-            # one aggregate per subquery: SQLite then reads each off the B-tree's edge
-            bounds = self.sql(
-                f"SELECT coalesce((SELECT min(rowid) FROM {table}), 1) - 1 AS lo, "
-                f"coalesce((SELECT max(rowid) FROM {table}), 0) AS hi"
-            ).row(0)
-            first, last = int(bounds[0]), int(bounds[1])
+            first, last = self._rowids(table)
             parts = parts if last - first >= PARTITION_MIN_ROWS else 1
         if parts == 1:
             return select + "".join(
