@@ -96,7 +96,7 @@ def _map_local(
 
 def _share_cores(workers: int) -> None:
     """In a worker, before polars is imported: its share of the CPUs for polars' thread pool
-    and for parallel reads (:func:`traceclf.ingest.load._read_parallelism`). Two workers
+    and for parallel reads and threads (:func:`cpu_share`). Two workers
     with a thread per CPU each would put twice as many busy threads as CPUs on the machine
     and lose time switching between them (a user's own POLARS_MAX_THREADS is kept)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -106,6 +106,18 @@ def _share_cores(workers: int) -> None:
 
 
 WORKER_CPUS = "TRACECLF_WORKER_CPUS"  # a worker's share of the CPUs (set in the worker)
+
+
+def cpu_share() -> int:
+    """Cores one analysis may keep busy: CPUs this process may use, or its share of them in a
+    worker of ``--jobs``, at most 4 (parallel reads, the critical path's threads)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    with contextlib.suppress(ValueError):
+        cpus = min(cpus, int(os.environ.get(WORKER_CPUS) or cpus))
+    return max(1, min(4, cpus))
 
 
 def _stop_resource_tracker() -> None:

@@ -7,10 +7,8 @@ names across nsys versions) and pushing the optional time window into the SQL.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from urllib.parse import quote
@@ -24,6 +22,7 @@ from traceclf.ingest.devices import decode_pid, read_gpu_metrics
 from traceclf.ingest.schema import ExportInfo, inspect_export, readonly_uri
 from traceclf.ingest.tables import TABLES, TIMED, Col
 from traceclf.model import Trace
+from traceclf.parallel import cpu_share
 
 # What load_trace passes to its ``progress`` callback, in order: one call as each stage starts.
 LOAD_STAGES = (
@@ -41,18 +40,6 @@ LOAD_STAGES = (
 
 # Tables with more rows than this are read in rowid ranges on several cores (2x on 2 cores).
 PARTITION_MIN_ROWS = 500_000
-
-
-def _read_parallelism() -> int:
-    """Cores for one read: CPUs this process may use, or its share of them in a worker of
-    ``--jobs`` (traceclf.parallel), at most 4."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    with contextlib.suppress(ValueError):
-        cpus = min(cpus, int(os.environ.get("TRACECLF_WORKER_CPUS") or cpus))
-    return max(1, min(4, cpus))
 
 
 def _uri(path: Path) -> str:
@@ -196,7 +183,7 @@ class Reader:
     def partitioned(self, select: str, table: str, clauses: list[str]) -> str | list[str]:
         """``select`` with ``clauses``, split into rowid ranges that connectorx reads on
         several cores when the table is big (SQLite finds min and max rowid without a scan)."""
-        parts = _read_parallelism()
+        parts = cpu_share()
         if parts > 1:
             first, last = self._rowids(table)
             parts = parts if last - first >= PARTITION_MIN_ROWS else 1
@@ -251,7 +238,7 @@ def in_ranges(
 ) -> list[str]:
     """One query per rowid range ``(after, upto]``; with ``split`` a range bigger than
     :data:`PARTITION_MIN_ROWS` is cut in parts so that the cores share it."""
-    parts = _read_parallelism() if split else 1
+    parts = cpu_share() if split else 1
     pieces: list[tuple[int, int]] = []
     for after, upto in ranges:
         n = 1 if upto - after < PARTITION_MIN_ROWS // 2 else parts
