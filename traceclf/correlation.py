@@ -65,14 +65,17 @@ class CallIndex:
         if span > DENSE_KEYS * len(keys):
             pos = np.minimum(np.searchsorted(keys, query, side="left"), len(keys) - 1)
             return np.where(valid & (keys[pos] == query), pos, -1)
-        first = np.ones(len(keys), bool)  # (sorted: equal keys are neighbours)
-        first[1:] = keys[1:] != keys[:-1]
-        at = np.flatnonzero(first)
-        table = np.full(span, -1, np.int64 if len(keys) >= 1 << 31 else np.int32)
-        table[keys[at] - lo] = at
+        wide = len(keys) >= 1 << 31
+        table = np.full(span, -1, np.int64 if wide else np.int32)
+        if bool(np.all(keys[1:] != keys[:-1])):  # (sorted: equal keys would be neighbours)
+            table[keys - lo] = np.arange(len(keys), dtype=table.dtype)
+        else:  # the first of equal keys
+            at = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+            table[keys[at] - lo] = at
         off = query - lo
         valid = valid & (off >= 0) & (off < span)
-        return np.where(valid, table[np.where(valid, off, 0)], -1)
+        np.multiply(off, valid, out=off)  # (row 0 where not valid: read, then masked)
+        return np.where(valid, table[off], -1)
 
     def column(self, name: str, pid: pl.Series, corr: pl.Series) -> pl.Series:
         """``name`` of the first call with each (pid, corr); null where there is none."""
