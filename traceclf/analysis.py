@@ -323,7 +323,6 @@ ANALYSIS_SOURCES = (
     "measures",
     "figures/series.py",
     "ingest",  # what is read, and how (the window mode's choice of steps included)
-    "ingest/session.py",
 )
 
 
@@ -346,14 +345,9 @@ def _rules_stamp_root(opts: AnalysisOptions) -> Path | None:
 @functools.cache
 def _analysis_fingerprint() -> str:
     """Version plus the source of every module that shapes a result, so an edit invalidates."""
-    digest = hashlib.sha256(__version__.encode())
-    package = Path(__file__).parent
-    for name in ANALYSIS_SOURCES:
-        source = package / name
-        for file in sorted(source.glob("*.py")) if source.is_dir() else [source]:
-            with contextlib.suppress(OSError):
-                digest.update(file.read_bytes())
-    return digest.hexdigest()
+    from traceclf.ingest.results import sources_digest
+
+    return sources_digest(hashlib.sha256(__version__.encode()), ANALYSIS_SOURCES)
 
 
 def _result_variant(opts: AnalysisOptions) -> str:

@@ -30,8 +30,9 @@ from traceclf.ingest.cachedir import (
 CACHE_FORMAT = 4
 RESULT_FORMAT = 1
 MAX_RESULT_BYTES = 64 << 20  # a damaged or planted file must not exhaust memory
-# the modules that shape the trace model (read as files: importing them imports polars)
-MODEL_SOURCES = ("ingest/load.py", "ingest/devices.py", "model.py", "ingest/schema.py")
+# the modules that shape the trace model (read as files: importing them imports polars); a
+# folder stands for its modules, so that one split off another is not forgotten
+MODEL_SOURCES = ("ingest", "model.py")
 CACHE_ERRORS = (Exception,)  # none of it may fail an analysis
 
 
@@ -117,8 +118,16 @@ def code_fingerprint() -> str:
     except PackageNotFoundError:
         polars = "?"
     digest = hashlib.sha256(f"{CACHE_FORMAT}:{traceclf.__version__}:{polars}".encode())
+    return sources_digest(digest, MODEL_SOURCES)
+
+
+def sources_digest(digest: hashlib._Hash, names: tuple[str, ...]) -> str:
+    """``digest`` updated with the source of each module ``names`` lists (relative to the
+    package; a folder: each of its modules), as hex: an edit to any of them changes it."""
     package = Path(traceclf.__file__).parent
-    for name in MODEL_SOURCES:
-        with contextlib.suppress(OSError):  # no source shipped: version must do
-            digest.update((package / name).read_bytes())
+    for name in names:
+        source = package / name
+        for file in sorted(source.glob("*.py")) if source.is_dir() else [source]:
+            with contextlib.suppress(OSError):  # no source shipped: version must do
+                digest.update(file.read_bytes())
     return digest.hexdigest()
