@@ -61,8 +61,14 @@ def map_exports(
 
 def default_jobs() -> int:
     """CPUs this process may use (the affinity mask, so containers count right), at most 4."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(MAX_DEFAULT_JOBS, cpus or 1))
+    return max(1, min(MAX_DEFAULT_JOBS, _cpus()))
+
+
+def _cpus() -> int:
+    """CPUs this process may use: its affinity mask where there is one (containers)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _advancing(result: R, advance: Callable[[], None]) -> R:
@@ -96,11 +102,10 @@ def _map_local(
 
 def _share_cores(workers: int) -> None:
     """In a worker, before polars is imported: its share of the CPUs for polars' thread pool
-    and for parallel reads and threads (:func:`cpu_share`). Two workers
-    with a thread per CPU each would put twice as many busy threads as CPUs on the machine
-    and lose time switching between them (a user's own POLARS_MAX_THREADS is kept)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = str(max(1, (cpus or 1) // workers))
+    and for parallel reads (:func:`cpu_share`). Two workers with a thread per CPU each would
+    put twice as many busy threads as CPUs on the machine and lose time switching between
+    them (a user's own POLARS_MAX_THREADS is kept)."""
+    share = str(max(1, _cpus() // workers))
     os.environ.setdefault("POLARS_MAX_THREADS", share)
     os.environ[WORKER_CPUS] = share
 
@@ -110,11 +115,8 @@ WORKER_CPUS = "TRACECLF_WORKER_CPUS"  # a worker's share of the CPUs (set in the
 
 def cpu_share() -> int:
     """Cores one analysis may keep busy: CPUs this process may use, or its share of them in a
-    worker of ``--jobs``, at most 4 (parallel reads, the critical path's threads)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
+    worker of ``--jobs``, at most 4 (the loader's parallel reads)."""
+    cpus = _cpus()
     with contextlib.suppress(ValueError):
         cpus = min(cpus, int(os.environ.get(WORKER_CPUS) or cpus))
     return max(1, min(4, cpus))
