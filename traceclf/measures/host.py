@@ -8,7 +8,6 @@ import polars as pl
 
 from traceclf.kernels import matches
 from traceclf.measures import timeline
-from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
 
 MEASURES: dict[str, str] = {
@@ -74,16 +73,8 @@ def calls(w: RankWindow) -> dict[str, float | None]:
             else None
         ),
         # (the calls made while the GPU runs the window: they can leave it idle)
-        "alloc_idle_frac": _idle_during(w.api.filter(pl.col("is_alloc")), w) / w.wall,
+        "alloc_idle_frac": w.uncovered(w.api.filter(pl.col("is_alloc")), w.layers.work) / w.wall,
     }
-
-
-def _idle_during(calls: pl.DataFrame, w: RankWindow) -> int:
-    """ns of the window in which the GPU is idle and one of ``calls`` is in flight."""
-    if calls.is_empty():
-        return 0
-    in_flight = Busy.of(timeline.clip(calls.select("start", "end"), w.spans))
-    return in_flight.total - w.layers.work.overlap(in_flight)
 
 
 def idle(gaps: pl.DataFrame, w: RankWindow) -> dict[str, float]:

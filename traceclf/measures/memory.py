@@ -7,7 +7,6 @@ import polars as pl
 
 from traceclf.kernels import matches
 from traceclf.measures import timeline
-from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
 
 MEASURES: dict[str, str] = {
@@ -53,18 +52,10 @@ def copies(w: RankWindow) -> dict[str, float]:
         "pageable_copy_frac": timeline.total(pageable) / w.wall,
         "h2d_frac": timeline.total(h2d) / w.wall,
         "d2h_frac": timeline.total(d2h) / w.wall,
-        "exposed_offload_frac": _exposed(offload, w) / w.wall,
+        "exposed_offload_frac": w.uncovered(offload, w.layers.compute_comm) / w.wall,
         "h2d_gbps": _gbps(h2d),
         "d2h_gbps": _gbps(d2h),
     }
-
-
-def _exposed(copies: pl.DataFrame, w: RankWindow) -> int:
-    """ns of the window with a copy of ``copies`` in flight and no kernel running."""
-    if copies.is_empty():
-        return 0
-    in_flight = Busy.of(timeline.clip(copies.select("start", "end"), w.spans))
-    return in_flight.total - w.layers.compute_comm.overlap(in_flight)
 
 
 def _gbps(copies: pl.DataFrame) -> float | None:

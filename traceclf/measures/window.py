@@ -88,6 +88,14 @@ class RankWindow:
             return self.api
         return step_calls(self.trace, self.steps, self.taxonomy, self.flagged)
 
+    def uncovered(self, intervals: pl.DataFrame, cover: Busy) -> int:
+        """ns of the window in which one of ``intervals`` (start, end) is in flight and
+        ``cover`` (one of :attr:`layers`) covers nothing."""
+        if intervals.is_empty():
+            return 0
+        in_flight = Busy.of(timeline.clip(intervals.select("start", "end"), self.spans))
+        return in_flight.total - cover.overlap(in_flight)
+
     @property
     def window(self) -> tuple[int, int]:
         """The hull of the window (first to last analysed ns)."""
