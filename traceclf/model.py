@@ -245,7 +245,7 @@ class Trace:
         ranges (disjoint, sorted; at least one), and the row of that range (0 where none)."""
         import numpy as np
 
-        starts = self._launch_starts(work)
+        starts = self.launch_starts(work)
         lo, hi = outer["start"].to_numpy(), outer["end"].to_numpy()
         inside, j = np.zeros(len(starts), bool), np.zeros(len(starts), np.uint32)
         # by blocks of rows: the temporaries of millions of kernels at once were a peak
@@ -266,7 +266,7 @@ class Trace:
         loader flagged the calls already in order)."""
         return self.api.select("start", "correlation_id").sort("start")
 
-    def _launch_starts(self, work: pl.DataFrame) -> pl.Series:
+    def launch_starts(self, work: pl.DataFrame) -> pl.Series:
         """Start of the call that launched each row of ``work``; found once for the trace's
         own kernels, graph replays and copies (every NVTX projection asks for them)."""
         name = self._own(work)

@@ -215,14 +215,16 @@ def step_calls(
 def _launched_runs(trace: Trace, steps: Steps, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Row ranges [lo, hi) of the (start-sorted) calls from the launch of each span's first GPU
     work to the launch of the first work after the span."""
-    work = [
-        f.select("start", "pid", "correlation_id")
-        for f in (trace.kernels, trace.graphs, trace.copies)
-    ]
-    gpu = pl.concat([w for w in work if not w.is_empty()] or work[:1])
-    row = trace.call_index.find(gpu["pid"], gpu["correlation_id"])
-    launched = row >= 0
-    gpu_start, call_start = gpu["start"].to_numpy()[launched], starts[row[launched]]
+    # (the launches of the trace's own GPU work are found once, for every measure that asks)
+    frames = [f for f in (trace.kernels, trace.graphs, trace.copies) if not f.is_empty()]
+    calls = [trace.launch_starts(f) for f in frames]
+    gpu_start = np.concatenate(
+        [f["start"].filter(c.is_not_null()).to_numpy() for f, c in zip(frames, calls, strict=True)]
+        or [np.empty(0, np.int64)]
+    )
+    call_start = np.concatenate(
+        [c.drop_nulls().to_numpy() for c in calls] or [np.empty(0, np.int64)]
+    )
     lo, hi = [], []
     for a, b in timeline.spans_of(steps.spans):
         mine = (gpu_start >= a) & (gpu_start < b)
