@@ -198,9 +198,7 @@ def range_label(names: pl.Series) -> str:
 
 
 def _graph_steps(trace: Trace, _regex: str | None, taxonomy: Taxonomy):
-    # (the pattern runs once per distinct call name, not once per call)
-    graph_launch = trace.api.select("name").unique().filter(taxonomy.is_api("graph_launch"))
-    launches = trace.api.filter(pl.col("name").is_in(graph_launch["name"].implode()))
+    launches = trace.api.filter(matches(trace.api["name"], taxonomy.cuda_api["graph_launch"]))
     if len(launches) < 2:
         return None
     launched = launches["correlation_id"].implode()

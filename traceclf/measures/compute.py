@@ -94,12 +94,9 @@ def warmup_kernels(w: RankWindow) -> tuple[pl.DataFrame, float, str]:
     iteration, a shorter one is that fraction of an iteration. Without a capture in the trace,
     iterations = the burst's GPU span over one replay (eager runs slower: counts come out low)."""
     trace = w.trace
-    capture = trace.api.filter(pl.col("name").cast(pl.String).str.contains(CAPTURE_API))
+    capture = trace.api.filter(kernels.matches(trace.api["name"], CAPTURE_API))
     replay_ns = float(w.graph_spans.select((pl.col("end") - pl.col("start")).median()).item() or 0)
-    kernels = trace.kernels
-    launched = kernels.with_columns(
-        api_start=trace.call_index.column("start", kernels["pid"], kernels["correlation_id"])
-    )
+    launched = trace.kernels.with_columns(api_start=trace.launch_starts(trace.kernels))
     if capture.is_empty():
         before = launched.filter(pl.col("end") <= w.window[0])
         what = "eager kernels before the first graph replay"
@@ -133,21 +130,14 @@ def _captured_launches(w: RankWindow, capture: pl.DataFrame) -> int:
         return 0
     api = w.trace.api
     first = capture.sort("start").row(0, named=True)
-    ends = api.filter(
-        pl.col("name").cast(pl.String).str.contains(END_CAPTURE_API)
-        & (pl.col("global_tid") == first["global_tid"])
-        & (pl.col("start") > first["start"])
+    ends = api.filter(kernels.matches(api["name"], END_CAPTURE_API)).filter(
+        (pl.col("global_tid") == first["global_tid"]) & (pl.col("start") > first["start"])
     )
     if ends.is_empty():
         return 0
     end = int(ends["start"].min())
-    return len(
-        api.filter(
-            pl.col("start").is_between(first["start"], end)
-            & w.taxonomy.is_api("launch")
-            & ~w.taxonomy.is_api("graph_launch")
-        )
-    )
+    recorded = api.filter(pl.col("start").is_between(first["start"], end))  # (the few first)
+    return len(recorded.filter(w.taxonomy.is_api("launch") & ~w.taxonomy.is_api("graph_launch")))
 
 
 def graph_internal_gap_frac(w: RankWindow) -> float | None:
