@@ -516,11 +516,7 @@ def machine() -> str:
         ),
         platform.processor() or "?",
     )
-    ram_kb = next(
-        int(line.split()[1])
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemTotal")
-    )
+    ram_kb = meminfo_kb("MemTotal:")
     import polars
 
     return (
@@ -714,15 +710,20 @@ def comparison(analysis: list, before: dict) -> str:
     return "\n".join(lines)
 
 
+def meminfo_kb(field: str) -> int:
+    """A /proc/meminfo field (``"MemTotal:"``, ...) in kB."""
+    return next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith(field)
+    )
+
+
 def page_cache() -> str:
     """How much of the inputs the OS can keep cached: a VM whose host reclaims the page cache
     reads inputs larger than it partly from disk, which moves the default mode's rows most
     (they read scattered row ranges)."""
-    cached_kb = next(
-        int(line.split()[1])
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("Cached:")
-    )
+    cached_kb = meminfo_kb("Cached:")
     return (
         f"OS page cache {cached_kb / 2**20:.1f} GiB when written (inputs were just written or "
         'read; those larger than the cache are partly read from disk); "cold"/"warm" refer '
