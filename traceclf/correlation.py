@@ -59,8 +59,8 @@ class CallIndex:
 
     def _positions(self, query: np.ndarray, valid: np.ndarray) -> np.ndarray:
         """Where in ``keys`` the first key equal to each query is (-1: none, or not valid).
-        Correlation ids are dense, so a table indexed by key answers in one gather where a
-        binary search of millions of keys takes ~20 random reads per query."""
+        When the keys are dense (:data:`DENSE_KEYS`), a table indexed by key answers in one
+        gather where a binary search of millions of keys takes ~20 random reads per query."""
         keys = self.keys
         lo, span = int(keys[0]), int(keys[-1]) - int(keys[0]) + 1
         if span > DENSE_KEYS * len(keys):
@@ -68,10 +68,12 @@ class CallIndex:
             return np.where(valid & (keys[pos] == query), pos, -1)
         wide = len(keys) >= 1 << 31
         table = np.full(span, -1, np.int64 if wide else np.int32)
-        if bool(np.all(keys[1:] != keys[:-1])):  # (sorted: equal keys would be neighbours)
+        first = np.ones(len(keys), bool)  # (sorted: equal keys are neighbours)
+        first[1:] = keys[1:] != keys[:-1]
+        if first.all():
             table[keys - lo] = np.arange(len(keys), dtype=table.dtype)
         else:  # the first of equal keys
-            at = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+            at = np.flatnonzero(first)
             table[keys[at] - lo] = at
         off = query - lo
         valid = valid & (off >= 0) & (off < span)

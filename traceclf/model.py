@@ -224,7 +224,6 @@ class Trace:
         launched it was made; null where none was. The GPU side of :meth:`calls_in`, with the
         same ranges (outermost ones) and ends included: the launch is found by correlationId
         (:attr:`call_index`), its range by binary search, so nothing joins millions of rows."""
-
         outer = outermost(ranges.select("start", "end", key))
         if not len(outer):
             return pl.Series(key, [None] * len(work), dtype=ranges.schema[key])
@@ -305,7 +304,6 @@ class Trace:
         """(``key``, gpu_start, gpu_end): first start and last end of the GPU work (kernels,
         graph replays, copies) launched inside each range of ``ranges`` (start, end, key) —
         how a CPU-side NVTX range is projected onto the GPU."""
-
         outer = outermost(ranges.select("start", "end", key))
         parts = [pl.DataFrame(schema={"_range": pl.UInt32, "start": pl.Int64, "end": pl.Int64})]
         for f in (self.kernels, self.graphs, self.copies) if len(outer) else ():
