@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from pathlib import Path
 
@@ -48,6 +49,20 @@ def test_local_pool_runs_real_loads_like_in_process() -> None:
     assert_same_traces(
         map_exports(load_trace, paths, jobs=2, quiet=True), [load_trace(p) for p in paths]
     )
+
+
+def test_workers_keep_freed_pages_for_the_next_export(monkeypatch: pytest.MonkeyPatch) -> None:
+    # polars (imported here) wrote its own allocator settings to the variable; a worker
+    # appends a longer decay, which jemalloc reads last and so applies.
+    import polars  # noqa: F401
+
+    conf = parallel.JEMALLOC_CONF
+    seen = map_exports(os.getenv, [conf, conf], jobs=2, quiet=True)
+    assert seen == [f"{os.environ[conf]},{parallel.WORKER_DIRTY_DECAY}"] * 2
+    # A user's own decay (polars appends it after its own) is theirs to keep.
+    mine = f"{os.environ[conf]},dirty_decay_ms:0"
+    monkeypatch.setenv(conf, mine)
+    assert map_exports(os.getenv, [conf, conf], jobs=2, quiet=True) == [mine] * 2
 
 
 def test_trace_error_pickles() -> None:
