@@ -7,6 +7,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
+from traceclf import correlation
 from traceclf.correlation import CallIndex
 
 
@@ -44,3 +45,28 @@ def test_column_is_null_where_no_call_launched_it():
     index = CallIndex(api)
     ends = index.column("end", pl.Series([7, 7, 7]), pl.Series([6, 5, 4]))
     assert ends.to_list() == [60, None, 40]
+
+
+@pytest.mark.parametrize("block", [1 << 20, 7])  # keys and queries ranked in one or many blocks
+@pytest.mark.parametrize("spread", [1, 3, 80])  # ids per call: ranked in a bitmap, or searched
+def test_ranked_and_searched_keys_agree_with_a_join(
+    spread: int, block: int, monkeypatch: pytest.MonkeyPatch
+):
+    # Constructed: one process's calls with ids spread over a range (a few used twice, the
+    # frame out of order), asked for ids in and around it.
+    import numpy as np
+
+    monkeypatch.setattr(correlation, "BLOCK", block)
+
+    rng = np.random.default_rng(spread)
+    ids = np.sort(rng.choice(600 * spread, 600, replace=False)) + 5
+    ids = np.concatenate([ids, ids[::50]])
+    rng.shuffle(ids)
+    api = pl.DataFrame(
+        {"pid": [3] * len(ids), "correlation_id": ids},
+        schema={"pid": pl.Int64, "correlation_id": pl.Int64},
+    )
+    corr = [*rng.integers(0, 600 * spread + 10, 2000).tolist(), None]
+    pid = [3] * (len(corr) - 2) + [4, 3]
+    got = CallIndex(api).find(pl.Series(pid, dtype=pl.Int64), pl.Series(corr, dtype=pl.Int64))
+    assert got.tolist() == first_call(api, pid, corr)

@@ -1,7 +1,8 @@
 """Which CUDA call launched a GPU operation: calls looked up by (pid, correlationId).
 
-A kernel-dense capture has tens of millions of calls, so the lookup is a binary search on one
-sorted integer key, not a join that hashes every call. Calls come in start order, which is
+A kernel-dense capture has tens of millions of calls, so the lookup works on one sorted
+integer key (a rank in a bitmap of the keys' range, or a binary search), not a join that hashes
+every call. Calls come in start order, which is
 correlationId order for one process (one counter), so the key usually needs no sort; a rank's
 trace has one process, so the key is usually the correlationId column itself, not a copy.
 """
@@ -12,10 +13,12 @@ import numpy as np
 import polars as pl
 
 PID_BITS, CORR_BITS = 24, 39  # pid decoded from 24 bits; a key (pid, correlationId) in 63
-# keys are looked up in a table indexed by key when they span at most this many times their
-# count: one process's ids are dense when its CUDA calls take most of them (h100_comm_ep2:
-# 1.8x), sparse when other activity shares the counter (h100_host_launch_gpumetrics: 7.2x)
-DENSE_KEYS = 2
+# Keys are ranked in a bitmap of their range (:class:`_Ranks`) while it is at most as big as
+# the keys themselves (a bit per id in the range against 8 bytes per key); one process's ids
+# span 1.8x their count in h100_comm_ep2, 7.2x in h100_host_launch_gpumetrics (other activity
+# shares the counter). Keys of several processes span far more: a binary search.
+RANKED_SPAN = 64
+BLOCK = 1 << 20  # keys or queries ranked at once
 
 
 class CallIndex:
@@ -27,6 +30,7 @@ class CallIndex:
         pid, corr = api["pid"], api["correlation_id"]
         self.pid = _single(pid) if not corr.null_count() else None
         self.rows: np.ndarray | None = None  # row of each key (None: the keys' own order)
+        self._ranks: _Ranks | None = None  # built at the first lookup that uses it
         self.keys: np.ndarray | None
         if self.pid is not None:
             self.keys = corr.to_numpy()
@@ -58,27 +62,16 @@ class CallIndex:
         return np.where(hit, pos if self.rows is None else self.rows[np.maximum(pos, 0)], -1)
 
     def _positions(self, query: np.ndarray, valid: np.ndarray) -> np.ndarray:
-        """Where in ``keys`` the first key equal to each query is (-1: none, or not valid).
-        When the keys are dense (:data:`DENSE_KEYS`), a table indexed by key answers in one
-        gather where a binary search of millions of keys takes ~20 random reads per query."""
+        """Where in ``keys`` the first key equal to each query is (-1: none, or not valid):
+        a rank in :class:`_Ranks` where the keys' range allows, else a binary search of
+        millions of keys (~20 random reads per query)."""
         keys = self.keys
-        lo, span = int(keys[0]), int(keys[-1]) - int(keys[0]) + 1
-        if span > DENSE_KEYS * len(keys):
+        if int(keys[-1]) - int(keys[0]) >= RANKED_SPAN * len(keys):
             pos = np.minimum(np.searchsorted(keys, query, side="left"), len(keys) - 1)
             return np.where(valid & (keys[pos] == query), pos, -1)
-        wide = len(keys) >= 1 << 31
-        table = np.full(span, -1, np.int64 if wide else np.int32)
-        first = np.ones(len(keys), bool)  # (sorted: equal keys are neighbours)
-        first[1:] = keys[1:] != keys[:-1]
-        if first.all():
-            table[keys - lo] = np.arange(len(keys), dtype=table.dtype)
-        else:  # the first of equal keys
-            at = np.flatnonzero(first)
-            table[keys[at] - lo] = at
-        off = query - lo
-        valid = valid & (off >= 0) & (off < span)
-        np.multiply(off, valid, out=off)  # (row 0 where not valid: read, then masked)
-        return np.where(valid, table[off], -1)
+        if self._ranks is None:
+            self._ranks = _Ranks(keys)
+        return self._ranks.positions(query, valid)
 
     def column(self, name: str, pid: pl.Series, corr: pl.Series) -> pl.Series:
         """``name`` of the first call with each (pid, corr); null where there is none."""
@@ -124,3 +117,47 @@ def _find_by_join(api: pl.DataFrame, pid: pl.Series, corr: pl.Series) -> np.ndar
     query = pl.DataFrame({"pid": pid, "correlation_id": corr})
     found = query.join(first, on=["pid", "correlation_id"], how="left", maintain_order="left")
     return found["_row"].fill_null(-1).to_numpy().astype(np.int64)
+
+
+class _Ranks:
+    """Sorted keys as a bitmap over their range, with the count of keys before each 64-bit
+    word: a key's position among the distinct keys is that count plus the bits set below it
+    in its word. A lookup reads two small arrays (about 0.2 bytes per id in the range) where
+    a binary search reads the keys ~20 times; equal keys find the first of them. Keys and
+    queries go by blocks: temporaries of a few MB, reused, not of 100s of MB mapped afresh."""
+
+    def __init__(self, keys: np.ndarray) -> None:
+        self.lo, self.span = int(keys[0]), int(keys[-1]) - int(keys[0]) + 1
+        first = np.ones(len(keys), bool)  # (sorted: equal keys are neighbours)
+        first[1:] = keys[1:] != keys[:-1]
+        self.at = None if first.all() else np.flatnonzero(first)  # distinct key -> position
+        distinct = keys if self.at is None else keys[self.at]
+        self.words = np.zeros((self.span + 63) // 64, np.uint64)
+        for lo in range(0, len(distinct), BLOCK):
+            off = distinct[lo : lo + BLOCK] - self.lo
+            word = off >> 6
+            runs = np.flatnonzero(np.diff(word, prepend=-1))  # the keys of one word: a run
+            bits = np.left_shift(np.uint64(1), (off & 63).astype(np.uint64))
+            self.words[word[runs]] |= np.bitwise_or.reduceat(bits, runs)  # (a word two
+            # blocks share gets the bits of both)
+        self.before = np.zeros(len(self.words), np.int64)
+        np.cumsum(np.bitwise_count(self.words)[:-1], dtype=np.int64, out=self.before[1:])
+
+    def positions(self, query: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        out = np.empty(len(query), np.int64)
+        for lo in range(0, len(query), BLOCK):
+            out[lo : lo + BLOCK] = self._block(query[lo : lo + BLOCK], valid[lo : lo + BLOCK])
+        return out
+
+    def _block(self, query: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        off = query - self.lo
+        valid = valid & (off >= 0) & (off < self.span)
+        np.multiply(off, valid, out=off)  # (id 0 where not valid: read, then masked)
+        at, bit = off >> 6, (off & 63).astype(np.uint64)
+        word = self.words[at]
+        valid &= ((word >> bit) & np.uint64(1)).astype(bool)
+        word &= (np.uint64(1) << bit) - np.uint64(1)  # the bits below the key's own
+        rank = self.before[at] + np.bitwise_count(word)
+        if self.at is not None:
+            rank = self.at[np.where(valid, rank, 0)]
+        return np.where(valid, rank, -1)
