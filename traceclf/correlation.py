@@ -13,11 +13,11 @@ import numpy as np
 import polars as pl
 
 PID_BITS, CORR_BITS = 24, 39  # pid decoded from 24 bits; a key (pid, correlationId) in 63
-# Keys are ranked in a bitmap of their range (:class:`_Ranks`) while it is at most as big as
-# the keys themselves (a bit per id in the range against 8 bytes per key); one process's ids
+# Keys are ranked in a bitmap of their range (:class:`_Ranks`, ~0.19 bytes per id in it) while
+# it is smaller than the keys themselves (8 bytes per key); one process's ids
 # span 1.8x their count in h100_comm_ep2, 7.2x in h100_host_launch_gpumetrics (other activity
 # shares the counter). Keys of several processes span far more: a binary search.
-RANKED_SPAN = 64
+RANKED_SPAN = 32
 BLOCK = 1 << 20  # keys or queries ranked at once
 
 
@@ -122,7 +122,7 @@ def _find_by_join(api: pl.DataFrame, pid: pl.Series, corr: pl.Series) -> np.ndar
 class _Ranks:
     """Sorted keys as a bitmap over their range, with the count of keys before each 64-bit
     word: a key's position among the distinct keys is that count plus the bits set below it
-    in its word. A lookup reads two small arrays (about 0.2 bytes per id in the range) where
+    in its word. A lookup reads two small arrays (3 bytes per 16 ids in the range) where
     a binary search reads the keys ~20 times; equal keys find the first of them. Keys and
     queries go by blocks: temporaries of a few MB, reused, not of 100s of MB mapped afresh."""
 
@@ -140,8 +140,9 @@ class _Ranks:
             bits = np.left_shift(np.uint64(1), (off & 63).astype(np.uint64))
             self.words[word[runs]] |= np.bitwise_or.reduceat(bits, runs)  # (a word two
             # blocks share gets the bits of both)
-        self.before = np.zeros(len(self.words), np.int64)
-        np.cumsum(np.bitwise_count(self.words)[:-1], dtype=np.int64, out=self.before[1:])
+        count = np.int64 if len(keys) >= 1 << 31 else np.int32
+        self.before = np.zeros(len(self.words), count)
+        np.cumsum(np.bitwise_count(self.words)[:-1], dtype=count, out=self.before[1:])
 
     def positions(self, query: np.ndarray, valid: np.ndarray) -> np.ndarray:
         out = np.empty(len(query), np.int64)
