@@ -70,3 +70,15 @@ def test_ranked_and_searched_keys_agree_with_a_join(
     pid = [3] * (len(corr) - 2) + [4, 3]
     got = CallIndex(api).find(pl.Series(pid, dtype=pl.Int64), pl.Series(corr, dtype=pl.Int64))
     assert got.tolist() == first_call(api, pid, corr)
+
+
+def test_narrower_queries_than_keys_find_nothing_false():
+    # Constructed: Int32 ids asked of Int64 calls (an API user's frames; the loader reads both
+    # as Int64): compared as Int64, not wrapped.
+    for ids, query in (
+        ([3_000_000_000, 3_000_000_010], [5]),
+        ([2**31 - 5, 2**31 + 5], [-(2**31) + 5]),
+    ):
+        api = pl.DataFrame({"pid": [1] * len(ids), "correlation_id": ids})
+        got = CallIndex(api).find(pl.Series([1]), pl.Series(query, dtype=pl.Int32))
+        assert got.tolist() == [-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,19 @@ def test_workers_keep_freed_pages_for_the_next_export(monkeypatch: pytest.Monkey
     mine = f"{os.environ[conf]},dirty_decay_ms:0"
     monkeypatch.setenv(conf, mine)
     assert map_exports(os.getenv, [conf, conf], jobs=2, quiet=True) == [mine] * 2
+
+
+def test_a_users_own_decay_is_seen_before_polars_is_imported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A parent that has not imported polars yet (a re-analysis whose rules are stamped) holds
+    # the user's variable as the user wrote it: one decay there is the user's.
+    conf = parallel.JEMALLOC_CONF
+    monkeypatch.delitem(sys.modules, "polars")
+    monkeypatch.setenv(conf, "dirty_decay_ms:0")
+    assert parallel._users_decay()
+    monkeypatch.delenv(conf)
+    assert not parallel._users_decay()
 
 
 def test_trace_error_pickles() -> None:

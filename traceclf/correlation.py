@@ -33,7 +33,7 @@ class CallIndex:
         self._ranks: _Ranks | None = None  # built at the first lookup that uses it
         self.keys: np.ndarray | None
         if self.pid is not None:
-            self.keys = corr.to_numpy()
+            self.keys = corr.to_numpy().astype(np.int64, copy=False)
         elif len(corr) and (_min(corr) < 0 or _max(corr) >= 1 << CORR_BITS):
             self.keys = None  # keys beyond 63 bits (no nsys export has them): a join
             return
@@ -51,7 +51,7 @@ class CallIndex:
         if self.keys is None:
             return _find_by_join(self.api, pid, corr)
         if self.pid is not None:
-            query = corr.fill_null(0).to_numpy()
+            query = corr.fill_null(0).to_numpy().astype(np.int64, copy=False)
             valid = (corr.is_not_null() & (pid == self.pid).fill_null(False)).to_numpy()
         else:
             query, valid = _key(pid, corr)

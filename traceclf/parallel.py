@@ -83,7 +83,7 @@ def _map_local(
         workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_start_worker,
-        initargs=(workers,),
+        initargs=(workers, _users_decay()),
     )
     try:
         with _main_hidden_from_workers(fn):  # workers start on the first submit
@@ -100,11 +100,12 @@ def _map_local(
         _stop_resource_tracker()
 
 
-def _start_worker(workers: int) -> None:
+def _start_worker(workers: int, users_decay: bool) -> None:
     """In a worker, before polars is imported: its share of the cores, and its allocator's
-    settings."""
+    settings (unless ``users_decay``: :func:`_users_decay`)."""
     _share_cores(workers)
-    _keep_freed_pages()
+    if not users_decay:
+        _keep_freed_pages()
 
 
 def _share_cores(workers: int) -> None:
@@ -128,11 +129,16 @@ def _keep_freed_pages() -> None:
     """Let a worker keep the memory one export freed for the next one (10 s, not polars'
     0.5 s). Returned to the system at once, every page of the next export is mapped and
     zeroed afresh: a tenth of a worker's time at 128 MB a file. A worker's size stays that
-    of its largest export. (The parent's setting is inherited: polars' own decay, written
-    when the parent imported it, once; a user's own decay as well.)"""
+    of its largest export."""
     conf = os.environ.get(JEMALLOC_CONF, "")
-    if conf.count("dirty_decay_ms") <= 1:
-        os.environ[JEMALLOC_CONF] = f"{conf},{WORKER_DIRTY_DECAY}".lstrip(",")
+    os.environ[JEMALLOC_CONF] = f"{conf},{WORKER_DIRTY_DECAY}".lstrip(",")
+
+
+def _users_decay() -> bool:
+    """Whether the user set jemalloc's decay: the variable names it once more than polars
+    wrote it here (once if this process has imported polars, else not at all)."""
+    own = 1 if "polars" in sys.modules else 0
+    return os.environ.get(JEMALLOC_CONF, "").count("dirty_decay_ms") > own
 
 
 def cpu_share() -> int:
