@@ -213,7 +213,7 @@ class Trace:
     @functools.cached_property
     def call_index(self):
         """The CUDA calls by (pid, correlationId) (:class:`traceclf.correlation.CallIndex`):
-        which call launched a GPU operation, by binary search rather than a join."""
+        which call launched a GPU operation, by rank or binary search rather than a join."""
         from traceclf.correlation import CallIndex
 
         return CallIndex(self.api)
