@@ -2,9 +2,9 @@
 
 A kernel-dense capture has tens of millions of calls, so the lookup works on one sorted
 integer key (a rank in a bitmap of the keys' range, or a binary search), not a join that hashes
-every call. Calls come in start order, which is
-correlationId order for one process (one counter), so the key usually needs no sort; a rank's
-trace has one process, so the key is usually the correlationId column itself, not a copy.
+every call. Calls come in start order, which is correlationId order for one process (one
+counter), so the key usually needs no sort; a rank's trace has one process, so the key is
+usually the correlationId column itself, not a copy.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import polars as pl
 
 PID_BITS, CORR_BITS = 24, 39  # pid decoded from 24 bits; a key (pid, correlationId) in 63
 # Keys are ranked in a bitmap of their range (:class:`_Ranks`, ~0.19 bytes per id in it) while
-# it is smaller than the keys themselves (8 bytes per key); one process's ids
-# span 1.8x their count in h100_comm_ep2, 7.2x in h100_host_launch_gpumetrics (other activity
-# shares the counter). Keys of several processes span far more: a binary search.
+# it is smaller than the keys themselves (8 bytes per key); one process's ids span 1.8x their
+# count in h100_comm_ep2, 7.2x in h100_host_launch_gpumetrics (other activity shares the
+# counter). Keys of several processes span far more: a binary search.
 RANKED_SPAN = 32
 BLOCK = 1 << 20  # keys or queries ranked at once
 
