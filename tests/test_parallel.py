@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,76 @@ def test_a_users_own_decay_is_seen_before_polars_is_imported(
     assert parallel._users_decay()
     monkeypatch.delenv(conf)
     assert not parallel._users_decay()
+
+
+def test_workers_size_every_thread_pool_to_their_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two workers on this machine's CPUs: each pool (polars', rayon's that connectorx reads
+    # on, OpenBLAS's) gets half of them, unless the user sized it.
+    for pool in parallel.WORKER_POOLS:
+        monkeypatch.delenv(pool, raising=False)
+    share = str(max(1, parallel._cpus() // 2))
+    pools = list(parallel.WORKER_POOLS)
+    assert map_exports(os.getenv, pools, jobs=2, quiet=True) == [share] * len(pools)
+    monkeypatch.setenv("RAYON_NUM_THREADS", "7")
+    assert map_exports(os.getenv, ["RAYON_NUM_THREADS"] * 2, jobs=2, quiet=True) == ["7"] * 2
+
+
+def _worker_state(_item: object) -> tuple[int, bool]:
+    return os.getpid(), parallel.in_worker()
+
+
+def _no_op() -> None:
+    pass
+
+
+def test_started_workers_are_the_ones_that_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(parallel.WORKER_CPUS, raising=False)
+    assert not parallel.in_worker()
+    with parallel.started_workers(2, 4, _no_op) as pool:
+        assert pool is not None
+        started = set(pool._processes)  # type: ignore[attr-defined]
+        seen = map_exports(_worker_state, range(4), jobs=2, quiet=True, pool=pool)
+    assert len(started) == 2
+    assert {pid for pid, _ in seen} <= started
+    assert all(in_worker for _, in_worker in seen)
+    assert multiprocessing.active_children() == []  # stopped on leaving
+
+
+def test_no_workers_where_the_map_runs_here() -> None:
+    for jobs, items in ((1, 5), (4, 1), (None, 0)):
+        with parallel.started_workers(jobs, items, _no_op) as pool:
+            assert pool is None
+
+
+def test_started_workers_stop_when_the_checks_fail(tmp_path: Path) -> None:
+    # Workers start before the rules are read: a bad rules folder still fails in one line,
+    # and leaves no process behind.
+    from helpers.cli import run_cli
+
+    exports = [trace_path(name) for name in SMALL]
+    code, _out, err = run_cli(
+        "analyze", *exports, "--jobs", "2", "--rules", tmp_path / "absent", "-q"
+    )
+    assert code == 2
+    assert "rules folder not found" in err and len(err.strip().splitlines()) == 1
+    assert multiprocessing.active_children() == []
+
+
+def test_a_worker_keeps_its_c_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Trimming the C heap after a read lowers one analysis's peak; a worker's next export
+    # reuses those pages instead.
+    from traceclf.ingest import assemble
+
+    trims: list[int] = []
+    libc = types.SimpleNamespace(malloc_trim=trims.append)
+    monkeypatch.setattr(assemble.ctypes, "CDLL", lambda _name: libc)
+    monkeypatch.setattr(assemble.sys, "platform", "linux")
+    monkeypatch.delenv(parallel.WORKER_CPUS, raising=False)
+    assemble.release_read_buffers()
+    assert trims == [0]
+    monkeypatch.setenv(parallel.WORKER_CPUS, "1")
+    assemble.release_read_buffers()
+    assert trims == [0]
 
 
 def test_trace_error_pickles() -> None:

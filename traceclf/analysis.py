@@ -19,6 +19,8 @@ from traceclf.errors import TraceError
 from traceclf.report import RankMeasures, Report
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
     from traceclf.runs import RunSet
 
 
@@ -144,10 +146,8 @@ def _well_typed(result: ExportResult) -> bool:
 def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     """Analyse every export named by ``inputs`` (files, folders, .nsys-rep): one report when
     they are one job, else one report per run (:mod:`traceclf.runs`)."""
-    from traceclf.ingest.inputs import resolve_sources
-    from traceclf.ingest.schema import inspect_export
-    from traceclf.judge.schema import load_rules
-    from traceclf.parallel import map_exports
+    from traceclf.ingest.inputs import chosen_files
+    from traceclf.parallel import started_workers
     from traceclf.reduce import build_report
     from traceclf.runs import RunSet, group, split_unrelated_ranks
 
@@ -156,10 +156,43 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
         from traceclf.steps import check_step_regex
 
         check_step_regex(opts.step_regex)
-    load_rules(opts.rules_dir, remember=_rules_stamp_root(opts))
     if opts.grouping not in ("auto", "job", "runs"):
         raise TraceError(None, f"grouping must be auto, job or runs (got {opts.grouping!r})")
-    sources = resolve_sources(inputs, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
+    files = chosen_files(inputs)
+    # Local workers start first: their start-up overlaps the checks of the rules and exports.
+    local_jobs = 1 if opts.dask_address else opts.jobs
+    with started_workers(local_jobs, len(files), _warm_worker) as pool:
+        results = _analyse_files(files, opts, pool)
+    if opts.step_regex is not None:
+        from traceclf.steps import warn_unmatched_step_regex
+
+        warn_unmatched_step_regex(
+            [r.ranks for r in results], [r.path for r in results], opts.step_regex
+        )
+    results = split_unrelated_ranks(results, opts.grouping)
+    grouping = group(results, opts.grouping)
+    reports = []
+    for members in grouping.groups:
+        report = build_report([results[i] for i in members], opts.rules_dir)
+        report.grouping = grouping.for_report()
+        reports.append(report)
+    if len(reports) == 1:
+        return reports[0]
+    return RunSet(reports, grouping.for_report())
+
+
+def _analyse_files(
+    files: list[Path], opts: AnalysisOptions, pool: Executor | None
+) -> list[ExportResult]:
+    """Map step over :func:`~traceclf.ingest.inputs.chosen_files`: their rules and exports
+    checked here, then each analysed (on ``pool``'s workers, if any), under the user's name."""
+    from traceclf.ingest.inputs import export_sources
+    from traceclf.ingest.schema import inspect_export
+    from traceclf.judge.schema import load_rules
+    from traceclf.parallel import map_exports
+
+    load_rules(opts.rules_dir, remember=_rules_stamp_root(opts))
+    sources = export_sources(files, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
     exports = [export for export, _named in sources]
     for path in exports:
         # a damaged page would have failed the analysis whose result is cached for this very
@@ -177,25 +210,19 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
         jobs=opts.jobs,
         dask_address=opts.dask_address,
         quiet=opts.quiet,
+        pool=pool,
     )
-    if opts.step_regex is not None:
-        from traceclf.steps import warn_unmatched_step_regex
-
-        warn_unmatched_step_regex(
-            [r.ranks for r in results], [r.path for r in results], opts.step_regex
-        )
     # A report exported into the cache is reported under the name the user gave.
-    results = [r.named(named) for r, (_export, named) in zip(results, sources, strict=True)]
-    results = split_unrelated_ranks(results, opts.grouping)
-    grouping = group(results, opts.grouping)
-    reports = []
-    for members in grouping.groups:
-        report = build_report([results[i] for i in members], opts.rules_dir)
-        report.grouping = grouping.for_report()
-        reports.append(report)
-    if len(reports) == 1:
-        return reports[0]
-    return RunSet(reports, grouping.for_report())
+    return [r.named(named) for r, (_export, named) in zip(results, sources, strict=True)]
+
+
+def _warm_worker() -> None:
+    """What a worker process imports before its first export (:func:`started_workers`)."""
+    import traceclf.ingest.session
+    import traceclf.ingest.twopass
+    import traceclf.measures.rank
+    import traceclf.progress
+    import traceclf.steps  # noqa: F401
 
 
 def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = False) -> ExportResult:

@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Executor, ProcessPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,22 +41,51 @@ def map_exports(
     jobs: int | None = None,
     dask_address: str | None = None,
     quiet: bool = False,
+    pool: Executor | None = None,
 ) -> list[R]:
     """``[fn(item) for item in items]``, run in parallel, results in input order.
 
     ``fn`` must be a picklable top-level function. With ``dask_address`` the calls run on that
     Dask distributed cluster; otherwise on up to ``jobs`` local processes (default: CPUs, at
-    most 4), or in this process for one item or ``jobs=1``. The first exception raised by a
-    call is re-raised here with its original type. Progress goes to stderr unless ``quiet``.
+    most 4; ``pool``: those :func:`started_workers` started), or in this process for one item
+    or ``jobs=1``. The first exception raised by a call is re-raised here with its original
+    type. Progress goes to stderr unless ``quiet``.
     """
     items = list(items)
     with _progress(len(items), quiet) as advance:
         if dask_address is not None:
             return _map_dask(fn, items, dask_address, advance)
-        workers = min(default_jobs() if jobs is None else jobs, len(items))
+        workers = _local_workers(jobs, len(items))
         if workers <= 1:
             return [_advancing(fn(item), advance) for item in items]
-        return _map_local(fn, items, workers, advance)
+        if pool is not None:
+            return _map_on(pool, fn, items, advance)
+        with _local_pool(workers) as own:
+            return _map_on(own, fn, items, advance)
+
+
+@contextmanager
+def started_workers(
+    jobs: int | None, items: int, warm: Callable[[], object]
+) -> Iterator[Executor | None]:
+    """The local processes that :func:`map_exports` would start for ``items`` items with
+    ``jobs``, started now, each running ``warm`` (its imports): pass them to map_exports as
+    ``pool``. A worker takes ~0.35 s to start, which then overlaps the caller's own
+    preparation (rules, inputs) instead of following it. None where map_exports would run in
+    this process. The workers are stopped on leaving."""
+    workers = _local_workers(jobs, items)
+    if workers <= 1:
+        yield None
+        return
+    with _local_pool(workers) as pool:
+        with _main_hidden_from_workers(warm):  # a "spawn" worker starts at each submit
+            for _ in range(workers):
+                pool.submit(warm)
+        yield pool
+
+
+def _local_workers(jobs: int | None, items: int) -> int:
+    return min(default_jobs() if jobs is None else jobs, items)
 
 
 def default_jobs() -> int:
@@ -76,9 +105,10 @@ def _advancing(result: R, advance: Callable[[], None]) -> R:
     return result
 
 
-def _map_local(
-    fn: Callable[[T], R], items: list[T], workers: int, advance: Callable[[], None]
-) -> list[R]:
+@contextmanager
+def _local_pool(workers: int) -> Iterator[Executor]:
+    """``workers`` "spawn" processes (started at the first submits), stopped on leaving with
+    whatever they had not begun cancelled."""
     pool = ProcessPoolExecutor(
         workers,
         mp_context=multiprocessing.get_context("spawn"),
@@ -86,8 +116,18 @@ def _map_local(
         initargs=(workers, _users_decay()),
     )
     try:
-        with _main_hidden_from_workers(fn):  # workers start on the first submit
-            futures = [pool.submit(fn, item) for item in items]
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        _stop_resource_tracker()
+
+
+def _map_on(
+    pool: Executor, fn: Callable[[T], R], items: list[T], advance: Callable[[], None]
+) -> list[R]:
+    with _main_hidden_from_workers(fn):  # workers not started yet start on a submit
+        futures = [pool.submit(fn, item) for item in items]
+    try:
         pending = set(futures)
         while pending:
             done, pending = wait(pending, return_when=FIRST_EXCEPTION)
@@ -96,8 +136,8 @@ def _map_local(
                 advance()
         return [future.result() for future in futures]
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        _stop_resource_tracker()
+        for future in futures:
+            future.cancel()
 
 
 def _start_worker(workers: int, users_decay: bool) -> None:
@@ -109,16 +149,29 @@ def _start_worker(workers: int, users_decay: bool) -> None:
 
 
 def _share_cores(workers: int) -> None:
-    """In a worker, before polars is imported: its share of the CPUs for polars' thread pool
-    and for parallel reads (:func:`cpu_share`). Two workers with a thread per CPU each would
-    put twice as many busy threads as CPUs on the machine and lose time switching between
-    them (a user's own POLARS_MAX_THREADS is kept)."""
+    """In a worker, before polars is imported: its share of the CPUs for every thread pool
+    it would start, and for parallel reads (:func:`cpu_share`). Two workers with a thread per
+    CPU each would put twice as many busy threads as CPUs on the machine and lose time
+    switching between them (a user's own settings are kept)."""
     share = str(max(1, _cpus() // workers))
-    os.environ.setdefault("POLARS_MAX_THREADS", share)
+    for pool in WORKER_POOLS:
+        os.environ.setdefault(pool, share)
     os.environ[WORKER_CPUS] = share
 
 
 WORKER_CPUS = "TRACECLF_WORKER_CPUS"  # a worker's share of the CPUs (set in the worker)
+# Thread pools sized by the CPU count unless told: polars'; rayon's global pool, on which
+# connectorx runs the queries of one read side by side (a window read is several); and
+# OpenBLAS's, which numpy starts on import and whose threads spin ~0.1 CPU-s for nothing
+# (traceclf does no linear algebra).
+WORKER_POOLS = ("POLARS_MAX_THREADS", "RAYON_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def in_worker() -> bool:
+    """Whether this process is a ``--jobs`` worker (:func:`_start_worker` ran in it)."""
+    return WORKER_CPUS in os.environ
+
+
 # polars' allocator (jemalloc) reads its settings from this variable as polars is imported:
 # polars writes its own there first, then what the variable held (later settings win).
 JEMALLOC_CONF = "_RJEM_MALLOC_CONF"

@@ -28,6 +28,7 @@ from traceclf.ingest.devices import (
     read_threads,
 )
 from traceclf.model import Trace
+from traceclf.parallel import in_worker
 
 if TYPE_CHECKING:
     from traceclf.ingest.load import Reader, Window
@@ -279,8 +280,12 @@ def release_read_buffers() -> None:
     """Hand the pages of the raw rows back to the system. connectorx's Arrow buffers live on
     the C heap, and freeing them after their conversion leaves them resident beside polars'
     own memory until the heap is trimmed: at 1 GB of export, some 300 MB of peak memory for
-    nothing (glibc only; elsewhere a no-op)."""
-    if not sys.platform.startswith("linux"):
+    nothing (glibc only; elsewhere a no-op).
+
+    A ``--jobs`` worker keeps them: its next export's reads reuse those pages, where trimmed
+    ones are mapped and zeroed afresh (8 exports of 128 MB on 2 workers: a third fewer page
+    faults, ~100 MB more at a worker's peak)."""
+    if not sys.platform.startswith("linux") or in_worker():
         return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)

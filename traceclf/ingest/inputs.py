@@ -57,15 +57,32 @@ def resolve_sources(
 ) -> list[tuple[Path, Path]]:
     """Like :func:`resolve_inputs`, each export paired with the file the user named (the
     ``.nsys-rep`` of an export that traceclf made into its cache, else the export itself)."""
+    return export_sources(chosen_files(inputs), nsys=nsys, cache_dir=cache_dir, quiet=quiet)
+
+
+def chosen_files(inputs: list[str]) -> list[Path]:
+    """The files of ``inputs`` to analyse, one per run, in natural order, reports not yet
+    exported (:func:`export_sources`): one export each. Raises TraceError like
+    :func:`resolve_inputs` for inputs that are bad."""
     if not inputs:
         raise TraceError(None, "no input given (a .sqlite export, a .nsys-rep or a folder)")
     files = _unique(f for arg in inputs for f in _expand(arg))
-    chosen = sorted(_one_per_run(files), key=natural_key)
+    return sorted(_one_per_run(files), key=natural_key)
+
+
+def export_sources(
+    files: list[Path],
+    *,
+    nsys: Path | None = None,
+    cache_dir: Path | None = None,
+    quiet: bool = False,
+) -> list[tuple[Path, Path]]:
+    """Each of :func:`chosen_files` as (export, file): reports exported with nsys."""
     return [
         (export_report(f, nsys=nsys, cache_dir=cache_dir, quiet=quiet), f)
         if is_report(f)
         else (f, f)
-        for f in chosen
+        for f in files
     ]
 
 
