@@ -160,7 +160,7 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
         raise TraceError(None, f"grouping must be auto, job or runs (got {opts.grouping!r})")
     files = chosen_files(inputs)
     # Local workers start first: their start-up overlaps the checks of the rules and exports.
-    local_jobs = 1 if opts.dask_address else opts.jobs
+    local_jobs = 1 if opts.dask_address is not None else opts.jobs
     with started_workers(local_jobs, len(files), _warm_worker) as pool:
         results = _analyse_files(files, opts, pool)
     if opts.step_regex is not None:

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Executor, ProcessPoolExecutor, wait
@@ -117,6 +118,10 @@ def _local_pool(workers: int) -> Iterator[Executor]:
     )
     try:
         yield pool
+    except KeyboardInterrupt:
+        for process in list(pool._processes.values()):  # type: ignore[attr-defined]
+            process.terminate()
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         _stop_resource_tracker()
@@ -143,6 +148,9 @@ def _map_on(
 def _start_worker(workers: int, users_decay: bool) -> None:
     """In a worker, before polars is imported: its share of the cores, and its allocator's
     settings (unless ``users_decay``: :func:`_users_decay`)."""
+    # Ctrl-C reaches the whole process group: the parent stops the workers, which would
+    # otherwise each print a traceback from their idle wait.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _share_cores(workers)
     if not users_decay:
         _keep_freed_pages()
