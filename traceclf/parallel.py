@@ -118,7 +118,7 @@ def _local_pool(workers: int) -> Iterator[Executor]:
     )
     try:
         yield pool
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (the executor has no public way to stop its workers at once)
         for process in list(pool._processes.values()):  # type: ignore[attr-defined]
             process.terminate()
         raise

@@ -42,22 +42,8 @@ def resolve_inputs(
     Raises :class:`~traceclf.errors.TraceError` for a missing path, a folder or pattern with
     no exports, a file that is neither a report nor an SQLite database, or a failed export.
     """
-    return [
-        export
-        for export, _named in resolve_sources(inputs, nsys=nsys, cache_dir=cache_dir, quiet=quiet)
-    ]
-
-
-def resolve_sources(
-    inputs: list[str],
-    *,
-    nsys: Path | None = None,
-    cache_dir: Path | None = None,
-    quiet: bool = False,
-) -> list[tuple[Path, Path]]:
-    """Like :func:`resolve_inputs`, each export paired with the file the user named (the
-    ``.nsys-rep`` of an export that traceclf made into its cache, else the export itself)."""
-    return export_sources(chosen_files(inputs), nsys=nsys, cache_dir=cache_dir, quiet=quiet)
+    sources = export_sources(chosen_files(inputs), nsys=nsys, cache_dir=cache_dir, quiet=quiet)
+    return [export for export, _named in sources]
 
 
 def chosen_files(inputs: list[str]) -> list[Path]:
@@ -77,7 +63,8 @@ def export_sources(
     cache_dir: Path | None = None,
     quiet: bool = False,
 ) -> list[tuple[Path, Path]]:
-    """Each of :func:`chosen_files` as (export, file): reports exported with nsys."""
+    """Each of :func:`chosen_files` paired with its export: ``(export, file)``, where the
+    export of a ``.nsys-rep`` is the one traceclf made into its cache, else the file itself."""
     return [
         (export_report(f, nsys=nsys, cache_dir=cache_dir, quiet=quiet), f)
         if is_report(f)
