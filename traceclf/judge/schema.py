@@ -306,6 +306,11 @@ def _read_yaml(path: Path, text: str | None = None) -> dict:
         doc = yaml.load(text, Loader=_LOADER)  # a SafeLoader, C or Python
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
+        if "nesting depth" in str(e.problem):  # libyaml's own bound (1000), met before ours
+            line = mark.line + 1 if mark else 0
+            raise TraceError(
+                path, f"line {line}: nested deeper than {MAX_YAML_DEPTH} levels"
+            ) from None
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise TraceError(path, f"not valid YAML{where}: {e.problem or e.context}") from None
     except (yaml.YAMLError, ValueError, RecursionError) as e:
