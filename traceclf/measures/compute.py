@@ -8,7 +8,7 @@ import polars as pl
 from traceclf import kernels
 from traceclf.ingest.devices import METRIC_NAMES
 from traceclf.measures import timeline
-from traceclf.measures.window import RankWindow
+from traceclf.measures.window import RankWindow, optimizer_ranges
 
 # Kernel families in the order the report lists their shares; a family a user's taxonomy adds
 # is listed after them.
@@ -29,6 +29,8 @@ END_CAPTURE_API = "^(cudaStreamEndCapture|cuStreamEndCapture)"
 # eager iteration runs a few times slower than its replay; setup pauses are far longer).
 WARMUP_PAUSE_REPLAYS = 4
 WARMUP_PAUSE_MIN_NS = 20_000_000
+# (measures/window.py: prepare)
+FAMILY_NOTES = {"optimizer": " (by name, or launched inside an optimizer NVTX range)"}
 MEASURES: dict[str, str] = {
     "kernels_per_step": "kernel rows per step (kernels inside graph-level traced graphs "
     "are not rows)",
@@ -54,7 +56,10 @@ MEASURES: dict[str, str] = {
     "sm_active_mean": "mean 'SMs Active' GPU metric in the window (0-1)",
     "sm_issue_mean": "mean 'SM Issue' GPU metric in the window (0-1)",
     "tensor_active_mean": "mean 'Tensor Active' GPU metric in the window (0-1)",
-} | {f"{fam}_time_frac": f"share of kernel time in {fam} kernels" for fam in FAMILY_NAMES}
+} | {
+    f"{fam}_time_frac": f"share of kernel time in {fam} kernels{FAMILY_NOTES.get(fam, '')}"
+    for fam in FAMILY_NAMES
+}
 KERNEL_SHAPE_MEASURES = (
     "median_kernel_us",
     "small_grid_kernel_frac",
@@ -237,15 +242,9 @@ def _gemm_measures(kern: pl.DataFrame, w: RankWindow, per_step: float) -> dict[s
 def optimizer_kernels_per_step(w: RankWindow) -> float | None:
     """Kernels of the window launched inside an optimizer NVTX range: a per-tensor optimizer
     step shows as many small elementwise kernels, which only the range identifies."""
-    trace = w.trace
-    ranges = trace.nvtx.filter(kernels.matches(trace.nvtx["text"], w.taxonomy.nvtx["optimizer"]))
-    if ranges.is_empty():
+    if optimizer_ranges(w.trace, w.taxonomy).is_empty():
         return None
-    # over the trace's own kernels, whose launches are looked up once for every measure, each
-    # counted as often as the window's kernels hold it
-    launched = trace.launched_within(trace.kernels, ranges)
-    times = timeline.times_in(trace.kernels, w.spans)
-    return int(times[launched].sum()) / w.n_steps
+    return int(w.kern["in_optimizer"].sum()) / w.n_steps
 
 
 def gpu_metric_means(metrics: pl.DataFrame, window: timeline.Spans) -> dict[str, float | None]:

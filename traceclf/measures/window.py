@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from traceclf.kernels import Taxonomy, by_name
+from traceclf.kernels import Taxonomy, by_name, matches
 from traceclf.measures import timeline
 from traceclf.measures.busy import Busy
 from traceclf.model import Trace
@@ -55,7 +55,8 @@ class RankWindow:
     steps: Steps
     taxonomy: Taxonomy
     gpu: dict | None
-    kern: pl.DataFrame  # kernels in the window, with family / is_comm / comm_kind columns
+    # kernels in the window, with family / is_comm / comm_kind / in_optimizer columns
+    kern: pl.DataFrame
     graphs: pl.DataFrame  # graph-level traced graph executions
     graph_spans: pl.DataFrame  # one interval per graph replay, either tracing mode
     copies: pl.DataFrame
@@ -124,7 +125,9 @@ class RankWindow:
 
 def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) -> RankWindow:
     window = steps.spans
-    kern = taxonomy.classify(timeline.clip(trace.kernels, window))
+    kern = _optimizer_family(
+        taxonomy.classify(timeline.clip(_flag_optimizer(trace, taxonomy), window))
+    )
     graphs = timeline.clip(trace.graphs, window)
     graph_spans = timeline.clip(trace.graph_executions, window)
     copies = timeline.clip(trace.copies, window)
@@ -160,6 +163,38 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
         flagged,
         layers,
         layers.state_times(),
+    )
+
+
+def optimizer_ranges(trace: Trace, taxonomy: Taxonomy) -> pl.DataFrame:
+    """The NVTX ranges of the optimizer step (the taxonomy's ``nvtx.optimizer`` pattern)."""
+    return trace.nvtx.filter(matches(trace.nvtx["text"], taxonomy.nvtx["optimizer"]))
+
+
+def _flag_optimizer(trace: Trace, taxonomy: Taxonomy) -> pl.DataFrame:
+    """The rank's kernels with ``in_optimizer``: launched inside an optimizer NVTX range. A
+    per-tensor optimizer runs as plain elementwise kernels, which only the range tells apart
+    from the model's own; without such a range the column is all false (no copy is made)."""
+    ranges = optimizer_ranges(trace, taxonomy)
+    if ranges.is_empty() or trace.kernels.is_empty():
+        return trace.kernels.with_columns(in_optimizer=pl.lit(False))
+    return trace.kernels.with_columns(
+        in_optimizer=pl.Series(trace.launched_within(trace.kernels, ranges))
+    )
+
+
+def _optimizer_family(kern: pl.DataFrame) -> pl.DataFrame:
+    """Kernels the optimizer step launched are of the optimizer family whatever their names
+    (communication stays communication: a distributed optimizer's all-gather is exchanged,
+    not computed), so that the optimizer's time and the other families' never overlap."""
+    if not kern["in_optimizer"].any():
+        return kern
+    optimizer = pl.col("in_optimizer") & ~pl.col("is_comm").fill_null(False)
+    return kern.with_columns(
+        family=pl.when(optimizer)
+        .then(pl.lit("optimizer"))
+        .otherwise(pl.col("family").cast(pl.String))
+        .cast(pl.Categorical)
     )
 
 
