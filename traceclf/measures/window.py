@@ -174,7 +174,7 @@ def optimizer_ranges(trace: Trace, taxonomy: Taxonomy) -> pl.DataFrame:
 def _flag_optimizer(trace: Trace, taxonomy: Taxonomy) -> pl.DataFrame:
     """The rank's kernels with ``in_optimizer``: launched inside an optimizer NVTX range. A
     per-tensor optimizer runs as plain elementwise kernels, which only the range tells apart
-    from the model's own; without such a range the column is all false (no copy is made)."""
+    from the model's own; without such a range the column is a constant false."""
     ranges = optimizer_ranges(trace, taxonomy)
     if ranges.is_empty() or trace.kernels.is_empty():
         return trace.kernels.with_columns(in_optimizer=pl.lit(False))
@@ -190,11 +190,11 @@ def _optimizer_family(kern: pl.DataFrame) -> pl.DataFrame:
     if not kern["in_optimizer"].any():
         return kern
     optimizer = pl.col("in_optimizer") & ~pl.col("is_comm").fill_null(False)
+    # (Categorical on both sides: no string per kernel, millions of them with --all-steps)
     return kern.with_columns(
         family=pl.when(optimizer)
-        .then(pl.lit("optimizer"))
-        .otherwise(pl.col("family").cast(pl.String))
-        .cast(pl.Categorical)
+        .then(pl.lit("optimizer", dtype=pl.Categorical))
+        .otherwise(pl.col("family"))
     )
 
 
