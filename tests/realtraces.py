@@ -33,7 +33,7 @@ def measured(name: str, step_regex: str | None = None):
     """(steps, measures) per rank of a real trace, computed once per test session."""
     from traceclf.ingest.load import load_trace
     from traceclf.measures import measure_rank
-    from traceclf.steps import find_steps
+    from traceclf.steps.find import find_steps
 
     trace = load_trace(trace_path(name))
     out = []

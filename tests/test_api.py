@@ -13,9 +13,9 @@ from matplotlib.figure import Figure
 
 import traceclf
 from traceclf import api
-from traceclf.errors import TraceError
-from traceclf.model import Trace
-from traceclf.report import WALLS, Report
+from traceclf.model.trace import Trace
+from traceclf.report.contract import WALLS, Report
+from traceclf.support.errors import TraceError
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE_DIRS = (REPO / "fixtures", Path("/work/shared/traces"))

@@ -23,10 +23,10 @@ from helpers.files import (
     truncated,
 )
 
-from traceclf.errors import TraceError
 from traceclf.ingest.inputs import resolve_inputs
 from traceclf.ingest.load import load_trace
 from traceclf.ingest.schema import GPU_ACTIVITY_TABLES, inspect_export
+from traceclf.support.errors import TraceError
 
 
 def real() -> Path:

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from realtraces import trace_path
 
-from traceclf.errors import TraceError
 from traceclf.ingest import cache, cachedir
 from traceclf.ingest.cache import load_trace_cached
 from traceclf.ingest.load import load_trace
-from traceclf.model import Trace
+from traceclf.model.trace import Trace
+from traceclf.support.errors import TraceError
 
 SMALL = "h100_comm_ep2.sqlite"
 
@@ -98,7 +98,7 @@ def test_use_cache_false_writes_nothing(export: Path, tmp_path: Path) -> None:
 
 
 def test_nothing_is_written_beside_the_export(export: Path, tmp_path: Path) -> None:
-    from traceclf.analysis import AnalysisOptions, analyze_export
+    from traceclf.pipeline.analysis import AnalysisOptions, analyze_export
 
     analyze_export(export, AnalysisOptions(quiet=True))
     assert sorted(p.name for p in export.parent.iterdir()) == [SMALL]
@@ -157,7 +157,7 @@ def test_key_is_the_exports_identity(export: Path, tmp_path: Path) -> None:
 
 
 def test_cache_info_and_clear(export: Path, tmp_path: Path, cli) -> None:
-    from traceclf.analysis import AnalysisOptions, analyze_export
+    from traceclf.pipeline.analysis import AnalysisOptions, analyze_export
 
     analyze_export(export, AnalysisOptions(quiet=True))  # a result (the analysis writes no model)
     load_trace_cached(export)  # a trace model (opening an export does)
@@ -240,7 +240,7 @@ def test_missing_export_is_a_trace_error(tmp_path: Path) -> None:
 
 
 def test_reanalysis_of_an_unchanged_export_reads_only_the_result(export: Path, monkeypatch):
-    from traceclf.analysis import AnalysisOptions, analyze_export
+    from traceclf.pipeline.analysis import AnalysisOptions, analyze_export
 
     opts = AnalysisOptions(quiet=True)
     first = analyze_export(export, opts)
@@ -252,8 +252,8 @@ def test_reanalysis_of_an_unchanged_export_reads_only_the_result(export: Path, m
 
 
 def test_result_cache_follows_options_and_can_be_bypassed(export: Path, monkeypatch):
-    from traceclf import analysis
-    from traceclf.analysis import AnalysisOptions, analyze_export
+    from traceclf.pipeline import analysis
+    from traceclf.pipeline.analysis import AnalysisOptions, analyze_export
 
     analyze_export(export, AnalysisOptions(quiet=True))
     measured = []
@@ -268,7 +268,7 @@ def test_analysis_writes_a_trace_model_only_when_it_will_be_read_again(export: P
     """A cold analysis writes its result, not the (whole-capture) trace model: re-running it
     is served by the result. Analysing the export again under other options loads the model
     a second time, and then it is cached."""
-    from traceclf.analysis import AnalysisOptions, analyze_export
+    from traceclf.pipeline.analysis import AnalysisOptions, analyze_export
 
     slot = cachedir.slot_of(export)
 

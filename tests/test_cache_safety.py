@@ -18,12 +18,12 @@ import pytest
 from conftest import fixture_trace
 from helpers.files import copy_export, folder_listing
 
-from traceclf import analysis
-from traceclf.analysis import AnalysisOptions, analyze_export
 from traceclf.ingest import cache, cachedir, results
 from traceclf.ingest.cache import load_trace_cached
 from traceclf.ingest.load import load_trace
-from traceclf.reduce import build_report
+from traceclf.pipeline import analysis
+from traceclf.pipeline.analysis import AnalysisOptions, analyze_export
+from traceclf.pipeline.reduce import build_report
 
 SMALL = "h100_comm_ep2"
 OTHER = "h100_host_input_stall"

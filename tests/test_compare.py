@@ -12,9 +12,9 @@ from helpers.cli import run_cli
 from realtraces import trace_path
 
 import traceclf
-from traceclf.compare import compare_reports
-from traceclf.render.compare import comparison_markdown
-from traceclf.report import WALLS, Report
+from traceclf.compare.regression import compare_reports
+from traceclf.render.comparison import comparison_markdown
+from traceclf.report.contract import WALLS, Report
 
 SLOW, FAST = "h100_host_launch_gpumetrics", "h100_host_cudagraph"  # the same model, unfixed/fixed
 
@@ -260,7 +260,7 @@ def test_reports_that_missed_graph_launches_count_the_executions(
 ) -> None:
     """A report saved by a traceclf that clipped calls to the GPU window by time read 0 launch
     calls on graph runs: its graph executions per step stand in."""
-    from traceclf.changes import metrics_of
+    from traceclf.compare.changes import metrics_of
 
     old = copy.deepcopy(reports[FAST])
     old.metrics["launch_calls_per_step"] = 0.0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from traceclf import correlation
-from traceclf.correlation import CallIndex
+from traceclf.model import correlation
+from traceclf.model.correlation import CallIndex
 
 
 def first_call(api: pl.DataFrame, pid: list, corr: list) -> list:

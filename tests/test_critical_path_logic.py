@@ -13,10 +13,10 @@ import pytest
 from helpers.constructed import Export
 
 from traceclf.ingest.load import load_trace
-from traceclf.kernels import bundled
 from traceclf.measures import critical_path
 from traceclf.measures.window import prepare
-from traceclf.steps import Steps, _empty_table
+from traceclf.model.taxonomy import bundled
+from traceclf.steps.find import Steps, _empty_table
 
 NCCL = "ncclDevKernel_SendRecv"
 

@@ -18,7 +18,7 @@ from realtraces import trace_path
 
 from traceclf.measures.cross_rank import cross_rank
 from traceclf.render.content import budget_rows
-from traceclf.report import Report
+from traceclf.report.contract import Report
 
 TWO_RANKS = ("h100_comm_ep2", "h100_comm_ep2_overlap")
 

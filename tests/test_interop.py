@@ -22,10 +22,10 @@ from helpers.files import copy_export, file_state, folder_listing, prefix_kernel
 from realtraces import trace_path
 
 import traceclf
-from traceclf.errors import TraceError
-from traceclf.export.tables import TABLES
 from traceclf.figures.draw import informative
-from traceclf.report import Report
+from traceclf.report.contract import Report
+from traceclf.report.frames import TABLES
+from traceclf.support.errors import TraceError
 
 EP2 = "h100_comm_ep2"
 GPU_PID = "((globalPid >> 24) & 16777215)"
@@ -97,12 +97,12 @@ def test_kernel_summary_agrees_with_nvidia_over_the_whole_capture() -> None:
     cuda_gpu_kern_sum (nsys stats), row for row."""
     from types import SimpleNamespace
 
-    from traceclf import kernels
     from traceclf.measures.compute import kernel_summary
+    from traceclf.model.taxonomy import bundled
 
     trace = traceclf.open(trace_path(EP2))
     lo, hi = trace.span
-    w = SimpleNamespace(window=(lo, hi + 1), trace=trace, taxonomy=kernels.bundled())
+    w = SimpleNamespace(window=(lo, hi + 1), trace=trace, taxonomy=bundled())
     ours = {r["name"]: r for r in kernel_summary(w)}
     with oracle_csv(EP2, "cuda_gpu_kern_sum").open(newline="") as f:
         nvidia = list(csv.DictReader(f))

@@ -1,10 +1,10 @@
-"""traceclf.jsontext: indented JSON with each row on one line, the same value as json.dumps."""
+"""traceclf.support.jsontext: indented JSON with each row on one line, the same value as json.dumps."""
 
 from __future__ import annotations
 
 import json
 
-from traceclf.jsontext import dumps
+from traceclf.support.jsontext import dumps
 
 
 def test_rows_sit_on_one_line_and_the_value_is_unchanged() -> None:

@@ -20,8 +20,8 @@ from conftest import FIXTURES, FULL_TRACES, fixture_trace, oracle_csv
 from rich.console import Console
 
 from traceclf.ingest.load import LOAD_STAGES, load_trace
-from traceclf.model import Trace
-from traceclf.progress import LoadProgress, status, stderr_console
+from traceclf.model.trace import Trace
+from traceclf.support.progress import LoadProgress, status, stderr_console
 
 # Traces whose kernels, API calls and copies are all in the fixture.
 COMPLETE = (*FULL_TRACES, "h100_compute_dense_gpumetrics")

@@ -30,15 +30,15 @@ def test_the_gap_a_sync_returns_in_is_sync_idle():
     import polars as pl
     from realtraces import trace_path
 
-    from traceclf import kernels
     from traceclf.ingest.load import load_trace
     from traceclf.measures import host
     from traceclf.measures.window import prepare
-    from traceclf.steps import find_steps
+    from traceclf.model.taxonomy import bundled
+    from traceclf.steps.find import find_steps
 
     trace = load_trace(trace_path("h100_host_launch_gpumetrics"))
     (pid,) = trace.rank_pids
-    taxonomy = kernels.bundled()
+    taxonomy = bundled()
     steps = find_steps(trace, None, taxonomy)
     w = prepare(trace, steps, trace.gpu_of(pid), taxonomy)
     gaps = host.idle_gaps(w)

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from realtraces import trace_path
 
-from traceclf import parallel
-from traceclf.errors import TraceError
 from traceclf.ingest.load import load_trace
 from traceclf.ingest.schema import inspect_export
-from traceclf.model import Trace
-from traceclf.parallel import map_exports
+from traceclf.model.trace import Trace
+from traceclf.pipeline import parallel
+from traceclf.pipeline.parallel import map_exports
+from traceclf.support.errors import TraceError
 
 SMALL = ("h100_host_input_stall.sqlite", "h100_compute_low_occupancy.sqlite")
 

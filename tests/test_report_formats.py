@@ -17,7 +17,7 @@ from traceclf.figures import draw as figures
 from traceclf.render import render
 from traceclf.render.html import render_html
 from traceclf.render.markdown import render_markdown
-from traceclf.report import WALLS, Report
+from traceclf.report.contract import WALLS, Report
 
 
 @pytest.fixture(scope="module")

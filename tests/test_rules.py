@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from realtraces import measured, trace_path
 
-from traceclf.errors import TraceError
 from traceclf.judge.engine import evaluate
-from traceclf.judge.expr import Expr, ExprError, Template
-from traceclf.judge.schema import CONTRACT_FIX_IDS, load_rules
 from traceclf.render.rules import explain_fix, list_rules
+from traceclf.rulebook.expr import Expr, ExprError, Template
+from traceclf.rulebook.layers import CONTRACT_FIX_IDS, load_rules
+from traceclf.support.errors import TraceError
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "chip": "GH100", "sm_count": 132,
         "memory_bytes": 85017493504}  # fmt: skip
@@ -133,7 +133,7 @@ def test_bundled_rules_define_the_contract_vocabulary_and_the_pitfalls():
 
 def test_every_measured_key_is_a_known_name():
     (_, m), *_ = measured("h100_comm_ep2.sqlite")
-    from traceclf.judge.schema import known_names
+    from traceclf.rulebook.layers import known_names
 
     assert set(m.metrics) <= known_names()
 

@@ -16,8 +16,8 @@ from conftest import FIXTURES, fixture_trace
 from helpers.files import copy_export, split_ranks
 
 from traceclf import analyze
-from traceclf.report import Report
-from traceclf.runs import RunSet, evidence, match
+from traceclf.pipeline.grouping import RunSet, evidence, match
+from traceclf.report.contract import Report
 
 EP2 = "h100_comm_ep2"
 EP2_PIDS = [1191, 1192]
@@ -135,7 +135,7 @@ def test_every_format_shows_the_summary_then_each_run(tmp_path: Path, cli, fmt) 
 
 
 def _results(paths):
-    from traceclf.analysis import AnalysisOptions, analyze_export
+    from traceclf.pipeline.analysis import AnalysisOptions, analyze_export
 
     return [analyze_export(p, AnalysisOptions(quiet=True)) for p in paths]
 

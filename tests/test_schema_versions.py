@@ -25,10 +25,10 @@ from helpers.variants import (
     rebuild_table,
 )
 
-from traceclf.errors import TraceError
 from traceclf.ingest.load import load_trace
 from traceclf.ingest.schema import inspect_export
-from traceclf.model import Trace
+from traceclf.model.trace import Trace
+from traceclf.support.errors import TraceError
 
 VARIANTS: dict[str, tuple[Callable[[Path], Path], str, str]] = {
     "2021.1": (as_nsys_2021_early, "2021.1.1.66", "2.3.0"),

@@ -383,8 +383,8 @@ def test_dask_worker_refuses_a_different_file_at_the_same_path(tmp_path: Path) -
     """What a worker checks before it analyses: the file at the path it was sent has the size,
     mtime and first 64 KiB seen where the user ran traceclf (here the file is rewritten in
     between, as a worker on another machine with another file there would see it)."""
-    from traceclf.errors import TraceError
-    from traceclf.parallel import RemoteFile
+    from traceclf.pipeline.parallel import RemoteFile
+    from traceclf.support.errors import TraceError
 
     export = tiny_copy(tmp_path / "run")
     sent = RemoteFile.of(export)

@@ -6,9 +6,9 @@ import polars as pl
 import pytest
 from realtraces import measured, trace_path
 
-from traceclf.errors import TraceError
 from traceclf.ingest.load import load_trace
-from traceclf.steps import find_steps
+from traceclf.steps.find import find_steps
+from traceclf.support.errors import TraceError
 
 
 @pytest.mark.parametrize(
@@ -129,7 +129,7 @@ def test_both_ranks_of_a_two_rank_report_have_steps():
      (1.5, False), (0.7, False), (2.6, False), (0.0, False)],
 )  # fmt: skip
 def test_two_anchors_agree_when_their_step_times_match_or_are_whole_multiples(ratio, agree):
-    from traceclf.steps import anchors_agree
+    from traceclf.steps.find import anchors_agree
 
     assert anchors_agree(ratio) is agree
 
@@ -137,7 +137,7 @@ def test_two_anchors_agree_when_their_step_times_match_or_are_whole_multiples(ra
 def test_a_second_anchor_cross_checks_the_step_on_real_traces():
     """On our traces the next anchor (graph replays, or a kernel that recurs once per step)
     implies the same step time as the NVTX steps, within 1%."""
-    from traceclf.steps import find_steps
+    from traceclf.steps.find import find_steps
 
     for name in (
         "h100_comm_ep2.sqlite",

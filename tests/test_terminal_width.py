@@ -15,7 +15,7 @@ import traceclf
 from traceclf.render.content import rank_rows
 from traceclf.render.terminal import render_terminal
 from traceclf.render.timeline import phase_rows
-from traceclf.report import Report
+from traceclf.report.contract import Report
 
 # two ranks with long configs; a host-bound run with NVTX phases and the cuda_graph_scope
 # config that was cropped at 120 columns; memory-bound with phases; graph-level traced

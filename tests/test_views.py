@@ -19,7 +19,7 @@ from traceclf.figures import draw
 from traceclf.render.html import render_html
 from traceclf.render.markdown import render_markdown
 from traceclf.render.terminal import render_terminal
-from traceclf.report import Report
+from traceclf.report.contract import Report
 
 PHASED = ("h100_memory_offload", "h100_host_launch_gpumetrics")  # forward/backward/optimizer
 

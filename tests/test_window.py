@@ -23,12 +23,13 @@ import polars as pl
 import pytest
 from conftest import FIXTURES
 
-from traceclf import kernels
-from traceclf.analysis import AnalysisOptions, analyze_inputs
-from traceclf.ingest import load, rowindex, twopass
+from traceclf.ingest import load, rowindex
 from traceclf.ingest.load import load_trace
 from traceclf.ingest.rowindex import RowIndex
-from traceclf.report import Report
+from traceclf.model.taxonomy import bundled
+from traceclf.pipeline import twopass
+from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
+from traceclf.report.contract import Report
 
 EXTERNAL = FIXTURES / "external"
 TRACES = sorted(FIXTURES.glob("*.sqlite")) + sorted(EXTERNAL.glob("*.sqlite"))
@@ -168,7 +169,7 @@ def test_shuffled_rows_are_seen_and_read_by_filtered_scan(tmp_path: Path) -> Non
         assert not RowIndex.build(con, "CUPTI_ACTIVITY_KIND_KERNEL").ordered
     original = FIXTURES / "h100_compute_low_occupancy.sqlite"
     budget = int(event_rows(original) * 0.95)
-    read = twopass.load_window(path, kernels.bundled(), budget=budget)
+    read = twopass.load_window(path, bundled(), budget=budget)
     assert read.plans  # the window mode, not a whole read
     assert read.trace.kernels["start"].is_sorted()
     assert fractions(analysed(path, budget)) == fractions(analysed(original, budget))
@@ -180,7 +181,7 @@ def test_shuffled_calls_fall_back_to_reading_everything(tmp_path: Path) -> None:
     path = copy_of(tmp_path, "h100_comm_ep2")
     reorder(path, "CUPTI_ACTIVITY_KIND_RUNTIME", "random()")
     budget = event_rows(path) // 2
-    read = twopass.load_window(path, kernels.bundled(), budget=budget)
+    read = twopass.load_window(path, bundled(), budget=budget)
     assert read.plans == {} and read.trace.windows is None
     assert (
         analysed(path, budget).metrics == analysed(FIXTURES / "h100_comm_ep2.sqlite", None).metrics
@@ -209,7 +210,7 @@ def test_rows_out_of_order_between_samples_are_caught_after_reading(tmp_path: Pa
     with rowindex.connect(path) as con:
         assert RowIndex.build(con, table).ordered  # the samples do not show it
     budget = int(event_rows(path) * 0.95)
-    read = twopass.load_window(path, kernels.bundled(), budget=budget)
+    read = twopass.load_window(path, bundled(), budget=budget)
     assert read.plans and read.trace.kernels["start"].is_sorted()
     assert read.trace.kernels.height == load_trace(path).kernels.height
     original = FIXTURES / f"{name}.sqlite"
@@ -228,7 +229,7 @@ def test_rows_with_rowid_at_or_below_zero_are_read(tmp_path: Path, monkeypatch) 
     monkeypatch.setattr(load, "PARTITION_MIN_ROWS", 1)
     assert load_trace(path).kernels.height == rows
     budget = int(event_rows(path) * 0.95)
-    window = twopass.load_window(path, kernels.bundled(), budget=budget)
+    window = twopass.load_window(path, bundled(), budget=budget)
     assert window.plans
     lo, hi = window.trace.windows[0][0], window.trace.windows[-1][1]
     everything = load_trace(path).kernels.filter((pl.col("start") <= hi) & (pl.col("end") >= lo))

@@ -19,18 +19,18 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from traceclf.errors import TraceError
-from traceclf.report import Report
+from traceclf.report.contract import Report
+from traceclf.support.errors import TraceError
 
 if TYPE_CHECKING:  # `import traceclf` stays light: polars and matplotlib load on first use
     import polars as pl
     from matplotlib.figure import Figure
 
-    from traceclf.analysis import AnalysisOptions
-    from traceclf.compare import Comparison
+    from traceclf.compare.regression import Comparison
     from traceclf.measures import RankMeasures
-    from traceclf.model import Trace
-    from traceclf.steps import Steps
+    from traceclf.model.trace import Trace
+    from traceclf.pipeline.analysis import AnalysisOptions
+    from traceclf.steps.find import Steps
 
 __all__ = [
     "analyze",
@@ -49,7 +49,7 @@ def open(path: str | Path, *, use_cache: bool = True, cache_dir: Path | None = N
     """Load one export (``.sqlite``) or Nsight Systems report (``.nsys-rep``, exported once
     with nsys) into the trace model, through the Parquet cache.
 
-    Raises :class:`~traceclf.errors.TraceError` when ``path`` is missing, is not an export,
+    Raises :class:`~traceclf.support.errors.TraceError` when ``path`` is missing, is not an export,
     or names several exports (a folder): open those one at a time.
     """
     from traceclf.ingest.cache import load_trace_cached
@@ -63,14 +63,14 @@ def open(path: str | Path, *, use_cache: bool = True, cache_dir: Path | None = N
 
 def analyze(*paths: str | Path, step_range: str | None = None, **options) -> Report:
     """Analyse one run (one or more exports, reports or folders; all their ranks) into a
-    :class:`~traceclf.report.Report`, as ``traceclf analyze`` does.
+    :class:`~traceclf.report.contract.Report`, as ``traceclf analyze`` does.
 
     ``step_range`` is the regular expression for the NVTX ranges that mark a step;
-    ``options`` are those of :class:`~traceclf.analysis.AnalysisOptions` (``use_cache``,
+    ``options`` are those of :class:`~traceclf.pipeline.analysis.AnalysisOptions` (``use_cache``,
     ``cache_dir``, ``rules_dir``, ``jobs``, ``nsys``, ``dask_address``, ``quiet``).
     Progress bars are off unless ``quiet=False``.
     """
-    from traceclf.analysis import analyze_inputs
+    from traceclf.pipeline.analysis import analyze_inputs
 
     if not paths:
         raise TraceError(None, "analyze() needs at least one path")
@@ -87,7 +87,7 @@ def compare(
 ) -> Comparison:
     """Compare two runs as ``traceclf compare`` does. Each side is a trace input, a saved
     JSON report path, or a :class:`Report` already in memory."""
-    from traceclf.compare import compare_reports, load_run
+    from traceclf.compare.regression import compare_reports, load_run
 
     opts = _options(step_range, options)
     reports = [
@@ -114,7 +114,7 @@ def steps(trace: Trace, *, pid: int | None = None, step_range: str | None = None
     """The steps of one rank (default: the first process with GPU work) and its steady-state
     window: ``.source``, ``.label``, ``.window`` (ns), ``.table`` (a polars frame with index,
     name, gpu_start, gpu_end, duration, steady, outlier), ``.used``, ``.durations()``."""
-    from traceclf.steps import find_steps
+    from traceclf.steps.find import find_steps
 
     return find_steps(_rank(trace, pid), step_range)
 
@@ -154,7 +154,7 @@ def steps_frame(report: Report) -> pl.DataFrame:
 
 
 def _options(step_range: str | None, options: Mapping) -> AnalysisOptions:
-    from traceclf.analysis import AnalysisOptions
+    from traceclf.pipeline.analysis import AnalysisOptions
 
     known = {f.name for f in fields(AnalysisOptions)} - {"step_regex"}
     unknown = set(options) - known

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from traceclf import __version__
-from traceclf.errors import TraceError, TraceWarning
+from traceclf.support.errors import TraceError, TraceWarning
 
 FORMATS = ("terminal", "json", "md", "html", "csv")
 
@@ -32,7 +32,7 @@ def _check_output(output: str | None, named: list[str], rules_dir: Path | None) 
     written: no folder, a folder or a disk in the way, or any input of the run."""
     if output is None:
         return None
-    from traceclf.atomic import check_output
+    from traceclf.support.atomic import check_output
 
     check_output(output, _inputs(named, rules_dir))
     return Path(output)
@@ -50,7 +50,7 @@ def _check_exports(
             raise TraceError(export_dir, "--export-dir: not a folder")
         for path in (out, Path(export_trace) if export_trace else None):
             if path is not None and _same(path.parent, export_dir) and path.suffix == f".{fmt}":
-                from traceclf.export.tables import TABLES
+                from traceclf.report.frames import TABLES
 
                 if path.stem in TABLES:
                     raise click.UsageError(f"{path} would be overwritten by --export-dir")
@@ -69,7 +69,7 @@ def _nsys(value: str | None) -> Path | None:
 
 
 def _fail(message: str) -> None:
-    from traceclf.render.escape import visible
+    from traceclf.support.escape import visible
 
     click.echo(f"traceclf: error: {visible(message)}", err=True)
     sys.exit(2)
@@ -240,7 +240,7 @@ def analyze(
     rank-numbered names, and the same GPU, step anchor and step time); otherwise each run gets
     its own report plus a summary table. --job or --runs overrides the guess.
     """
-    from traceclf.analysis import AnalysisOptions, analyze_inputs
+    from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
     from traceclf.render import render
 
     if fmt == "html" and output is None:
@@ -269,7 +269,7 @@ def analyze(
         export_tables(report, export_dir, export_format, written)
     if trace_out is not None:
         from traceclf.export.perfetto import write_trace
-        from traceclf.runs import RunSet
+        from traceclf.pipeline.grouping import RunSet
 
         runs = report.runs if isinstance(report, RunSet) else [report]
         write_trace(runs, trace_out, inputs=written, use_cache=not no_cache, cache_dir=cache_dir)
@@ -321,9 +321,9 @@ def compare(
     explains the change (measures that moved, overlap, fixes that became applied, CUDA-graph
     tracing mode). With several candidates, prints one row each against the baseline. Exits 1
     if any candidate regresses beyond --threshold."""
-    from traceclf.analysis import AnalysisOptions
-    from traceclf.compare import compare_many
-    from traceclf.render.compare import render_comparison
+    from traceclf.compare.regression import compare_many
+    from traceclf.pipeline.analysis import AnalysisOptions
+    from traceclf.render.comparison import render_comparison
 
     opts = AnalysisOptions(
         step_regex=step_range,
@@ -366,7 +366,7 @@ def rules_cmd(rules_dir: Path | None) -> None:
 
 def _complete_fix_ids(_ctx, _param, incomplete: str) -> list[str]:
     """Shell completion of fix ids (bundled rules)."""
-    from traceclf.judge.schema import load_rules
+    from traceclf.rulebook.layers import load_rules
 
     try:
         ids = load_rules(None).fixes
@@ -427,7 +427,7 @@ def cache_clear(cache_dir: Path | None) -> None:
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """traceclf's own warnings as one line on stderr; others as Python prints them."""
     if issubclass(category, TraceWarning):
-        from traceclf.render.escape import visible
+        from traceclf.support.escape import visible
 
         click.echo(f"traceclf: warning: {visible(message)}", err=True)
     else:

@@ -1,10 +1,10 @@
 """Writing the files that go with a report: every table into a folder (``--export-dir``, CSV or
 Parquet), and a Markdown report's figures as PNG files beside it. Each file is written
-atomically through :func:`traceclf.atomic.write_output` and never onto an input of the run.
+atomically through :func:`traceclf.support.atomic.write_output` and never onto an input of the run.
 
 Text cells come from traces (kernel, NVTX and file names): in CSV they go through
-:func:`traceclf.render.escape.for_csv` (one line, control characters written out, no formula),
-in Parquet through :func:`~traceclf.render.escape.visible`; the CSV writer quotes commas, quotes
+:func:`traceclf.support.escape.for_csv` (one line, control characters written out, no formula),
+in Parquet through :func:`~traceclf.support.escape.visible`; the CSV writer quotes commas, quotes
 and the rest (RFC 4180).
 """
 
@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from traceclf.atomic import check_output, write_output
-from traceclf.errors import TraceError
+from traceclf.support.atomic import check_output, write_output
+from traceclf.support.errors import TraceError
 
 if TYPE_CHECKING:
-    from traceclf.report import Report
-    from traceclf.runs import RunSet
+    from traceclf.pipeline.grouping import RunSet
+    from traceclf.report.contract import Report
 
 TABLE_FORMATS = ("csv", "parquet")
 
 
 def table_bytes(df: pl.DataFrame, fmt: str = "csv") -> bytes:
     """``df`` as a CSV (header, RFC 4180 quoting) or Parquet file, its text cells made safe."""
-    from traceclf.render.escape import for_csv, visible
+    from traceclf.support.escape import for_csv, visible
 
     safe = for_csv if fmt == "csv" else visible
     df = df.with_columns(
@@ -50,9 +50,9 @@ def table_bytes(df: pl.DataFrame, fmt: str = "csv") -> bytes:
 def export_tables(
     report: Report | RunSet, folder: str | Path, fmt: str = "csv", inputs: Iterable[Path] = ()
 ) -> list[Path]:
-    """Write every table of ``report`` (:data:`traceclf.export.tables.TABLES`) into ``folder``
+    """Write every table of ``report`` (:data:`traceclf.report.frames.TABLES`) into ``folder``
     (created if missing) as ``<table>.csv`` or ``<table>.parquet``; returns the files written."""
-    from traceclf.export.tables import report_tables
+    from traceclf.report.frames import report_tables
 
     folder = Path(folder)
     check_folder(folder)

@@ -8,7 +8,7 @@ complete event (``"ph": "X"``) with ``ts``/``dur`` in µs on the export's own cl
 nsys shows, so "open in nsys at t = X s" in the report is the same X here. Ranks of different
 exports keep their own clocks (see ``cross_rank.clock`` in the report for their offsets).
 
-Names come from the trace: they go through :func:`traceclf.render.escape.visible` (control
+Names come from the trace: they go through :func:`traceclf.support.escape.visible` (control
 characters written out); JSON quoting is the encoder's.
 """
 
@@ -24,8 +24,8 @@ import polars as pl
 from traceclf import __version__
 
 if TYPE_CHECKING:
-    from traceclf.model import Trace
-    from traceclf.report import Report
+    from traceclf.model.trace import Trace
+    from traceclf.report.contract import Report
 
 NVTX_TID_BASE = 1_000_000  # host-thread tracks after the stream tracks, never the same tid
 
@@ -94,7 +94,7 @@ def write_trace(
     """Load each export of ``reports`` again (through the cache), write the trace-event file to
     ``path`` atomically (never onto an input) and return the number of events."""
     from traceclf.api import open as open_trace
-    from traceclf.atomic import write_output
+    from traceclf.support.atomic import write_output
 
     traces = {
         file: open_trace(file, use_cache=use_cache, cache_dir=cache_dir)
@@ -169,7 +169,7 @@ def _inside(df: pl.DataFrame, pid: int, window: tuple[int, int]) -> pl.DataFrame
 
 def _complete(df: pl.DataFrame) -> pl.DataFrame:
     """Complete events with µs times; names made visible once per distinct name."""
-    from traceclf.render.escape import visible
+    from traceclf.support.escape import visible
 
     names = df.select("name").unique()
     names = names.with_columns(shown=pl.col("name").map_elements(visible, return_dtype=pl.String))
@@ -202,7 +202,7 @@ def _empty() -> pl.DataFrame:
 
 def _meta(kind: str, pid: int, tid: int, value: str | int) -> dict:
     key = "sort_index" if kind.endswith("sort_index") else "name"
-    from traceclf.render.escape import visible
+    from traceclf.support.escape import visible
 
     return {
         "name": kind,

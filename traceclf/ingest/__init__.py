@@ -1,2 +1,2 @@
 """Ingest: what the user named (files, folders, ``.nsys-rep``) → validated SQLite exports →
-the :class:`~traceclf.model.Trace` model, through the caches (docs/architecture.md)."""
+the :class:`~traceclf.model.trace.Trace` model, through the caches (docs/architecture.md)."""

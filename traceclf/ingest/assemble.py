@@ -2,9 +2,9 @@
 resolved by lookup into Categoricals, copies and memsets as one frame, NVTX ranges with their
 text and domain, unusable rows left out and counted, start order flagged.
 
-:func:`build_trace` builds the :class:`~traceclf.model.Trace` from whatever rows a caller read:
+:func:`build_trace` builds the :class:`~traceclf.model.trace.Trace` from whatever rows a caller read:
 the whole capture (:func:`traceclf.ingest.load.load_trace`) or the analysed steps of the window
-mode (:mod:`traceclf.ingest.twopass`).
+mode (:mod:`traceclf.pipeline.twopass`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from traceclf.ingest.devices import (
     read_session,
     read_threads,
 )
-from traceclf.model import Trace
-from traceclf.parallel import in_worker
+from traceclf.model.trace import Trace
+from traceclf.pipeline.parallel import in_worker
 
 if TYPE_CHECKING:
     from traceclf.ingest.load import Reader, Window
@@ -172,7 +172,7 @@ def build_trace(
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
     """The trace model from the raw frames ``read`` returns for each logical table (the whole
-    capture, one window, or the rows of chosen steps: :mod:`traceclf.ingest.twopass`).
+    capture, one window, or the rows of chosen steps: :mod:`traceclf.pipeline.twopass`).
     ``windows`` records which time spans the frames hold (None: the whole capture)."""
     info = reader.info
     step = progress or (lambda _msg: None)

@@ -40,7 +40,7 @@ from traceclf.ingest.results import (  # (re-exported: the result cache is its o
     identity,
 )
 from traceclf.ingest.schema import check_sqlite_file
-from traceclf.model import Trace
+from traceclf.model.trace import Trace
 
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
 META = "meta.json"

@@ -15,7 +15,6 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from traceclf.errors import TraceError
 from traceclf.ingest.nsys import (
     REPORT_SUFFIXES,
     beside_export,
@@ -25,6 +24,7 @@ from traceclf.ingest.nsys import (
     report_key,
 )
 from traceclf.ingest.schema import is_sqlite_file
+from traceclf.support.errors import TraceError
 
 EXPORT_SUFFIX = ".sqlite"
 GLOB_CHARS = re.compile(r"[*?\[]")
@@ -39,7 +39,7 @@ def resolve_inputs(
 ) -> list[Path]:
     """The SQLite exports named by ``inputs``, exporting reports with nsys where needed.
 
-    Raises :class:`~traceclf.errors.TraceError` for a missing path, a folder or pattern with
+    Raises :class:`~traceclf.support.errors.TraceError` for a missing path, a folder or pattern with
     no exports, a file that is neither a report nor an SQLite database, or a failed export.
     """
     sources = export_sources(chosen_files(inputs), nsys=nsys, cache_dir=cache_dir, quiet=quiet)

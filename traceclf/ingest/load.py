@@ -16,13 +16,13 @@ from urllib.parse import quote
 import connectorx as cx
 import polars as pl
 
-from traceclf.errors import TraceError
 from traceclf.ingest.assemble import build_trace, release_read_buffers
 from traceclf.ingest.devices import decode_pid, read_gpu_metrics
 from traceclf.ingest.schema import ExportInfo, inspect_export, readonly_uri
 from traceclf.ingest.tables import TABLES, TIMED, Col
-from traceclf.model import Trace
-from traceclf.parallel import cpu_share
+from traceclf.model.trace import Trace
+from traceclf.pipeline.parallel import cpu_share
+from traceclf.support.errors import TraceError
 
 # What load_trace passes to its ``progress`` callback, in order: one call as each stage starts.
 LOAD_STAGES = (
@@ -296,11 +296,11 @@ def load_trace(
     window: Window | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
-    """Open one SQLite export and return its :class:`~traceclf.model.Trace`.
+    """Open one SQLite export and return its :class:`~traceclf.model.trace.Trace`.
 
     ``window`` (ns, session timeline) restricts every timed table to events overlapping it;
     it is pushed into the SQL so that memory follows the window, not the file. ``progress`` is
-    called with each of :data:`LOAD_STAGES` (e.g. a :class:`traceclf.progress.LoadProgress`).
+    called with each of :data:`LOAD_STAGES` (e.g. a :class:`traceclf.support.progress.LoadProgress`).
     """
     path = Path(path)
     reader = Reader(inspect_export(path, check_pages=False))

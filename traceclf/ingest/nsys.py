@@ -27,9 +27,9 @@ import subprocess
 import zlib
 from pathlib import Path
 
-from traceclf.errors import TraceError
 from traceclf.ingest.cachedir import cache_root, is_owned, usable_root
 from traceclf.ingest.schema import is_sqlite_file
+from traceclf.support.errors import TraceError
 
 REPORT_SUFFIXES = (".nsys-rep", ".qdrep")  # .qdrep: reports of nsys before 2021.4
 CACHE_FOLDER = ".traceclf-cache"
@@ -86,7 +86,7 @@ def export_report(
             "(pass a writable --cache-dir, or export it by hand: "
             f"nsys export --type sqlite -o {beside_export(report).name} {report.name})",
         )
-    from traceclf.progress import status  # (rich: only when a report is exported)
+    from traceclf.support.progress import status  # (rich: only when a report is exported)
 
     with status(
         f"Exporting {report.name} to SQLite with nsys (once; reused next time)…", quiet=quiet

@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import traceclf
-from traceclf.atomic import write_atomic
 from traceclf.ingest.cachedir import (
     RESULTS_PREFIX,
     ensure_slot,
@@ -25,6 +24,7 @@ from traceclf.ingest.cachedir import (
     readable_slot,
     slot_of,
 )
+from traceclf.support.atomic import write_atomic
 
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
 CACHE_FORMAT = 4
@@ -32,7 +32,7 @@ RESULT_FORMAT = 1
 MAX_RESULT_BYTES = 64 << 20  # a damaged or planted file must not exhaust memory
 # the modules that shape the trace model (read as files: importing them imports polars); a
 # folder stands for its modules, so that one split off another is not forgotten
-MODEL_SOURCES = ("ingest", "model.py")
+MODEL_SOURCES = ("ingest", "model/trace.py")
 CACHE_ERRORS = (Exception,)  # none of it may fail an analysis
 
 

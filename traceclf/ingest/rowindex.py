@@ -4,7 +4,7 @@ nsys writes the rows of each event table in ``start`` order, so a binary search 
 a few dozen B-tree lookups per boundary — turns a time range into a rowid range that SQLite
 reads directly. The order is not taken on trust: a few hundred rows sampled evenly must be in
 time order (``ordered``), else the caller reads that table with a filtered scan; the rows read
-by rowid range are checked again once read (:mod:`traceclf.ingest.twopass`).
+by rowid range are checked again once read (:mod:`traceclf.pipeline.twopass`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from traceclf.errors import TraceError
 from traceclf.ingest.schema import readonly_uri
+from traceclf.support.errors import TraceError
 
 # Evenly spaced samples per table: the order check, row-count estimates, and the brackets that
 # each binary search starts from.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from traceclf.judge.entries import Fix
+from traceclf.rulebook.entries import Fix
 
 
 def ceiling(fix: Fix, env: dict[str, Any]) -> dict | None:

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from traceclf.judge import ceiling
-from traceclf.judge.entries import WALLS, Fix, GpuFamily, Rule, Scoring
-from traceclf.judge.expr import Expr
-from traceclf.judge.schema import RuleSet, known_names, load_rules
+from traceclf.rulebook.entries import WALLS, Fix, GpuFamily, Rule, Scoring
+from traceclf.rulebook.expr import Expr
+from traceclf.rulebook.layers import RuleSet, known_names, load_rules
 
 
 @dataclass

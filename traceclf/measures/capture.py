@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceclf.kernels import by_name, matches
 from traceclf.measures import timeline
 from traceclf.measures.busy import Busy
 from traceclf.measures.window import RankWindow
-from traceclf.steps import step_ranges
+from traceclf.model.taxonomy import by_name, matches
+from traceclf.steps.find import step_ranges
 
 # A framework's share of kernel time above which a loop is a deep-learning one: DL runs put
 # most of their time in ATen/cuBLAS/CUTLASS/flash/NCCL kernels, an HPC code in its own.

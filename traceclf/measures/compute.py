@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceclf import kernels
 from traceclf.ingest.devices import METRIC_NAMES
 from traceclf.measures import timeline
 from traceclf.measures.window import RankWindow, optimizer_ranges
+from traceclf.model.taxonomy import Taxonomy, matches, theoretical_occupancy
 
 # Kernel families in the order the report lists their shares; a family a user's taxonomy adds
 # is listed after them.
@@ -99,7 +99,7 @@ def warmup_kernels(w: RankWindow) -> tuple[pl.DataFrame, float, str]:
     iteration, a shorter one is that fraction of an iteration. Without a capture in the trace,
     iterations = the burst's GPU span over one replay (eager runs slower: counts come out low)."""
     trace = w.trace
-    capture = trace.api.filter(kernels.matches(trace.api["name"], CAPTURE_API))
+    capture = trace.api.filter(matches(trace.api["name"], CAPTURE_API))
     replay_ns = float(w.graph_spans.select((pl.col("end") - pl.col("start")).median()).item() or 0)
     launched = trace.kernels.with_columns(api_start=trace.launch_starts(trace.kernels))
     if capture.is_empty():
@@ -135,7 +135,7 @@ def _captured_launches(w: RankWindow, capture: pl.DataFrame) -> int:
         return 0
     api = w.trace.api
     first = capture.sort("start").row(0, named=True)
-    ends = api.filter(kernels.matches(api["name"], END_CAPTURE_API)).filter(
+    ends = api.filter(matches(api["name"], END_CAPTURE_API)).filter(
         (pl.col("global_tid") == first["global_tid"]) & (pl.col("start") > first["start"])
     )
     if ends.is_empty():
@@ -178,7 +178,7 @@ def _kernel_measures(
         "family",
         "grid_blocks",
         dur=pl.col("end") - pl.col("start"),
-        occ=kernels.theoretical_occupancy(gpu),
+        occ=theoretical_occupancy(gpu),
     )
     total = int(kern["dur"].sum())
     graph_time = timeline.total(w.graph_spans)
@@ -207,7 +207,7 @@ def _kernel_measures(
     return out
 
 
-def families(taxonomy: kernels.Taxonomy) -> tuple[str, ...]:
+def families(taxonomy: Taxonomy) -> tuple[str, ...]:
     """The report's families, then any that the taxonomy adds."""
     extra = [f for f, _ in taxonomy.families if f not in FAMILY_NAMES]
     return (*FAMILY_NAMES, *dict.fromkeys(extra))

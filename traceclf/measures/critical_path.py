@@ -18,8 +18,6 @@ from collections.abc import Iterable
 import numpy as np
 import polars as pl
 
-from traceclf.correlation import CallIndex
-from traceclf.kernels import by_name
 from traceclf.measures import busy, dependencies, timeline
 from traceclf.measures.attribution import (
     BLOCKING,
@@ -32,6 +30,8 @@ from traceclf.measures.attribution import (
 )
 from traceclf.measures.dependencies import COMPUTE_KINDS
 from traceclf.measures.window import RankWindow
+from traceclf.model.correlation import CallIndex
+from traceclf.model.taxonomy import by_name
 
 MEASURES: dict[str, str] = {
     "non_transfer_busy_frac": "union of GPU work other than communication kernels and "

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from traceclf.correlation import CallIndex
+from traceclf.model.correlation import CallIndex
 
 COMPUTE_KINDS = ("compute", "graph")
 KIND = pl.Enum(["compute", "graph", "collective", "copy"])

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from traceclf.kernels import matches
 from traceclf.measures import timeline
 from traceclf.measures.window import RankWindow
+from traceclf.model.taxonomy import matches
 
 MEASURES: dict[str, str] = {
     "sync_calls_per_step": "cudaStream/Device/EventSynchronize and blocking cudaMemcpy per step "

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceclf.kernels import matches
 from traceclf.measures import timeline
 from traceclf.measures.window import RankWindow
+from traceclf.model.taxonomy import matches
 
 MEASURES: dict[str, str] = {
     "offload_copy_frac": "union of host<->device copy time",

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import numpy as np
 import polars as pl
 
-from traceclf.kernels import matches
 from traceclf.measures import timeline
 from traceclf.measures.host import IDLE_CAUSES
 from traceclf.measures.window import RankWindow
+from traceclf.model.taxonomy import matches
 
 PHASES = ("forward", "backward", "optimizer")
 OUTSIDE = "outside phases"

@@ -5,8 +5,6 @@ re-analysis) does not import polars and every wall."""
 
 from __future__ import annotations
 
-from traceclf.figures import series
-from traceclf.kernels import Taxonomy
 from traceclf.measures import (
     budget,
     capture,
@@ -17,11 +15,13 @@ from traceclf.measures import (
     host,
     memory,
     phases,
+    series,
 )
 from traceclf.measures.window import prepare
-from traceclf.model import Trace
-from traceclf.report import RankMeasures
-from traceclf.steps import Steps
+from traceclf.model.taxonomy import Taxonomy
+from traceclf.model.trace import Trace
+from traceclf.report.contract import RankMeasures
+from traceclf.steps.find import Steps
 
 MEASURES: dict[str, str] = (
     budget.MEASURES
@@ -38,9 +38,9 @@ def measure_rank(
 ) -> RankMeasures:
     """Every measure of one rank (``trace`` restricted to it: :meth:`Trace.for_pid`) over its
     steady-state window; ``taxonomy`` defaults to the bundled rules/kernels.yaml."""
-    from traceclf import kernels
+    from traceclf.model.taxonomy import bundled
 
-    w = prepare(trace, steps, gpu, taxonomy or kernels.bundled())
+    w = prepare(trace, steps, gpu, taxonomy or bundled())
     m = budget.measure(w)
     path_measures, step_budget = critical_path.measure(w)
     m |= path_measures

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from traceclf.kernels import Taxonomy, by_name, matches
 from traceclf.measures import timeline
 from traceclf.measures.busy import Busy
-from traceclf.model import Trace
-from traceclf.steps import Steps
+from traceclf.model.taxonomy import Taxonomy, by_name, matches
+from traceclf.model.trace import Trace
+from traceclf.steps.find import Steps
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from traceclf.atomic import write_output
-from traceclf.report import Report
-from traceclf.runs import RunSet
+from traceclf.pipeline.grouping import RunSet
+from traceclf.report.contract import Report
+from traceclf.support.atomic import write_output
 
 
 def render(
@@ -20,7 +20,7 @@ def render(
     inputs = list(inputs)
     if fmt == "csv":
         from traceclf.export.files import table_bytes
-        from traceclf.export.tables import report_tables
+        from traceclf.report.frames import report_tables
 
         emit(table_bytes(report_tables(report)["ranks"]).decode("utf-8"), output, inputs)
         return
@@ -52,7 +52,7 @@ def render(
 
 
 def _render_runs(runs: RunSet, fmt: str, output: Path | None, inputs: list[Path]) -> None:
-    from traceclf.render import runs as r
+    from traceclf.render import multirun as r
 
     if fmt == "terminal":
         if output is None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from traceclf.render.escape import visible
 from traceclf.render.text import anchor_label, fmt_bytes, fmt_ms, gain, pct, sampled
-from traceclf.report import Report
+from traceclf.report.contract import Report
+from traceclf.support.escape import visible
 
 RANK_COLUMNS = (
     "rank",

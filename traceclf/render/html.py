@@ -28,7 +28,7 @@ from traceclf.render.content import (
 from traceclf.render.markdown import config_language
 from traceclf.render.text import input_names, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
-from traceclf.report import WALLS, Report
+from traceclf.report.contract import WALLS, Report
 
 FIGURE_DPI = 110
 CAPTIONS = {

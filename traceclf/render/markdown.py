@@ -25,10 +25,10 @@ from traceclf.render.content import (
     verdict_line,
     verdict_title,
 )
-from traceclf.render.escape import for_markdown, markdown_code, markdown_fence
 from traceclf.render.text import input_names, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
-from traceclf.report import WALLS, Report
+from traceclf.report.contract import WALLS, Report
+from traceclf.support.escape import for_markdown, markdown_code, markdown_fence
 
 
 def render_markdown(report: Report, figures: dict[str, str] | None = None) -> str:

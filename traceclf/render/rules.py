@@ -7,11 +7,11 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from traceclf.errors import TraceError
 from traceclf.judge.engine import by_workflow
-from traceclf.judge.expr import Template
-from traceclf.judge.schema import load_rules
-from traceclf.render.escape import for_terminal, visible
+from traceclf.rulebook.expr import Template
+from traceclf.rulebook.layers import load_rules
+from traceclf.support.errors import TraceError
+from traceclf.support.escape import for_terminal, visible
 
 
 def list_rules(rules_dir: Path | None = None) -> None:

@@ -25,11 +25,11 @@ from traceclf.render.content import (
     verdict_line,
     verdict_title,
 )
-from traceclf.render.escape import for_terminal, visible
 from traceclf.render.fit import CodeBlock, FoldedTable, hanging, new_console, output_of
 from traceclf.render.text import provenance, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
-from traceclf.report import WALLS, Report
+from traceclf.report.contract import WALLS, Report
+from traceclf.support.escape import for_terminal, visible
 
 SCORE_NOTE = "rule scores: how strongly the evidence points at each wall (not shares of time)"
 WALL_STYLE = {"memory": "magenta", "communication": "cyan", "host": "yellow", "compute": "green"}

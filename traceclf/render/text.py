@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from traceclf.report import Report
+from traceclf.report.contract import Report
 
 
 def pct(v: float | None) -> str:

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from traceclf.render.text import fmt_ms
-from traceclf.report import Report
+from traceclf.report.contract import Report
 
 PHASE_COLUMNS = (
     "rank",

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from traceclf import __version__
-from traceclf.errors import TraceError
-from traceclf.report import RankMeasures, Report
+from traceclf.report.contract import RankMeasures, Report
+from traceclf.support.errors import TraceError
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
 
-    from traceclf.runs import RunSet
+    from traceclf.pipeline.grouping import RunSet
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class AnalysisOptions:
     # "job": all inputs are ranks of one job; "runs": one report per export.
     grouping: str = "auto"
     # Window mode (default): a long capture is analysed on a sample of its steady steps, at
-    # most this many event rows (None: traceclf.ingest.twopass.ROW_BUDGET). all_steps: read
+    # most this many event rows (None: traceclf.pipeline.twopass.ROW_BUDGET). all_steps: read
     # and analyse every step of the capture.
     all_steps: bool = False
     row_budget: int | None = None
@@ -145,15 +145,15 @@ def _well_typed(result: ExportResult) -> bool:
 
 def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     """Analyse every export named by ``inputs`` (files, folders, .nsys-rep): one report when
-    they are one job, else one report per run (:mod:`traceclf.runs`)."""
+    they are one job, else one report per run (:mod:`traceclf.pipeline.grouping`)."""
     from traceclf.ingest.inputs import chosen_files
-    from traceclf.parallel import started_workers
-    from traceclf.reduce import build_report
-    from traceclf.runs import RunSet, group, split_unrelated_ranks
+    from traceclf.pipeline.grouping import RunSet, group, split_unrelated_ranks
+    from traceclf.pipeline.parallel import started_workers
+    from traceclf.pipeline.reduce import build_report
 
     # Reject bad options and files before any heavy work starts.
     if opts.step_regex is not None:  # (steps.py imports polars: not without a --step-range)
-        from traceclf.steps import check_step_regex
+        from traceclf.steps.find import check_step_regex
 
         check_step_regex(opts.step_regex)
     if opts.grouping not in ("auto", "job", "runs"):
@@ -164,7 +164,7 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     with started_workers(local_jobs, len(files), _warm_worker) as pool:
         results = _analyse_files(files, opts, pool)
     if opts.step_regex is not None:
-        from traceclf.steps import warn_unmatched_step_regex
+        from traceclf.steps.find import warn_unmatched_step_regex
 
         warn_unmatched_step_regex(
             [r.ranks for r in results], [r.path for r in results], opts.step_regex
@@ -188,8 +188,8 @@ def _analyse_files(
     checked here, then each analysed (on ``pool``'s workers, if any), under the user's name."""
     from traceclf.ingest.inputs import export_sources
     from traceclf.ingest.schema import inspect_export
-    from traceclf.judge.schema import load_rules
-    from traceclf.parallel import map_exports
+    from traceclf.pipeline.parallel import map_exports
+    from traceclf.rulebook.layers import load_rules
 
     load_rules(opts.rules_dir, remember=_rules_stamp_root(opts))
     sources = export_sources(files, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
@@ -218,11 +218,6 @@ def _analyse_files(
 
 def _warm_worker() -> None:
     """What a worker process imports before its first export (:func:`started_workers`)."""
-    import traceclf.ingest.session
-    import traceclf.ingest.twopass
-    import traceclf.measures.rank
-    import traceclf.progress
-    import traceclf.steps  # noqa: F401
 
 
 def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = False) -> ExportResult:
@@ -261,10 +256,10 @@ def _result_cached(path: Path, opts: AnalysisOptions) -> bool:
 
 def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
     from traceclf.ingest.session import job_evidence
-    from traceclf.ingest.twopass import load_for_analysis
     from traceclf.measures import measure_rank
-    from traceclf.progress import LoadProgress
-    from traceclf.steps import find_steps
+    from traceclf.pipeline.twopass import load_for_analysis
+    from traceclf.steps.find import find_steps
+    from traceclf.support.progress import LoadProgress
 
     taxonomy = _taxonomy(opts)
     with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
@@ -343,25 +338,24 @@ def _clock(trace, path: Path) -> dict:
 
 # Sources that shape a result (relative to the package): an edit to any invalidates the cache.
 ANALYSIS_SOURCES = (
-    "analysis.py",
-    "steps.py",
-    "kernels.py",
-    "model.py",
+    "pipeline/analysis.py",
+    "pipeline/twopass.py",  # the window mode's choice of steps
+    "steps",
+    "model",
     "measures",
-    "figures/series.py",
-    "ingest",  # what is read, and how (the window mode's choice of steps included)
+    "ingest",  # what is read, and how
 )
 
 
 def _taxonomy(opts: AnalysisOptions):
-    from traceclf.judge.schema import load_rules
+    from traceclf.rulebook.layers import load_rules
 
     return load_rules(opts.rules_dir, remember=_rules_stamp_root(opts)).taxonomy
 
 
 def _rules_stamp_root(opts: AnalysisOptions) -> Path | None:
     """Where a rule set that passed its checks is remembered: the cache root, unless the
-    cache is off (:mod:`traceclf.judge.stamp`)."""
+    cache is off (:mod:`traceclf.rulebook.stamp`)."""
     if not opts.use_cache:
         return None
     from traceclf.ingest.cachedir import cache_root
@@ -387,7 +381,7 @@ def _result_variant(opts: AnalysisOptions) -> str:
 
 
 def _steps_summary(steps) -> dict:
-    from traceclf.steps import slowest_step
+    from traceclf.steps.find import slowest_step
 
     durations = steps.durations()
     return {

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from traceclf.errors import TraceError
-from traceclf.judge import stamp
-from traceclf.judge.expr import Expr, ExprError, Template
+from traceclf.rulebook import stamp
+from traceclf.rulebook.expr import Expr, ExprError, Template
+from traceclf.support.errors import TraceError
 
 WALLS = ("memory", "communication", "host", "compute")
 

@@ -1,9 +1,9 @@
 """Window mode (issue 12): which steady steps of a long capture are read and analysed.
 
-The first pass of :mod:`traceclf.ingest.twopass` finds every step cheaply; :func:`plan_steps`
+The first pass of :mod:`traceclf.pipeline.twopass` finds every step cheaply; :func:`plan_steps`
 chooses runs of consecutive steady steps, spread evenly over the steady state and within a row
 budget, and :func:`planned_steps` turns the steps read in the second pass into the
-:class:`~traceclf.steps.Steps` the measures use.
+:class:`~traceclf.steps.find.Steps` the measures use.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from traceclf.model import Trace
-from traceclf.steps import Steps, flag_outliers, steady_range, with_durations
+from traceclf.model.trace import Trace
+from traceclf.steps.find import Steps, flag_outliers, steady_range, with_durations
 
 # Analysed steps come in at most this many runs of consecutive steps, spread evenly over the
 # steady state, so that drift over the capture is still seen.

@@ -212,9 +212,9 @@ class Trace:
 
     @functools.cached_property
     def call_index(self):
-        """The CUDA calls by (pid, correlationId) (:class:`traceclf.correlation.CallIndex`):
+        """The CUDA calls by (pid, correlationId) (:class:`traceclf.model.correlation.CallIndex`):
         which call launched a GPU operation, by rank or binary search rather than a join."""
-        from traceclf.correlation import CallIndex
+        from traceclf.model.correlation import CallIndex
 
         return CallIndex(self.api)
 
@@ -359,7 +359,7 @@ class Trace:
     def to_pandas(self, frame: str = "kernels"):
         """One frame of the trace (``FRAMES``) as a pandas DataFrame. Needs pandas:
         ``pip install 'traceclf[pandas]'``."""
-        from traceclf.report import to_pandas
+        from traceclf.report.contract import to_pandas
 
         return to_pandas({name: getattr(self, name) for name in self.FRAMES}, frame)
 

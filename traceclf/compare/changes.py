@@ -9,8 +9,8 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from traceclf.compare import Run
-    from traceclf.report import Report
+    from traceclf.compare.regression import Run
+    from traceclf.report.contract import Report
 
 # Per-kernel measures: what they count depends on how CUDA graphs were traced.
 PER_KERNEL = frozenset({"kernels_per_step", "median_kernel_us", "small_grid_kernel_frac"})

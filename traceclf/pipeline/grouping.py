@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from traceclf import jsontext
-from traceclf.report import Report
+from traceclf.report.contract import Report
+from traceclf.support import jsontext
 
 # Ranks of one synchronous job wait for each other every step: their step times agree closely.
 STEP_TOLERANCE = 0.25
@@ -234,25 +234,25 @@ class RunSet:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        from traceclf.report import _jsonable
+        from traceclf.report.contract import _jsonable
 
         return jsontext.dumps(self.to_dict(), indent=indent, default=_jsonable)
 
     def tables(self) -> dict:
         """Every run's tables stacked, with a leading ``run`` column (traceclf/export/tables.py)."""
-        from traceclf.export.tables import report_tables
+        from traceclf.report.frames import report_tables
 
         return report_tables(self)
 
     def to_pandas(self, table: str = "ranks"):
         """One of :meth:`tables` as a pandas DataFrame (``pip install 'traceclf[pandas]'``)."""
-        from traceclf.report import to_pandas
+        from traceclf.report.contract import to_pandas
 
         return to_pandas(self.tables(), table)
 
     def _repr_html_(self) -> str:
         from traceclf.render.html import html_fragment
-        from traceclf.render.runs import runs_html_body
+        from traceclf.render.multirun import runs_html_body
 
         return html_fragment(runs_html_body(self))
 

@@ -1,7 +1,7 @@
 """The reduce step: the per-rank results of every export of one job → one :class:`Report`.
 
 Numbers the ranks, averages their measures, says what the capture supports
-(:mod:`traceclf.judge.capture`), compares the ranks (:mod:`traceclf.measures.cross_rank`), and
+(:mod:`traceclf.judge.abstention`), compares the ranks (:mod:`traceclf.measures.cross_rank`), and
 classifies — or abstains (:mod:`traceclf.judge.engine`). Only small, picklable per-rank results
 come in (``analysis.ExportResult``), so this never touches a trace.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from traceclf import __version__
-from traceclf.report import Report
+from traceclf.report.contract import Report
 
 if TYPE_CHECKING:
-    from traceclf.analysis import ExportResult, RankResult
+    from traceclf.pipeline.analysis import ExportResult, RankResult
 
 GPU_KEYS = ("name", "chip", "sm_count", "memory_bytes")
 REPORT_VERSION = 2
@@ -25,7 +25,7 @@ REPORT_VERSION = 2
 def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> Report:
     """Reduce step: number the ranks, average their measures, compare them, say what the
     capture supports, then classify — or abstain (docs/judgement.md)."""
-    from traceclf.judge.capture import abstain_reason, capture_block
+    from traceclf.judge.abstention import abstain_reason, capture_block
     from traceclf.judge.ceiling import combined
     from traceclf.judge.engine import abstained, evaluate
     from traceclf.measures.cross_rank import cross_rank

@@ -25,7 +25,7 @@ import traceclf
 # Whether patterns are checked with polars as they are read (not when the stamp vouches).
 CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("checking", default=True)
 PREFIX = "rules-"
-CODE = ("judge", "measures", "kernels.py")
+CODE = ("rulebook", "judge", "measures", "model/taxonomy.py")
 
 
 @contextlib.contextmanager
@@ -87,8 +87,8 @@ class Stamp:
             self._save()
 
     def _save(self) -> None:
-        from traceclf.atomic import write_atomic
         from traceclf.ingest.cachedir import usable_root
+        from traceclf.support.atomic import write_atomic
 
         with contextlib.suppress(OSError):
             if usable_root(self.file.parent, create=True):

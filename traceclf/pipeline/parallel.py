@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from traceclf.errors import TraceError
+from traceclf.support.errors import TraceError
 
 T = TypeVar("T")
 R = TypeVar("R")

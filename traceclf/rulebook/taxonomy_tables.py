@@ -1,6 +1,6 @@
 """The ``taxonomy:`` section of rule files (rules/kernels.yaml): kernel families, communication
 libraries and collective kinds, NVTX collective and phase names, FP8 GEMMs and CUDA-call classes,
-validated into a :class:`traceclf.kernels.Taxonomy`.
+validated into a :class:`traceclf.model.taxonomy.Taxonomy`.
 
 Layers merge like the rest of the rules: a ``--rules`` folder's list entries are tried before the
 bundled ones (first match wins, so a user's new kernel name takes effect), and its single
@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from traceclf.errors import TraceError
-from traceclf.judge import stamp
-from traceclf.kernels import NvtxCollective, Taxonomy
+from traceclf.model.taxonomy import NvtxCollective, Taxonomy
+from traceclf.rulebook import stamp
+from traceclf.support.errors import TraceError
 
 MAX_PATTERN_CHARS = 2000
 # list key -> the field naming each entry's label

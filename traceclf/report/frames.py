@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 if TYPE_CHECKING:
-    from traceclf.report import Report
-    from traceclf.runs import RunSet
+    from traceclf.pipeline.grouping import RunSet
+    from traceclf.report.contract import Report
 
 TABLES = ("steps", "ranks", "kernels", "idle_gaps", "collectives", "phases")
 IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
@@ -31,7 +31,7 @@ STEP_PARTS = ("compute", "exposed_comm", "copy", "idle")
 def report_tables(report: Report | RunSet) -> dict[str, pl.DataFrame]:
     """Every table of ``report`` by name (TABLES). Several runs: the runs' tables stacked, with a
     leading ``run`` column (1-based, in the report's order)."""
-    from traceclf.runs import RunSet
+    from traceclf.pipeline.grouping import RunSet
 
     if not isinstance(report, RunSet):
         return {name: BUILDERS[name](report) for name in TABLES}

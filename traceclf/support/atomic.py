@@ -9,7 +9,7 @@
 - A folder, a block device or a socket is refused, and so is any input of the run, however it
   is spelled (the CLI passes them): ``output would overwrite input``.
 
-Every problem is a one-line :class:`~traceclf.errors.TraceError` naming the output.
+Every problem is a one-line :class:`~traceclf.support.errors.TraceError` naming the output.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from traceclf.errors import TraceError
+from traceclf.support.errors import TraceError
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:

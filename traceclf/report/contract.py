@@ -8,8 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from traceclf import jsontext
-from traceclf.errors import TraceError
+from traceclf.support import jsontext
+from traceclf.support.errors import TraceError
 
 WALLS = ("memory", "communication", "host", "compute")
 ORDER = (
@@ -100,7 +100,7 @@ class Report:
     def tables(self) -> dict:
         """The report's tables as polars frames by name (steps, ranks, kernels, idle_gaps,
         collectives, phases: traceclf/export/tables.py), as ``--export-dir`` writes them."""
-        from traceclf.export.tables import report_tables
+        from traceclf.report.frames import report_tables
 
         return report_tables(self)
 

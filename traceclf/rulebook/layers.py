@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from traceclf.errors import TraceError
-from traceclf.judge import stamp
-from traceclf.judge.entries import (
+from traceclf.model.taxonomy import Taxonomy
+from traceclf.rulebook import stamp
+from traceclf.rulebook.entries import (
     Definition,
     Fix,
     GpuFamily,
@@ -37,8 +37,8 @@ from traceclf.judge.entries import (
     parse_rule,
     parse_scoring,
 )
-from traceclf.judge.taxonomy import parse_taxonomy
-from traceclf.kernels import Taxonomy
+from traceclf.rulebook.taxonomy_tables import parse_taxonomy
+from traceclf.support.errors import TraceError
 
 # The stable fix-id vocabulary of the report contract: the bundled rules must define each one.
 CONTRACT_FIX_IDS = (
@@ -173,7 +173,7 @@ def load_rules(rules_dir: Path | str | None = None, remember: Path | None = None
     Read once per process while the files are unchanged (an analysis needs the rules for its
     checks, its taxonomy and its verdict): callers share the returned RuleSet, read-only. With
     ``remember`` (a cache root), a rule set that passed its checks is stamped there, and a
-    stamped one is read without checking its patterns again (:mod:`traceclf.judge.stamp`)."""
+    stamped one is read without checking its patterns again (:mod:`traceclf.rulebook.stamp`)."""
     folders = [bundled_rules_dir()]
     if rules_dir is not None:
         user = Path(rules_dir)

@@ -40,11 +40,17 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from traceclf.analysis import AnalysisOptions
-from traceclf.changes import PER_KERNEL, explanations, graph_tracing, metrics_of, tracing_note
-from traceclf.errors import TraceError
+from traceclf.compare.changes import (
+    PER_KERNEL,
+    explanations,
+    graph_tracing,
+    metrics_of,
+    tracing_note,
+)
+from traceclf.pipeline.analysis import AnalysisOptions
 from traceclf.render.text import fmt_bytes, fmt_ms, pct, signed_pct
-from traceclf.report import Report
+from traceclf.report.contract import Report
+from traceclf.support.errors import TraceError
 
 MATERIAL_PP = 0.03  # a fraction of the step that moves by 3 percentage points
 MATERIAL_REL = 0.20  # a count that moves by 20%
@@ -290,7 +296,7 @@ def load_run(source: str | Path, opts: AnalysisOptions) -> Report:
     cannot be compared as one side)."""
     if str(source).lower().endswith(".json"):
         return Report.load(source)
-    from traceclf.analysis import analyze_inputs
+    from traceclf.pipeline.analysis import analyze_inputs
 
     report = analyze_inputs([str(source)], opts)
     if not isinstance(report, Report):

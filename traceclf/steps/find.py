@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from traceclf.errors import TraceError, TraceWarning
-from traceclf.kernels import Taxonomy, matches
-from traceclf.model import Trace, outermost
+from traceclf.model.taxonomy import Taxonomy, matches
+from traceclf.model.trace import Trace, outermost
+from traceclf.support.errors import TraceError, TraceWarning
 
 if TYPE_CHECKING:
-    from traceclf.stepplan import StepPlan
+    from traceclf.steps.plan import StepPlan
 
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the median is warm-up
 OUTLIER_FACTOR = 2.0  # a step outside [median/f, median*f] is left out of the statistics
@@ -105,13 +105,13 @@ def find_steps(
     bundled one) names step ranges and graph launches. With a ``plan`` (window mode: the
     steps found in the first pass and those chosen for analysis) only the chosen steps are
     projected onto the GPU, from the rows ``trace`` holds for them."""
-    from traceclf import kernels
+    from traceclf.model.taxonomy import bundled
 
     if plan is not None:
-        from traceclf.stepplan import planned_steps
+        from traceclf.steps.plan import planned_steps
 
         return planned_steps(trace, plan)
-    taxonomy = taxonomy or kernels.bundled()
+    taxonomy = taxonomy or bundled()
     finders = (_nvtx_steps, _graph_steps, _pattern_steps)
     for i, finder in enumerate(finders):
         found = finder(trace, step_regex, taxonomy)

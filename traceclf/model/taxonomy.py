@@ -3,7 +3,7 @@ expressions (family, communication library and collective kind of a kernel; sync
 class of a CUDA call; step and phase ranges), plus theoretical occupancy from a launch config.
 
 The taxonomy is data: rules/kernels.yaml holds the bundled one, and a ``taxonomy:`` section in
-a ``--rules`` folder is merged over it by :mod:`traceclf.judge.schema` (``RuleSet.taxonomy``).
+a ``--rules`` folder is merged over it by :mod:`traceclf.rulebook.layers` (``RuleSet.taxonomy``).
 Patterns run in polars (Rust ``regex``: linear time), once per distinct name, never per row.
 """
 
@@ -182,7 +182,7 @@ def first_match(col: str, table: Table, default: str | None) -> pl.Expr:
 
 def bundled() -> Taxonomy:
     """The taxonomy of the bundled rules/ (for API users who pass none)."""
-    from traceclf.judge.schema import load_rules
+    from traceclf.rulebook.layers import load_rules
 
     return load_rules(None).taxonomy
 

@@ -5,7 +5,7 @@ Pass 1 finds the steps of every rank cheaply — the NVTX step ranges (CPU times
 CUDA-graph executions, else the kernel that recurs most regularly in a slice of the kernel
 table — and chooses the steady steps to analyse: all of them when the row budget allows,
 else runs of consecutive steps spread evenly over the steady state
-(:func:`traceclf.stepplan.plan_steps`). Pass 2 reads only those steps' rows, by rowid ranges found
+(:func:`traceclf.steps.plan.plan_steps`). Pass 2 reads only those steps' rows, by rowid ranges found
 by binary search on ``start`` (:mod:`traceclf.ingest.rowindex`); a table whose rows are not in
 ``start`` order is read with a filtered scan instead. NVTX ranges and memory events are read
 whole: warm-up detection and the peak of allocated memory need the whole capture.
@@ -29,16 +29,16 @@ from traceclf.ingest.project import Projector
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.schema import inspect_export
 from traceclf.ingest.tables import EVENT_TABLES
-from traceclf.kernels import Taxonomy
-from traceclf.model import Trace
-from traceclf.stepplan import StepPlan, plan_steps
-from traceclf.steps import (
+from traceclf.model.taxonomy import Taxonomy
+from traceclf.model.trace import Trace
+from traceclf.steps.find import (
     graph_launch_steps,
     range_label,
     recurring_kernel,
     steady_bounds,
     step_ranges,
 )
+from traceclf.steps.plan import StepPlan, plan_steps
 
 # Event rows (kernels, CUDA calls, copies, syncs, graph executions) analysed per export by
 # default: about 0.5 GB of memory and a second of reading on two cores.

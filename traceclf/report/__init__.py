@@ -1,0 +1,2 @@
+"""The report as data: the JSON contract (:mod:`.contract`), several runs, comparisons, and the
+report's tables as polars frames. Renderers read these objects, never a trace."""
