@@ -14,8 +14,8 @@ import pytest
 from conftest import fixture_trace
 
 from traceclf import __version__
+from traceclf.judge.vocabulary import load_rules
 from traceclf.render.rules import template_without_trace
-from traceclf.rulebook.layers import load_rules
 
 FAMILIES = ("ampere", "ada", "hopper", "blackwell")
 

@@ -16,7 +16,7 @@ from traceclf.ingest.load import load_trace
 from traceclf.measures import critical_path
 from traceclf.measures.window import prepare
 from traceclf.model.taxonomy import bundled
-from traceclf.steps.find import Steps, _empty_table
+from traceclf.steps.steady import Steps, empty_steps_table
 
 NCCL = "ncclDevKernel_SendRecv"
 
@@ -24,7 +24,7 @@ NCCL = "ncclDevKernel_SendRecv"
 def budget(x: Export, tmp_path: Path, window: tuple[int, int]) -> dict[str, int]:
     """The window's budget in ns (one row: no steps), from the export ``x`` builds."""
     trace = load_trace(x.write(tmp_path / "constructed.sqlite"))
-    steps = Steps("none", _empty_table(), window, "")
+    steps = Steps("none", empty_steps_table(), window, "")
     w = prepare(trace, steps, trace.gpu_of(x.pid), bundled())
     _, per_step = critical_path.budget_ns(w)
     assert per_step.height == 1
@@ -204,7 +204,7 @@ def test_exports_without_event_sync_ids_leave_waits_unresolved(tmp_path, drop_id
             con.execute("UPDATE CUPTI_ACTIVITY_KIND_SYNCHRONIZATION SET eventSyncId = NULL")
         con.close()
     trace = load_trace(path)
-    w = prepare(trace, Steps("none", _empty_table(), (1_000, 10_000), ""), None, bundled())
+    w = prepare(trace, Steps("none", empty_steps_table(), (1_000, 10_000), ""), None, bundled())
     m, _ = critical_path.measure(w)
     assert m["event_waits_unresolved"] == (1 if drop_ids else 0)
     assert (m["blocking_comm_frac"] > 0) is not drop_ids
@@ -216,7 +216,7 @@ def test_measures_match_the_budget(tmp_path):
     x.kernel(NCCL, 2_000, 9_000, launch_at=200)
     x.kernel("gemm", 9_000, 10_000, launch_at=300)
     trace = load_trace(x.write(tmp_path / "m.sqlite"))
-    w = prepare(trace, Steps("none", _empty_table(), (1_000, 10_000), ""), None, bundled())
+    w = prepare(trace, Steps("none", empty_steps_table(), (1_000, 10_000), ""), None, bundled())
     m, rows = critical_path.measure(w)
     assert m["compute_absent_frac"] == pytest.approx(7 / 9)
     assert m["blocking_comm_frac"] == pytest.approx(7 / 9)

@@ -22,9 +22,10 @@ from helpers.cli import run_cli
 from helpers.fake_nsys import invocations, write_fake_nsys, write_fake_report
 from helpers.files import copy_export, file_state, folder_listing
 
+from traceclf.ingest.exportstamp import is_export_of
 from traceclf.ingest.inputs import resolve_inputs
 from traceclf.ingest.load import load_trace
-from traceclf.ingest.nsys import export_report, find_nsys, is_export_of, report_key
+from traceclf.ingest.nsys import export_report, find_nsys, report_key
 from traceclf.support.errors import TraceError
 
 OTHER_TRACE = "h100_host_input_stall"

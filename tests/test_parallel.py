@@ -18,6 +18,7 @@ from traceclf.ingest.schema import inspect_export
 from traceclf.model.trace import Trace
 from traceclf.pipeline import parallel
 from traceclf.pipeline.parallel import map_exports
+from traceclf.support import cpus
 from traceclf.support.errors import TraceError
 
 SMALL = ("h100_host_input_stall.sqlite", "h100_compute_low_occupancy.sqlite")
@@ -86,7 +87,7 @@ def test_workers_size_every_thread_pool_to_their_share(monkeypatch: pytest.Monke
     # on, OpenBLAS's) gets half of them, unless the user sized it.
     for pool in parallel.WORKER_POOLS:
         monkeypatch.delenv(pool, raising=False)
-    share = str(max(1, parallel._cpus() // 2))
+    share = str(max(1, cpus.cpus() // 2))
     pools = list(parallel.WORKER_POOLS)
     assert map_exports(os.getenv, pools, jobs=2, quiet=True) == [share] * len(pools)
     monkeypatch.setenv("RAYON_NUM_THREADS", "7")
@@ -94,7 +95,7 @@ def test_workers_size_every_thread_pool_to_their_share(monkeypatch: pytest.Monke
 
 
 def _worker_state(_item: object) -> tuple[int, bool]:
-    return os.getpid(), parallel.in_worker()
+    return os.getpid(), cpus.in_worker()
 
 
 def _no_op() -> None:
@@ -102,8 +103,8 @@ def _no_op() -> None:
 
 
 def test_started_workers_are_the_ones_that_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(parallel.WORKER_CPUS, raising=False)
-    assert not parallel.in_worker()
+    monkeypatch.delenv(cpus.WORKER_CPUS, raising=False)
+    assert not cpus.in_worker()
     with parallel.started_workers(2, 4, _no_op) as pool:
         assert pool is not None
         processes = list(pool._processes.values())  # type: ignore[attr-defined]
@@ -139,17 +140,17 @@ def test_started_workers_stop_when_the_checks_fail(tmp_path: Path) -> None:
 def test_a_worker_keeps_its_c_heap(monkeypatch: pytest.MonkeyPatch) -> None:
     # Trimming the C heap after a read lowers one analysis's peak; a worker's next export
     # reuses those pages instead.
-    from traceclf.ingest import assemble
+    from traceclf.ingest import reader
 
     trims: list[int] = []
     libc = types.SimpleNamespace(malloc_trim=trims.append)
-    monkeypatch.setattr(assemble.ctypes, "CDLL", lambda _name: libc)
-    monkeypatch.setattr(assemble.sys, "platform", "linux")
-    monkeypatch.delenv(parallel.WORKER_CPUS, raising=False)
-    assemble.release_read_buffers()
+    monkeypatch.setattr(reader.ctypes, "CDLL", lambda _name: libc)
+    monkeypatch.setattr(reader.sys, "platform", "linux")
+    monkeypatch.delenv(cpus.WORKER_CPUS, raising=False)
+    reader.release_read_buffers()
     assert trims == [0]
-    monkeypatch.setenv(parallel.WORKER_CPUS, "1")
-    assemble.release_read_buffers()
+    monkeypatch.setenv(cpus.WORKER_CPUS, "1")
+    reader.release_read_buffers()
     assert trims == [0]
 
 

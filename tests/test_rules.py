@@ -11,9 +11,10 @@ import pytest
 from realtraces import measured, trace_path
 
 from traceclf.judge.engine import evaluate
+from traceclf.judge.vocabulary import load_rules
 from traceclf.render.rules import explain_fix, list_rules
 from traceclf.rulebook.expr import Expr, ExprError, Template
-from traceclf.rulebook.layers import CONTRACT_FIX_IDS, load_rules
+from traceclf.rulebook.layers import CONTRACT_FIX_IDS
 from traceclf.support.errors import TraceError
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "chip": "GH100", "sm_count": 132,
@@ -133,7 +134,7 @@ def test_bundled_rules_define_the_contract_vocabulary_and_the_pitfalls():
 
 def test_every_measured_key_is_a_known_name():
     (_, m), *_ = measured("h100_comm_ep2.sqlite")
-    from traceclf.rulebook.layers import known_names
+    from traceclf.judge.vocabulary import known_names
 
     assert set(m.metrics) <= known_names()
 

@@ -16,8 +16,9 @@ from conftest import FIXTURES, fixture_trace
 from helpers.files import copy_export, split_ranks
 
 from traceclf import analyze
-from traceclf.pipeline.grouping import RunSet, evidence, match
+from traceclf.pipeline.grouping import evidence, match
 from traceclf.report.contract import Report
+from traceclf.report.runset import RunSet
 
 EP2 = "h100_comm_ep2"
 EP2_PIDS = [1191, 1192]

@@ -23,7 +23,7 @@ import polars as pl
 import pytest
 from conftest import FIXTURES
 
-from traceclf.ingest import load, rowindex
+from traceclf.ingest import reader, rowindex
 from traceclf.ingest.load import load_trace
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.model.taxonomy import bundled
@@ -226,7 +226,7 @@ def test_rows_with_rowid_at_or_below_zero_are_read(tmp_path: Path, monkeypatch) 
         con.execute(f"UPDATE {table} SET rowid = rowid - 100")
         rows = con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
         assert con.execute(f"SELECT count(*) FROM {table} WHERE rowid <= 0").fetchone()[0] == 100
-    monkeypatch.setattr(load, "PARTITION_MIN_ROWS", 1)
+    monkeypatch.setattr(reader, "PARTITION_MIN_ROWS", 1)
     assert load_trace(path).kernels.height == rows
     budget = int(event_rows(path) * 0.95)
     window = twopass.load_window(path, bundled(), budget=budget)

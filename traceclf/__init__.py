@@ -10,8 +10,19 @@ Python API (stable for notebooks)::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from traceclf.api import analyze, open  # mirrors builtins.open on purpose
+from traceclf.report import display
+from traceclf.support.errors import TraceError
+from traceclf.support.version import __version__
 
-__all__ = ["__version__", "analyze", "open"]
+__all__ = ["TraceError", "__version__", "analyze", "open"]
+
+
+def _notebook_html(report: object) -> str:
+    from traceclf.render import notebook_html  # (rendering loads on first display)
+
+    return notebook_html(report)  # type: ignore[arg-type]
+
+
+# A report is data, below the renderers: its notebook display is plugged in here.
+display.show_with(_notebook_html)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # `import traceclf` stays light: polars and matplotlib load o
     from traceclf.measures import RankMeasures
     from traceclf.model.trace import Trace
     from traceclf.pipeline.analysis import AnalysisOptions
-    from traceclf.steps.find import Steps
+    from traceclf.steps.steady import Steps
 
 __all__ = [
     "analyze",
@@ -52,13 +52,9 @@ def open(path: str | Path, *, use_cache: bool = True, cache_dir: Path | None = N
     Raises :class:`~traceclf.support.errors.TraceError` when ``path`` is missing, is not an export,
     or names several exports (a folder): open those one at a time.
     """
-    from traceclf.ingest.cache import load_trace_cached
-    from traceclf.ingest.inputs import resolve_inputs
+    from traceclf.ingest.cache import open_trace
 
-    exports = resolve_inputs([str(path)], cache_dir=cache_dir, quiet=True)
-    if len(exports) != 1:
-        raise TraceError(path, f"holds {len(exports)} exports; open one at a time")
-    return load_trace_cached(exports[0], use_cache=use_cache, cache_dir=cache_dir)
+    return open_trace(path, use_cache=use_cache, cache_dir=cache_dir)
 
 
 def analyze(*paths: str | Path, step_range: str | None = None, **options) -> Report:

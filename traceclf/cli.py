@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from traceclf import __version__
 from traceclf.support.errors import TraceError, TraceWarning
+from traceclf.support.version import __version__
 
 FORMATS = ("terminal", "json", "md", "html", "csv")
 
@@ -269,7 +269,7 @@ def analyze(
         export_tables(report, export_dir, export_format, written)
     if trace_out is not None:
         from traceclf.export.perfetto import write_trace
-        from traceclf.pipeline.grouping import RunSet
+        from traceclf.report.runset import RunSet
 
         runs = report.runs if isinstance(report, RunSet) else [report]
         write_trace(runs, trace_out, inputs=written, use_cache=not no_cache, cache_dir=cache_dir)
@@ -366,7 +366,7 @@ def rules_cmd(rules_dir: Path | None) -> None:
 
 def _complete_fix_ids(_ctx, _param, incomplete: str) -> list[str]:
     """Shell completion of fix ids (bundled rules)."""
-    from traceclf.rulebook.layers import load_rules
+    from traceclf.judge.vocabulary import load_rules
 
     try:
         ids = load_rules(None).fixes
@@ -398,7 +398,7 @@ def cache_group() -> None:
 def cache_info(cache_dir: Path | None) -> None:
     """Where the cache is, why there, and what it holds."""
     from traceclf.ingest.cachedir import usage
-    from traceclf.render.text import fmt_bytes
+    from traceclf.support.units import fmt_bytes
 
     u = usage(cache_dir)
     click.echo(f"cache folder: {u.root.path} (from {u.root.origin})")
@@ -415,7 +415,7 @@ def cache_clear(cache_dir: Path | None) -> None:
     """Delete everything traceclf cached in the cache folder (only the names traceclf
     creates there; anything else in the folder stays)."""
     from traceclf.ingest.cachedir import cache_root, clear
-    from traceclf.render.text import fmt_bytes
+    from traceclf.support.units import fmt_bytes
 
     removed, freed = clear(cache_dir)
     click.echo(

@@ -9,7 +9,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from traceclf.compare.regression import Run
+    from traceclf.report.comparison import Run
     from traceclf.report.contract import Report
 
 # Per-kernel measures: what they count depends on how CUDA graphs were traced.

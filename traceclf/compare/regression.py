@@ -37,7 +37,7 @@ other (the report's ``applied`` sentences), and fixes proposed before that no lo
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from traceclf.compare.changes import (
@@ -48,9 +48,10 @@ from traceclf.compare.changes import (
     tracing_note,
 )
 from traceclf.pipeline.analysis import AnalysisOptions
-from traceclf.render.text import fmt_bytes, fmt_ms, pct, signed_pct
+from traceclf.report.comparison import Comparison, MeasureChange, MultiComparison, Run
 from traceclf.report.contract import Report
 from traceclf.support.errors import TraceError
+from traceclf.support.units import fmt_ms, signed_pct
 
 MATERIAL_PP = 0.03  # a fraction of the step that moves by 3 percentage points
 MATERIAL_REL = 0.20  # a count that moves by 20%
@@ -92,177 +93,29 @@ MEASURES = (
 )
 
 
-@dataclass
-class Run:
-    """One side of a comparison: where it came from and its step statistics."""
-
-    source: str
-    bound: str | None  # None: traceclf abstained on this run
-    confidence: float | None
-    step_mean_ms: float | None
-    step_median_ms: float | None
-    step_cv: float | None
-    steps_used: int
-    step_source: str
-    ranks: int
-    gpus: list[str]
-    report_version: int | None = None
-    abstain_reason: str | None = None
-    graph_tracing: str | None = None  # "graph" | "node" | None (no CUDA graphs)
-
-    @classmethod
-    def of(cls, source: str, report: Report) -> Run:
-        s = report.steps if isinstance(report.steps, dict) else {}
-        cls_ = report.classification if isinstance(report.classification, dict) else {}
-        bound = cls_.get("bound")
-        label = s.get("label") if isinstance(s.get("label"), str) else ""
-        gpus = (
-            [g for g in report.gpus if isinstance(g, dict)] if isinstance(report.gpus, list) else []
-        )
-        return cls(
-            source=source,
-            bound=bound if isinstance(bound, str) else None,
-            confidence=_float(cls_.get("confidence")),
-            step_mean_ms=_float(s.get("mean_ms")),
-            step_median_ms=_float(s.get("median_ms")),
-            step_cv=_float(s.get("cv")),
-            steps_used=int(_float(s.get("used")) or 0),
-            step_source=str(s.get("source", "none")) + (f' "{label}"' if label else ""),
-            ranks=len(report.ranks) if isinstance(report.ranks, list) else 0,
-            gpus=sorted({str(g.get("name") or "unknown GPU") for g in gpus}),
-            report_version=report.report_version
-            if isinstance(report.report_version, int)
-            else None,
-            abstain_reason=cls_.get("abstain_reason") if bound is None else None,
-            graph_tracing=graph_tracing(report),
-        )
-
-    @property
-    def standard_error_ms(self) -> float | None:
-        if self.step_mean_ms is None or self.step_cv is None or self.steps_used < 2:
-            return None
-        return self.step_cv * self.step_mean_ms / math.sqrt(self.steps_used)
-
-
-@dataclass
-class MeasureChange:
-    key: str
-    label: str
-    unit: str
-    before: float | None
-    after: float | None
-    change: float | None  # points for fractions, relative for the rest; None: from zero
-    material: bool
-
-    def describe(self) -> str:
-        """'exposed communication 97% → 12% (−85 pp)'."""
-        return f"{self.label} {self.value(self.before)} → {self.value(self.after)} ({self.delta()})"
-
-    def value(self, v: float | None) -> str:
-        if v is None:
-            return "–"
-        if self.unit == "frac":
-            return pct(v)
-        if self.unit == "bytes":
-            return fmt_bytes(v)
-        if self.unit == "us":
-            return f"{v:.3g} µs"
-        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
-
-    def delta(self) -> str:
-        if self.change is None:
-            return "new" if self.after else "gone"
-        if self.unit == "frac":
-            return f"{100 * self.change:+.1f} pp"
-        ratio = 1 + self.change
-        if ratio >= 10:  # +575300% reads worse than ×5754
-            return f"×{_factor(ratio)}"
-        if 0 < ratio <= 0.1:
-            return f"÷{_factor(1 / ratio)}"
-        return f"{100 * self.change:+.0f}%"
-
-
-@dataclass
-class Comparison:
-    before: Run
-    after: Run
-    threshold: float
-    verdict: str  # "regression" | "improvement" | "no significant change" | "inconclusive"
-    summary: str
-    step_change_ms: float | None
-    step_change_frac: float | None
-    median_change_frac: float | None
-    noise_ms: float | None
-    bound_changed: bool
-    measures: list[MeasureChange] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # why the runs may not be comparable
-    # What explains the result besides the measures: applied fixes and proposals that changed.
-    explanations: list[str] = field(default_factory=list)
-
-    @property
-    def regression(self) -> bool:
-        return self.verdict == "regression"
-
-    @property
-    def comparable(self) -> bool:
-        return not self.notes
-
-    @property
-    def moved(self) -> list[MeasureChange]:
-        return [m for m in self.measures if m.material]
-
-    @property
-    def tracing_changed(self) -> bool:
-        b, a = self.before.graph_tracing, self.after.graph_tracing
-        return b is not None and a is not None and b != a
-
-    @property
-    def noise_frac(self) -> float | None:
-        if self.noise_ms is None or not self.before.step_mean_ms:
-            return None
-        return self.noise_ms / self.before.step_mean_ms
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data |= {
-            "regression": self.regression,
-            "comparable": self.comparable,
-            "noise_frac": self.noise_frac,
-        }
-        return data
-
-
-def compare_runs(
-    before: str, after: str, *, threshold: float = 0.05, opts: AnalysisOptions | None = None
-) -> Comparison:
-    """Analyse (or load) both runs and compare them."""
-    _check_threshold(threshold)
-    opts = opts or AnalysisOptions(quiet=True)
-    return compare_reports(
-        load_run(before, opts),
-        load_run(after, opts),
-        threshold=threshold,
-        labels=(str(before), str(after)),
+def run_of(source: str, report: Report) -> Run:
+    """One side of a comparison: a report's step statistics and verdict, read defensively
+    (a saved report of any version: fields of the wrong type are left out)."""
+    s = report.steps if isinstance(report.steps, dict) else {}
+    cls_ = report.classification if isinstance(report.classification, dict) else {}
+    bound = cls_.get("bound")
+    label = s.get("label") if isinstance(s.get("label"), str) else ""
+    gpus = [g for g in report.gpus if isinstance(g, dict)] if isinstance(report.gpus, list) else []
+    return Run(
+        source=source,
+        bound=bound if isinstance(bound, str) else None,
+        confidence=_float(cls_.get("confidence")),
+        step_mean_ms=_float(s.get("mean_ms")),
+        step_median_ms=_float(s.get("median_ms")),
+        step_cv=_float(s.get("cv")),
+        steps_used=int(_float(s.get("used")) or 0),
+        step_source=str(s.get("source", "none")) + (f' "{label}"' if label else ""),
+        ranks=len(report.ranks) if isinstance(report.ranks, list) else 0,
+        gpus=sorted({str(g.get("name") or "unknown GPU") for g in gpus}),
+        report_version=report.report_version if isinstance(report.report_version, int) else None,
+        abstain_reason=cls_.get("abstain_reason") if bound is None else None,
+        graph_tracing=graph_tracing(report),
     )
-
-
-@dataclass
-class MultiComparison:
-    """A baseline against several candidates: one :class:`Comparison` each."""
-
-    baseline: str
-    comparisons: list[Comparison]
-
-    @property
-    def regression(self) -> bool:
-        return any(c.regression for c in self.comparisons)
-
-    def to_dict(self) -> dict:
-        return {
-            "baseline": self.baseline,
-            "regression": self.regression,
-            "comparisons": [c.to_dict() for c in self.comparisons],
-        }
 
 
 def compare_many(
@@ -315,7 +168,7 @@ def compare_reports(
     threshold: float = 0.05,
     labels: tuple[str, str] = ("before", "after"),
 ) -> Comparison:
-    b, a = Run.of(labels[0], before), Run.of(labels[1], after)
+    b, a = run_of(labels[0], before), run_of(labels[1], after)
     change_ms, change_frac = _change(b.step_mean_ms, a.step_mean_ms)
     _, median_frac = _change(b.step_median_ms, a.step_median_ms)
     noise = _noise_ms(b, a)

@@ -22,8 +22,8 @@ from traceclf.support.atomic import check_output, write_output
 from traceclf.support.errors import TraceError
 
 if TYPE_CHECKING:
-    from traceclf.pipeline.grouping import RunSet
     from traceclf.report.contract import Report
+    from traceclf.report.runset import RunSet
 
 TABLE_FORMATS = ("csv", "parquet")
 
@@ -52,13 +52,11 @@ def export_tables(
 ) -> list[Path]:
     """Write every table of ``report`` (:data:`traceclf.report.frames.TABLES`) into ``folder``
     (created if missing) as ``<table>.csv`` or ``<table>.parquet``; returns the files written."""
-    from traceclf.report.frames import report_tables
-
     folder = Path(folder)
     check_folder(folder)
     inputs = list(inputs)
     written = []
-    for name, df in report_tables(report).items():
+    for name, df in report.tables().items():
         path = folder / f"{name}.{fmt}"
         write_output(path, table_bytes(df, fmt), inputs=inputs)
         written.append(path)
@@ -82,8 +80,7 @@ def figures_beside(
     ``report.step_timeline.png``; ``tag`` goes before the figure name for several runs) and
     return {figure: file name relative to ``output``'s folder}. Nothing is drawn when
     ``output`` is not a regular file to be (a FIFO, a device, /dev/stdout)."""
-    from traceclf.figures.draw import report_figures
-    from traceclf.render.html import figure_png
+    from traceclf.figures.draw import figure_png, report_figures
 
     target, st = check_output(output)
     if st is not None and not target.is_file():

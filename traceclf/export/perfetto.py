@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from traceclf import __version__
+from traceclf.support.version import __version__
 
 if TYPE_CHECKING:
     from traceclf.model.trace import Trace
@@ -93,7 +93,7 @@ def write_trace(
 ) -> int:
     """Load each export of ``reports`` again (through the cache), write the trace-event file to
     ``path`` atomically (never onto an input) and return the number of events."""
-    from traceclf.api import open as open_trace
+    from traceclf.ingest.cache import open_trace
     from traceclf.support.atomic import write_output
 
     traces = {

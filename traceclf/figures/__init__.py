@@ -1,3 +1,3 @@
-"""Figures of a report: :mod:`.series` computes, per rank while its trace is loaded, the small
-series they are drawn from (kept in ``report.series``); :mod:`.draw` draws them with
-matplotlib (imported only there, so the analysis never loads it)."""
+"""Figures of a report, drawn with matplotlib from the small series the measures computed
+(``report.series``: :mod:`traceclf.measures.series`): :mod:`.draw` and :mod:`.views` are the
+only modules that import matplotlib, so the analysis never loads it."""

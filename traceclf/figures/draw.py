@@ -12,23 +12,16 @@ compute green, idle grey.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 
-from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from traceclf.render.text import pct
+from traceclf.figures.style import MAX_RANK_PANELS, WALL_COLORS, WIDTH_IN, figure_title, light_grid
+from traceclf.support.units import pct
 
-# Figure() with no pyplot never touches an interactive backend; Agg draws it.
-WALL_COLORS = {
-    "memory": "#c2187d",
-    "communication": "#0f9aa8",
-    "host": "#ef8a17",
-    "compute": "#3a9e4d",
-    "idle": "#a3a3a3",
-}
 STEP_PARTS = (  # step_breakdown key, legend label, colour
     ("compute", "compute (incl. overlapped comm)", WALL_COLORS["compute"]),
     ("exposed_comm", "exposed communication", WALL_COLORS["communication"]),
@@ -50,8 +43,16 @@ MAX_STEP_TICKS = 30
 # Past this many steps one bar per step costs seconds per thousand steps and draws bars
 # narrower than a pixel: consecutive steps are averaged into this many bars instead.
 MAX_STEP_BARS = 300
-MAX_RANK_PANELS = 8  # beyond this a per-rank panel stack stops being readable
-WIDTH_IN = 9.0
+
+
+FIGURE_DPI = 110
+
+
+def figure_png(fig: Figure) -> bytes:
+    """``fig`` as a PNG file's bytes (the HTML report embeds them, Markdown links them)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
+    return buffer.getvalue()
 
 
 def report_figures(series: Sequence[dict]) -> dict[str, Figure]:
@@ -143,12 +144,12 @@ def step_timeline(series: Sequence[dict]) -> Figure:
             ax.set_xticks(x)
         else:  # one tick per step would overlap; integer ticks only
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        _light_grid(ax, "y")
+        light_grid(ax, "y")
     label = "steady-state step (index in the trace)"
     if grouped > 1:
         label += f"; each bar: mean of {grouped} consecutive steps, line: their min–max step time"
     axes[-1].set_xlabel(label)
-    _title(fig, "Where each steady-state step goes", _more_ranks(series, len(ranks)))
+    figure_title(fig, "Where each steady-state step goes", _more_ranks(series, len(ranks)))
     _legend(fig, [(label, color) for _k, label, color in STEP_PARTS])
     return fig
 
@@ -217,10 +218,10 @@ def idle_gaps(series: Sequence[dict]) -> Figure:
     per = "per step" if _has_steps(ranks) else "in the window (no steps found)"
     ax.set_ylabel(f"idle time {per.split(' (')[0]} ({unit})")
     ax.set_ylim(0, max(bottom) * 1.15 or 1)  # room for the count labels above the bars
-    _light_grid(ax, "y")
+    light_grid(ax, "y")
     step_ns = _mean_step_ns(ranks)
     share = f" ({pct(total_ns / step_ns)} of the step)" if step_ns else ""
-    _title(
+    figure_title(
         fig,
         f"GPU idle gaps by length and cause: {total_ns / scale:.3g} {unit} {per}" + share,
         "numbers above bars: gaps in the bin over the steady state"
@@ -296,8 +297,8 @@ def comm_overlap(series: Sequence[dict]) -> Figure:
     ax.invert_yaxis()  # rank 0 on top, as in the step timeline
     ax.set_xlabel("time per step (ms, mean over steady steps)")
     ax.set_xlim(0, max(left) * 1.25 or 1)  # room for the note right of the longest bar
-    _light_grid(ax, "x")
-    _title(fig, "Communication vs compute overlap", "idle time and copies left out")
+    light_grid(ax, "x")
+    figure_title(fig, "Communication vs compute overlap", "idle time and copies left out")
     _legend(fig, [(label, color) for label, color, _h in bars], hatches=[h for _l, _c, h in bars])
     return fig
 
@@ -328,10 +329,10 @@ def gpu_metrics(series: Sequence[dict]) -> Figure:
             ax.axvline((row["step_start"] - origin) / 1e6, color="#cccccc", linewidth=0.8, zorder=0)
     ax.set_ylim(0, 105)
     ax.set_xlim(left=0)
-    _light_grid(ax, "y")
+    light_grid(ax, "y")
     ax.set_xlabel("time since the start of the steady state (ms)")
     ax.set_ylabel("GPU metric (%)")
-    _title(
+    figure_title(
         fig,
         "GPU metrics over the steady state",
         "GPU-wide samples from nsys; grey lines: step starts",
@@ -358,12 +359,6 @@ def _comm_ns(series: Sequence[dict]) -> int:
     return sum(r["comm_total"] for s in series for r in s.get("step_breakdown") or [])
 
 
-def _title(fig: Figure, title: str, subtitle: str | None = None) -> None:
-    fig.suptitle(title, fontsize=13, fontweight="bold")
-    if subtitle:  # a quieter note over the top panel, which constrained layout makes room for
-        fig.axes[0].set_title(subtitle, loc="left", fontsize=9, color="#555555")
-
-
 def _legend(
     fig: Figure, entries: list[tuple[str, str]], hatches: list[str | None] | None = None
 ) -> None:
@@ -375,12 +370,6 @@ def _legend(
     fig.legend(
         handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=9
     )
-
-
-def _light_grid(ax: Axes, axis: str) -> None:
-    ax.grid(axis=axis, color="#e6e6e6", linewidth=0.8)
-    ax.set_axisbelow(True)
-    ax.spines[["top", "right"]].set_visible(False)
 
 
 def _more_ranks(series: Sequence[dict], shown: int) -> str | None:

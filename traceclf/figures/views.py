@@ -10,7 +10,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from traceclf.figures.draw import MAX_RANK_PANELS, WALL_COLORS, WIDTH_IN, _light_grid, _title
+from traceclf.figures.style import MAX_RANK_PANELS, WALL_COLORS, WIDTH_IN, figure_title, light_grid
 
 LANES = (  # step_lanes key, label, colour
     ("compute", "compute (kernels, graph replays)", WALL_COLORS["compute"]),
@@ -63,7 +63,7 @@ def step_lanes(series: Sequence[dict]) -> Figure:
             fontsize=9,
             color="#555555",
         )
-        _light_grid(ax, "x")
+        light_grid(ax, "x")
     axes[-1].set_xlabel("time since the step's start on the GPU (ms); paler = partly idle")
     fig.suptitle(
         "One steady-state step per rank (the one nearest the median step time)",
@@ -135,8 +135,8 @@ def memory(series: Sequence[dict]) -> Figure:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("time in the capture (s, as nsys shows it)")
     ax.set_ylabel("allocated device memory (GB)")
-    _light_grid(ax, "y")
-    _title(
+    light_grid(ax, "y")
+    figure_title(
         fig,
         "Device memory over the capture",
         "allocations minus frees since the first memory event (caching-allocator reservations)",

@@ -9,17 +9,12 @@ mode (:mod:`traceclf.pipeline.twopass`).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
 
 from traceclf.ingest.devices import (
-    decode_pid,
     nccl_payload,
     read_device_map,
     read_gpus,
@@ -27,11 +22,8 @@ from traceclf.ingest.devices import (
     read_session,
     read_threads,
 )
+from traceclf.ingest.reader import Reader, Span, decode_pid, release_read_buffers
 from traceclf.model.trace import Trace
-from traceclf.pipeline.parallel import in_worker
-
-if TYPE_CHECKING:
-    from traceclf.ingest.load import Reader, Window
 
 # copyKind values of CUpti_ActivityMemcpyKind
 COPY_KINDS = {
@@ -165,9 +157,9 @@ def build_trace(
     read: ReadFn,
     read_metrics: Callable[[], pl.DataFrame],
     *,
-    nvtx_window: Window | None = None,
+    nvtx_window: Span | None = None,
     nvtx: pl.DataFrame | None = None,
-    windows: tuple[Window, ...] | None = None,
+    windows: tuple[Span, ...] | None = None,
     capture: tuple[tuple[int, int] | None, dict[str, int]] = (None, {}),
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
@@ -274,21 +266,6 @@ def build_trace(
     )
     release_read_buffers()
     return trace
-
-
-def release_read_buffers() -> None:
-    """Hand the pages of the raw rows back to the system. connectorx's Arrow buffers live on
-    the C heap, and freeing them after their conversion leaves them resident beside polars'
-    own memory until the heap is trimmed: at 1 GB of export, some 300 MB of peak memory for
-    nothing (glibc only; elsewhere a no-op).
-
-    A ``--jobs`` worker keeps them: its next export's reads reuse those pages, where trimmed
-    ones are mapped and zeroed afresh (8 exports of 128 MB on 2 workers: a third fewer page
-    faults, ~100 MB more at a worker's peak)."""
-    if not sys.platform.startswith("linux") or in_worker():
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def nvtx_ranges(reader: Reader, raw: pl.DataFrame) -> pl.DataFrame:

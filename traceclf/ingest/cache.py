@@ -27,20 +27,19 @@ from pathlib import Path
 import polars as pl
 
 from traceclf.ingest.cachedir import (
+    CACHE_FORMAT,
     TMP_PREFIX,
     ensure_slot,
-    is_owned,
     prune_slot,
     readable_slot,
     slot_of,
 )
 from traceclf.ingest.load import load_trace
-from traceclf.ingest.results import (  # (re-exported: the result cache is its own module)
-    CACHE_FORMAT,
-    identity,
-)
+from traceclf.ingest.results import identity
 from traceclf.ingest.schema import check_sqlite_file
 from traceclf.model.trace import Trace
+from traceclf.support.errors import TraceError
+from traceclf.support.owned import is_owned
 
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
 META = "meta.json"
@@ -196,3 +195,14 @@ def _discard(entry: Path) -> None:
     with contextlib.suppress(OSError):
         os.rename(entry, trash)
         shutil.rmtree(trash, ignore_errors=True)
+
+
+def open_trace(path: str | Path, *, use_cache: bool = True, cache_dir: Path | None = None) -> Trace:
+    """The trace model of the one export (or ``.nsys-rep`` report, exported once) ``path``
+    names, through the cache; TraceError when it names several (a folder)."""
+    from traceclf.ingest.inputs import resolve_inputs
+
+    exports = resolve_inputs([str(path)], cache_dir=cache_dir, quiet=True)
+    if len(exports) != 1:
+        raise TraceError(path, f"holds {len(exports)} exports; open one at a time")
+    return load_trace_cached(exports[0], use_cache=use_cache, cache_dir=cache_dir)

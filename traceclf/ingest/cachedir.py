@@ -23,6 +23,7 @@ foreign folder, a damaged entry) means "no cache", never a failed analysis.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -31,6 +32,10 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from traceclf.ingest.exportstamp import made_by_traceclf
+from traceclf.support.owned import is_owned, usable_root, writable
+from traceclf.support.version import __version__, sources_digest
 
 APP = "traceclf"
 ENV = "TRACECLF_CACHE_DIR"
@@ -49,6 +54,11 @@ RESULT_FILE_RE = re.compile(r"[0-9a-f]{24}\.json")
 EXPORT_RE = re.compile(r".+-[0-9a-f]{12}-[0-9a-f]{12}\.sqlite")
 TMP_EXPORT_RE = re.compile(r"\..+\.\d+-[0-9a-f]{8}\.tmp\.sqlite")
 RULES_STAMP_RE = re.compile(r"rules-[0-9a-f]{32}\.json")
+# Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
+CACHE_FORMAT = 4
+# the modules that shape the trace model (read as files: importing them imports polars); a
+# folder stands for its modules, so that one split off another is not forgotten
+MODEL_SOURCES = ("ingest", "model/trace.py")
 
 
 @dataclass(frozen=True)
@@ -81,8 +91,6 @@ def export_key(path: Path) -> str:
     """Identity of an export as the loader would see it: resolved path, size, mtime, inode,
     and a content fingerprint (the first MiB, which holds SQLite's header and its change
     counter, and the last 64 KiB). Raises OSError when the file cannot be read."""
-    from traceclf.ingest.results import code_fingerprint
-
     st = path.stat()
     digest = hashlib.sha256(
         f"{code_fingerprint()}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:".encode(
@@ -97,6 +105,19 @@ def export_key(path: Path) -> str:
     return digest.hexdigest()[:32]
 
 
+@functools.cache
+def code_fingerprint() -> str:
+    """Cache format, versions and the source of the modules that shape the trace model."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        polars = version("polars")
+    except PackageNotFoundError:
+        polars = "?"
+    digest = hashlib.sha256(f"{CACHE_FORMAT}:{__version__}:{polars}".encode())
+    return sources_digest(digest, MODEL_SOURCES)
+
+
 def path_digest(path: Path, length: int = 16) -> str:
     return hashlib.sha256(str(path.resolve()).encode(errors="surrogateescape")).hexdigest()[:length]
 
@@ -106,24 +127,6 @@ def slot_of(path: Path, cache_dir: Path | None = None) -> Path:
     return cache_root(cache_dir).path / f"{path.name}-{path_digest(path)}{SLOT_SUFFIX}"
 
 
-def is_owned(path: Path, kind: str = "dir") -> bool:
-    """Whether ``path`` is a real (not linked) folder or file, as ``kind`` says, owned by us."""
-    try:
-        st = path.lstat()
-    except OSError:
-        return False
-    right_kind = stat.S_ISDIR(st.st_mode) if kind == "dir" else stat.S_ISREG(st.st_mode)
-    return right_kind and st.st_uid == os.geteuid()
-
-
-def usable_root(root: Path, *, create: bool) -> bool:
-    """Whether the cache root is a folder we may write into (creating it when asked)."""
-    if create and not root.exists() and not root.is_symlink():
-        with contextlib.suppress(OSError):
-            root.mkdir(parents=True, exist_ok=True)
-    return root.is_dir() and _writable(root)
-
-
 def ensure_slot(slot: Path) -> bool:
     """Create ``slot`` (and the root) if needed; True when it is a real folder of ours that
     we may write into. A link in its place is never followed."""
@@ -131,21 +134,12 @@ def ensure_slot(slot: Path) -> bool:
         return False
     with contextlib.suppress(FileExistsError, OSError):
         slot.mkdir()
-    return is_owned(slot) and _writable(slot)
+    return is_owned(slot) and writable(slot)
 
 
 def readable_slot(slot: Path) -> bool:
     """A slot we may read: a real folder (not a link) of ours."""
     return is_owned(slot)
-
-
-def _writable(folder: Path) -> bool:
-    """access(2) plus a write bit, so a folder made read-only on purpose stays untouched even
-    for root, whom access(2) always allows."""
-    try:
-        return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & 0o222)
-    except OSError:
-        return False
 
 
 def remove(path: Path) -> int:
@@ -239,8 +233,6 @@ def owned_items(root: Path) -> list[tuple[str, Path]]:
 
 def _owned_export(path: Path) -> bool:
     """An nsys export traceclf made (stamped), or a dead writer's temporary of one."""
-    from traceclf.ingest.nsys import made_by_traceclf
-
     if not is_owned(path, "file"):
         return False
     if TMP_EXPORT_RE.fullmatch(path.name):

@@ -9,15 +9,11 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
+from traceclf.ingest.reader import decode_pid, in_ranges
 from traceclf.ingest.tables import PAYLOAD_COLUMNS
 
 if TYPE_CHECKING:
-    from traceclf.ingest.load import Reader
-
-
-def decode_pid(col: str) -> pl.Expr:
-    """Process id from a serialized globalPid/globalTid: bits 24..47."""
-    return ((pl.col(col) // (1 << 24)) % (1 << 24)).cast(pl.Int64)
+    from traceclf.ingest.reader import Reader
 
 
 # The GPU metrics the measures use, each under the names nsys gives it on different GPUs;
@@ -55,8 +51,6 @@ def read_gpu_metrics(
 ) -> pl.DataFrame:
     """Samples of the metrics in :data:`METRIC_NAMES` inside ``window`` (one or several time
     windows; None: all), only from the rowid ranges ``rowids`` when given."""
-    from traceclf.ingest.load import in_ranges
-
     columns = reader.info.columns
     if any(not need <= set(columns.get(t, ())) for t, need in METRIC_TABLE_COLUMNS.items()):
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)

@@ -15,14 +15,8 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from traceclf.ingest.nsys import (
-    REPORT_SUFFIXES,
-    beside_export,
-    export_report,
-    is_export_of,
-    made_by_traceclf,
-    report_key,
-)
+from traceclf.ingest.exportstamp import is_export_of, made_by_traceclf
+from traceclf.ingest.nsys import REPORT_SUFFIXES, beside_export, export_report, report_key
 from traceclf.ingest.schema import is_sqlite_file
 from traceclf.support.errors import TraceError
 

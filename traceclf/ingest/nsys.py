@@ -22,23 +22,18 @@ import secrets
 import shutil
 import signal
 import sqlite3
-import struct
 import subprocess
-import zlib
 from pathlib import Path
 
-from traceclf.ingest.cachedir import cache_root, is_owned, usable_root
+from traceclf.ingest.cachedir import cache_root
+from traceclf.ingest.exportstamp import is_export_of, made_by_traceclf, stamp_for
 from traceclf.ingest.schema import is_sqlite_file
 from traceclf.support.errors import TraceError
+from traceclf.support.owned import is_owned, usable_root
 
 REPORT_SUFFIXES = (".nsys-rep", ".qdrep")  # .qdrep: reports of nsys before 2021.4
 CACHE_FOLDER = ".traceclf-cache"
 HEAD_BYTES = 1 << 20
-# SQLite header fields (offsets 60 and 68) that nsys leaves at 0: ours carry "tclf" and the
-# report's identity, which is how an export is recognised as made by traceclf for that report.
-APPLICATION_ID = 0x74636C66
-HEADER_STAMP = struct.Struct(">i4xi")  # user_version, (incremental vacuum), application_id
-STAMP_OFFSET = 60
 TERMINATE_GRACE_S = 5.0
 
 
@@ -127,31 +122,6 @@ def user_cache_dir(cache_dir: Path | None = None) -> Path:
     return cache_root(cache_dir).path
 
 
-def is_export_of(path: Path, key: str) -> bool:
-    """Whether ``path`` is an export traceclf stamped for the report identity ``key``."""
-    return _read_stamp(path) == _stamp(key)
-
-
-def made_by_traceclf(path: Path) -> bool:
-    """Whether ``path`` is an export traceclf made (for this report or an earlier version)."""
-    stamp = _read_stamp(path)
-    return stamp is not None and stamp[1] == APPLICATION_ID
-
-
-def _stamp(key: str) -> tuple[int, int]:
-    return zlib.crc32(key.encode()) & 0x7FFFFFFF, APPLICATION_ID
-
-
-def _read_stamp(path: Path) -> tuple[int, int] | None:
-    try:
-        with path.open("rb") as f:
-            f.seek(STAMP_OFFSET)
-            raw = f.read(HEADER_STAMP.size)
-    except OSError:
-        return None
-    return HEADER_STAMP.unpack(raw) if len(raw) == HEADER_STAMP.size else None
-
-
 def _cache_file(folder: Path, report: Path, key: str) -> Path:
     return folder / f"{_cache_prefix(report)}{_digest(key)}.sqlite"
 
@@ -228,7 +198,7 @@ def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
 
 
 def _stamp_export(path: Path, key: str) -> None:
-    user_version, application_id = _stamp(key)
+    user_version, application_id = stamp_for(key)
     con = sqlite3.connect(path)
     try:
         con.execute(f"PRAGMA application_id = {application_id}")

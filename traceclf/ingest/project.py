@@ -16,7 +16,7 @@ import sqlite3
 import numpy as np
 import polars as pl
 
-from traceclf.ingest.load import Reader
+from traceclf.ingest.reader import Reader
 from traceclf.ingest.rowindex import RowIndex
 
 

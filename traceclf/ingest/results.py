@@ -9,30 +9,23 @@ the loader. See :mod:`traceclf.ingest.cachedir` for where the files live.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 from pathlib import Path
 
-import traceclf
 from traceclf.ingest.cachedir import (
     RESULTS_PREFIX,
     ensure_slot,
     export_key,
-    is_owned,
     prune_slot,
     readable_slot,
     slot_of,
 )
 from traceclf.support.atomic import write_atomic
+from traceclf.support.owned import is_owned
 
-# Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
-CACHE_FORMAT = 4
 RESULT_FORMAT = 1
 MAX_RESULT_BYTES = 64 << 20  # a damaged or planted file must not exhaust memory
-# the modules that shape the trace model (read as files: importing them imports polars); a
-# folder stands for its modules, so that one split off another is not forgotten
-MODEL_SOURCES = ("ingest", "model/trace.py")
 CACHE_ERRORS = (Exception,)  # none of it may fail an analysis
 
 
@@ -106,28 +99,3 @@ def write_result(
 def _checksum(result: dict) -> str:
     text = json.dumps(result, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-@functools.cache
-def code_fingerprint() -> str:
-    """Cache format, versions and the source of the modules that shape the trace model."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        polars = version("polars")
-    except PackageNotFoundError:
-        polars = "?"
-    digest = hashlib.sha256(f"{CACHE_FORMAT}:{traceclf.__version__}:{polars}".encode())
-    return sources_digest(digest, MODEL_SOURCES)
-
-
-def sources_digest(digest: hashlib._Hash, names: tuple[str, ...]) -> str:
-    """``digest`` updated with the source of each module ``names`` lists (relative to the
-    package; a folder: each of its modules), as hex: an edit to any of them changes it."""
-    package = Path(traceclf.__file__).parent
-    for name in names:
-        source = package / name
-        for file in sorted(source.glob("*.py")) if source.is_dir() else [source]:
-            with contextlib.suppress(OSError):  # no source shipped: version must do
-                digest.update(file.read_bytes())
-    return digest.hexdigest()

@@ -1,4 +1,4 @@
-"""Judgement: the rule files (rules/*.yaml) loaded and validated (:mod:`.schema`,
-:mod:`.entries`, :mod:`.taxonomy`), their expression language (:mod:`.expr`), and the engine
-that fires them on a run's measures (:mod:`.engine`). Named ``judge`` so that it never collides
-with the bundled ``rules/`` data, which the wheel installs as ``traceclf/rules``."""
+"""Judgement: what rules may name and the rule set checked against it (:mod:`.vocabulary`),
+the engine that fires the rules on a run's measures (:mod:`.engine`), the gain ceiling of each
+fix (:mod:`.ceiling`), and whether the capture supports a verdict at all (:mod:`.abstention`).
+The rule files themselves are data, read by :mod:`traceclf.rulebook`."""

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from traceclf.judge import ceiling
+from traceclf.judge.vocabulary import load_rules
 from traceclf.rulebook.entries import WALLS, Fix, GpuFamily, Rule, Scoring
 from traceclf.rulebook.expr import Expr
-from traceclf.rulebook.layers import RuleSet, known_names, load_rules
+from traceclf.rulebook.layers import RuleSet
 
 
 @dataclass
@@ -129,7 +130,7 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
     capture = facts.get("capture") or {}
     steps = facts.get("steps") or {}
     idle = facts.get("idle_nvtx") or {}
-    env: dict[str, Any] = dict.fromkeys(known_names()) | dict(metrics)
+    env: dict[str, Any] = dict.fromkeys(rs.names) | dict(metrics)
     env |= {
         "gpu_family": gpu_family(gpu, rs.families),
         "gpu_name": gpu.get("name"),

@@ -17,11 +17,11 @@ from traceclf.measures import (
     phases,
     series,
 )
+from traceclf.measures.handoff import RankMeasures
 from traceclf.measures.window import prepare
 from traceclf.model.taxonomy import Taxonomy
 from traceclf.model.trace import Trace
-from traceclf.report.contract import RankMeasures
-from traceclf.steps.find import Steps
+from traceclf.steps.steady import Steps
 
 MEASURES: dict[str, str] = (
     budget.MEASURES

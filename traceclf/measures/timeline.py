@@ -2,7 +2,7 @@
 state timeline that every busy/idle/overlap measure is read from.
 
 A window is one ``(lo, hi)`` span or several disjoint ones in time order (the steps chosen
-for analysis in the default window mode: :attr:`traceclf.steps.find.Steps.spans`); time between
+for analysis in the default window mode: :attr:`traceclf.steps.steady.Steps.spans`); time between
 the spans is not part of the window.
 """
 

@@ -15,7 +15,7 @@ from traceclf.measures import timeline
 from traceclf.measures.busy import Busy
 from traceclf.model.taxonomy import Taxonomy, by_name, matches
 from traceclf.model.trace import Trace
-from traceclf.steps.find import Steps
+from traceclf.steps.steady import Steps
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,17 @@ expressions (family, communication library and collective kind of a kernel; sync
 class of a CUDA call; step and phase ranges), plus theoretical occupancy from a launch config.
 
 The taxonomy is data: rules/kernels.yaml holds the bundled one, and a ``taxonomy:`` section in
-a ``--rules`` folder is merged over it by :mod:`traceclf.rulebook.layers` (``RuleSet.taxonomy``).
+a ``--rules`` folder is merged over it by :mod:`traceclf.rulebook.layers` (``RuleSet.taxonomy``,
+plain tables that :meth:`Taxonomy.of` makes this module's).
 Patterns run in polars (Rust ``regex``: linear time), once per distinct name, never per row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
+
+from traceclf.rulebook.taxonomy_tables import Table, TaxonomyTables
 
 if TYPE_CHECKING:  # polars is imported where an expression is built: a cached re-analysis
     # reads the taxonomy (the rule set's) without building any
@@ -19,29 +22,15 @@ if TYPE_CHECKING:  # polars is imported where an expression is built: a cached r
     import numpy as np
     import polars as pl
 
-Table = tuple[tuple[str, str], ...]  # (label, pattern), first match wins
-
 
 @dataclass(frozen=True)
-class NvtxCollective:
-    kind: str
-    pattern: str
-    domain: str | None = None  # only ranges of this NVTX domain; None: any domain
-    source: str = "nvtx"  # who wrote the range (pytorch, nccl): earlier sources win
+class Taxonomy(TaxonomyTables):
+    """The rule files' taxonomy tables (:mod:`traceclf.rulebook.taxonomy_tables`) as polars
+    expressions: what a kernel, CUDA call or NVTX range is."""
 
-
-@dataclass(frozen=True)
-class Taxonomy:
-    families: Table
-    comm_libraries: Table
-    comm_kinds: Table
-    nvtx_collectives: tuple[NvtxCollective, ...]
-    host_activities: Table
-    nvtx: dict[str, str] = field(hash=False)  # step, forward, backward, optimizer
-    fp8_gemm: str = ""
-    cuda_api: dict[str, str] = field(default_factory=dict, hash=False)  # sync, launch, ...
-    training: dict[str, str] = field(default_factory=dict, hash=False)  # backward_kernel, ...
-    moe: dict[str, str] = field(default_factory=dict, hash=False)  # kernel, nvtx
+    @classmethod
+    def of(cls, tables: TaxonomyTables) -> Taxonomy:
+        return cls(**{f.name: getattr(tables, f.name) for f in fields(TaxonomyTables)})
 
     def family(self, col: str = "name") -> pl.Expr:
         return first_match(col, self.families, "other")
@@ -182,9 +171,9 @@ def first_match(col: str, table: Table, default: str | None) -> pl.Expr:
 
 def bundled() -> Taxonomy:
     """The taxonomy of the bundled rules/ (for API users who pass none)."""
-    from traceclf.rulebook.layers import load_rules
+    from traceclf.rulebook.layers import bundled_taxonomy
 
-    return load_rules(None).taxonomy
+    return Taxonomy.of(bundled_taxonomy())
 
 
 def theoretical_occupancy(gpu: dict | None) -> pl.Expr:

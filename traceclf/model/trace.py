@@ -359,7 +359,7 @@ class Trace:
     def to_pandas(self, frame: str = "kernels"):
         """One frame of the trace (``FRAMES``) as a pandas DataFrame. Needs pandas:
         ``pip install 'traceclf[pandas]'``."""
-        from traceclf.report.contract import to_pandas
+        from traceclf.support.pandas_frames import to_pandas
 
         return to_pandas({name: getattr(self, name) for name in self.FRAMES}, frame)
 

@@ -10,18 +10,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from traceclf import __version__
-from traceclf.report.contract import RankMeasures, Report
+from traceclf.measures.handoff import ExportResult, RankResult
+from traceclf.report.contract import Report
 from traceclf.support.errors import TraceError
+from traceclf.support.version import __version__, sources_digest
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
 
-    from traceclf.pipeline.grouping import RunSet
+    from traceclf.report.runset import RunSet
 
 
 @dataclass(frozen=True)
@@ -44,112 +45,14 @@ class AnalysisOptions:
     row_budget: int | None = None
 
 
-@dataclass
-class RankResult:
-    """Everything the report needs about one rank; small and picklable."""
-
-    pid: int
-    process_name: str | None
-    path: str
-    gpu: dict | None
-    steps: dict
-    measures: RankMeasures
-    # which GPU: device ordinal, whether the export maps it to a physical GPU, and a key that
-    # is equal for two ranks on one GPU (judge/capture.py: gpu_assignment)
-    placement: dict = field(default_factory=dict)
-    # utc_offset_ns, host, export, gpu (physical GPU identity): to align and compare ranks
-    clock: dict = field(default_factory=dict)
-
-
-@dataclass
-class ExportResult:
-    path: str
-    nsys_version: str | None
-    schema_version: str | None
-    ranks: list[RankResult] = field(default_factory=list)
-    gpu_count: int = 0  # GPUs the export describes (TARGET_INFO_GPU rows)
-    # Capture identity (ingest/session.py) plus the span of GPU work in session time (ns).
-    job: dict = field(default_factory=dict)
-    # rows left out as unusable (Trace.unusable_rows): among the rows read
-    unusable_rows: dict[str, int] = field(default_factory=dict)
-    # one process of a multi-process export split off as a run of its own (runs.py)
-    part: str | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def named(self, path: Path) -> ExportResult:
-        """The same result under the path the user gave this time (a cache hit may have been
-        written under another spelling of it)."""
-        self.path = str(path)
-        for rank in self.ranks:
-            rank.path = str(path)
-        return self
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ExportResult:
-        """Rebuild a result saved with :meth:`to_dict`; ValueError when it has another shape
-        (a cache written by another version, or damaged). Needs neither polars nor the
-        measures: a cache hit stays light."""
-        ranks = [
-            RankResult(**(r | {"measures": RankMeasures(**r["measures"])})) for r in data["ranks"]
-        ]
-        result = cls(
-            data["path"],
-            data["nsys_version"],
-            data["schema_version"],
-            ranks,
-            data["gpu_count"],
-            data["job"],
-            data["unusable_rows"],
-        )
-        if not _well_typed(result):
-            raise ValueError("cached result has unexpected types")
-        return result
-
-
-def _well_typed(result: ExportResult) -> bool:
-    """The types build_report relies on (a cached result is read back from disk)."""
-    strs = (result.path, result.nsys_version, result.schema_version)
-    if not all(v is None or isinstance(v, str) for v in strs) or not result.ranks:
-        return False
-    if not isinstance(result.job, dict) or not isinstance(result.gpu_count, int):
-        return False
-    if not isinstance(result.unusable_rows, dict) or not all(
-        isinstance(n, int) for n in result.unusable_rows.values()
-    ):
-        return False
-    for r in result.ranks:
-        m = r.measures
-        ok = (
-            isinstance(r.pid, int)
-            and isinstance(r.path, str)
-            and (r.process_name is None or isinstance(r.process_name, str))
-            and (r.gpu is None or isinstance(r.gpu, dict))
-            and isinstance(r.steps, dict)
-            and isinstance(m.metrics, dict)
-            and all(v is None or isinstance(v, (int, float, bool)) for v in m.metrics.values())
-            and isinstance(m.comm_by_kind, dict)
-            and all(isinstance(v, dict) for v in m.comm_by_kind.values())
-            and isinstance(m.top_kernels, list)
-            and isinstance(m.step_breakdown, list)
-            and isinstance(m.idle_gaps, dict)
-            and isinstance(m.gpu_metrics_series, dict)
-            and isinstance(r.placement, dict)
-            and isinstance(getattr(r, "clock", {}), dict)
-        )
-        if not ok:
-            return False
-    return True
-
-
 def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     """Analyse every export named by ``inputs`` (files, folders, .nsys-rep): one report when
     they are one job, else one report per run (:mod:`traceclf.pipeline.grouping`)."""
     from traceclf.ingest.inputs import chosen_files
-    from traceclf.pipeline.grouping import RunSet, group, split_unrelated_ranks
+    from traceclf.pipeline.grouping import group, split_unrelated_ranks
     from traceclf.pipeline.parallel import started_workers
     from traceclf.pipeline.reduce import build_report
+    from traceclf.report.runset import RunSet
 
     # Reject bad options and files before any heavy work starts.
     if opts.step_regex is not None:  # (steps.py imports polars: not without a --step-range)
@@ -188,8 +91,8 @@ def _analyse_files(
     checked here, then each analysed (on ``pool``'s workers, if any), under the user's name."""
     from traceclf.ingest.inputs import export_sources
     from traceclf.ingest.schema import inspect_export
+    from traceclf.judge.vocabulary import load_rules
     from traceclf.pipeline.parallel import map_exports
-    from traceclf.rulebook.layers import load_rules
 
     load_rules(opts.rules_dir, remember=_rules_stamp_root(opts))
     sources = export_sources(files, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
@@ -348,9 +251,10 @@ ANALYSIS_SOURCES = (
 
 
 def _taxonomy(opts: AnalysisOptions):
-    from traceclf.rulebook.layers import load_rules
+    from traceclf.judge.vocabulary import load_rules
+    from traceclf.model.taxonomy import Taxonomy
 
-    return load_rules(opts.rules_dir, remember=_rules_stamp_root(opts)).taxonomy
+    return Taxonomy.of(load_rules(opts.rules_dir, remember=_rules_stamp_root(opts)).taxonomy)
 
 
 def _rules_stamp_root(opts: AnalysisOptions) -> Path | None:
@@ -366,8 +270,6 @@ def _rules_stamp_root(opts: AnalysisOptions) -> Path | None:
 @functools.cache
 def _analysis_fingerprint() -> str:
     """Version plus the source of every module that shapes a result, so an edit invalidates."""
-    from traceclf.ingest.results import sources_digest
-
     return sources_digest(hashlib.sha256(__version__.encode()), ANALYSIS_SOURCES)
 
 
@@ -381,7 +283,7 @@ def _result_variant(opts: AnalysisOptions) -> str:
 
 
 def _steps_summary(steps) -> dict:
-    from traceclf.steps.find import slowest_step
+    from traceclf.steps.steady import slowest_step
 
     durations = steps.durations()
     return {

@@ -1,4 +1,5 @@
-"""Runs vs ranks: which of several exports are ranks of one job, and the multi-run report.
+"""Runs vs ranks: which of several exports are ranks of one job (the multi-run report that
+results otherwise is :class:`traceclf.report.runset.RunSet`).
 
 Several exports are merged into one report only when the evidence says they are one job:
 
@@ -18,11 +19,8 @@ it matches, else starts a run of its own. ``--job`` (all inputs are one job) and
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-
-from traceclf.report.contract import Report
-from traceclf.support import jsontext
 
 # Ranks of one synchronous job wait for each other every step: their step times agree closely.
 STEP_TOLERANCE = 0.25
@@ -47,7 +45,7 @@ class Evidence:
 
 
 def evidence(result) -> Evidence:
-    """``result``: an analysis.ExportResult."""
+    """``result``: a :class:`~traceclf.measures.handoff.ExportResult`."""
     job = result.job or {}
     first = result.ranks[0].steps if result.ranks else {}
     step_ms = [r.steps.get("median_ms") for r in result.ranks if r.steps.get("median_ms")]
@@ -204,71 +202,3 @@ def _anchor_key(e: Evidence) -> tuple[str, str]:
 def _anchor(e: Evidence) -> str:
     source, label = e.anchor
     return f'{source} "{label}"' if label else source
-
-
-# The multi-run report --------------------------------------------------------------------
-
-SUMMARY_COLUMNS = ("run", "bound", "step", "busy", "exposed comm", "top fix")
-
-
-@dataclass
-class RunSet:
-    """Several unrelated runs analysed together: one report each plus a summary table. In
-    JSON ``{"report_version": 2, "runs": [report, ...], "summary": [row, ...], "grouping"}``."""
-
-    runs: list[Report]
-    grouping: dict = field(default_factory=dict)
-
-    report_version = 2
-
-    @property
-    def summary(self) -> list[dict]:
-        return [summary_row(r) for r in self.runs]
-
-    def to_dict(self) -> dict:
-        return {
-            "report_version": self.report_version,
-            "runs": [r.to_dict() for r in self.runs],
-            "summary": self.summary,
-            "grouping": self.grouping,
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        from traceclf.report.contract import _jsonable
-
-        return jsontext.dumps(self.to_dict(), indent=indent, default=_jsonable)
-
-    def tables(self) -> dict:
-        """Every run's tables stacked, with a leading ``run`` column (traceclf/export/tables.py)."""
-        from traceclf.report.frames import report_tables
-
-        return report_tables(self)
-
-    def to_pandas(self, table: str = "ranks"):
-        """One of :meth:`tables` as a pandas DataFrame (``pip install 'traceclf[pandas]'``)."""
-        from traceclf.report.contract import to_pandas
-
-        return to_pandas(self.tables(), table)
-
-    def _repr_html_(self) -> str:
-        from traceclf.render.html import html_fragment
-        from traceclf.render.multirun import runs_html_body
-
-        return html_fragment(runs_html_body(self))
-
-
-def summary_row(report: Report) -> dict:
-    """One run in a line: files, bound, median step, GPU busy, exposed comm, top fix."""
-    m = report.metrics
-    fix = report.fixes[0] if report.fixes else {}
-    return {
-        "run": ", ".join(
-            Path(i["path"]).name + (f" ({i['part']})" if i.get("part") else "")
-            for i in report.inputs
-        ),
-        "bound": report.classification.get("bound"),
-        "step_ms": report.steps.get("median_ms"),
-        "busy_frac": m.get("gpu_busy_frac"),
-        "exposed_comm_frac": m.get("exposed_comm_frac"),
-        "top_fix": fix.get("id"),
-    }

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from traceclf.support.cpus import WORKER_CPUS, cpus
 from traceclf.support.errors import TraceError
 
 T = TypeVar("T")
@@ -91,14 +92,7 @@ def _local_workers(jobs: int | None, items: int) -> int:
 
 def default_jobs() -> int:
     """CPUs this process may use (the affinity mask, so containers count right), at most 4."""
-    return max(1, min(MAX_DEFAULT_JOBS, _cpus()))
-
-
-def _cpus() -> int:
-    """CPUs this process may use: its affinity mask where there is one (containers)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_JOBS, cpus()))
 
 
 def _advancing(result: R, advance: Callable[[], None]) -> R:
@@ -158,26 +152,20 @@ def _start_worker(workers: int, users_decay: bool) -> None:
 
 def _share_cores(workers: int) -> None:
     """In a worker, before polars is imported: its share of the CPUs for every thread pool
-    it would start, and for parallel reads (:func:`cpu_share`). Two workers with a thread per
+    it would start, and for parallel reads (:func:`traceclf.support.cpus.cpu_share`). Two workers with a thread per
     CPU each would put twice as many busy threads as CPUs on the machine and lose time
     switching between them (a user's own settings are kept)."""
-    share = str(max(1, _cpus() // workers))
+    share = str(max(1, cpus() // workers))
     for pool in WORKER_POOLS:
         os.environ.setdefault(pool, share)
     os.environ[WORKER_CPUS] = share
 
 
-WORKER_CPUS = "TRACECLF_WORKER_CPUS"  # a worker's share of the CPUs (set in the worker)
 # Thread pools sized by the CPU count unless told: polars'; rayon's global pool, on which
 # connectorx runs the queries of one read side by side (a window read is several); and
 # OpenBLAS's, which numpy starts on import and whose threads spin ~0.1 CPU-s for nothing
 # (traceclf does no linear algebra).
 WORKER_POOLS = ("POLARS_MAX_THREADS", "RAYON_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
-
-def in_worker() -> bool:
-    """Whether this process is a ``--jobs`` worker (:func:`_start_worker` ran in it)."""
-    return WORKER_CPUS in os.environ
 
 
 # polars' allocator (jemalloc) reads its settings from this variable as polars is imported:
@@ -200,15 +188,6 @@ def _users_decay() -> bool:
     wrote it here (once if this process has imported polars, else not at all)."""
     own = 1 if "polars" in sys.modules else 0
     return os.environ.get(JEMALLOC_CONF, "").count("dirty_decay_ms") > own
-
-
-def cpu_share() -> int:
-    """Cores one analysis may keep busy: CPUs this process may use, or its share of them in a
-    worker of ``--jobs``, at most 4 (the loader's parallel reads)."""
-    cpus = _cpus()
-    with contextlib.suppress(ValueError):
-        cpus = min(cpus, int(os.environ.get(WORKER_CPUS) or cpus))
-    return max(1, min(4, cpus))
 
 
 def _stop_resource_tracker() -> None:

@@ -3,7 +3,7 @@
 Numbers the ranks, averages their measures, says what the capture supports
 (:mod:`traceclf.judge.abstention`), compares the ranks (:mod:`traceclf.measures.cross_rank`), and
 classifies — or abstains (:mod:`traceclf.judge.engine`). Only small, picklable per-rank results
-come in (``analysis.ExportResult``), so this never touches a trace.
+come in (:class:`~traceclf.measures.handoff.ExportResult`), so this never touches a trace.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from traceclf import __version__
 from traceclf.report.contract import Report
+from traceclf.support.version import __version__
 
 if TYPE_CHECKING:
-    from traceclf.pipeline.analysis import ExportResult, RankResult
+    from traceclf.measures.handoff import ExportResult, RankResult
 
 GPU_KEYS = ("name", "chip", "sm_count", "memory_bytes")
 REPORT_VERSION = 2

@@ -24,21 +24,17 @@ import polars as pl
 from traceclf.ingest import rowindex
 from traceclf.ingest.assemble import build_trace, nvtx_ranges
 from traceclf.ingest.devices import read_gpu_metrics
-from traceclf.ingest.load import Reader, load_trace
+from traceclf.ingest.load import load_trace
 from traceclf.ingest.project import Projector
+from traceclf.ingest.reader import Reader
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.schema import inspect_export
 from traceclf.ingest.tables import EVENT_TABLES
 from traceclf.model.taxonomy import Taxonomy
 from traceclf.model.trace import Trace
-from traceclf.steps.find import (
-    graph_launch_steps,
-    range_label,
-    recurring_kernel,
-    steady_bounds,
-    step_ranges,
-)
+from traceclf.steps.find import graph_launch_steps, range_label, recurring_kernel, step_ranges
 from traceclf.steps.plan import StepPlan, plan_steps
+from traceclf.steps.steady import steady_bounds
 
 # Event rows (kernels, CUDA calls, copies, syncs, graph executions) analysed per export by
 # default: about 0.5 GB of memory and a second of reading on two cores.

@@ -6,8 +6,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from traceclf.pipeline.grouping import RunSet
 from traceclf.report.contract import Report
+from traceclf.report.runset import RunSet
 from traceclf.support.atomic import write_output
 
 
@@ -16,13 +16,12 @@ def render(
 ) -> None:
     """Render ``report`` (one job, or several runs) as ``fmt`` to ``output`` (atomically) or
     stdout. Markdown written to a file gets its figures as PNG files beside it (none on
-    stdout); csv is the per-rank table (export/tables.py). Nothing is written onto ``inputs``."""
+    stdout); csv is the per-rank table (report/frames.py). Nothing is written onto ``inputs``."""
     inputs = list(inputs)
     if fmt == "csv":
         from traceclf.export.files import table_bytes
-        from traceclf.report.frames import report_tables
 
-        emit(table_bytes(report_tables(report)["ranks"]).decode("utf-8"), output, inputs)
+        emit(table_bytes(report.tables()["ranks"]).decode("utf-8"), output, inputs)
         return
     if isinstance(report, RunSet):
         _render_runs(report, fmt, output, inputs)
@@ -75,6 +74,18 @@ def _render_runs(runs: RunSet, fmt: str, output: Path | None, inputs: list[Path]
     else:
         raise ValueError(f"unknown format {fmt!r}")
     emit(text, output, inputs)
+
+
+def notebook_html(report: Report | RunSet) -> str:
+    """What a notebook cell shows (``_repr_html_``, wired in traceclf/__init__.py): the HTML
+    report with its style scoped to it, or a run set's summary table and then each run."""
+    from traceclf.render.html import html_fragment, notebook_html
+
+    if isinstance(report, RunSet):
+        from traceclf.render.multirun import runs_html_body
+
+        return html_fragment(runs_html_body(report))
+    return notebook_html(report)
 
 
 def emit(text: str, output: Path | None, inputs: Iterable[Path] = ()) -> None:

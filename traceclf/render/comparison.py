@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from traceclf.compare.regression import Comparison, MultiComparison, Run
 from traceclf.render import emit
 from traceclf.render.fit import new_console, output_of
-from traceclf.render.text import fmt_ms, pct, signed_pct
+from traceclf.report.comparison import Comparison, MultiComparison, Run
 from traceclf.support import jsontext
 from traceclf.support.escape import for_markdown, for_terminal, markdown_code
+from traceclf.support.units import fmt_ms, pct, signed_pct
 
 
 def render_comparison(

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from traceclf.render.text import anchor_label, fmt_bytes, fmt_ms, gain, pct, sampled
+from traceclf.render.text import anchor_label, sampled
 from traceclf.report.contract import Report
 from traceclf.support.escape import visible
+from traceclf.support.units import fmt_bytes, fmt_ms, gain, pct
 
 RANK_COLUMNS = (
     "rank",
@@ -29,6 +30,22 @@ TOP_KERNELS = 8
 
 
 CONFIDENCE_WORDS = ((0.75, "high"), (0.5, "medium"), (0.0, "low"))
+
+
+# Each figure's caption under it (HTML) or beside its link (Markdown).
+CAPTIONS = {
+    "step_timeline": "Each steady-state step split into compute (including communication "
+    "that runs under it), exposed communication, copies and idle time, per rank.",
+    "comm_overlap": "How much of the communication runs under compute (hidden) and how much "
+    "the step waits for (exposed), per rank, in ms per step.",
+    "idle_gaps": "GPU idle time per step by gap length and by what the host was doing: "
+    "issuing launches, returning from a synchronisation, or no CUDA calls at all (input).",
+    "gpu_metrics": "GPU metrics sampled by Nsight Systems over the steady state.",
+    "step_lanes": "One steady-state step per rank (the one nearest the median step time) as "
+    "the GPU ran it: compute, communication and copies, and the GPU span of each NVTX phase.",
+    "memory": "Device memory allocated over the capture (CUDA memory events), against the "
+    "GPU's capacity; the steady-state window is shaded.",
+}
 
 
 def verdict_title(report: Report) -> str:

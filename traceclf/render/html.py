@@ -4,13 +4,12 @@ fonts or links to fetch), with the Markdown report's content plus the figures.""
 from __future__ import annotations
 
 import base64
-import io
 from html import escape
 
-from matplotlib.figure import Figure
-
-from traceclf.figures.draw import WALL_COLORS, report_figures
+from traceclf.figures.draw import figure_png, report_figures
+from traceclf.figures.style import WALL_COLORS
 from traceclf.render.content import (
+    CAPTIONS,
     KERNEL_COLUMNS,
     RANK_COLUMNS,
     budget_rows,
@@ -30,20 +29,6 @@ from traceclf.render.text import input_names, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.report.contract import WALLS, Report
 
-FIGURE_DPI = 110
-CAPTIONS = {
-    "step_timeline": "Each steady-state step split into compute (including communication "
-    "that runs under it), exposed communication, copies and idle time, per rank.",
-    "comm_overlap": "How much of the communication runs under compute (hidden) and how much "
-    "the step waits for (exposed), per rank, in ms per step.",
-    "idle_gaps": "GPU idle time per step by gap length and by what the host was doing: "
-    "issuing launches, returning from a synchronisation, or no CUDA calls at all (input).",
-    "gpu_metrics": "GPU metrics sampled by Nsight Systems over the steady state.",
-    "step_lanes": "One steady-state step per rank (the one nearest the median step time) as "
-    "the GPU ran it: compute, communication and copies, and the GPU span of each NVTX phase.",
-    "memory": "Device memory allocated over the capture (CUDA memory events), against the "
-    "GPU's capacity; the steady-state window is shaded.",
-}
 # Every rule is scoped to the report's root element, so the same style serves the standalone
 # file and a notebook cell (Report._repr_html_) without restyling the notebook around it.
 ROOT = "traceclf-report"
@@ -121,12 +106,6 @@ def html_fragment(body: str) -> str:
 def notebook_html(report: Report) -> str:
     """The HTML report as a notebook shows it: same sections and figures, style scoped."""
     return html_fragment(html_body(report))
-
-
-def figure_png(fig: Figure) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
-    return buffer.getvalue()
 
 
 def _header(report: Report) -> str:

@@ -11,6 +11,7 @@ import re
 from urllib.parse import quote
 
 from traceclf.render.content import (
+    CAPTIONS,
     KERNEL_COLUMNS,
     RANK_COLUMNS,
     budget_rows,
@@ -136,8 +137,6 @@ def _phases(report: Report) -> str | None:
 
 
 def _figures(figures: dict[str, str]) -> str:
-    from traceclf.render.html import CAPTIONS
-
     items = [
         f"![{_md(name.replace('_', ' '))}]({quote(path)})\n\n{_md(CAPTIONS.get(name, ''))}"
         for name, path in figures.items()

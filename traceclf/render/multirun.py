@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from html import escape
 
-from traceclf.pipeline.grouping import SUMMARY_COLUMNS, RunSet
-from traceclf.render.text import fmt_ms, pct
+from traceclf.report.runset import SUMMARY_COLUMNS, RunSet
 from traceclf.support.escape import for_markdown, for_terminal
+from traceclf.support.units import fmt_ms, pct
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from traceclf.judge.engine import by_workflow
+from traceclf.judge.vocabulary import load_rules
 from traceclf.rulebook.expr import Template
-from traceclf.rulebook.layers import load_rules
 from traceclf.support.errors import TraceError
 from traceclf.support.escape import for_terminal, visible
 

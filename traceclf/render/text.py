@@ -1,4 +1,5 @@
-"""Formatting shared by every renderer, so a number reads the same in each format."""
+"""Report text shared by every renderer (provenance, the steady-state line, step anchors), so
+a report reads the same in each format; numbers are formatted by :mod:`traceclf.support.units`."""
 
 from __future__ import annotations
 
@@ -6,35 +7,7 @@ import re
 from pathlib import Path
 
 from traceclf.report.contract import Report
-
-
-def pct(v: float | None) -> str:
-    if v is None:
-        return "–"
-    return f"{100 * v:.1f}%" if abs(v) < 0.1 else f"{100 * v:.0f}%"
-
-
-def fmt_ms(v: float | None) -> str:
-    if v is None:
-        return "–"
-    return f"{v:.3g} ms" if v < 1000 else f"{v / 1000:.3g} s"
-
-
-def signed_pct(v: float | None) -> str:
-    """A relative change: '+3.2%', '-45%'."""
-    if v is None:
-        return "–"
-    return f"{v:+.0%}" if abs(v) >= 1 else f"{v:+.1%}"
-
-
-def fmt_bytes(v: float | None) -> str:
-    if v is None:
-        return "–"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(v) < 1000 or unit == "TB":
-            return f"{v:.3g} {unit}" if unit != "B" else f"{v:.0f} B"
-        v /= 1000
-    return f"{v:.3g} TB"
+from traceclf.support.units import fmt_ms, pct
 
 
 def provenance(report: Report) -> str:
@@ -78,13 +51,6 @@ def kernel_function(name: str) -> str:
     text = re.split(r"\(", re.sub(r"^void\s+", "", text), maxsplit=1)[0]
     parts = [p for p in text.split("::") if p.strip()]
     return parts[-1].strip() if parts else name
-
-
-def gain(value: float | None) -> str:
-    """A throughput gain ceiling: '+12%', or '×40' once it passes doubling."""
-    if value is None:
-        return "–"
-    return f"×{1 + value:.3g}" if value >= 1 else f"+{pct(value)}"
 
 
 def steps_line(report: Report) -> str:

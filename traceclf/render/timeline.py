@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from traceclf.render.text import fmt_ms
 from traceclf.report.contract import Report
+from traceclf.support.units import fmt_ms
 
 PHASE_COLUMNS = (
     "rank",

@@ -8,8 +8,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from traceclf.report import display
 from traceclf.support import jsontext
 from traceclf.support.errors import TraceError
+from traceclf.support.pandas_frames import to_pandas
 
 WALLS = ("memory", "communication", "host", "compute")
 ORDER = (
@@ -29,28 +31,6 @@ ORDER = (
     "ranks",
     "series",
 )
-
-
-@dataclass
-class RankMeasures:
-    """Measures of one rank, plus the small series the figures are drawn from (computed by
-    :func:`traceclf.measures.measure_rank`; defined here, with no polars, so that a cached
-    result is read back without loading the analysis)."""
-
-    metrics: dict[str, float | int | bool | None]
-    comm_by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
-    top_kernels: list[dict] = field(default_factory=list)
-    step_breakdown: list[dict] = field(default_factory=list)
-    idle_gaps: dict[str, list] = field(default_factory=dict)
-    gpu_metrics_series: dict[str, list] = field(default_factory=dict)
-    idle_nvtx: list[dict] = field(default_factory=list)
-    capture: dict = field(default_factory=dict)
-    step_budget: list[dict] = field(default_factory=list)  # ms per step (critical_path)
-    collectives: dict[str, list] = field(default_factory=dict)  # for the cross-rank reduce
-    phases: list[dict] = field(default_factory=list)  # NVTX phase table (measures/phases.py)
-    step_lanes: dict = field(default_factory=dict)  # one representative step, for its figure
-    memory_series: dict = field(default_factory=dict)  # allocated device memory over time
-    kernel_summary: list[dict] = field(default_factory=list)  # like nsys cuda_gpu_kern_sum
 
 
 @dataclass
@@ -99,7 +79,7 @@ class Report:
 
     def tables(self) -> dict:
         """The report's tables as polars frames by name (steps, ranks, kernels, idle_gaps,
-        collectives, phases: traceclf/export/tables.py), as ``--export-dir`` writes them."""
+        collectives, phases: traceclf/report/frames.py), as ``--export-dir`` writes them."""
         from traceclf.report.frames import report_tables
 
         return report_tables(self)
@@ -111,9 +91,7 @@ class Report:
 
     def _repr_html_(self) -> str:
         """The HTML report in a notebook cell (style scoped to it, figures inline)."""
-        from traceclf.render.html import notebook_html
-
-        return notebook_html(self)
+        return display.notebook_html(self)
 
     def __repr__(self) -> str:
         files = ", ".join(Path(i.get("path", "?")).name for i in self.inputs) or "no input"
@@ -153,18 +131,6 @@ class Report:
             return cls.from_dict(data)
         except TraceError as e:
             raise TraceError(path, e.problem) from None
-
-
-def to_pandas(tables: dict, table: str):
-    """``tables[table]`` as pandas (the ``pandas`` extra), or a one-line error naming what is
-    missing."""
-    if table not in tables:
-        raise TraceError(None, f"no table {table!r}; tables: {', '.join(tables)}")
-    try:
-        import pandas  # noqa: F401
-    except ImportError:
-        raise ImportError("to_pandas() needs pandas: pip install 'traceclf[pandas]'") from None
-    return tables[table].to_pandas()
 
 
 def _ordered(data: dict) -> dict:

@@ -15,37 +15,44 @@ what ``--export-dir`` writes as CSV or Parquet, ``--format csv`` prints (``ranks
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import polars as pl
 
-if TYPE_CHECKING:
-    from traceclf.pipeline.grouping import RunSet
-    from traceclf.report.contract import Report
+
+class Sections(Protocol):
+    """What the tables are built from: a :class:`traceclf.report.contract.Report` (named by
+    its parts, so that the report, whose ``tables()`` calls this module, is not imported)."""
+
+    ranks: list[dict]
+    series: list[dict]
+    cross_rank: dict
+
 
 TABLES = ("steps", "ranks", "kernels", "idle_gaps", "collectives", "phases")
 IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
 STEP_PARTS = ("compute", "exposed_comm", "copy", "idle")
 
 
-def report_tables(report: Report | RunSet) -> dict[str, pl.DataFrame]:
-    """Every table of ``report`` by name (TABLES). Several runs: the runs' tables stacked, with a
-    leading ``run`` column (1-based, in the report's order)."""
-    from traceclf.pipeline.grouping import RunSet
+def report_tables(report: Sections) -> dict[str, pl.DataFrame]:
+    """Every table of ``report`` by name (TABLES)."""
+    return {name: BUILDERS[name](report) for name in TABLES}
 
-    if not isinstance(report, RunSet):
-        return {name: BUILDERS[name](report) for name in TABLES}
+
+def stacked_tables(runs: list[Sections]) -> dict[str, pl.DataFrame]:
+    """Every table of several runs: the runs' tables stacked, with a leading ``run`` column
+    (1-based, in the given order)."""
     out = {}
     for name in TABLES:
         frames = [
             BUILDERS[name](r).select(pl.lit(i, pl.Int64).alias("run"), pl.all())
-            for i, r in enumerate(report.runs, 1)
+            for i, r in enumerate(runs, 1)
         ]
         out[name] = pl.concat(frames, how="diagonal_relaxed")
     return out
 
 
-def steps_table(report: Report) -> pl.DataFrame:
+def steps_table(report: Sections) -> pl.DataFrame:
     """Per rank and steady step: its start (ns on the export's clock), its time and how it
     splits into compute, exposed communication, copies and idle (ms), all communication (ms)."""
     rows = [
@@ -65,7 +72,7 @@ def steps_table(report: Report) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schema)
 
 
-def ranks_table(report: Report) -> pl.DataFrame:
+def ranks_table(report: Sections) -> pl.DataFrame:
     """Per rank: who it is (pid, process, file, GPU), its steps, and every measure (fractions of
     the step as fractions, not percent)."""
     rows = [
@@ -102,7 +109,7 @@ KERNEL_COLUMNS = {
 }
 
 
-def kernels_table(report: Report) -> pl.DataFrame:
+def kernels_table(report: Sections) -> pl.DataFrame:
     """Per rank and kernel name over the steady-state window, as NVIDIA's ``cuda_gpu_kern_sum``:
     share of kernel time (%), total, instances, mean, median, min, max, standard deviation (ns)."""
     rows = [
@@ -114,7 +121,7 @@ def kernels_table(report: Report) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=KERNEL_COLUMNS)
 
 
-def idle_gaps_table(report: Report) -> pl.DataFrame:
+def idle_gaps_table(report: Sections) -> pl.DataFrame:
     """Per rank, cause and gap-length bin [lo, hi) ns: how many idle gaps and their time, in
     total over the window and per steady step."""
     rows = []
@@ -151,7 +158,7 @@ def idle_gaps_table(report: Report) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schema)
 
 
-def collectives_table(report: Report) -> pl.DataFrame:
+def collectives_table(report: Sections) -> pl.DataFrame:
     """Per rank and collective kind: share of the step in that kind's kernels and the exposed
     share, kernels, libraries; and, matched across ranks (the same for every rank), instances,
     ms in them, ms waiting for the last rank and ms transferring."""
@@ -187,7 +194,7 @@ def collectives_table(report: Report) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schema)
 
 
-def phases_table(report: Report) -> pl.DataFrame:
+def phases_table(report: Sections) -> pl.DataFrame:
     """Per rank and NVTX phase (ms per steady step): time, busy (compute, exposed
     communication, copies), idle and idle by cause, and the steady steps it ran in."""
     rows = [

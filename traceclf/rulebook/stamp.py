@@ -3,7 +3,7 @@ the rules (the result's cache key, the verdict), and validating their regexes, l
 them, takes polars' engine — whose import costs more than the rest of a cached re-analysis.
 
 The stamp ``rules-<32 hex>.json`` in the cache root is keyed by traceclf's version, the source
-of the code that validates rules and defines their names (judge, measures, kernels) and every
+of the code that validates rules and defines their names (rulebook, judge, measures) and every
 rule file's path and bytes. It holds the names rules may use (the measures and context
 names) and the answers of the GPU family and host link patterns for the names seen so far.
 Its presence means the rule set with that key passed every check; a damaged or foreign stamp
@@ -20,12 +20,13 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import traceclf
+from traceclf.support.owned import is_owned, usable_root
+from traceclf.support.version import PACKAGE, __version__
 
 # Whether patterns are checked with polars as they are read (not when the stamp vouches).
 CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("checking", default=True)
 PREFIX = "rules-"
-CODE = ("rulebook", "judge", "measures", "model/taxonomy.py")
+CODE = ("rulebook", "judge", "measures")
 
 
 @contextlib.contextmanager
@@ -40,10 +41,9 @@ def checked(check: bool) -> Iterator[None]:
 def key(files: list[tuple[Path, str]]) -> str:
     """The stamp's key: version, code that validates and names, rule files' paths and text.
     Raises OSError when traceclf's own source cannot be read (then: no stamp)."""
-    digest = hashlib.sha256(traceclf.__version__.encode())
-    package = Path(traceclf.__file__).parent
+    digest = hashlib.sha256(__version__.encode())
     for name in CODE:
-        source = package / name
+        source = PACKAGE / name
         for file in sorted(source.glob("*.py")) if source.is_dir() else [source]:
             digest.update(file.read_bytes())
     for file, text in files:
@@ -59,8 +59,6 @@ class Stamp:
         self.file = root / f"{PREFIX}{key}.json"
         self.data: dict | None = None
         with contextlib.suppress(OSError, ValueError):
-            from traceclf.ingest.cachedir import is_owned
-
             if is_owned(self.file, "file"):
                 data = json.loads(self.file.read_text(encoding="utf-8"))
                 if _well_formed(data):
@@ -87,7 +85,6 @@ class Stamp:
             self._save()
 
     def _save(self) -> None:
-        from traceclf.ingest.cachedir import usable_root
         from traceclf.support.atomic import write_atomic
 
         with contextlib.suppress(OSError):

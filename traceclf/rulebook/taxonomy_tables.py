@@ -1,6 +1,7 @@
 """The ``taxonomy:`` section of rule files (rules/kernels.yaml): kernel families, communication
 libraries and collective kinds, NVTX collective and phase names, FP8 GEMMs and CUDA-call classes,
-validated into a :class:`traceclf.model.taxonomy.Taxonomy`.
+validated into plain tables (:class:`TaxonomyTables`) that :mod:`traceclf.model.taxonomy`
+turns into polars expressions.
 
 Layers merge like the rest of the rules: a ``--rules`` folder's list entries are tried before the
 bundled ones (first match wins, so a user's new kernel name takes effect), and its single
@@ -9,12 +10,39 @@ patterns replace the bundled ones.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from traceclf.model.taxonomy import NvtxCollective, Taxonomy
 from traceclf.rulebook import stamp
 from traceclf.support.errors import TraceError
+
+Table = tuple[tuple[str, str], ...]  # (label, pattern), first match wins
+
+
+@dataclass(frozen=True)
+class NvtxCollective:
+    kind: str
+    pattern: str
+    domain: str | None = None  # only ranges of this NVTX domain; None: any domain
+    source: str = "nvtx"  # who wrote the range (pytorch, nccl): earlier sources win
+
+
+@dataclass(frozen=True)
+class TaxonomyTables:
+    """The ``taxonomy:`` section of every rule folder, merged: regexes by label, as data."""
+
+    families: Table
+    comm_libraries: Table
+    comm_kinds: Table
+    nvtx_collectives: tuple[NvtxCollective, ...]
+    host_activities: Table
+    nvtx: dict[str, str] = field(hash=False)  # step, forward, backward, optimizer
+    fp8_gemm: str = ""
+    cuda_api: dict[str, str] = field(default_factory=dict, hash=False)  # sync, launch, ...
+    training: dict[str, str] = field(default_factory=dict, hash=False)  # backward_kernel, ...
+    moe: dict[str, str] = field(default_factory=dict, hash=False)  # kernel, nvtx
+
 
 MAX_PATTERN_CHARS = 2000
 # list key -> the field naming each entry's label
@@ -36,7 +64,7 @@ PATTERN_MAPS = {
 }
 
 
-def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> Taxonomy:
+def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
     """The taxonomy of every folder's files, later folders over earlier ones."""
     lists: dict[str, list[tuple[Any, ...]]] = {key: [] for key in LISTS}
     maps: dict[str, dict[str, str]] = {key: {} for key in PATTERN_MAPS}
@@ -64,7 +92,7 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> Taxonomy:
     if missing or not fp8:
         what = missing[0] if missing else "fp8_gemm"
         raise TraceError(None, f"taxonomy: missing {what!r} in the rule files")
-    return Taxonomy(
+    return TaxonomyTables(
         families=tuple((e[0], e[1]) for e in lists["families"]),
         comm_libraries=tuple((e[0], e[1]) for e in lists["comm_libraries"]),
         comm_kinds=tuple((e[0], e[1]) for e in lists["comm_kinds"]),

@@ -3,7 +3,7 @@
 The first pass of :mod:`traceclf.pipeline.twopass` finds every step cheaply; :func:`plan_steps`
 chooses runs of consecutive steady steps, spread evenly over the steady state and within a row
 budget, and :func:`planned_steps` turns the steps read in the second pass into the
-:class:`~traceclf.steps.find.Steps` the measures use.
+:class:`~traceclf.steps.steady.Steps` the measures use.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from traceclf.model.trace import Trace
-from traceclf.steps.find import Steps, flag_outliers, steady_range, with_durations
+from traceclf.steps.steady import Steps, flag_outliers, steady_range, with_durations
 
 # Analysed steps come in at most this many runs of consecutive steps, spread evenly over the
 # steady state, so that drift over the capture is still seen.

@@ -1,0 +1,295 @@
+"""How an export is read: :class:`Reader` runs SQL on it through connectorx into Arrow (no
+Python row loop), translating each logical table's columns across nsys versions
+(:mod:`traceclf.ingest.tables`), pushing time spans and rowid ranges into the SQL and
+splitting big tables over several cores; the raw rows' buffers are handed back as soon as the
+frames hold them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import itertools
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from urllib.parse import quote
+
+import connectorx as cx
+import polars as pl
+
+from traceclf.ingest.schema import ExportInfo, readonly_uri
+from traceclf.ingest.tables import TABLES, TIMED, Col
+from traceclf.support.cpus import cpu_share, in_worker
+from traceclf.support.errors import TraceError
+
+# Tables with more rows than this are read in rowid ranges on several cores (2x on 2 cores).
+PARTITION_MIN_ROWS = 500_000
+
+
+def _uri(path: Path) -> str:
+    """connectorx URI that opens the export read-only and never creates a missing file.
+
+    connectorx percent-decodes what follows ``sqlite://`` and opens it with SQLite's URI
+    parsing on, so a (quoted) ``file:`` URI carries mode=ro&immutable=1 through. A plain path
+    would be opened read-write, created empty if it vanished, and retried for 30 s on error.
+    """
+    return "sqlite://" + quote(readonly_uri(path), safe="")
+
+
+STREAM_BATCH_ROWS = 1 << 24
+Span = tuple[int, int]  # (start, end) ns on the session's timeline
+
+
+class Reader:
+    """Reads logical tables of one export, translating nsys-version differences."""
+
+    def __init__(self, info: ExportInfo) -> None:
+        self.info = info
+        self.uri = _uri(info.path)
+
+    def sql(self, query: str | list[str], batch_rows: int | None = None) -> pl.DataFrame:
+        """Run a query (or several whose results are concatenated, read in parallel).
+        ``batch_rows``: at most as many rows as any one query returns (an event table's)."""
+        try:
+            if batch_rows is None:
+                table = cx.read_sql(self.uri, query, return_type="arrow")
+            else:
+                # One batch per query (connectorx's own are 64 k rows): a frame of a few
+                # chunks, made contiguous in a third of the time hundreds take. (connectorx
+                # reserves a batch's buffers up front: never more rows than the table has.)
+                size = max(1, min(batch_rows, STREAM_BATCH_ROWS))
+                stream = cx.read_sql(self.uri, query, return_type="arrow_stream", batch_size=size)
+                table = stream.read_all()
+            if isinstance(query, list) and len(query) > 1:
+                table = _in_start_order(table)
+            return pl.from_arrow(table)  # type: ignore[return-value]
+        except BaseException as e:  # connectorx surfaces SQLite corruption as Rust panics
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TraceError(self.info.path, f"corrupt or unreadable database ({detail})") from None
+
+    def table_of(self, logical: str) -> str | None:
+        """The physical table behind a logical one in this export, if any."""
+        return next((t for t in TABLES[logical][0] if self.info.has(t)), None)
+
+    @functools.cached_property
+    def strings(self) -> pl.DataFrame:
+        """StringIds: (id, value)."""
+        if not self.info.has("StringIds"):
+            return pl.DataFrame(schema={"id": pl.Int64, "value": pl.String})
+        return self.sql("SELECT id, value FROM StringIds").with_columns(
+            pl.col("id").cast(pl.Int64), pl.col("value").cast(pl.String)
+        )
+
+    def read(
+        self,
+        logical: str,
+        window: Span | Sequence[Span] | None = None,
+        where: str | None = None,
+        *,
+        rowids: Sequence[tuple[int, int]] | None = None,
+        rowid: bool = False,
+    ) -> pl.DataFrame:
+        """The rows of ``logical`` overlapping ``window`` (one time window or several), with
+        ``where``; only those in the rowid ranges ``(after, upto]`` of ``rowids`` when given;
+        with their rowid as ``_rowid`` when ``rowid``."""
+        cols = TABLES[logical][1]
+        if rowid:
+            cols = (*cols, Col("_rowid", ("rowid",)))
+        table = self.table_of(logical)
+        if table is None:
+            return empty_frame(cols)
+        present = frozenset(self.info.columns[table])
+        select, missing, decoded = [], [], []
+        for col in cols:
+            if col.decode_from is not None:
+                decoded.append(col)
+                continue
+            expr = col.sql(present) if col.sql else None
+            src = next((s for s in col.sources if s in present or s == "rowid"), None)
+            if expr is not None:
+                select.append(f"{expr} AS {col.name}")
+            elif src is not None and col.sql is None:
+                select.append(f'"{src}" AS {col.name}')
+            elif col.required:
+                raise TraceError(
+                    self.info.path,
+                    f"table {table} lacks column {col.sources[0]!r} "
+                    f"(schema {self.info.schema_version or 'unknown'})",
+                )
+            else:
+                missing.append(col)
+        clauses = [where] if where else []
+        if window is not None and logical in TIMED:
+            end = '"end"' if "end" in present else "start"
+            clauses.append(overlap_clause(window, end))
+        query = f"SELECT {', '.join(select)} FROM {table}"
+        queries = (
+            self.partitioned(query, table, clauses)
+            if rowids is None
+            else in_ranges(query, rowids, clauses)
+        )
+        first, last = self._rowids(table)
+        df = self.sql(queries, last - first) if queries else pl.DataFrame()
+        if df.is_empty():
+            return empty_frame(cols)
+        df = df.with_columns(
+            *[pl.lit(None, dtype=c.dtype).alias(c.name) for c in missing],
+            *[decode_pid(c.decode_from).alias(c.name) for c in decoded],  # type: ignore[arg-type]
+        ).select([_typed(c) for c in cols])
+        df = _contiguous(_nulls_unwritten(df))
+        if df.height >= PARTITION_MIN_ROWS:  # the batches are no longer referenced: a big
+            release_read_buffers()  # read's go back now (a trim walks the heap: not per read)
+        return df
+
+    @functools.cache  # noqa: B019 (one reader per export, a handful of tables)
+    def _rowids(self, table: str) -> tuple[int, int]:
+        """``(first - 1, last)`` rowid of the table (``(0, 0)`` when empty): SQLite reads both
+        off the B-tree's edges, one aggregate per subquery. No query returns more rows."""
+        lo, hi = self.sql(
+            f"SELECT coalesce((SELECT min(rowid) FROM {table}), 1) - 1 AS lo, "
+            f"coalesce((SELECT max(rowid) FROM {table}), 0) AS hi"
+        ).row(0)
+        return int(lo), int(hi)
+
+    def pid_sql(self, logical: str) -> str | None:
+        """SQL expression of a row's process id in ``logical``'s table, if it has one."""
+        table = self.table_of(logical)
+        col = next((c for c in TABLES[logical][1] if c.name == "pid"), None)
+        if table is None or col is None or col.sql is None:
+            return None
+        return col.sql(frozenset(self.info.columns[table]))
+
+    def empty(self, logical: str) -> pl.DataFrame:
+        """A frame with ``logical``'s columns and no rows."""
+        return empty_frame(TABLES[logical][1])
+
+    def partitioned(self, select: str, table: str, clauses: list[str]) -> str | list[str]:
+        """``select`` with ``clauses``, split into rowid ranges that connectorx reads on
+        several cores when the table is big (SQLite finds min and max rowid without a scan)."""
+        parts = cpu_share()
+        if parts > 1:
+            first, last = self._rowids(table)
+            parts = parts if last - first >= PARTITION_MIN_ROWS else 1
+        if parts == 1:
+            return select + "".join(
+                f" {'WHERE' if i == 0 else 'AND'} ({c})" for i, c in enumerate(clauses)
+            )
+        # rowids start at min(rowid), which may be 0 or negative: those rows are events too
+        cuts = [first + (last - first) * i // parts for i in range(parts + 1)]
+        return in_ranges(select, list(itertools.pairwise(cuts)), clauses, split=False)
+
+    def small_table(self, table: str, columns: Iterable[str]) -> pl.DataFrame:
+        """Those of ``columns`` that a small metadata table (GPU info, processes) has, or an
+        empty frame. Only named columns: connectorx fails on an all-NULL column it cannot
+        type, and newer exports may add such columns anywhere."""
+        present = [c for c in dict.fromkeys(columns) if c in self.info.columns.get(table, ())]
+        if not present:
+            return pl.DataFrame()
+        select = ", ".join(f'"{c}"' for c in present)
+        return self.sql(f"SELECT {select} FROM {table}")
+
+
+def _in_start_order(table):
+    """The record batches of several queries read in parallel, in the order of their first
+    ``start``: connectorx interleaves the batches of the queries, so a table that nsys wrote in
+    start order would come back out of order and be sorted row by row (a copy of every
+    column). Batches are moved, not rows: a table that is not in start order stays so."""
+    if "start" not in table.column_names:
+        return table
+    import pyarrow as pa
+
+    batches = [b for b in table.to_batches() if b.num_rows]
+    first = [b.column("start")[0].as_py() for b in batches]
+    if None in first:
+        return table
+    order = sorted(range(len(batches)), key=first.__getitem__)
+    return pa.Table.from_batches([batches[i] for i in order], schema=table.schema)
+
+
+def overlap_clause(window: Span | Sequence[Span], end: str = '"end"') -> str:
+    """SQL: the row overlaps ``window`` (or one of several windows)."""
+    spans = [window] if isinstance(window[0], int) else list(window)  # type: ignore[list-item]
+    terms = [f"(start < {int(hi)} AND {end} > {int(lo)})" for lo, hi in spans]  # type: ignore[misc]
+    return " OR ".join(terms) if terms else "0"
+
+
+def in_ranges(
+    select: str, ranges: Sequence[tuple[int, int]], clauses: list[str], split: bool = True
+) -> list[str]:
+    """One query per rowid range ``(after, upto]``; with ``split`` a range bigger than
+    :data:`PARTITION_MIN_ROWS` is cut in parts so that the cores share it."""
+    parts = cpu_share() if split else 1
+    pieces: list[tuple[int, int]] = []
+    for after, upto in ranges:
+        n = 1 if upto - after < PARTITION_MIN_ROWS // 2 else parts
+        pieces += [
+            (after + (upto - after) * i // n, after + (upto - after) * (i + 1) // n)
+            for i in range(n)
+        ]
+    return [
+        select
+        + " WHERE "
+        + " AND ".join([f"rowid > {int(lo)} AND rowid <= {int(hi)}", *(f"({c})" for c in clauses)])
+        for lo, hi in pieces
+        if hi > lo
+    ]
+
+
+def _contiguous(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` in one chunk per column, so that its Arrow record batches can be freed.
+
+    The frame over connectorx's batches is a zero-copy view of one chunk per query (a part of
+    the table read on its own core); the first frame-wide operation (adding the name column)
+    would copy it into one chunk anyway.
+    Copying here, table by table, lets the batches go before the next table is read and before
+    the names are looked up: at 1 GB of export, ~400 MB less at the peak of loading."""
+    return df.rechunk() if max(df.n_chunks("all"), default=1) > 1 else df
+
+
+def _nulls_unwritten(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` with each column that holds no value (a kernel table's graph ids when nothing ran
+    in a CUDA graph) made anew: a fresh null column's zeroed pages are never written, so never
+    resident, where the read's are (~80 MB for two such columns at 1 GB of export)."""
+    if df.height < PARTITION_MIN_ROWS:
+        return df
+    empty = [c for c in df.columns if df[c].null_count() == df.height]
+    if not empty:
+        return df
+    return df.with_columns(
+        pl.repeat(None, df.height, dtype=df.schema[c], eager=True).alias(c) for c in empty
+    )
+
+
+def _typed(col: Col) -> pl.Expr:
+    expr = pl.col(col.name)
+    if col.null_as is not None and col.decode_from is None:  # a decoded one has real nulls
+        expr = pl.when(expr != col.null_as).then(expr)
+    return expr.cast(col.dtype, strict=False).alias(col.name)
+
+
+def empty_frame(cols: tuple[Col, ...]) -> pl.DataFrame:
+    return pl.DataFrame(schema={c.name: c.dtype for c in cols})
+
+
+def decode_pid(col: str) -> pl.Expr:
+    """Process id from a serialized globalPid/globalTid: bits 24..47."""
+    return ((pl.col(col) // (1 << 24)) % (1 << 24)).cast(pl.Int64)
+
+
+def release_read_buffers() -> None:
+    """Hand the pages of the raw rows back to the system. connectorx's Arrow buffers live on
+    the C heap, and freeing them after their conversion leaves them resident beside polars'
+    own memory until the heap is trimmed: at 1 GB of export, some 300 MB of peak memory for
+    nothing (glibc only; elsewhere a no-op).
+
+    A ``--jobs`` worker keeps them: its next export's reads reuse those pages, where trimmed
+    ones are mapped and zeroed afresh (8 exports of 128 MB on 2 workers: a third fewer page
+    faults, ~100 MB more at a worker's peak)."""
+    if not sys.platform.startswith("linux") or in_worker():
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -1,0 +1,71 @@
+"""What rules may name, and the rule set checked against it: every measure
+(:data:`traceclf.measures.MEASURES`) and the context names below, facts about the run that the
+judge adds to the measures (:func:`traceclf.judge.engine.build_env`).
+
+The rule files are data read by :mod:`traceclf.rulebook` (below the measures in the layer
+order); :func:`load_rules` hands it these names.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from traceclf.rulebook import layers
+from traceclf.rulebook.layers import RuleSet
+
+# Names a rule may use besides the measures: facts about the run, not about one rank's step.
+CONTEXT_NAMES: dict[str, str] = {
+    "gpu_family": 'GPU family from gpu_families: "hopper", "blackwell", "gb200", ... or "unknown"',
+    "gpu_name": "GPU name from TARGET_INFO_GPU (null when unknown)",
+    "gpu_chip": "GPU chip name, e.g. GH100 (null when unknown)",
+    "gpu_sm_count": "streaming multiprocessors of the GPU",
+    "gpu_memory_bytes": "device memory capacity in bytes",
+    "rank_count": "ranks analysed together",
+    "uses_cuda_graphs": "CUDA-graph executions in the steady state on any rank",
+    "comm_libraries": 'communication libraries seen, e.g. ["nccl"], ["deepep", "nccl"]',
+    "comm_kinds": 'collective kinds seen, e.g. ["all_to_all", "all_reduce"]',
+    "other_comm_kinds": "the collective kinds seen other than all-to-all",
+    "dp_tp_exposed_frac": "share of the step in all-reduce, reduce-scatter, all-gather, broadcast "
+    "and reduce kernels with no compute running (DP/TP collectives)",
+    "straggler_rank": "rank with the most compute per step among like ranks (null with one "
+    "rank, unlike ranks, ranks that share a GPU, or a skew within the noise)",
+    "step_time_skew_frac": "spread of step time across like ranks, as a fraction of the mean",
+    "compute_skew_frac": "spread of compute time per step across like ranks, as a fraction",
+    "comm_wait_frac": "share of matched collective time spent waiting for the last rank "
+    "(duration minus the shortest participant's; null without matched collectives)",
+    "comm_transfer_frac": "share of matched collective time that is transfer (shortest "
+    "participant's duration)",
+    "last_arriver_rank": "rank that starts matched collectives last most often",
+    "training_loop": 'capture: "training", "forward_only", "not_a_loop" or "unknown"',
+    "ranks_share_gpu": "capture: two or more ranks ran on one GPU (time-slicing it)",
+    "moe_evidence": "capture: kernels or NVTX ranges of mixture-of-experts routing (taxonomy moe)",
+    "gpu_assignment": 'capture: "own" (a GPU per rank), "shared" or "unknown" (ranks report one '
+    "device and the export cannot say whether it is one GPU)",
+    "graph_trace_mode": 'capture: CUDA-graph tracing, "graph", "node" or "none"',
+    "cuda_api_traced": "capture: the CUDA API was traced on every rank (the export has "
+    "CUPTI_ACTIVITY_KIND_RUNTIME rows): idle causes and launch counts are known",
+    "steps_used": "steady-state steps in the window",
+    "step_source": 'how steps were found: "nvtx", "graph", "pattern", "mixed" or "none"',
+    "idle_top_nvtx": "the NVTX range the host was in for the most idle GPU time (null: none)",
+    "idle_top_activity": "what that range was doing per the taxonomy (compile, data, mpi, ...)",
+    "idle_top_nvtx_frac": "the share of the step that range covers while the GPU idles",
+    "link_name": "the GPU's link to host memory (hardware.yaml host_links), e.g. PCIe Gen5 x16",
+    "link_gbps": "that link's bandwidth per direction in GB/s (null for an unknown GPU)",
+}
+
+
+@functools.cache
+def known_names() -> frozenset[str]:
+    """Every measure and context name a rule may use (importing every measure costs a cached
+    re-analysis more than the rest of it: a rule stamp that vouches for the names spares it,
+    and the rule set carries the names it was checked against as ``RuleSet.names``)."""
+    from traceclf.measures import MEASURES
+
+    return frozenset(MEASURES) | frozenset(CONTEXT_NAMES)
+
+
+def load_rules(rules_dir: Path | str | None = None, remember: Path | None = None) -> RuleSet:
+    """The bundled rules with ``rules_dir`` merged over them, checked against
+    :func:`known_names` (:func:`traceclf.rulebook.layers.load_rules`)."""
+    return layers.load_rules(rules_dir, remember, known_names)

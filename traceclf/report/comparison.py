@@ -1,0 +1,146 @@
+"""A comparison of runs as data (``traceclf compare``; made by :mod:`traceclf.compare`): each
+side's step statistics, the verdict with its noise band, the measures that moved and why the
+runs may not be comparable. Renderers read these objects (traceclf/render/comparison.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from traceclf.support.units import fmt_bytes, pct
+
+
+@dataclass
+class Run:
+    """One side of a comparison: where it came from and its step statistics."""
+
+    source: str
+    bound: str | None  # None: traceclf abstained on this run
+    confidence: float | None
+    step_mean_ms: float | None
+    step_median_ms: float | None
+    step_cv: float | None
+    steps_used: int
+    step_source: str
+    ranks: int
+    gpus: list[str]
+    report_version: int | None = None
+    abstain_reason: str | None = None
+    graph_tracing: str | None = None  # "graph" | "node" | None (no CUDA graphs)
+
+    @property
+    def standard_error_ms(self) -> float | None:
+        if self.step_mean_ms is None or self.step_cv is None or self.steps_used < 2:
+            return None
+        return self.step_cv * self.step_mean_ms / math.sqrt(self.steps_used)
+
+
+@dataclass
+class MeasureChange:
+    key: str
+    label: str
+    unit: str
+    before: float | None
+    after: float | None
+    change: float | None  # points for fractions, relative for the rest; None: from zero
+    material: bool
+
+    def describe(self) -> str:
+        """'exposed communication 97% → 12% (−85 pp)'."""
+        return f"{self.label} {self.value(self.before)} → {self.value(self.after)} ({self.delta()})"
+
+    def value(self, v: float | None) -> str:
+        if v is None:
+            return "–"
+        if self.unit == "frac":
+            return pct(v)
+        if self.unit == "bytes":
+            return fmt_bytes(v)
+        if self.unit == "us":
+            return f"{v:.3g} µs"
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+    def delta(self) -> str:
+        if self.change is None:
+            return "new" if self.after else "gone"
+        if self.unit == "frac":
+            return f"{100 * self.change:+.1f} pp"
+        ratio = 1 + self.change
+        if ratio >= 10:  # +575300% reads worse than ×5754
+            return f"×{_factor(ratio)}"
+        if 0 < ratio <= 0.1:
+            return f"÷{_factor(1 / ratio)}"
+        return f"{100 * self.change:+.0f}%"
+
+
+@dataclass
+class Comparison:
+    before: Run
+    after: Run
+    threshold: float
+    verdict: str  # "regression" | "improvement" | "no significant change" | "inconclusive"
+    summary: str
+    step_change_ms: float | None
+    step_change_frac: float | None
+    median_change_frac: float | None
+    noise_ms: float | None
+    bound_changed: bool
+    measures: list[MeasureChange] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # why the runs may not be comparable
+    # What explains the result besides the measures: applied fixes and proposals that changed.
+    explanations: list[str] = field(default_factory=list)
+
+    @property
+    def regression(self) -> bool:
+        return self.verdict == "regression"
+
+    @property
+    def comparable(self) -> bool:
+        return not self.notes
+
+    @property
+    def moved(self) -> list[MeasureChange]:
+        return [m for m in self.measures if m.material]
+
+    @property
+    def tracing_changed(self) -> bool:
+        b, a = self.before.graph_tracing, self.after.graph_tracing
+        return b is not None and a is not None and b != a
+
+    @property
+    def noise_frac(self) -> float | None:
+        if self.noise_ms is None or not self.before.step_mean_ms:
+            return None
+        return self.noise_ms / self.before.step_mean_ms
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data |= {
+            "regression": self.regression,
+            "comparable": self.comparable,
+            "noise_frac": self.noise_frac,
+        }
+        return data
+
+
+@dataclass
+class MultiComparison:
+    """A baseline against several candidates: one :class:`Comparison` each."""
+
+    baseline: str
+    comparisons: list[Comparison]
+
+    @property
+    def regression(self) -> bool:
+        return any(c.regression for c in self.comparisons)
+
+    def to_dict(self) -> dict:
+        return {
+            "baseline": self.baseline,
+            "regression": self.regression,
+            "comparisons": [c.to_dict() for c in self.comparisons],
+        }
+
+
+def _factor(ratio: float) -> str:
+    return f"{ratio:,.0f}" if ratio >= 100 else f"{ratio:.3g}"

@@ -1,0 +1,157 @@
+"""One rule file read as data, safely: a regular UTF-8 file of bounded size, YAML whose nesting
+and alias expansion are bounded before any object is built, every mapping key text, and only
+the known top-level keys (docs/security.md: a rule file is data, and none may exhaust the
+machine)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from traceclf.support.errors import TraceError
+
+# Limits on rule files (docs/security.md): a rule file is data, and no rule file may exhaust
+# the machine. The bundled files are ~25 KB, 8 levels deep, ~30,000 characters expanded.
+MAX_RULE_FILE_BYTES = 1 << 20
+MAX_RULE_FILES = 200  # per folder
+MAX_YAML_DEPTH = 32
+# Characters (scalars) plus nodes once every alias is expanded: bounds whatever walks or
+# prints a document, whatever its aliases multiply ("billion laughs").
+MAX_YAML_EXPANDED = 4_000_000
+# libyaml's parser and composer when PyYAML has them (10-50x faster), else pure Python.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+_TOP_KEYS = (
+    "rules",
+    "fixes",
+    "definitions",
+    "gpu_families",
+    "host_links",
+    "scoring",
+    "taxonomy",
+)
+
+
+def yaml_files(folder: Path) -> list[Path]:
+    found = sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
+    if len(found) > MAX_RULE_FILES:
+        raise TraceError(folder, f"more than {MAX_RULE_FILES} rule files in this folder")
+    return found
+
+
+def read_yaml(path: Path, text: str | None = None) -> dict:
+    text = read_text(path) if text is None else text
+    try:
+        _check_shape(path, text)
+        doc = yaml.load(text, Loader=_LOADER)  # a SafeLoader, C or Python
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        if "nesting depth" in str(e.problem):  # libyaml's own bound (1000), met before ours
+            line = mark.line + 1 if mark else 0
+            raise TraceError(
+                path, f"line {line}: nested deeper than {MAX_YAML_DEPTH} levels"
+            ) from None
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise TraceError(path, f"not valid YAML{where}: {e.problem or e.context}") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        problem = " ".join(str(e).split())[:200] or type(e).__name__
+        if isinstance(e, ValueError) and "digits" in problem:
+            limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+            problem = f"a number longer than {limit} digits"
+        raise TraceError(path, f"cannot read rule file: {problem}") from None
+    _check_keys(path, doc)
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise TraceError(path, f"top level must be a mapping with keys {', '.join(_TOP_KEYS)}")
+    unknown = set(doc) - set(_TOP_KEYS)
+    if unknown:
+        raise TraceError(
+            path,
+            f"unknown top-level key {sorted(map(str, unknown))[0]!r} "
+            f"(expected {', '.join(_TOP_KEYS)})",
+        )
+    return doc
+
+
+def read_text(path: Path) -> str:
+    """The file's text, read without blocking (a FIFO would hang a plain read) and only if it
+    is a regular file of at most MAX_RULE_FILE_BYTES (``/dev/zero`` never ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise TraceError(path, f"cannot read rule file: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TraceError(path, "not a regular file (a rule file must be a plain YAML file)")
+        if st.st_size > MAX_RULE_FILE_BYTES:
+            raise TraceError(
+                path, f"rule file larger than {MAX_RULE_FILE_BYTES >> 20} MiB ({st.st_size} bytes)"
+            )
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_RULE_FILE_BYTES + 1)
+    except OSError as e:
+        raise TraceError(path, f"cannot read rule file: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_RULE_FILE_BYTES:  # it grew while being read
+        raise TraceError(path, f"rule file larger than {MAX_RULE_FILE_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceError(path, f"cannot read rule file: not UTF-8 text ({e.reason})") from None
+
+
+def _check_shape(path: Path, text: str) -> None:
+    """Bound nesting and alias expansion from the parser's events, before any object is
+    built: PyYAML shares an alias's object, but whatever walks or prints the document
+    afterwards (a message, ``str()``) pays for every expansion."""
+    open_nodes: list[tuple[str | None, int]] = []  # (anchor, expanded size when it opened)
+    sizes: dict[str, int] = {}  # anchor -> expanded size of its node
+    expanded = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        line = event.start_mark.line + 1 if event.start_mark else 0
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor not in sizes:
+                raise TraceError(path, f"line {line}: alias *{event.anchor} refers to itself")
+            expanded += sizes[event.anchor]
+        elif isinstance(event, yaml.ScalarEvent):
+            expanded += 1 + len(event.value)
+            if event.anchor:
+                sizes[event.anchor] = 1 + len(event.value)
+        elif isinstance(event, yaml.CollectionStartEvent):
+            open_nodes.append((event.anchor, expanded))
+            expanded += 1
+            if len(open_nodes) > MAX_YAML_DEPTH:
+                raise TraceError(path, f"line {line}: nested deeper than {MAX_YAML_DEPTH} levels")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, start = open_nodes.pop()
+            if anchor:
+                sizes[anchor] = expanded - start
+        if expanded > MAX_YAML_EXPANDED:
+            raise TraceError(
+                path,
+                f"line {line}: aliases expand this file past {MAX_YAML_EXPANDED:,} characters "
+                "(an alias bomb?); write the entries out",
+            )
+
+
+def _check_keys(path: Path, doc: Any) -> None:
+    """Every mapping key is text: the entries compare and sort them, and YAML turns an
+    unquoted ``1:``, ``yes:`` or ``~:`` into a number, a boolean or null."""
+    pending = [doc]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise TraceError(path, f"mapping key {key!r} is not text (quote it)")
+                pending.append(value)
+        elif isinstance(node, list):
+            pending.extend(node)

@@ -1,0 +1,40 @@
+"""How a number reads, the same everywhere (every renderer, figures, comparisons, the CLI):
+fractions as percentages, durations, sizes, relative changes and gain ceilings."""
+
+from __future__ import annotations
+
+
+def pct(v: float | None) -> str:
+    if v is None:
+        return "–"
+    return f"{100 * v:.1f}%" if abs(v) < 0.1 else f"{100 * v:.0f}%"
+
+
+def fmt_ms(v: float | None) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.3g} ms" if v < 1000 else f"{v / 1000:.3g} s"
+
+
+def signed_pct(v: float | None) -> str:
+    """A relative change: '+3.2%', '-45%'."""
+    if v is None:
+        return "–"
+    return f"{v:+.0%}" if abs(v) >= 1 else f"{v:+.1%}"
+
+
+def fmt_bytes(v: float | None) -> str:
+    if v is None:
+        return "–"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(v) < 1000 or unit == "TB":
+            return f"{v:.3g} {unit}" if unit != "B" else f"{v:.0f} B"
+        v /= 1000
+    return f"{v:.3g} TB"
+
+
+def gain(value: float | None) -> str:
+    """A throughput gain ceiling: '+12%', or '×40' once it passes doubling."""
+    if value is None:
+        return "–"
+    return f"×{1 + value:.3g}" if value >= 1 else f"+{pct(value)}"
