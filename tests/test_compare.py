@@ -13,7 +13,7 @@ from realtraces import trace_path
 
 import traceclf
 from traceclf.compare.regression import compare_reports
-from traceclf.render.comparison import comparison_markdown
+from traceclf.render.compared import comparison_markdown
 from traceclf.report.contract import WALLS, Report
 
 SLOW, FAST = "h100_host_launch_gpumetrics", "h100_host_cudagraph"  # the same model, unfixed/fixed

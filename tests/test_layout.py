@@ -4,9 +4,10 @@ docs/architecture.md names every module; no module grows past ~500 lines; and th
 of every fixture trace is exactly the reviewed snapshot in tests/snapshots/ (so a refactor
 cannot change a verdict unnoticed).
 
-When a change *means* to alter reports, regenerate the snapshots and review their diff:
+A fixture without a snapshot fails. When a change *means* to alter reports, or a fixture is
+added, write the snapshots (only with this variable set) and review their diff:
 
-    TRACECLF_UPDATE_SNAPSHOTS=1 .venv/bin/python -m pytest -q tests/test_layout.py
+    TRACECLF_UPDATE_SNAPSHOTS=1 .venv/bin/python -m pytest -q tests/test_layout.py -k snapshot
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ LAYERS = (
     "figures",
     "export",
     "render",
-    "pipeline",  # orchestration: map step, the window mode's two passes, grouping, reduce
+    "pipeline",  # orchestration: map step, step sampling's two passes, grouping, reduce
     "compare",
     "api",
     "cli",
@@ -167,6 +168,14 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def test_module_names_are_unique():
+    """One name, one module: no two modules, nor a module and a package, share a name across
+    packages, so that a name in a traceback, a log or a doc says which file it is."""
+    names = [p.stem for p in modules() if p.name != "__init__.py"]
+    names += [p.parent.name for p in modules() if p.name == "__init__.py" and p.parent != PACKAGE]
+    assert not sorted({n for n in names if names.count(n) > 1})
+
+
 def test_the_top_level_is_stage_packages():
     loose = sorted(
         p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__", "api", "cli")
@@ -213,9 +222,14 @@ def test_report_matches_snapshot(export: Path, tmp_path: Path):
     assert code == 0, err
     got = _normalised(out)
     snapshot = SNAPSHOTS / f"{export.stem}.json"
-    if UPDATE or not snapshot.exists():
+    if UPDATE:
         snapshot.write_text(got, encoding="utf-8")
         pytest.skip(f"snapshot written: {snapshot.name}")
+    # A missing snapshot is a failure, not a snapshot quietly taken of whatever the code says.
+    assert snapshot.exists(), (
+        f"no snapshot of {export.name}: review its report, then write it (see this module's "
+        "docstring)"
+    )
     assert got == snapshot.read_text(encoding="utf-8"), (
         f"the report of {export.name} changed; if that is intended, regenerate the snapshots "
         "(see this module's docstring) and review the diff"

@@ -211,7 +211,7 @@ def test_window_restricts_every_timed_frame() -> None:
     full = trace("h100_comm_ep2")
     lo, hi = full.span
     mid = (lo + hi) // 2
-    part = load_trace(fixture_trace("h100_comm_ep2"), window=(lo, mid))
+    part = load_trace(fixture_trace("h100_comm_ep2"), span=(lo, mid))
     for name in ("kernels", "copies", "api", "nvtx"):
         frame = getattr(part, name)
         assert 0 < frame.height < getattr(full, name).height, name

@@ -1,4 +1,4 @@
-"""The window mode (default) against --all-steps on real traces, and the reader under it.
+"""Step sampling (default) against --all-steps on real traces, and the reader under it.
 
 A capture whose event rows fit the row budget is read whole, so on the shared traces the
 default mode *is* --all-steps. To test the two-pass reader on them, the budget is set just
@@ -56,7 +56,7 @@ def event_rows(path: Path) -> int:
 
 @cache
 def analysed(path: Path, budget: int | None) -> Report:
-    """The report of ``path``: every step (budget None), or the window mode with ``budget``."""
+    """The report of ``path``: every step (budget None), or step sampling with ``budget``."""
     opts = AnalysisOptions(use_cache=False, quiet=True, jobs=1)
     if budget is None:
         opts = AnalysisOptions(use_cache=False, quiet=True, jobs=1, all_steps=True)
@@ -169,8 +169,8 @@ def test_shuffled_rows_are_seen_and_read_by_filtered_scan(tmp_path: Path) -> Non
         assert not RowIndex.build(con, "CUPTI_ACTIVITY_KIND_KERNEL").ordered
     original = FIXTURES / "h100_compute_low_occupancy.sqlite"
     budget = int(event_rows(original) * 0.95)
-    read = twopass.load_window(path, bundled(), budget=budget)
-    assert read.plans  # the window mode, not a whole read
+    read = twopass.load_sampled(path, bundled(), budget=budget)
+    assert read.plans  # step sampling, not a whole read
     assert read.trace.kernels["start"].is_sorted()
     assert fractions(analysed(path, budget)) == fractions(analysed(original, budget))
 
@@ -181,8 +181,8 @@ def test_shuffled_calls_fall_back_to_reading_everything(tmp_path: Path) -> None:
     path = copy_of(tmp_path, "h100_comm_ep2")
     reorder(path, "CUPTI_ACTIVITY_KIND_RUNTIME", "random()")
     budget = event_rows(path) // 2
-    read = twopass.load_window(path, bundled(), budget=budget)
-    assert read.plans == {} and read.trace.windows is None
+    read = twopass.load_sampled(path, bundled(), budget=budget)
+    assert read.plans == {} and read.trace.read_spans is None
     assert (
         analysed(path, budget).metrics == analysed(FIXTURES / "h100_comm_ep2.sqlite", None).metrics
     )
@@ -210,7 +210,7 @@ def test_rows_out_of_order_between_samples_are_caught_after_reading(tmp_path: Pa
     with rowindex.connect(path) as con:
         assert RowIndex.build(con, table).ordered  # the samples do not show it
     budget = int(event_rows(path) * 0.95)
-    read = twopass.load_window(path, bundled(), budget=budget)
+    read = twopass.load_sampled(path, bundled(), budget=budget)
     assert read.plans and read.trace.kernels["start"].is_sorted()
     assert read.trace.kernels.height == load_trace(path).kernels.height
     original = FIXTURES / f"{name}.sqlite"
@@ -219,7 +219,7 @@ def test_rows_out_of_order_between_samples_are_caught_after_reading(tmp_path: Pa
 
 def test_rows_with_rowid_at_or_below_zero_are_read(tmp_path: Path, monkeypatch) -> None:
     """Constructed: kernel rowids shifted to start at -99. Partitioned reads (forced for this
-    small table) and the window mode's rowid ranges must still read every row."""
+    small table) and step sampling's rowid ranges must still read every row."""
     path = copy_of(tmp_path, "h100_comm_ep2")
     table = "CUPTI_ACTIVITY_KIND_KERNEL"
     with sqlite3.connect(path) as con:
@@ -229,9 +229,9 @@ def test_rows_with_rowid_at_or_below_zero_are_read(tmp_path: Path, monkeypatch) 
     monkeypatch.setattr(reader, "PARTITION_MIN_ROWS", 1)
     assert load_trace(path).kernels.height == rows
     budget = int(event_rows(path) * 0.95)
-    window = twopass.load_window(path, bundled(), budget=budget)
+    window = twopass.load_sampled(path, bundled(), budget=budget)
     assert window.plans
-    lo, hi = window.trace.windows[0][0], window.trace.windows[-1][1]
+    lo, hi = window.trace.read_spans[0][0], window.trace.read_spans[-1][1]
     everything = load_trace(path).kernels.filter((pl.col("start") <= hi) & (pl.col("end") >= lo))
     assert window.trace.kernels.height >= everything.height
 

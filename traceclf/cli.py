@@ -323,7 +323,7 @@ def compare(
     if any candidate regresses beyond --threshold."""
     from traceclf.compare.regression import compare_many
     from traceclf.pipeline.analysis import AnalysisOptions
-    from traceclf.render.comparison import render_comparison
+    from traceclf.render.compared import render_comparison
 
     opts = AnalysisOptions(
         step_regex=step_range,

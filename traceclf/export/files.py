@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from traceclf.report.contract import Report
     from traceclf.report.runset import RunSet
 
-TABLE_FORMATS = ("csv", "parquet")
-
 
 def table_bytes(df: pl.DataFrame, fmt: str = "csv") -> bytes:
     """``df`` as a CSV (header, RFC 4180 quoting) or Parquet file, its text cells made safe."""

@@ -28,7 +28,7 @@ STEP_PARTS = (  # step_breakdown key, legend label, colour
     ("copy", "copies / memsets", WALL_COLORS["memory"]),
     ("idle", "idle", WALL_COLORS["idle"]),
 )
-IDLE_CAUSES = (  # host causes in shades of the host wall's orange; unattributed grey
+IDLE_CAUSE_STYLE = (  # host causes in shades of the host wall's orange; unattributed grey
     ("launch", "launch-bound", "#d9650b"),
     ("sync", "after a sync", "#f5a623"),
     ("input", "input (no CUDA calls)", "#f7d154"),
@@ -103,7 +103,7 @@ def _gap_ns(series: Sequence[dict]) -> int:
         sum(s["idle_gaps"].get(f"{cause}_ns") or [])
         for s in series
         if s.get("idle_gaps")
-        for cause, _l, _c in IDLE_CAUSES
+        for cause, _l, _c in IDLE_CAUSE_STYLE
     )
 
 
@@ -189,7 +189,7 @@ def idle_gaps(series: Sequence[dict]) -> Figure:
     fig = Figure(figsize=(WIDTH_IN, 4.6), layout="constrained")
     ax = fig.add_subplot()
     bottom = [0.0] * len(bins)
-    for cause, _label, color in IDLE_CAUSES:
+    for cause, _label, color in IDLE_CAUSE_STYLE:
         heights = [per_step[cause][i] / scale for i in bins]
         ax.bar(
             range(len(bins)),
@@ -227,7 +227,7 @@ def idle_gaps(series: Sequence[dict]) -> Figure:
         "numbers above bars: gaps in the bin over the steady state"
         + (f", {len(ranks)} ranks (time is the mean per rank)" if len(ranks) > 1 else ""),
     )
-    _legend(fig, [(label, color) for _c, label, color in IDLE_CAUSES])
+    _legend(fig, [(label, color) for _c, label, color in IDLE_CAUSE_STYLE])
     return fig
 
 
@@ -235,7 +235,7 @@ def _idle_per_step(ranks: Sequence[dict]) -> tuple[dict[str, list[float]], list[
     """Idle ns per step (mean over ranks) per cause and bin, and gap counts per bin (all
     ranks). Without steps the whole window counts as one step."""
     n_bins = len(ranks[0]["idle_gaps"]["edges_ns"]) + 1
-    per_step = {cause: [0.0] * n_bins for cause, _l, _c in IDLE_CAUSES}
+    per_step = {cause: [0.0] * n_bins for cause, _l, _c in IDLE_CAUSE_STYLE}
     counts = [0] * n_bins
     for rank in ranks:
         hist, steps = rank["idle_gaps"], max(len(rank.get("step_breakdown") or []), 1)

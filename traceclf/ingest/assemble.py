@@ -3,8 +3,8 @@ resolved by lookup into Categoricals, copies and memsets as one frame, NVTX rang
 text and domain, unusable rows left out and counted, start order flagged.
 
 :func:`build_trace` builds the :class:`~traceclf.model.trace.Trace` from whatever rows a caller read:
-the whole capture (:func:`traceclf.ingest.load.load_trace`) or the analysed steps of the window
-mode (:mod:`traceclf.pipeline.twopass`).
+the whole capture (:func:`traceclf.ingest.load.load_trace`) or the analysed steps of a sampled
+capture (:mod:`traceclf.pipeline.twopass`).
 """
 
 from __future__ import annotations
@@ -157,15 +157,15 @@ def build_trace(
     read: ReadFn,
     read_metrics: Callable[[], pl.DataFrame],
     *,
-    nvtx_window: Span | None = None,
+    nvtx_span: Span | None = None,
     nvtx: pl.DataFrame | None = None,
-    windows: tuple[Span, ...] | None = None,
+    read_spans: tuple[Span, ...] | None = None,
     capture: tuple[tuple[int, int] | None, dict[str, int]] = (None, {}),
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
     """The trace model from the raw frames ``read`` returns for each logical table (the whole
-    capture, one window, or the rows of chosen steps: :mod:`traceclf.pipeline.twopass`).
-    ``windows`` records which time spans the frames hold (None: the whole capture)."""
+    capture, one time span, or the rows of chosen steps: :mod:`traceclf.pipeline.twopass`).
+    ``read_spans`` records which time spans the frames hold (None: the whole capture)."""
     info = reader.info
     step = progress or (lambda _msg: None)
     unusable: dict[str, int] = {}
@@ -221,11 +221,11 @@ def build_trace(
     events = read("events")  # cudaEventRecord rows: no time, whole capture
 
     step("NVTX")
-    raw_nvtx = read("nvtx")  # (the window mode's first pass read them: no second read)
+    raw_nvtx = read("nvtx")  # (step sampling's first pass read them: no second read)
     if nvtx is None:
         nvtx = nvtx_ranges(reader, raw_nvtx)
-    if nvtx_window is not None:
-        nvtx = nvtx.filter((pl.col("start") < nvtx_window[1]) & (pl.col("end") > nvtx_window[0]))
+    if nvtx_span is not None:
+        nvtx = nvtx.filter((pl.col("start") < nvtx_span[1]) & (pl.col("end") > nvtx_span[0]))
 
     step("memory")
     memory = read("memory")  # instants; the whole capture is needed for the peak
@@ -257,10 +257,10 @@ def build_trace(
         threads=read_threads(reader, strings),
         events=events,
         session=read_session(reader),
-        # (a read of one time window has some of the NVTX rows: the payload check scans)
-        nccl_payload=nccl_payload(reader, raw_nvtx if nvtx_window is None else None),
+        # (a read of one time span has some of the NVTX rows: the payload check scans)
+        nccl_payload=nccl_payload(reader, raw_nvtx if nvtx_span is None else None),
         unusable_rows=dict(sorted(unusable.items())),
-        windows=windows,
+        read_spans=read_spans,
         capture_span=capture[0],
         capture_rows=capture[1],
     )

@@ -50,7 +50,6 @@ STALE_TMP_S = 3600
 SLOT_RE = re.compile(r".+-[0-9a-f]{16}\.traceclf")
 ENTRY_RE = re.compile(r"[0-9a-f]{32}")
 RESULTS_RE = re.compile(r"results-[0-9a-f]{32}")
-RESULT_FILE_RE = re.compile(r"[0-9a-f]{24}\.json")
 EXPORT_RE = re.compile(r".+-[0-9a-f]{12}-[0-9a-f]{12}\.sqlite")
 TMP_EXPORT_RE = re.compile(r"\..+\.\d+-[0-9a-f]{8}\.tmp\.sqlite")
 RULES_STAMP_RE = re.compile(r"rules-[0-9a-f]{32}\.json")

@@ -45,12 +45,12 @@ METRIC_TABLE_COLUMNS = {
 
 def read_gpu_metrics(
     reader: Reader,
-    window: tuple[int, int] | Sequence[tuple[int, int]] | None,
+    spans: tuple[int, int] | Sequence[tuple[int, int]] | None,
     *,
     rowids: Sequence[tuple[int, int]] | None = None,
 ) -> pl.DataFrame:
-    """Samples of the metrics in :data:`METRIC_NAMES` inside ``window`` (one or several time
-    windows; None: all), only from the rowid ranges ``rowids`` when given."""
+    """Samples of the metrics in :data:`METRIC_NAMES` inside ``spans`` (one time span or
+    several; None: all), only from the rowid ranges ``rowids`` when given."""
     columns = reader.info.columns
     if any(not need <= set(columns.get(t, ())) for t, need in METRIC_TABLE_COLUMNS.items()):
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
@@ -63,8 +63,8 @@ def read_gpu_metrics(
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
     ids = ", ".join(str(i) for i in wanted["metricId"].unique().to_list())
     clauses = [f"metricId IN ({ids})"]
-    if window is not None:
-        spans = [window] if isinstance(window[0], int) else list(window)
+    if spans is not None:
+        spans = [spans] if isinstance(spans[0], int) else list(spans)
         clauses.append(
             " OR ".join(f"(timestamp BETWEEN {int(lo)} AND {int(hi)})" for lo, hi in spans) or "0"
         )
@@ -184,7 +184,7 @@ def nccl_payload(reader: Reader, raw_nvtx: pl.DataFrame | None) -> str:
 
 
 def _nccl_payload_scan(reader: Reader) -> str:
-    """:func:`nccl_payload` by a scan of NVTX_EVENTS in SQL (for a read of a time window)."""
+    """:func:`nccl_payload` by a scan of NVTX_EVENTS in SQL (for a read of some time spans)."""
     columns = reader.info.columns.get("NVTX_EVENTS", ())
     present = [c for c in PAYLOAD_COLUMNS if c in columns]
     if present and {"text", "textId"} <= set(columns) and reader.info.has("StringIds"):

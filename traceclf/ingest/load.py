@@ -30,21 +30,21 @@ LOAD_STAGES = (
 
 def load_trace(
     path: str | Path,
-    window: Span | None = None,
+    span: Span | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
     """Open one SQLite export and return its :class:`~traceclf.model.trace.Trace`.
 
-    ``window`` (ns, session timeline) restricts every timed table to events overlapping it;
-    it is pushed into the SQL so that memory follows the window, not the file. ``progress`` is
+    ``span`` (ns, session timeline) restricts every timed table to events overlapping it;
+    it is pushed into the SQL so that memory follows the span, not the file. ``progress`` is
     called with each of :data:`LOAD_STAGES` (e.g. a :class:`traceclf.support.progress.LoadProgress`).
     """
     path = Path(path)
     reader = Reader(inspect_export(path, check_pages=False))
     return build_trace(
         reader,
-        lambda logical: reader.read(logical, window),
-        lambda: read_gpu_metrics(reader, window),
-        nvtx_window=window,
+        lambda logical: reader.read(logical, span),
+        lambda: read_gpu_metrics(reader, span),
+        nvtx_span=span,
         progress=progress,
     )

@@ -4,7 +4,7 @@ An NVTX step range is CPU time; its GPU start is the first GPU work launched by 
 inside it. For one step that is two SQL aggregates: the correlation ids of the rank's calls
 inside the range (one rowid range of the call table; CUPTI numbers a process's calls in call
 order, so they form one interval of ids), then the first GPU row in start order with one of
-them, looked for from the range's start onward. The window mode's first pass
+them, looked for from the range's start onward. Step sampling's first pass
 (:mod:`traceclf.pipeline.twopass`) uses it to decide warm-up and a cut-off last step on GPU
 durations, as ``--all-steps`` does, and to know each analysed run's GPU span before reading it.
 """

@@ -87,13 +87,13 @@ class Reader:
     def read(
         self,
         logical: str,
-        window: Span | Sequence[Span] | None = None,
+        spans: Span | Sequence[Span] | None = None,
         where: str | None = None,
         *,
         rowids: Sequence[tuple[int, int]] | None = None,
         rowid: bool = False,
     ) -> pl.DataFrame:
-        """The rows of ``logical`` overlapping ``window`` (one time window or several), with
+        """The rows of ``logical`` overlapping ``spans`` (one time span or several), with
         ``where``; only those in the rowid ranges ``(after, upto]`` of ``rowids`` when given;
         with their rowid as ``_rowid`` when ``rowid``."""
         cols = TABLES[logical][1]
@@ -123,9 +123,9 @@ class Reader:
             else:
                 missing.append(col)
         clauses = [where] if where else []
-        if window is not None and logical in TIMED:
+        if spans is not None and logical in TIMED:
             end = '"end"' if "end" in present else "start"
-            clauses.append(overlap_clause(window, end))
+            clauses.append(overlap_clause(spans, end))
         query = f"SELECT {', '.join(select)} FROM {table}"
         queries = (
             self.partitioned(query, table, clauses)
@@ -210,10 +210,10 @@ def _in_start_order(table):
     return pa.Table.from_batches([batches[i] for i in order], schema=table.schema)
 
 
-def overlap_clause(window: Span | Sequence[Span], end: str = '"end"') -> str:
-    """SQL: the row overlaps ``window`` (or one of several windows)."""
-    spans = [window] if isinstance(window[0], int) else list(window)  # type: ignore[list-item]
-    terms = [f"(start < {int(hi)} AND {end} > {int(lo)})" for lo, hi in spans]  # type: ignore[misc]
+def overlap_clause(spans: Span | Sequence[Span], end: str = '"end"') -> str:
+    """SQL: the row overlaps one of ``spans`` (or the one span)."""
+    listed = [spans] if isinstance(spans[0], int) else list(spans)  # type: ignore[list-item]
+    terms = [f"(start < {int(hi)} AND {end} > {int(lo)})" for lo, hi in listed]  # type: ignore[misc]
     return " OR ".join(terms) if terms else "0"
 
 

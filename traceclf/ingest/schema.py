@@ -61,13 +61,6 @@ class ExportInfo:
     def tables(self) -> frozenset[str]:
         return frozenset(self.columns)
 
-    @property
-    def schema_tuple(self) -> tuple[int, ...]:
-        try:
-            return tuple(int(p) for p in (self.schema_version or "").split("."))
-        except ValueError:
-            return ()
-
 
 def readonly_uri(path: Path) -> str:
     """SQLite URI that can neither write the file nor create journal/lock files beside it.

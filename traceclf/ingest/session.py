@@ -32,7 +32,7 @@ def job_evidence(path: Path, trace) -> dict:
         if frames
         else None
     )
-    if getattr(trace, "capture_span", None):  # a window-mode trace: the capture's, not its rows'
+    if getattr(trace, "capture_span", None):  # a sampled trace: the capture's, not its rows'
         span = list(trace.capture_span)
     return session_info(path) | {"gpu_span_ns": span}
 

@@ -103,7 +103,7 @@ GPU_ROW = (
 )
 
 # Only the columns some measure or step finder uses; what the model keeps of each is listed in
-# traceclf/model.py.
+# traceclf/model/trace.py.
 TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
     "kernels": (
         ("CUPTI_ACTIVITY_KIND_KERNEL",),
@@ -207,7 +207,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
     ),
 }
 # The event tables of the GPU and the CUDA API whose rows are checked for usability (a time, an
-# end not before the start, a process) and that the window mode reads by rowid range.
+# end not before the start, a process) and that step sampling reads by rowid range.
 EVENT_TABLES = ("kernels", "graphs", "memcpy", "memset", "api", "syncs")
 
 

@@ -10,6 +10,10 @@ input (exit 2) and never reaches this module.
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from traceclf.measures.handoff import ExportResult, RankResult, StepSummary
 
 # Less GPU work than this in the whole capture is launch and profiler noise, not a workload
 # (a real training step alone is milliseconds of GPU time).
@@ -17,11 +21,10 @@ MIN_GPU_WORK_MS = 1.0
 LOOP_ORDER = ("training", "forward_only", "unknown", "not_a_loop")
 
 
-def capture_block(ranks: list, exports: list) -> dict:
-    """The contract's ``capture`` block from the per-rank facts (``RankResult``s)."""
+def capture_block(ranks: list[RankResult], exports: list[ExportResult]) -> dict:
+    """The contract's ``capture`` block from the per-rank facts."""
     facts = [r.measures.capture for r in ranks]
-    steps = [r.steps for r in ranks]
-    first = steps[0] if steps else {}
+    first = ranks[0].steps if ranks else None
     assignment = gpu_assignment(ranks, exports)
     return {
         "inputs": len(exports),
@@ -31,7 +34,7 @@ def capture_block(ranks: list, exports: list) -> dict:
                 "rank": i,
                 "pid": r.pid,
                 "gpu": (r.gpu or {}).get("name"),
-                "device": r.placement.get("device"),
+                "device": r.placement.device,
             }
             for i, r in enumerate(ranks)
         ],
@@ -45,12 +48,12 @@ def capture_block(ranks: list, exports: list) -> dict:
             for f in facts
         ),
         "step_anchor": _anchor(first),
-        "second_anchor": first.get("second_anchor"),
-        "steps_found": first.get("count", 0),
-        "steps_used": first.get("used", 0),
-        "steps_analysed": first.get("analysed", first.get("used", 0)),
+        "second_anchor": first.second_anchor if first else None,
+        "steps_found": first.count if first else 0,
+        "steps_used": first.used if first else 0,
+        "steps_analysed": first.analysed if first else 0,
         "warmup_dropped": _warmup(first),
-        "window_ns": first.get("window_ns", [0, 0]),
+        "window_ns": first.window_ns if first else [0, 0],
         "window_share_of_capture": _min(f.get("window_share_of_capture") for f in facts),
         "graph_trace_mode": _common(f.get("graph_trace_mode") for f in facts),
         "kernel_mix_source": _common(f.get("kernel_mix_source") for f in facts),
@@ -64,16 +67,16 @@ def capture_block(ranks: list, exports: list) -> dict:
     }
 
 
-def gpu_assignment(ranks: list, exports: list) -> str:
+def gpu_assignment(ranks: list[RankResult], exports: list[ExportResult]) -> str:
     """ "own" (every rank has a GPU of its own), "shared" (two ranks ran on one GPU: they
     time-slice it, so their compute times say nothing about imbalance) or "unknown" (two ranks
     saw the same device ordinal and the export cannot say whether it is one GPU)."""
-    groups = Counter(r.placement.get("key") for r in ranks)
+    groups = Counter(r.placement.key for r in ranks)
     shared = [key for key, n in groups.items() if n > 1]
     if not shared:
         return "own"
-    members = [r for r in ranks if r.placement.get("key") in shared]
-    if all(r.placement.get("mapped") for r in members):
+    members = [r for r in ranks if r.placement.key in shared]
+    if all(r.placement.mapped for r in members):
         return "shared"
     # Pigeonhole: more ranks in one export than it has GPUs.
     gpus = {e.path: e.gpu_count for e in exports}
@@ -83,7 +86,7 @@ def gpu_assignment(ranks: list, exports: list) -> str:
     return "unknown"
 
 
-def abstain_reason(capture: dict, ranks: list) -> str | None:
+def abstain_reason(capture: dict, ranks: list[RankResult]) -> str | None:
     """A sentence naming the facts when the trace cannot support a verdict, else None."""
     work, span, kernels = capture["gpu_work_ms"], capture["capture_ms"], capture["kernels"]
     facts = f"{kernels} kernel{'s' if kernels != 1 else ''}, {_ms(work)} of GPU work in {_ms(span)}"
@@ -95,7 +98,7 @@ def abstain_reason(capture: dict, ranks: list) -> str | None:
     return None
 
 
-def _why_no_steps(ranks: list) -> str:
+def _why_no_steps(ranks: list[RankResult]) -> str:
     """What the trace lacks for steps: NVTX step ranges it has but cannot place on the GPU
     without the CUDA API trace are named, not denied."""
     facts = [r.measures.capture for r in ranks]
@@ -109,12 +112,12 @@ def _why_no_steps(ranks: list) -> str:
     return "(no NVTX step, graph replay or regularly recurring kernel)"
 
 
-def _host_story(ranks: list) -> str:
+def _host_story(ranks: list[RankResult]) -> str:
     """'; 313 ms of host time is NVTX 'X'' from the rank whose idle NVTX range is longest."""
     best = None
     for r in ranks:
         for row in r.measures.idle_nvtx[:1]:
-            ms = row["ms_per_step"] * max(r.steps.get("used") or 1, 1)
+            ms = row["ms_per_step"] * max(r.steps.used or 1, 1)
             if best is None or ms > best[0]:
                 best = (ms, row["name"], row.get("activity"))
     if best is None:
@@ -133,12 +136,14 @@ def _loop(facts: list[dict]) -> str:
     return min(loops, key=LOOP_ORDER.index) if loops else "unknown"
 
 
-def _anchor(steps: dict) -> dict:
-    return {"source": steps.get("source", "none"), "label": steps.get("label", "")}
+def _anchor(steps: StepSummary | None) -> dict:
+    return (
+        {"source": steps.source, "label": steps.label} if steps else {"source": "none", "label": ""}
+    )
 
 
-def _warmup(steps: dict) -> int:
-    steady = steps.get("steady") or []
+def _warmup(steps: StepSummary | None) -> int:
+    steady = steps.steady if steps else []
     return next((i for i, s in enumerate(steady) if s), len(steady))
 
 

@@ -3,10 +3,12 @@
 One module per wall computes that wall's measures and owns their one-line definitions
 (``MEASURES``): :mod:`.budget` (step time, busy, idle, compute, communication and copies),
 :mod:`.critical_path` (what blocked compute), :mod:`.communication`, :mod:`.memory`,
-:mod:`.host` and :mod:`.compute`; :mod:`.cross_rank` is the reduce across ranks; :mod:`.window`
+:mod:`.host` and :mod:`.compute`; :mod:`.cross_rank` holds the numbers across ranks; :mod:`.window`
 prepares the clipped, classified frames and the unions of GPU work they all read, and
-:mod:`.timeline` holds the interval arithmetic. ``traceclf measures`` prints the definitions;
-docs/measures.md lists them with the function that computes each.
+:mod:`.intervals` holds the interval arithmetic. What a rank hands to the cross-rank stage is
+:mod:`.handoff`. Measures return numbers; the judge (traceclf/judge) decides. ``traceclf
+measures`` prints the definitions; docs/measures.md lists them with the function that computes
+each.
 
 Every ``*_frac`` is a fraction of the window's wall time unless its definition says otherwise.
 """

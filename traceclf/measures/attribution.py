@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from traceclf.measures import busy, timeline
+from traceclf.measures import intervals
 from traceclf.measures.dependencies import COMPUTE_KINDS, KIND
 from traceclf.measures.host import SYNC_SLACK_NS
 
@@ -179,7 +179,10 @@ def attribute_gaps(
     syncs = None
     if host_syncs is not None and not host_syncs.is_empty():
         ordered = host_syncs.select("start", "end").sort("start", "end", maintain_order=True)
-        syncs = (ordered, *busy.union(ordered["start"].to_numpy(), ordered["end"].to_numpy()))
+        syncs = (
+            ordered,
+            *intervals.union_sorted(ordered["start"].to_numpy(), ordered["end"].to_numpy()),
+        )
     gs, ge = gaps["start"].to_numpy(), gaps["end"].to_numpy()
     for lo, hi in _batches(gs, ge):
         yield from _attribute(gs[lo:hi], ge[lo:hi], arrays, k_start, k_op, syncs, max_hops)
@@ -251,11 +254,11 @@ def _split_host_syncs(
         return
     starved = pl.DataFrame({"start": start[touched], "end": end[touched]})
     lo, hi = int(starved["start"].min()), int(starved["end"].max())  # type: ignore[arg-type]
-    tl = timeline.timeline({"ls": starved, "sync": calls}, (lo, hi))
+    tl = intervals.sweep({"ls": starved, "sync": calls}, (lo, hi))
     in_ls = tl.filter(pl.col("ls") > 0)
     free = in_ls.filter(pl.col("sync") == 0)
     yield free["start"].to_numpy(), free["end"].to_numpy(), LAUNCH_STARVED
-    held = timeline.union(in_ls.filter(pl.col("sync") > 0).select("start", "end"))
+    held = intervals.union(in_ls.filter(pl.col("sync") > 0).select("start", "end"))
     # The awaited work: the last operation to finish by the time the call returned, or the
     # last one started before it if that ends within SYNC_SLACK_NS after (a pageable copy's
     # last bytes land just after its call returns).

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceclf.measures import timeline
-from traceclf.measures.busy import Busy
+from traceclf.measures import intervals
+from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import by_name, matches
 from traceclf.steps.find import step_ranges
@@ -20,7 +20,7 @@ FRAMEWORK_SHARE = 0.5
 
 def capture_facts(w: RankWindow) -> dict:
     trace = w.trace
-    # a window-mode trace holds the analysed steps only: the loader measured the capture
+    # a sampled trace holds the analysed steps only: the loader measured the capture
     lo, hi = trace.capture_span or trace.span
     capture_ns = max(hi - lo, 1)
     work = _gpu_work_ns(w)
@@ -59,9 +59,9 @@ def _gpu_work_ns(w: RankWindow) -> int:
     if trace.kernels["graph_node_id"].is_not_null().any():
         return Busy.of(*frames).total
     outside = [
-        timeline.clip(f.select("start", "end"), span)
+        intervals.clip(f.select("start", "end"), span)
         for f in frames
-        for span in timeline.complement(w.spans)
+        for span in intervals.complement(w.spans)
     ]
     return w.layers.work.total + Busy.of(*outside).total
 

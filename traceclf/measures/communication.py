@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceclf.measures import timeline
-from traceclf.measures.busy import Busy
+from traceclf.measures import intervals
+from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
 
 # Kinds a kernel name cannot settle (NCCL's one SendRecv kernel serves all-to-all and P2P;
@@ -24,7 +24,7 @@ def by_kind(w: RankWindow) -> dict[str, dict[str, float]]:
     comm = refine_kinds(w.kern.filter(pl.col("is_comm")), w)
     out: dict[str, dict[str, float]] = {}
     for (kind,), rows in comm.group_by(["comm_kind"]):
-        running = Busy.of(timeline.clip(rows.select("start", "end"), w.spans))
+        running = Busy.of(intervals.clip(rows.select("start", "end"), w.spans))
         busy = running.total
         exposed = busy - w.layers.compute.overlap(running)
         out[str(kind)] = {

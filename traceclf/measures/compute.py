@@ -6,7 +6,7 @@ from __future__ import annotations
 import polars as pl
 
 from traceclf.ingest.devices import METRIC_NAMES
-from traceclf.measures import timeline
+from traceclf.measures import intervals
 from traceclf.measures.window import RankWindow, optimizer_ranges
 from traceclf.model.taxonomy import Taxonomy, matches, theoretical_occupancy
 
@@ -166,7 +166,7 @@ def graph_internal_gap_frac(w: RankWindow) -> float | None:
 def graph_share_hidden(graphs: pl.DataFrame, busy: int) -> bool:
     """True when graph-level traced replays (kernels not in the kernel table) are most of the
     GPU's busy time, so the window's kernel rows do not show what the GPU ran."""
-    return busy > 0 and timeline.total(graphs) > busy / 2
+    return busy > 0 and intervals.total(graphs) > busy / 2
 
 
 def _kernel_measures(
@@ -181,7 +181,7 @@ def _kernel_measures(
         occ=theoretical_occupancy(gpu),
     )
     total = int(kern["dur"].sum())
-    graph_time = timeline.total(w.graph_spans)
+    graph_time = intervals.total(w.graph_spans)
     out: dict[str, float | bool | None] = {
         "kernels_per_step": len(kern) / w.n_steps,
         "graph_launches_per_step": len(w.graphs) / w.n_steps if len(w.graphs) else 0.0,
@@ -247,8 +247,8 @@ def optimizer_kernels_per_step(w: RankWindow) -> float | None:
     return int(w.kern["in_optimizer"].sum()) / w.n_steps
 
 
-def gpu_metric_means(metrics: pl.DataFrame, window: timeline.Spans) -> dict[str, float | None]:
-    inside = metrics.filter(timeline.inside("timestamp", window))
+def gpu_metric_means(metrics: pl.DataFrame, window: intervals.Spans) -> dict[str, float | None]:
+    inside = metrics.filter(intervals.inside("timestamp", window))
     out: dict[str, float | None] = {}
     for key, name in METRICS_OF_INTEREST.items():
         values = inside.filter(pl.col("metric") == name)["value"]

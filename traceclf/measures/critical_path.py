@@ -7,7 +7,7 @@ The split follows each compute-absent gap's critical path back from the compute 
 that ended it (:func:`traceclf.measures.attribution.attribute_gaps`), through the
 dependencies of :mod:`traceclf.measures.dependencies`: binary searches and gathers by
 operation id (an operation's row), never a loop over events or a join of millions of rows.
-The budget is read off the unions of each kind of work (:mod:`traceclf.measures.busy`).
+The budget is read off the unions of each kind of work (:mod:`traceclf.measures.intervals`).
 docs/measures.md ("Critical path") defines every class.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 import polars as pl
 
-from traceclf.measures import busy, dependencies, timeline
+from traceclf.measures import dependencies, intervals
 from traceclf.measures.attribution import (
     BLOCKING,
     CLASSES,
@@ -88,7 +88,7 @@ def measure(w: RankWindow) -> tuple[dict[str, float | int | None], list[dict]]:
     def frac(col: str) -> float:
         return total[col] / wall
 
-    inside = timeline.inside("start", w.spans)  # (a sum, not a filtered copy of every column)
+    inside = intervals.inside("start", w.spans)  # (a sum, not a filtered copy of every column)
     unresolved = int(ops.select(pl.col("unresolved_wait").filter(inside).sum()).item())
     m: dict[str, float | int | None] = {
         "non_transfer_busy_frac": frac("non_transfer_busy"),
@@ -114,7 +114,7 @@ def budget_ns(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
     no steps)."""
     ops, arrays = _rank_ops(w)
     # (the window may be several spans: gaps end at a span's edge, nothing between spans counts)
-    gaps = pl.concat([compute_gaps(ops, span) for span in timeline.spans_of(w.spans)])
+    gaps = pl.concat([compute_gaps(ops, span) for span in intervals.spans_of(w.spans)])
     pieces = attribute_gaps(gaps, arrays, _host_holds(w))  # (consumed by step_budget)
     steps = w.steps.steady["gpu_start"].to_list() if w.steps.count else []
     return ops, step_budget(ops, pieces, w.spans, steps)
@@ -184,9 +184,9 @@ def compute_gaps(ops: pl.DataFrame, window: tuple[int, int]) -> pl.DataFrame:
     room = int(keep.sum()) + 1
     edges, nexts = np.empty(room, np.int64), np.empty(room, np.int64)
     count, last = 0, lo  # (gaps so far; the end of the compute before the next run)
-    # Runs block by block (busy.runs), clipped to the window: the union of the clipped
+    # Runs block by block (intervals.runs), clipped to the window: the union of the clipped
     # intervals is the union clipped. A run touching the one before leaves no gap.
-    for run_start, run_end in busy.runs(start, end, keep):
+    for run_start, run_end in intervals.runs(start, end, keep):
         edge = np.concatenate([[last], np.minimum(run_end[:-1], hi)])
         nxt = np.maximum(run_start, lo)
         real = edge < nxt
@@ -204,7 +204,7 @@ def compute_gaps(ops: pl.DataFrame, window: tuple[int, int]) -> pl.DataFrame:
 
 
 def step_budget(
-    ops: pl.DataFrame, pieces: Iterable[Piece], window: timeline.Spans, step_starts: list[int]
+    ops: pl.DataFrame, pieces: Iterable[Piece], window: intervals.Spans, step_starts: list[int]
 ) -> pl.DataFrame:
     """Per step (from each of ``step_starts``; one row for the window without steps), ns of
     the columns of BUDGET_COLUMNS: the iteration; device busy (kernels, graph replays, copies,
@@ -216,8 +216,8 @@ def step_budget(
     dependency-stalled: measured, not absorbed); time inside graph replays.
 
     Each is the length of a union of kinds of work within the step's part of the window, read
-    off the union's running length (:class:`traceclf.measures.busy.Busy`)."""
-    spans = timeline.spans_of(window)
+    off the union's running length (:class:`traceclf.measures.intervals.Busy`)."""
+    spans = intervals.spans_of(window)
     hull = (spans[0][0], spans[-1][1])
     starts = sorted({s for s in step_starts if hull[0] <= s < hull[1]} | {hull[0]})
     bounds = np.array([*starts, hull[1]], dtype=np.int64)
@@ -234,9 +234,10 @@ def step_budget(
         "graph": kind_is(ops, ("graph",)),
     }
     length = {
-        name: busy.Busy.lengths(start, end, mask, bounds, spans) for name, mask in unions.items()
+        name: intervals.Busy.lengths(start, end, mask, bounds, spans)
+        for name, mask in unions.items()
     }
-    iteration = busy.within_spans(bounds, spans)
+    iteration = intervals.within_spans(bounds, spans)
     per = pl.DataFrame(
         {
             "step_start": bounds[:-1],

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from traceclf.measures import timeline
+from traceclf.measures import intervals
+from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import matches
 
@@ -42,7 +43,6 @@ CALL_MEASURES = (
     "short_kernel_frac",
     "alloc_idle_frac",
 )
-IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
 CAUSE = pl.Enum(IDLE_CAUSES)  # (millions of gaps: a byte each, not a string)
 INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
 SYNC_SLACK_NS = 20_000  # a sync returns this soon after the GPU drains
@@ -94,7 +94,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     is "other" when the CUDA API was not traced, since the causes are read from it."""
     calls = w.api if w.host_traced else None
     layers = w.layers
-    idle_start, idle_end = layers.work.gaps(timeline.spans_of(w.spans))
+    idle_start, idle_end = layers.work.gaps(intervals.spans_of(w.spans))
     gaps = pl.DataFrame(
         {"start": idle_start, "end": idle_end}, schema={"start": pl.Int64, "end": pl.Int64}
     ).with_columns(dur=pl.col("end") - pl.col("start"))
@@ -127,7 +127,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
         any_call=pl.Series(calls_in > 0),
     )
     del api_ns, calls_in
-    flushed = timeline.covered_by_runs(profiler.start, profiler.end, gstart, gend) * 2 >= dur
+    flushed = intervals.covered_by_runs(profiler.start, profiler.end, gstart, gend) * 2 >= dur
     gaps = gaps.with_columns(
         after_sync=_after_sync(calls, gstart, gend, dur), profiler_flush=pl.Series(flushed)
     )
@@ -164,7 +164,7 @@ def _host_cover(
         # so the search runs over a block's worth of gaps, not every gap of the window
         g0 = max(int(np.searchsorted(gstart, start.min(), side="right")) - 1, 0)
         g1 = int(np.searchsorted(gstart, start.max(), side="right"))
-        idx = timeline.rank_sorted(gstart[g0:g1], start, side="right")
+        idx = intervals.rank_sorted(gstart[g0:g1], start, side="right")
         idx += g0 - 1  # the gap each call starts in or after (-1: before the first)
         inside = idx >= 0
         inside &= start < np.take(gend, idx, mode="clip")
@@ -186,14 +186,14 @@ def _after_sync(
     """Per gap: whether a synchronising call drained the queue before it, or an allocation
     filled it."""
     # cudaMalloc/cudaFree synchronise the device: a gap they fill is a stall, not launching
-    filled = timeline.covered(calls.filter(pl.col("is_alloc")), gstart, gend)
+    filled = intervals.covered(calls.filter(pl.col("is_alloc")), gstart, gend)
     filled = np.multiply(filled, 2, out=filled) >= dur
     # A synchronising call that returns inside a gap, or at most SYNC_SLACK_NS before it starts,
     # drained the queue. Every such gap counts: with kernels of a few µs the next gap starts
     # within the slack too, and must not take the sync away from the gap it returned in.
     sync_end = np.sort(calls.filter(pl.col("is_sync").fill_null(False))["end"].to_numpy())
     # first sync returning since then (the slack moved onto the few syncs, not every gap)
-    nxt = timeline.rank_sorted(sync_end + SYNC_SLACK_NS, gstart, side="left")
+    nxt = intervals.rank_sorted(sync_end + SYNC_SLACK_NS, gstart, side="left")
     after_sync = nxt < len(sync_end)
     after_sync[after_sync] = sync_end[nxt[after_sync]] <= gend[after_sync]
     del nxt

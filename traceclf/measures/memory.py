@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceclf.measures import timeline
+from traceclf.measures import intervals
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import matches
 
@@ -45,13 +45,13 @@ def copies(w: RankWindow) -> dict[str, float]:
         "h2d_d2h_bytes_per_step": int(offload["bytes"].sum()) / n_steps,
         "h2d_bytes_per_step": int(h2d["bytes"].sum()) / n_steps,
         "d2h_bytes_per_step": int(d2h["bytes"].sum()) / n_steps,
-        "offload_copy_frac": timeline.total(offload) / w.wall,
+        "offload_copy_frac": intervals.total(offload) / w.wall,
         "pageable_copies_per_step": len(pageable) / n_steps,
         "pageable_bytes_per_step": int(pageable["bytes"].sum()) / n_steps,
         "small_d2h_per_step": len(d2h.filter(pl.col("bytes") <= SMALL_D2H_BYTES)) / n_steps,
-        "pageable_copy_frac": timeline.total(pageable) / w.wall,
-        "h2d_frac": timeline.total(h2d) / w.wall,
-        "d2h_frac": timeline.total(d2h) / w.wall,
+        "pageable_copy_frac": intervals.total(pageable) / w.wall,
+        "h2d_frac": intervals.total(h2d) / w.wall,
+        "d2h_frac": intervals.total(d2h) / w.wall,
         "exposed_offload_frac": w.uncovered(offload, w.layers.compute_comm) / w.wall,
         "h2d_gbps": _gbps(h2d),
         "d2h_gbps": _gbps(d2h),

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import numpy as np
 import polars as pl
 
-from traceclf.measures import timeline
-from traceclf.measures.host import IDLE_CAUSES
+from traceclf.measures import intervals
+from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import matches
 
@@ -55,10 +55,10 @@ def projected(w: RankWindow) -> pl.DataFrame:
     return spans.select("phase", start="gpu_start", end="gpu_end").sort("start")
 
 
-def partition(spans: pl.DataFrame, window: timeline.Window) -> pl.DataFrame:
+def partition(spans: pl.DataFrame, window: intervals.Span) -> pl.DataFrame:
     """Phase spans inside ``window``, made disjoint: each starts no earlier than the previous
     one ended (start order)."""
-    inside = timeline.clip(spans, window).sort("start")
+    inside = intervals.clip(spans, window).sort("start")
     return (
         inside.with_columns(
             start=pl.max_horizontal("start", pl.col("end").cum_max().shift(1).fill_null(0))
@@ -90,7 +90,7 @@ def phase_table(w: RankWindow, gaps: pl.DataFrame, spans: pl.DataFrame) -> list[
     }
     idle_total = {}
     for name, (lo, hi) in _idle_runs(gaps):  # (one cause's runs at a time: millions of gaps)
-        per_span[name] = timeline.covered_by_runs(lo, hi, starts, ends)
+        per_span[name] = intervals.covered_by_runs(lo, hi, starts, ends)
         idle_total[name] = int((hi - lo).sum())
     rows = spans.with_columns(
         time=pl.col("end") - pl.col("start"), **{n: pl.Series(v) for n, v in per_span.items()}
@@ -146,7 +146,7 @@ def _runs(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     they already are (idle gaps: millions, which a union would sort again), else their union."""
     if len(lo) and bool(np.all(hi > lo)) and bool(np.all(lo[1:] > hi[:-1])):
         return lo, hi
-    merged = timeline.union(pl.DataFrame({"start": lo, "end": hi}))
+    merged = intervals.union(pl.DataFrame({"start": lo, "end": hi}))
     return merged["start"].to_numpy(), merged["end"].to_numpy()
 
 

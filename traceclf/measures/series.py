@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from traceclf.measures import busy as busy_mod
-from traceclf.measures import timeline
+from traceclf.measures import intervals
 from traceclf.measures.compute import METRICS_OF_INTEREST
-from traceclf.measures.host import IDLE_CAUSES
+from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.measures.window import RankWindow
 
 GAP_BINS_NS = [1_000 * 10 ** (i / 2) for i in range(15)]  # 1 µs .. 10 s, half-decade steps
@@ -27,14 +26,14 @@ def step_breakdown(w: RankWindow) -> list[dict]:
     starts = steps["step_start"].to_numpy()
     last = max(int(w.window[1]), int(starts[-1]))
     bounds = np.append(starts, last)
-    spans = timeline.spans_of(w.spans)
+    spans = intervals.spans_of(w.spans)
     busy = w.layers
 
     def within(layer) -> np.ndarray:
         return layer.within(bounds, spans)
 
     compute, kernels, work = within(busy.compute), within(busy.compute_comm), within(busy.work)
-    inside = busy_mod.within_spans(bounds, spans)
+    inside = intervals.within_spans(bounds, spans)
     per = steps.with_columns(
         compute=pl.Series(compute),
         exposed_comm=pl.Series(kernels - compute),
@@ -69,17 +68,17 @@ def gap_histogram(gaps: pl.DataFrame) -> dict[str, list]:
 
 
 def metric_series(
-    metrics: pl.DataFrame, window: timeline.Spans, points: int = 400
+    metrics: pl.DataFrame, window: intervals.Spans, points: int = 400
 ) -> dict[str, list]:
     """GPU metrics averaged into ``points`` bins over the window (from its first to its last
     ns: a window of several spans shows no samples between them), per metric."""
     inside = metrics.filter(
-        timeline.inside("timestamp", window)
+        intervals.inside("timestamp", window)
         & pl.col("metric").is_in(list(METRICS_OF_INTEREST.values()))
     )
     if inside.is_empty():
         return {}
-    spans = timeline.spans_of(window)
+    spans = intervals.spans_of(window)
     window = (spans[0][0], spans[-1][1])
     width = max((window[1] - window[0]) // points, 1)
     binned = (
@@ -125,7 +124,7 @@ def step_lanes(w: RankWindow, phase_spans: pl.DataFrame) -> dict:
     }
     lanes = {}
     for name, df in layers.items():
-        merged = _merge_close(timeline.clip(df, (lo, hi)), resolution)
+        merged = _merge_close(intervals.clip(df, (lo, hi)), resolution)
         lanes[name] = [[int(s) - lo, int(e) - lo, int(b)] for s, e, b in merged.iter_rows()]
     return {
         "index": int(step["index"]),
@@ -140,7 +139,7 @@ def _merge_close(df: pl.DataFrame, gap: int) -> pl.DataFrame:
     """The union of the intervals with gaps shorter than ``gap`` ns closed, as (start, end,
     busy): ``busy`` keeps the ns actually covered, so a merged stretch of short kernels reads
     as partly busy, never as solid work."""
-    merged = timeline.union(df)
+    merged = intervals.union(df)
     if merged.is_empty():
         return merged.with_columns(busy=pl.lit(0, pl.Int64))
     return (

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from traceclf.measures import timeline
-from traceclf.measures.busy import Busy
+from traceclf.measures import intervals
+from traceclf.measures.intervals import Busy
 from traceclf.model.taxonomy import Taxonomy, by_name, matches
 from traceclf.model.trace import Trace
 from traceclf.steps.steady import Steps
@@ -89,12 +89,12 @@ class RankWindow:
             return self.api
         return step_calls(self.trace, self.steps, self.taxonomy, self.flagged)
 
-    def uncovered(self, intervals: pl.DataFrame, cover: Busy) -> int:
-        """ns of the window in which one of ``intervals`` (start, end) is in flight and
-        ``cover`` (one of :attr:`layers`) covers nothing."""
-        if intervals.is_empty():
+    def uncovered(self, rows: pl.DataFrame, cover: Busy) -> int:
+        """ns of the window in which one of ``rows`` (start, end) is in flight and ``cover``
+        (one of :attr:`layers`) covers nothing."""
+        if rows.is_empty():
             return 0
-        in_flight = Busy.of(timeline.clip(intervals.select("start", "end"), self.spans))
+        in_flight = Busy.of(intervals.clip(rows.select("start", "end"), self.spans))
         return in_flight.total - cover.overlap(in_flight)
 
     @property
@@ -104,7 +104,7 @@ class RankWindow:
 
     @property
     def spans(self) -> tuple[tuple[int, int], ...]:
-        """The window itself: one span, or the runs of analysed steps in window mode."""
+        """The window itself: one span, or the runs of analysed steps when a long capture is sampled."""
         return self.steps.spans
 
     @property
@@ -126,14 +126,14 @@ class RankWindow:
 def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) -> RankWindow:
     window = steps.spans
     kern = _optimizer_family(
-        taxonomy.classify(timeline.clip(_flag_optimizer(trace, taxonomy), window))
+        taxonomy.classify(intervals.clip(_flag_optimizer(trace, taxonomy), window))
     )
-    graphs = timeline.clip(trace.graphs, window)
-    graph_spans = timeline.clip(trace.graph_executions, window)
-    copies = timeline.clip(trace.copies, window)
+    graphs = intervals.clip(trace.graphs, window)
+    graph_spans = intervals.clip(trace.graph_executions, window)
+    copies = intervals.clip(trace.copies, window)
     # flagged once for both: the window's calls and the steps' calls (millions of rows each)
     flagged = classify_api(trace.api.select("start", "end", "name", "correlation_id"), taxonomy)
-    api = timeline.clip(flagged, window)
+    api = intervals.clip(flagged, window)
     starts, ends = kern["start"].to_numpy(), kern["end"].to_numpy()
     is_comm = kern["is_comm"].fill_null(False).to_numpy()
     # Profiler overhead (CUPTI buffer flushes, ...) is a layer of its own: not GPU work, but
@@ -148,7 +148,7 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
         | Busy.of(graph_spans),
         comm=Busy.of_arrays(starts[is_comm], ends[is_comm]),
         copy=Busy.of(copies),
-        profiler=Busy.of(timeline.clip(trace.overhead, window)),
+        profiler=Busy.of(intervals.clip(trace.overhead, window)),
     )
     return RankWindow(
         trace,
@@ -261,7 +261,7 @@ def _launched_runs(trace: Trace, steps: Steps, starts: np.ndarray) -> tuple[np.n
         [c.drop_nulls().to_numpy() for c in calls] or [np.empty(0, np.int64)]
     )
     lo, hi = [], []
-    for a, b in timeline.spans_of(steps.spans):
+    for a, b in intervals.spans_of(steps.spans):
         mine = (gpu_start >= a) & (gpu_start < b)
         if not mine.any():
             continue

@@ -30,8 +30,8 @@ Frames and their columns
 
 Event frames come in ``start`` order (flagged sorted when they are) as nsys writes them; rows
 no measure can use (no time, an end before the start, no process) are left out and counted in
-``unusable_rows``. A trace read for the default window mode holds only the rows of the steps
-chosen for analysis, plus whole-capture NVTX ranges and memory events: ``windows`` lists the
+``unusable_rows``. A trace read for the default step sampling holds only the rows of the steps
+chosen for analysis, plus whole-capture NVTX ranges and memory events: ``read_spans`` lists the
 time spans its event frames cover (None: the whole capture).
 """
 
@@ -77,8 +77,8 @@ class Trace:
     # rows left out as unusable, by "<frame>.<reason>" (no_time, end_before_start, no_process)
     unusable_rows: dict[str, int] = field(default_factory=dict)
     # time spans (ns) the event frames cover; None: the whole capture
-    windows: tuple[tuple[int, int], ...] | None = None
-    # with ``windows``: first start and last end of GPU work in the whole capture, and the rows
+    read_spans: tuple[tuple[int, int], ...] | None = None
+    # with ``read_spans``: first start and last end of GPU work in the whole capture, and the rows
     # of each event table (what the frames cannot say, holding only the analysed steps)
     capture_span: tuple[int, int] | None = None
     capture_rows: dict[str, int] = field(default_factory=dict)
@@ -102,18 +102,6 @@ class Trace:
     # Frames of events that belong to one process (for_pid keeps only that process's rows);
     # the others describe the machine (GPUs, metrics, processes, threads).
     PER_PROCESS = ("kernels", "graphs", "copies", "api", "syncs", "nvtx", "memory", "overhead")
-
-    @property
-    def gpu_work(self) -> pl.DataFrame:
-        """Every GPU activity interval (kernel, graph execution, copy, memset) with its kind."""
-        cols = ["start", "end", "pid", "device_id", "stream_id", "correlation_id"]
-        return pl.concat(
-            [
-                self.kernels.select(cols).with_columns(kind=pl.lit("kernel")),
-                self.graphs.select(cols).with_columns(kind=pl.lit("graph")),
-                self.copies.select([*cols, pl.col("op").alias("kind")]),
-            ]
-        )
 
     @property
     def graph_executions(self) -> pl.DataFrame:

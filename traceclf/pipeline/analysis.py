@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from traceclf.measures.handoff import ExportResult, RankResult
+from traceclf.measures.handoff import Clock, ExportResult, Placement, RankResult, StepSummary
 from traceclf.report.contract import Report
 from traceclf.support.errors import TraceError
 from traceclf.support.version import __version__, sources_digest
@@ -35,10 +35,10 @@ class AnalysisOptions:
     jobs: int | None = None
     dask_address: str | None = None
     quiet: bool = False
-    # "auto": several exports are one job only when their job evidence matches (runs.py);
+    # "auto": several exports are one job only when their job evidence matches (grouping.py);
     # "job": all inputs are ranks of one job; "runs": one report per export.
     grouping: str = "auto"
-    # Window mode (default): a long capture is analysed on a sample of its steady steps, at
+    # Step sampling (default): a long capture is analysed on a sample of its steady steps, at
     # most this many event rows (None: traceclf.pipeline.twopass.ROW_BUDGET). all_steps: read
     # and analyse every step of the capture.
     all_steps: bool = False
@@ -55,7 +55,7 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     from traceclf.report.runset import RunSet
 
     # Reject bad options and files before any heavy work starts.
-    if opts.step_regex is not None:  # (steps.py imports polars: not without a --step-range)
+    if opts.step_regex is not None:  # (steps/ imports polars: not without a --step-range)
         from traceclf.steps.find import check_step_regex
 
         check_step_regex(opts.step_regex)
@@ -70,7 +70,9 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
         from traceclf.steps.find import warn_unmatched_step_regex
 
         warn_unmatched_step_regex(
-            [r.ranks for r in results], [r.path for r in results], opts.step_regex
+            [[rank.steps.source for rank in r.ranks] for r in results],
+            [r.path for r in results],
+            opts.step_regex,
         )
     results = split_unrelated_ranks(results, opts.grouping)
     grouping = group(results, opts.grouping)
@@ -191,19 +193,12 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
             f"no kernel ran in this capture (only {len(trace.copies)} memcpy/memset rows): "
             "nothing to judge",
         )
-    result = ExportResult(
-        str(path),
-        trace.nsys_version,
-        trace.schema_version,
-        gpu_count=len(trace.gpus),
-        job=job_evidence(path, trace),
-        unusable_rows=trace.unusable_rows,
-    )
+    ranks = []
     for pid in pids:
         rank_trace = trace.for_pid(pid)
         steps = find_steps(rank_trace, opts.step_regex, taxonomy, plans.get(pid))
         gpu = trace.gpu_of(pid)
-        result.ranks.append(
+        ranks.append(
             RankResult(
                 pid=pid,
                 process_name=names.get(pid),
@@ -215,34 +210,37 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
                 clock=_clock(trace, path),
             )
         )
-    return result
+    return ExportResult(
+        str(path),
+        trace.nsys_version,
+        trace.schema_version,
+        tuple(ranks),
+        gpu_count=len(trace.gpus),
+        job=job_evidence(path, trace),
+        unusable_rows=trace.unusable_rows,
+    )
 
 
-def _placement(trace, pid: int, gpu: dict | None, path: Path) -> dict:
-    """Where a rank ran: ranks with equal ``key`` ran on one GPU when ``mapped`` (the export
-    maps their device to a physical GPU, whose UUID names it across files)."""
+def _placement(trace, pid: int, gpu: dict | None, path: Path) -> Placement:
+    """Where a rank ran (ranks with equal ``key`` ran on one GPU when the export maps their
+    device to a physical GPU)."""
     device, mapped = trace.device_of(pid)
     if mapped and gpu:
         key = gpu.get("uuid") or f"{path}#gpu{gpu.get('gpu_id')}"
     else:
         key = f"{path}#device{device}"
-    return {"device": device, "mapped": mapped, "key": key}
+    return Placement(device, mapped, key)
 
 
-def _clock(trace, path: Path) -> dict:
-    """What puts this rank on a common clock with the ranks of other exports."""
+def _clock(trace, path: Path) -> Clock:
     session = trace.session or {}
-    return {
-        "utc_offset_ns": session.get("utc_offset_ns"),
-        "host": session.get("host"),
-        "export": str(path),
-    }
+    return Clock(session.get("utc_offset_ns"), session.get("host"), str(path))
 
 
 # Sources that shape a result (relative to the package): an edit to any invalidates the cache.
 ANALYSIS_SOURCES = (
     "pipeline/analysis.py",
-    "pipeline/twopass.py",  # the window mode's choice of steps
+    "pipeline/twopass.py",  # step sampling's choice of steps
     "steps",
     "model",
     "measures",
@@ -282,23 +280,23 @@ def _result_variant(opts: AnalysisOptions) -> str:
     ).hexdigest()[:24]
 
 
-def _steps_summary(steps) -> dict:
+def _steps_summary(steps) -> StepSummary:
     from traceclf.steps.steady import slowest_step
 
     durations = steps.durations()
-    return {
-        "source": steps.source,
-        "label": steps.label,
-        "count": steps.count,
-        "used": steps.used,
-        "analysed": steps.analysed,  # of "used": fewer when a long capture is sampled
-        "mean_ms": float(durations.mean()) / 1e6 if len(durations) else None,
-        "median_ms": float(durations.median()) / 1e6 if len(durations) else None,
-        "cv": float(durations.std()) / float(durations.mean()) if len(durations) > 1 else None,
-        "window_ns": list(steps.window),
-        "durations_ms": [round(d / 1e6, 4) for d in steps.table["duration"].to_list()],
-        "steady": steps.table["steady"].to_list(),
-        "outliers": int(steps.steady["outlier"].sum()) if steps.count else 0,
-        "worst": slowest_step(steps),
-        "second_anchor": steps.second,
-    }
+    return StepSummary(
+        source=steps.source,
+        label=steps.label,
+        count=steps.count,
+        used=steps.used,
+        analysed=steps.analysed,
+        mean_ms=float(durations.mean()) / 1e6 if len(durations) else None,
+        median_ms=float(durations.median()) / 1e6 if len(durations) else None,
+        cv=float(durations.std()) / float(durations.mean()) if len(durations) > 1 else None,
+        window_ns=list(steps.window),
+        durations_ms=[round(d / 1e6, 4) for d in steps.table["duration"].to_list()],
+        steady=steps.table["steady"].to_list(),
+        outliers=int(steps.steady["outlier"].sum()) if steps.count else 0,
+        worst=slowest_step(steps),
+        second_anchor=steps.second,
+    )

@@ -21,6 +21,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from traceclf.measures.handoff import ExportResult
 
 # Ranks of one synchronous job wait for each other every step: their step times agree closely.
 STEP_TOLERANCE = 0.25
@@ -44,11 +48,11 @@ class Evidence:
     rank_ids: frozenset[int]
 
 
-def evidence(result) -> Evidence:
+def evidence(result: ExportResult) -> Evidence:
     """``result``: a :class:`~traceclf.measures.handoff.ExportResult`."""
     job = result.job or {}
-    first = result.ranks[0].steps if result.ranks else {}
-    step_ms = [r.steps.get("median_ms") for r in result.ranks if r.steps.get("median_ms")]
+    first = result.ranks[0].steps if result.ranks else None
+    step_ms = [r.steps.median_ms for r in result.ranks if r.steps.median_ms]
     start, span = job.get("start_utc_ns"), job.get("gpu_span_ns")
     capture = (start + span[0], start + span[1]) if start is not None and span else None
     stem = Path(result.path).stem
@@ -56,11 +60,11 @@ def evidence(result) -> Evidence:
     ranks = set(job.get("nccl_ranks") or []) or set(job.get("env_ranks") or [])
     if named and not ranks:
         ranks = {int(named.group(1))}
-    part = getattr(result, "part", None)
+    part = result.part
     return Evidence(
         name=Path(result.path).name + (f" ({part})" if part else ""),
         gpus=frozenset((r.gpu or {}).get("name") or "unknown GPU" for r in result.ranks),
-        anchor=(first.get("source") or "none", first.get("label") or ""),
+        anchor=(first.source, first.label) if first else ("none", ""),
         step_ms=sum(step_ms) / len(step_ms) if step_ms else None,
         session_uuid=job.get("session_uuid"),
         capture_utc_ns=capture,
@@ -117,7 +121,7 @@ class Grouping:
         return {"mode": self.mode, "decided_by": self.decided_by, "reason": self.reason}
 
 
-def split_unrelated_ranks(results: list, how: str = "auto") -> list:
+def split_unrelated_ranks(results: list[ExportResult], how: str = "auto") -> list[ExportResult]:
     """Processes of one export that cannot be ranks of one job (another GPU model, steps found
     another way, step times more than ``STEP_TOLERANCE`` apart) are split into one result
     each, so that :func:`group` reports them as separate runs instead of averaging two
@@ -129,7 +133,7 @@ def split_unrelated_ranks(results: list, how: str = "auto") -> list:
         if len(result.ranks) < 2:
             out.append(result)
             continue
-        parts = [replace(result, ranks=[rank], part=f"pid {rank.pid}") for rank in result.ranks]
+        parts = [replace(result, ranks=(rank,), part=f"pid {rank.pid}") for rank in result.ranks]
         first = evidence(parts[0])
         if any(match(first, evidence(p))[1] for p in parts[1:]):
             out.extend(parts)
@@ -138,7 +142,7 @@ def split_unrelated_ranks(results: list, how: str = "auto") -> list:
     return out
 
 
-def group(results: list, how: str = "auto") -> Grouping:
+def group(results: list[ExportResult], how: str = "auto") -> Grouping:
     """Split the map step's ExportResults into runs (see the module docstring)."""
     n = len(results)
     if n == 1:

@@ -9,6 +9,7 @@ come in (:class:`~traceclf.measures.handoff.ExportResult`), so this never touche
 from __future__ import annotations
 
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
             "process": r.process_name,
             "file": r.path,
             "gpu": r.gpu.get("name") if r.gpu else None,
-            "steps": r.steps,
+            "steps": asdict(r.steps),
             "metrics": r.measures.metrics,
             "comm_by_kind": r.measures.comm_by_kind,
             "top_kernels": r.measures.top_kernels,
@@ -56,28 +57,28 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
             d
             | {
                 "collectives": r.measures.collectives,
-                "clock": r.clock | {"gpu": r.placement.get("key")},
-                "window": r.steps.get("window_ns"),
+                "clock": asdict(r.clock) | {"gpu": r.placement.key},
+                "window": r.steps.window_ns,
             }
             for d, r in zip(rank_dicts, ranks, strict=True)
         ],
         capture,
     )
     comm_by_kind = _mean_comm(ranks)
-    first = ranks[0].steps if ranks else {}
+    first = ranks[0].steps if ranks else None
     steps = {
         # rank 0's steps; "mixed" when ranks found their steps in different ways
-        "source": _common([r.steps["source"] for r in ranks], first.get("source", "none")),
-        "label": first.get("label", ""),
-        "count": first.get("count", 0),
-        "used": first.get("used", 0),
-        "analysed": first.get("analysed", first.get("used", 0)),
-        "mean_ms": _mean([r.steps["mean_ms"] for r in ranks]),
-        "median_ms": _mean([r.steps["median_ms"] for r in ranks]),
-        "cv": _mean([r.steps["cv"] for r in ranks]),
-        "window_ns": first.get("window_ns", [0, 0]),
+        "source": _common([r.steps.source for r in ranks], first.source if first else "none"),
+        "label": first.label if first else "",
+        "count": first.count if first else 0,
+        "used": first.used if first else 0,
+        "analysed": first.analysed if first else 0,
+        "mean_ms": _mean([r.steps.mean_ms for r in ranks]),
+        "median_ms": _mean([r.steps.median_ms for r in ranks]),
+        "cv": _mean([r.steps.cv for r in ranks]),
+        "window_ns": first.window_ns if first else [0, 0],
         "worst": _worst_step(ranks),
-        "anchors_agree": (first.get("second_anchor") or {}).get("agrees", True),
+        "anchors_agree": ((first.second_anchor if first else None) or {}).get("agrees", True),
     }
     facts = {
         "metrics": metrics,
@@ -136,9 +137,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
 
 def _worst_step(ranks: list[RankResult]) -> dict | None:
     """The slowest steady step of any rank, with where it lies on that rank's export clock."""
-    rows = [
-        (r.steps["worst"], i) for i, r in enumerate(ranks) if (r.steps.get("worst") or {}).get("ms")
-    ]
+    rows = [(r.steps.worst, i) for i, r in enumerate(ranks) if (r.steps.worst or {}).get("ms")]
     if not rows:
         return None
     worst, rank = max(rows, key=lambda x: x[0]["ms"])

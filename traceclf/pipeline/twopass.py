@@ -1,4 +1,4 @@
-"""The default window mode: read a long capture in two passes, so that time and memory follow
+"""The default step sampling: read a long capture in two passes, so that time and memory follow
 the steps analysed, not the capture's length.
 
 Pass 1 finds the steps of every rank cheaply — the NVTX step ranges (CPU times), else the
@@ -50,8 +50,8 @@ Span = tuple[int, int]
 
 
 @dataclass(frozen=True)
-class WindowRead:
-    """What the window mode read: the trace (only the analysed steps' rows, unless the
+class SampledRead:
+    """What step sampling read: the trace (only the analysed steps' rows, unless the
     capture fitted the budget) and, per rank pid, the plan of its steps (empty: whole capture)."""
 
     trace: Trace
@@ -68,14 +68,14 @@ def load_for_analysis(
     use_cache: bool = True,
     cache_dir: Path | None = None,
     progress: Callable[[str], None] | None = None,
-) -> WindowRead:
-    """The trace an analysis measures: the window mode's (:func:`load_window`), or with
+) -> SampledRead:
+    """The trace an analysis measures: step sampling's (:func:`load_sampled`), or with
     ``all_steps`` the whole capture through the model cache. An entry is written then only
     when the export was analysed before under other options: re-analysis with the same ones
     is served by the result cache, so a cold run never pays for writing a model it will not
-    read again. The window mode reads only the analysed steps' rows: no model cache."""
+    read again. Step sampling reads only the analysed steps' rows: no model cache."""
     if not all_steps:
-        return load_window(path, taxonomy, step_regex, budget or ROW_BUDGET, progress)
+        return load_sampled(path, taxonomy, step_regex, budget or ROW_BUDGET, progress)
     from traceclf.ingest import cache, results
 
     key = results.identity(path) if use_cache else None
@@ -83,17 +83,17 @@ def load_for_analysis(
     trace = cache.load_trace_cached(
         path, use_cache=use_cache, cache_dir=cache_dir, progress=progress, write=write
     )
-    return WindowRead(trace, {})
+    return SampledRead(trace, {})
 
 
-def load_window(
+def load_sampled(
     path: str | Path,
     taxonomy: Taxonomy,
     step_regex: str | None = None,
     budget: int = ROW_BUDGET,
     progress: Callable[[str], None] | None = None,
-) -> WindowRead:
-    """Read ``path`` for the window mode (see the module's description)."""
+) -> SampledRead:
+    """Read ``path`` for step sampling (see the module's description)."""
     path = Path(path)
     reader = Reader(inspect_export(path, check_pages=False))
     step = progress or (lambda _msg: None)
@@ -105,14 +105,14 @@ def load_window(
         }
         indexes = {k: v for k, v in indexes.items() if v is not None}
         if sum(i.rows for i in indexes.values()) <= budget:
-            return WindowRead(load_trace(path, progress=progress), {})
+            return SampledRead(load_trace(path, progress=progress), {})
         step("steps")
         planner = _Planner(reader, con, indexes, taxonomy, step_regex, budget)
         plans = planner.plans()
         if plans is None:  # some rank's steps cannot be found cheaply: read it all
-            return WindowRead(load_trace(path, progress=progress), {})
+            return SampledRead(load_trace(path, progress=progress), {})
         trace = _read_plans(reader, con, indexes, planner, budget, progress)
-    return WindowRead(trace, plans)
+    return SampledRead(trace, plans)
 
 
 class _Planner:
@@ -390,7 +390,7 @@ def _read_plans(
             if index is not None and index.rows <= max(budget // 2, SMALL_ROWS):
                 frames[logical] = reader.read(logical)
     gpu_spans = _merge([gpu for gpu, _calls in planner.spans])
-    windows = tuple(_merge([span for pair in planner.spans for span in pair]))
+    read_spans = tuple(_merge([span for pair in planner.spans for span in pair]))
 
     def read_metrics() -> pl.DataFrame:
         index = (
@@ -415,7 +415,7 @@ def _read_plans(
         read,
         read_metrics,
         nvtx=planner.nvtx,
-        windows=windows,
+        read_spans=read_spans,
         capture=_capture(reader, indexes),
         progress=progress,
     )

@@ -354,7 +354,7 @@ def provenance_rows(report: Report) -> list[tuple[str, str]]:
 
 
 def grouping_line(report: Report) -> str:
-    """Why several files became one report (runs.py), or "" for one file."""
+    """Why several files became one report (pipeline/grouping.py), or "" for one file."""
     g = report.grouping if isinstance(report.grouping, dict) else {}
     if not g or g.get("decided_by") in (None, "one export"):
         return ""

@@ -1,4 +1,4 @@
-"""The multi-run report (several unrelated runs analysed at once, traceclf/runs.py): a summary
+"""The multi-run report (several unrelated runs analysed at once, traceclf/report/runset.py): a summary
 table (run | bound | step | busy | exposed comm | top fix), then each run's own report, in
 every format."""
 

@@ -68,7 +68,7 @@ def steps_line(report: Report) -> str:
 
 
 def sampled(steps: dict) -> str:
-    """ ", 48 analysed (...)" when the window mode measured a sample of the steady steps."""
+    """ ", 48 analysed (...)" when step sampling measured a sample of the steady steps."""
     analysed, used = steps.get("analysed"), steps.get("used") or 0
     if analysed is None or analysed >= used:
         return ""

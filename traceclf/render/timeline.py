@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.report.contract import Report
 from traceclf.support.units import fmt_ms
 
@@ -26,7 +27,6 @@ PHASE_COLUMNS = (
     "other",
     "steps",
 )
-IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
 
 
 def seconds(lo_ns: int, hi_ns: int) -> str:

@@ -1,6 +1,6 @@
 """A comparison of runs as data (``traceclf compare``; made by :mod:`traceclf.compare`): each
 side's step statistics, the verdict with its noise band, the measures that moved and why the
-runs may not be comparable. Renderers read these objects (traceclf/render/comparison.py)."""
+runs may not be comparable. Renderers read these objects (traceclf/render/compared.py)."""
 
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ from typing import Protocol
 
 import polars as pl
 
+from traceclf.measures.handoff import IDLE_CAUSES
+
 
 class Sections(Protocol):
     """What the tables are built from: a :class:`traceclf.report.contract.Report` (named by
@@ -30,7 +32,6 @@ class Sections(Protocol):
 
 
 TABLES = ("steps", "ranks", "kernels", "idle_gaps", "collectives", "phases")
-IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
 STEP_PARTS = ("compute", "exposed_comm", "copy", "idle")
 
 

@@ -36,7 +36,7 @@ def find_steps(
     plan: StepPlan | None = None,
 ) -> Steps:
     """Steps of a single-rank trace (see :meth:`Trace.for_pid`); ``taxonomy`` (default: the
-    bundled one) names step ranges and graph launches. With a ``plan`` (window mode: the
+    bundled one) names step ranges and graph launches. With a ``plan`` (step sampling: the
     steps found in the first pass and those chosen for analysis) only the chosen steps are
     projected onto the GPU, from the rows ``trace`` holds for them."""
     from traceclf.model.taxonomy import bundled
@@ -244,20 +244,20 @@ def anchors_agree(ratio: float) -> bool:
 
 
 def warn_unmatched_step_regex(
-    ranks_per_export: list[list], paths: list[str], step_regex: str | None
+    sources_per_export: list[list[str]], paths: list[str], step_regex: str | None
 ) -> None:
     """--step-range names NVTX ranges: say where it matched none (steps then came from CUDA
     graphs or a repeating kernel, or there were none), rather than stay silent."""
     if step_regex is None:
         return
-    for ranks, path in zip(ranks_per_export, paths, strict=True):
-        missed = [r for r in ranks if r.steps.get("source") != "nvtx"]
+    for sources, path in zip(sources_per_export, paths, strict=True):
+        missed = [source for source in sources if source != "nvtx"]
         if missed:
-            found = missed[0].steps.get("source") or "none"
+            found = missed[0] or "none"
             instead = "no steps were found" if found == "none" else f"steps came from {found}"
             warnings.warn(
                 f"{path}: --step-range {step_regex!r} matched no NVTX range "
-                f"on {len(missed)} of {len(ranks)} rank(s); {instead} instead",
+                f"on {len(missed)} of {len(sources)} rank(s); {instead} instead",
                 TraceWarning,
                 stacklevel=3,
             )

@@ -1,4 +1,4 @@
-"""Window mode (issue 12): which steady steps of a long capture are read and analysed.
+"""Step sampling (issue 12): which steady steps of a long capture are read and analysed.
 
 The first pass of :mod:`traceclf.pipeline.twopass` finds every step cheaply; :func:`plan_steps`
 chooses runs of consecutive steady steps, spread evenly over the steady state and within a row
@@ -22,7 +22,7 @@ RUNS = 16
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The steps of one rank as the first pass of the window mode finds them, and the runs of
+    """The steps of one rank as the first pass of step sampling finds them, and the runs of
     steady steps chosen for analysis.
 
     ``table``: index, name, start, end, duration, steady — GPU times when ``exact`` (steps
@@ -92,7 +92,7 @@ def plan_steps(
 
 
 def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
-    """Steps of a window-mode trace: the plan's steps, with GPU times and exact durations for
+    """Steps of a sampled trace: the plan's steps, with GPU times and exact durations for
     those of its runs (NVTX ranges projected through the CUDA calls the trace holds)."""
     table = plan.table
     if plan.exact:

@@ -22,7 +22,7 @@ class Steps:
 
     ``table`` has every step found (index, name, gpu_start, gpu_end, duration, steady,
     outlier, analysed, and cpu_start/cpu_end: the NVTX range of a step found on the host,
-    null for steps found on the GPU). By default (window mode) a long capture is analysed on a sample of its
+    null for steps found on the GPU). By default (step sampling) a long capture is analysed on a sample of its
     steady steps, in runs spread evenly over the steady state: ``analysed`` marks them, and
     ``spans`` are the GPU time spans they cover (the measures' window; ``window`` is their
     hull). With every steady step analysed, ``spans`` is the one span ``window``.
@@ -118,7 +118,7 @@ def steady_bounds(
     n: int, duration: Callable[[int], float | None], reference: float
 ) -> tuple[int, int]:
     """:func:`steady_range` of ``n`` steps whose durations ``duration(i)`` gives (None:
-    unknown) against ``reference`` (the median step): the window mode asks only for the few
+    unknown) against ``reference`` (the median step): step sampling asks only for the few
     durations the decision needs, each measured on its own."""
 
     def slower(i: int, than: float) -> bool:

@@ -1,4 +1,4 @@
-"""`traceclf compare` output: the comparison (traceclf/compare.py) as rich terminal text,
+"""`traceclf compare` output: the comparison (traceclf/report/comparison.py) as rich terminal text,
 Markdown or JSON."""
 
 from __future__ import annotations
