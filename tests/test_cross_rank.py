@@ -16,7 +16,7 @@ from helpers.cli import run_cli
 from helpers.constructed import Export
 from realtraces import trace_path
 
-from traceclf.measures.cross_rank import cross_rank
+from traceclf.judge.straggler import cross_rank_block
 from traceclf.render.content import budget_rows
 from traceclf.report.contract import Report
 
@@ -202,7 +202,7 @@ def test_survey_groups_like_ranks_and_never_compares_unlike_ones():
         rank(2, 102.0, 0.65, {"all_reduce": 2}, 400),
         rank(3, 130.0, 0.9, {"send_recv": 6}, 150),
     ]
-    cr = cross_rank(ranks)
+    cr = cross_rank_block(ranks)
     assert cr["rank_groups"] == [[0, 1, 2], [3]]
     assert cr["representatives"] == [1, 3]  # slowest (3) + the median-step rank of [0, 1, 2]
     assert cr["straggler_rank"] == 2
@@ -216,7 +216,7 @@ def test_ranks_sharing_a_gpu_are_left_out_of_the_skew():
     ranks = [rank(i, 100.0 + i, 0.5 + 0.1 * i, {"all_to_all": 8}, 129) for i in range(3)]
     for r in ranks[:2]:
         r["clock"]["gpu"] = "GPU-shared"
-    cr = cross_rank(ranks)
+    cr = cross_rank_block(ranks)
     assert cr["shared_gpu"] == [[0, 1]]
     assert cr["straggler_rank"] is None  # only rank 2 is left unshared: nothing to compare
 
@@ -227,7 +227,7 @@ def test_ranks_that_may_share_a_gpu_get_no_jitter_verdict():
     ranks = [rank(i, 100.0 + 5 * i, 0.5 + 0.2 * i, {"all_reduce": 2}, 400) for i in range(2)]
     for r in ranks:
         r["clock"]["gpu"] = "device0"
-    cr = cross_rank(ranks, {"gpu_assignment": "unknown"})
+    cr = cross_rank_block(ranks, {"gpu_assignment": "unknown"})
     assert cr["shared_gpu"] == [] and cr["straggler_rank"] is None
     assert "cannot say whether it is one GPU" in cr["straggler_note"]
     assert "no straggler or jitter verdict" in cr["verdict"]
@@ -237,7 +237,7 @@ def test_straggler_needs_a_skew_beyond_the_noise():
     ranks = [rank(i, 100.0, 0.5 + 0.01 * i, {"all_reduce": 2}, 400) for i in range(2)]
     for r in ranks:
         r["metrics"]["step_time_cv"] = 0.1  # steps vary by 10%: a 2% compute skew is noise
-    cr = cross_rank(ranks, {"gpu_assignment": "own"})
+    cr = cross_rank_block(ranks, {"gpu_assignment": "own"})
     assert cr["straggler_rank"] is None and cr["noise_band_frac"] == pytest.approx(0.2)
     assert "noise band" in cr["straggler_note"]
 
@@ -261,10 +261,11 @@ def test_waiting_verdict_keeps_its_advice_when_the_wait_costs_much():
     for r in ranks:
         r["metrics"]["exposed_comm_frac"] = 0.3
     cr = {"comm_wait_frac": 0.6, "last_arriver_rank": 1, "shared_gpu": []}
-    from traceclf.measures.cross_rank import _exposed_comm, _verdict
+    from traceclf.judge.straggler import verdict
+    from traceclf.measures.cross_rank import exposed_comm
 
-    assert "fix the late rank" in _verdict(cr, [], _exposed_comm(ranks))
-    assert "not worth chasing" in _verdict(cr, [], 0.04)
+    assert "fix the late rank" in verdict(cr, [], exposed_comm(ranks))
+    assert "not worth chasing" in verdict(cr, [], 0.04)
 
 
 def test_ranks_of_unknown_placement_get_no_wait_or_transfer_rule(tmp_path):

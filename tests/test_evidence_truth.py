@@ -149,12 +149,13 @@ def close(name: str, got: object, want: object) -> bool:
 
 @cache
 def rule_files() -> dict:
-    merged: dict = {"rules": {}, "definitions": {}, "fixes": {}, "scoring": {}}
+    merged: dict = {"rules": {}, "definitions": {}, "fixes": {}, "scoring": {}, "thresholds": {}}
     for path in sorted((REPO / "rules").glob("*.yaml")):
         doc = yaml.safe_load(path.read_text()) or {}
         merged["rules"] |= {r["id"]: r for r in doc.get("rules") or []}
         merged["fixes"] |= {f["id"]: f for f in doc.get("fixes") or []}
         merged["definitions"] |= doc.get("definitions") or {}
+        merged["thresholds"] |= doc.get("thresholds") or {}
         merged["scoring"] |= doc.get("scoring") or {}
         for key in ("gpu_families", "host_links"):
             merged.setdefault(key, []).extend(doc.get(key) or [])
@@ -162,11 +163,12 @@ def rule_files() -> dict:
 
 
 def names(expr: object) -> set[str]:
-    """Names an expression uses, definitions expanded into the names they use."""
+    """Names an expression uses, definitions expanded into the names they use (thresholds are
+    numbers of the rule files, not facts of the run: left out)."""
     if not isinstance(expr, str):
         return set()
     found = {n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)}
-    found -= set(FUNCTIONS)
+    found -= set(FUNCTIONS) | set(rule_files()["thresholds"])
     definitions = rule_files()["definitions"]
     return {x for n in found for x in (names(definitions[n]) if n in definitions else {n})}
 
@@ -255,6 +257,7 @@ def env_of(metrics: dict, gpu: dict | None, ranks: list[dict], context: dict) ->
         "other_comm_kinds": [k for k in kinds or [] if k != "all_to_all"],
         "comm_libraries": rank_mean([r["comm_libraries"] for r in ranks]) or [],
     }
+    env |= files["thresholds"]
     for name, expr in files["definitions"].items():
         env[name] = evaluate(expr, env)
     return env

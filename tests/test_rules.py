@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from realtraces import measured, trace_path
 
+from traceclf.judge.abstention import training_loop
 from traceclf.judge.engine import evaluate
 from traceclf.judge.vocabulary import load_rules
 from traceclf.render.rules import explain_fix, list_rules
@@ -417,7 +418,8 @@ def facts_of(name: str) -> dict:
         "comm_by_kind": kinds,
         "cross_rank": {},
         "capture": {
-            "training_loop": ranks[0].capture["training_loop"],
+            # the judge decides it from the measured evidence (judge/abstention.py)
+            "training_loop": training_loop(ranks[0].capture, load_rules().thresholds),
             "moe_evidence": any(
                 r.capture["training_evidence"]["moe_kernels"]
                 or r.capture["training_evidence"]["moe_ranges"]

@@ -2,7 +2,7 @@
 report's ``capture`` block, and whether to abstain.
 
 traceclf abstains (``classification.bound`` null, no fixes, exit 0) when the capture holds too
-little GPU work to judge, or nothing repeats (no step, no graph replay, no regularly recurring
+little GPU work to judge (less than the ``min_gpu_work_ms`` threshold), or nothing repeats (no step, no graph replay, no regularly recurring
 kernel): a verdict on one-off work would be a guess. An export without any kernel at all is bad
 input (exit 2) and never reaches this module.
 """
@@ -15,15 +15,42 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from traceclf.measures.handoff import ExportResult, RankResult, StepSummary
 
-# Less GPU work than this in the whole capture is launch and profiler noise, not a workload
-# (a real training step alone is milliseconds of GPU time).
-MIN_GPU_WORK_MS = 1.0
 LOOP_ORDER = ("training", "forward_only", "unknown", "not_a_loop")
 
 
-def capture_block(ranks: list[RankResult], exports: list[ExportResult]) -> dict:
+def rank_capture(facts: dict, thresholds: dict[str, int | float]) -> dict:
+    """One rank's capture facts (``ranks[].capture``) with the judge's ``training_loop``
+    beside ``repeating``, where the report has always shown it."""
+    out = {}
+    for key, value in facts.items():
+        out[key] = value
+        if key == "repeating":
+            out["training_loop"] = training_loop(facts, thresholds)
+    return out
+
+
+def training_loop(facts: dict, thresholds: dict[str, int | float]) -> str:
+    """training | forward_only | not_a_loop | unknown (docs/judgement.md): a loop trains when
+    it shows a backward pass or an optimizer; it is a deep-learning framework's when its
+    framework kernels take at least ``framework_kernel_share`` of kernel time (DL runs put most
+    of their time in ATen/cuBLAS/CUTLASS/flash/NCCL kernels, an HPC code in its own)."""
+    if not facts.get("repeating"):
+        return "not_a_loop"
+    e = facts.get("training_evidence") or {}
+    if e.get("backward_kernels") or e.get("autograd_launches") or e.get("backward_ranges"):
+        return "training"
+    if e.get("optimizer_kernels") or e.get("optimizer_ranges"):
+        return "training"
+    if (e.get("framework_kernel_frac") or 0) >= thresholds["framework_kernel_share"]:
+        return "forward_only"
+    return "unknown"
+
+
+def capture_block(
+    ranks: list[RankResult], exports: list[ExportResult], thresholds: dict[str, int | float]
+) -> dict:
     """The contract's ``capture`` block from the per-rank facts."""
-    facts = [r.measures.capture for r in ranks]
+    facts = [rank_capture(r.measures.capture, thresholds) for r in ranks]
     first = ranks[0].steps if ranks else None
     assignment = gpu_assignment(ranks, exports)
     return {
@@ -86,12 +113,14 @@ def gpu_assignment(ranks: list[RankResult], exports: list[ExportResult]) -> str:
     return "unknown"
 
 
-def abstain_reason(capture: dict, ranks: list[RankResult]) -> str | None:
+def abstain_reason(
+    capture: dict, ranks: list[RankResult], thresholds: dict[str, int | float]
+) -> str | None:
     """A sentence naming the facts when the trace cannot support a verdict, else None."""
     work, span, kernels = capture["gpu_work_ms"], capture["capture_ms"], capture["kernels"]
     facts = f"{kernels} kernel{'s' if kernels != 1 else ''}, {_ms(work)} of GPU work in {_ms(span)}"
     host = _host_story(ranks)
-    if work < MIN_GPU_WORK_MS:
+    if work < thresholds["min_gpu_work_ms"]:
         return f"too little GPU work to judge: {facts}{host}"
     if capture["training_loop"] == "not_a_loop":
         return f"no repeating step {_why_no_steps(ranks)}: {facts}{host}"

@@ -122,7 +122,8 @@ def _classification(
 
 
 def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
-    """The names conditions see: every measure (null when absent) plus the context names."""
+    """The names conditions see: every measure (null when absent), the context names, the
+    thresholds and the definitions."""
     metrics = facts.get("metrics") or {}
     gpu = facts.get("gpu") or {}
     kinds = facts.get("comm_by_kind") or {}
@@ -162,6 +163,7 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
         "comm_transfer_frac": cross.get("comm_transfer_frac"),
         "last_arriver_rank": cross.get("last_arriver_rank"),
     } | host_link(gpu, rs)
+    env |= rs.thresholds
     for name, definition in rs.definitions.items():  # in order: each may use the ones before
         env[name] = definition.expr.value(env)
     return env
@@ -324,7 +326,8 @@ def _expand(names: set[str], rs: RuleSet) -> set[str]:
         out.add(name)
         if name in rs.definitions:
             todo += rs.definitions[name].expr.names
-    return {n for n in out if n not in rs.definitions}
+    # thresholds are not facts of the run: a fix's evidence names what was measured
+    return {n for n in out if n not in rs.definitions and n not in rs.thresholds}
 
 
 def _prerequisites_first(fixes: list[dict], rs: RuleSet) -> list[dict]:

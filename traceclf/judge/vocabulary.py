@@ -13,6 +13,7 @@ from pathlib import Path
 
 from traceclf.rulebook import layers
 from traceclf.rulebook.layers import RuleSet
+from traceclf.support.errors import TraceError
 
 # Names a rule may use besides the measures: facts about the run, not about one rank's step.
 CONTEXT_NAMES: dict[str, str] = {
@@ -65,7 +66,23 @@ def known_names() -> frozenset[str]:
     return frozenset(MEASURES) | frozenset(CONTEXT_NAMES)
 
 
+# The thresholds (rules/thresholds.yaml) the judge's own code reads; conditions may use them all.
+JUDGE_THRESHOLDS = (
+    "min_gpu_work_ms",  # abstention (judge/abstention.py)
+    "framework_kernel_share",  # training_loop (judge/abstention.py)
+    "like_ranks_tolerance",  # which ranks are compared (judge/straggler.py)
+    "straggler_min_skew",
+    "straggler_noise_factor",
+    "wait_dominates_frac",  # the cross-rank verdict (judge/straggler.py)
+)
+
+
 def load_rules(rules_dir: Path | str | None = None, remember: Path | None = None) -> RuleSet:
     """The bundled rules with ``rules_dir`` merged over them, checked against
-    :func:`known_names` (:func:`traceclf.rulebook.layers.load_rules`)."""
-    return layers.load_rules(rules_dir, remember, known_names)
+    :func:`known_names` (:func:`traceclf.rulebook.layers.load_rules`), with every threshold
+    the judge reads."""
+    rs = layers.load_rules(rules_dir, remember, known_names)
+    missing = [name for name in JUDGE_THRESHOLDS if name not in rs.thresholds]
+    if missing:
+        raise TraceError(rs.folders[0], f"threshold {missing[0]!r}: missing from the bundled rules")
+    return rs

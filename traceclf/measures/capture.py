@@ -1,7 +1,8 @@
-"""What one rank's capture can support, before any wall is judged (the report's ``capture``
-block, docs/judgement.md): how much GPU work it holds, whether it repeats, whether it looks
-like a training loop, how CUDA graphs were traced, whether GPU metrics and NCCL payloads are
-there, and how much of the capture the window covers."""
+"""What one rank's capture holds, before any wall is judged (the report's ``capture`` block,
+docs/judgement.md): how much GPU work, whether it repeats, the evidence of a training loop (the
+judge decides whether it is one: :mod:`traceclf.judge.abstention`), how CUDA graphs were
+traced, whether GPU metrics and NCCL payloads are there, and how much of the capture the window
+covers."""
 
 from __future__ import annotations
 
@@ -12,10 +13,6 @@ from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import by_name, matches
 from traceclf.steps.find import step_ranges
-
-# A framework's share of kernel time above which a loop is a deep-learning one: DL runs put
-# most of their time in ATen/cuBLAS/CUTLASS/flash/NCCL kernels, an HPC code in its own.
-FRAMEWORK_SHARE = 0.5
 
 
 def capture_facts(w: RankWindow) -> dict:
@@ -41,7 +38,6 @@ def capture_facts(w: RankWindow) -> dict:
         "gpu_metrics": not trace.metrics_of_gpu((w.gpu or {}).get("gpu_id")).is_empty(),
         "nccl_payload": trace.nccl_payload,
         "repeating": repeating,
-        "training_loop": _training_loop(training, repeating),
         "training_evidence": training,
         "unusable_rows": dict(getattr(trace, "unusable_rows", {}) or {}),
         "cuda_api_traced": w.host_traced,
@@ -77,7 +73,7 @@ def graph_trace_mode(w: RankWindow) -> str:
 
 
 def _training_evidence(w: RankWindow) -> dict:
-    """Counts behind ``training_loop``, over the rank's whole capture: graph-level traced runs
+    """Counts behind ``training_loop`` (judge/abstention.py), over the rank's whole capture: graph-level traced runs
     show their backward and optimizer kernels only in the eager warm-up before capture."""
     trace, patterns = w.trace, w.taxonomy.training
     # the patterns run once per distinct name (a few hundred), not once per kernel (millions)
@@ -115,16 +111,3 @@ def _training_evidence(w: RankWindow) -> dict:
         ),
         "moe_ranges": int(matches(nvtx, w.taxonomy.moe["nvtx"]).sum()),
     }
-
-
-def _training_loop(e: dict, repeating: bool) -> str:
-    """training | forward_only | not_a_loop | unknown (docs/judgement.md)."""
-    if not repeating:
-        return "not_a_loop"
-    if e["backward_kernels"] or e["autograd_launches"] or e["backward_ranges"]:
-        return "training"
-    if e["optimizer_kernels"] or e["optimizer_ranges"]:
-        return "training"
-    if (e["framework_kernel_frac"] or 0) >= FRAMEWORK_SHARE:
-        return "forward_only"
-    return "unknown"

@@ -1,8 +1,9 @@
 """The reduce step: the per-rank results of every export of one job → one :class:`Report`.
 
 Numbers the ranks, averages their measures, says what the capture supports
-(:mod:`traceclf.judge.abstention`), compares the ranks (:mod:`traceclf.measures.cross_rank`), and
-classifies — or abstains (:mod:`traceclf.judge.engine`). Only small, picklable per-rank results
+(:mod:`traceclf.judge.abstention`), compares the ranks (:mod:`traceclf.judge.straggler` over the
+numbers of :mod:`traceclf.measures.cross_rank`), and classifies — or abstains
+(:mod:`traceclf.judge.engine`); every threshold from the rule set. Only small, picklable per-rank results
 come in (:class:`~traceclf.measures.handoff.ExportResult`), so this never touches a trace.
 """
 
@@ -26,11 +27,14 @@ REPORT_VERSION = 2
 def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> Report:
     """Reduce step: number the ranks, average their measures, compare them, say what the
     capture supports, then classify — or abstain (docs/judgement.md)."""
-    from traceclf.judge.abstention import abstain_reason, capture_block
+    from traceclf.judge.abstention import abstain_reason, capture_block, rank_capture
     from traceclf.judge.ceiling import combined
     from traceclf.judge.engine import abstained, evaluate
-    from traceclf.measures.cross_rank import cross_rank
+    from traceclf.judge.straggler import Limits, cross_rank_block
+    from traceclf.judge.vocabulary import load_rules
 
+    rs = load_rules(rules_dir)
+    thresholds = rs.thresholds
     ranks = [r for export in results for r in export.ranks]
     rank_dicts = [
         {
@@ -45,14 +49,14 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
             "top_kernels": r.measures.top_kernels,
             "idle_nvtx": r.measures.idle_nvtx,
             "phases": r.measures.phases,
-            "capture": r.measures.capture,
+            "capture": rank_capture(r.measures.capture, thresholds),
         }
         for i, r in enumerate(ranks)
     ]
     metrics = mean_metrics([r.measures.metrics for r in ranks])
     gpus = _unique([{k: r.gpu.get(k) for k in GPU_KEYS} for r in ranks if r.gpu])
-    capture = capture_block(ranks, results)
-    cross = cross_rank(
+    capture = capture_block(ranks, results, thresholds)
+    cross = cross_rank_block(
         [
             d
             | {
@@ -63,6 +67,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
             for d, r in zip(rank_dicts, ranks, strict=True)
         ],
         capture,
+        Limits.of(rs),
     )
     comm_by_kind = _mean_comm(ranks)
     first = ranks[0].steps if ranks else None
@@ -91,7 +96,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
         "steps": steps,
         "idle_nvtx": _top_idle_nvtx(ranks),
     }
-    reason = abstain_reason(capture, ranks)
+    reason = abstain_reason(capture, ranks, thresholds)
     verdict = abstained(reason) if reason else evaluate(facts, rules_dir)
     return Report(
         report_version=REPORT_VERSION,

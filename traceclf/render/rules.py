@@ -50,9 +50,15 @@ def list_rules(rules_dir: Path | None = None) -> None:
         definitions.add_column(col, overflow="fold")
     for d in rs.definitions.values():
         definitions.add_row(for_terminal(d.name), for_terminal(d.expr.source))
+    thresholds = Table(title="Thresholds", title_justify="left")
+    for col in ("name", "value"):
+        thresholds.add_column(col, overflow="fold")
+    for name, value in rs.thresholds.items():
+        thresholds.add_row(for_terminal(name), for_terminal(f"{value:g}"))
     console.print(rules)
     console.print(fixes)
     console.print(definitions)
+    console.print(thresholds)
     console.print(for_terminal("Rule files: " + ", ".join(str(f) for f in rs.folders)))
 
 

@@ -5,8 +5,8 @@ the file and the entry.
 Kinds of entries (docs/rules.md): ``rules`` (a condition on the measures, a score for one
 wall, an evidence sentence, the fix ids it proposes), ``fixes`` (what to change, when it
 applies, how to tell it is already applied), ``gpu_families`` (GPU name/chip -> family),
-``host_links``, ``scoring`` (workflow order and thresholds), ``definitions`` (named
-expressions) and the ``taxonomy`` of kernels, CUDA calls and NVTX ranges (rules/kernels.yaml),
+``host_links``, ``scoring`` (workflow order and score thresholds), ``thresholds`` (the numbers
+that decide verdicts, stragglers, abstentions and fixes), ``definitions`` (named expressions) and the ``taxonomy`` of kernels, CUDA calls and NVTX ranges (rules/kernels.yaml),
 returned as plain tables (:mod:`traceclf.model.taxonomy` makes them polars expressions).
 
 The names rules may use (every measure and context name) come from the caller
@@ -40,6 +40,7 @@ from traceclf.rulebook.entries import (
     parse_scoring,
 )
 from traceclf.rulebook.taxonomy_tables import TaxonomyTables, parse_taxonomy
+from traceclf.rulebook.thresholds import parse_thresholds
 from traceclf.rulebook.yamlfile import read_text, read_yaml, yaml_files
 from traceclf.support.errors import TraceError
 from traceclf.support.version import PACKAGE
@@ -81,6 +82,8 @@ class RuleSet:
     host_links: list[HostLink] = field(default_factory=list)
     # the measures and context names the rules were checked against (the judge's environment)
     names: frozenset[str] = frozenset()
+    # every number that decides a verdict, a straggler, an abstention or a fix, by name
+    thresholds: dict[str, int | float] = field(default_factory=dict)
 
 
 def bundled_rules_dir() -> Path:
@@ -175,8 +178,9 @@ _TAXONOMIES: dict[tuple, TaxonomyTables] = {}
 def _parse(
     folders: list[Path], docs: list[list[tuple[Path, dict]]], known: frozenset[str]
 ) -> RuleSet:
-    definitions = parse_definitions(docs, known)
-    names = known | frozenset(definitions)
+    thresholds = parse_thresholds(docs, known)
+    definitions = parse_definitions(docs, known | frozenset(thresholds))
+    names = known | frozenset(thresholds) | frozenset(definitions)
     rules: dict[str, Rule] = {}
     fixes: dict[str, Fix] = {}
     families: list[GpuFamily] = []
@@ -206,6 +210,7 @@ def _parse(
         parse_taxonomy(docs),
         host_links,
         names=known,
+        thresholds=thresholds,
     )
     _check_references(ruleset)
     return ruleset

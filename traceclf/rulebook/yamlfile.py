@@ -34,6 +34,7 @@ _TOP_KEYS = (
     "host_links",
     "scoring",
     "taxonomy",
+    "thresholds",
 )
 
 
