@@ -364,6 +364,19 @@ def rules_cmd(rules_dir: Path | None) -> None:
     list_rules(rules_dir)
 
 
+@cli.command("kernels")
+@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@rules_option
+def kernels_cmd(names: tuple[str, ...], rules_dir: Path | None) -> None:
+    """Say which kernel family each kernel NAME falls in, and why: the taxonomy entry that
+    matches it first (its name, rule file and pattern), the entries further down that would
+    have matched too, and for a communication kernel its library and collective kind. Quote
+    demangled names: they hold spaces and brackets."""
+    from traceclf.render.rules import explain_kernels
+
+    explain_kernels(list(names), rules_dir)
+
+
 def _complete_fix_ids(_ctx, _param, incomplete: str) -> list[str]:
     """Shell completion of fix ids (bundled rules)."""
     from traceclf.judge.vocabulary import load_rules

@@ -209,7 +209,7 @@ def _kernel_measures(
 
 def families(taxonomy: Taxonomy) -> tuple[str, ...]:
     """The report's families, then any that the taxonomy adds."""
-    extra = [f for f, _ in taxonomy.families if f not in FAMILY_NAMES]
+    extra = [p.family for p in taxonomy.families if p.family not in FAMILY_NAMES]
     return (*FAMILY_NAMES, *dict.fromkeys(extra))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from traceclf.rulebook.taxonomy_tables import Table, TaxonomyTables
+from traceclf.rulebook.taxonomy_tables import FamilyPattern, Table, TaxonomyTables
 
 if TYPE_CHECKING:  # polars is imported where an expression is built: a cached re-analysis
     # reads the taxonomy (the rule set's) without building any
@@ -33,7 +33,15 @@ class Taxonomy(TaxonomyTables):
         return cls(**{f.name: getattr(tables, f.name) for f in fields(TaxonomyTables)})
 
     def family(self, col: str = "name") -> pl.Expr:
-        return first_match(col, self.families, "other")
+        return first_match(col, tuple((p.family, p.pattern) for p in self.families), "other")
+
+    def family_patterns(self, name: str) -> list[FamilyPattern]:
+        """Every family entry that matches the kernel name ``name``, in the order they are
+        tried: the first decides its family (``traceclf kernels`` shows why)."""
+        import polars as pl
+
+        text = pl.Series([name], dtype=pl.String)
+        return [p for p in self.families if text.str.contains(p.pattern)[0]]
 
     def comm_library(self, col: str = "name") -> pl.Expr:
         return first_match(col, self.comm_libraries, None)

@@ -1,5 +1,5 @@
-"""`traceclf rules` and `traceclf explain FIX_ID`: the rule set and one fix, as rich console
-output."""
+"""`traceclf rules`, `traceclf explain FIX_ID` and `traceclf kernels NAME...`: the rule set, one
+fix, and which taxonomy entry classifies a kernel name, as rich console output."""
 
 from __future__ import annotations
 
@@ -96,6 +96,44 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
             parts += [Text(""), Text.assemble((f"{label}: ", "bold"), for_terminal(value))]
     title = for_terminal(f"{fix.title}  [{fix.id} · {fix.wall}]")  # Text: never markup
     _console().print(Panel(Group(*parts), title=title, title_align="left"))
+
+
+def explain_kernels(names: list[str], rules_dir: Path | None = None) -> None:
+    """For each kernel name: its family and the entry that decides it (name, file, pattern),
+    the entries further down that match it too (first match wins, so they do not count), and,
+    for a communication kernel, its library and collective kind as the name says them."""
+    import polars as pl
+
+    from traceclf.model.taxonomy import Taxonomy
+
+    taxonomy = Taxonomy.of(load_rules(rules_dir).taxonomy)
+    classified = taxonomy.classify(pl.DataFrame({"name": names}, schema={"name": pl.String}))
+    labels = dict(zip(classified["name"].to_list(), classified.iter_rows(named=True), strict=True))
+    console = _console()
+    for i, name in enumerate(names):
+        if i:
+            console.print()
+        console.print(for_terminal(name, "bold"))
+        matches = taxonomy.family_patterns(name)
+        if not matches:
+            console.print(for_terminal("  family other: no entry of the taxonomy matches it"))
+            continue
+        first, *rest = matches
+        console.print(for_terminal(f"  family {first.family}, by entry {first.name!r}"))
+        console.print(for_terminal(f"    match {first.pattern!r}  ({first.source})"))
+        row = labels[name]
+        if row["is_comm"]:
+            console.print(
+                for_terminal(
+                    f"  library {row['comm_library'] or 'unknown'}, collective kind "
+                    f"{row['comm_kind']} (from the name; NVTX ranges around the launch may "
+                    "refine the kind)"
+                )
+            )
+        for other in rest:
+            console.print(
+                for_terminal(f"  would also match {other.name!r} ({other.family}), tried later")
+            )
 
 
 # How a template's fields read when there is no trace to fill them from (`explain`).

@@ -29,10 +29,23 @@ class NvtxCollective:
 
 
 @dataclass(frozen=True)
+class FamilyPattern:
+    """One named pattern of a kernel family, with real kernel names it must classify so
+    (checked on load: each example is matched by this entry and by no entry tried before it
+    in its folder)."""
+
+    name: str
+    family: str
+    pattern: str
+    examples: tuple[str, ...] = ()
+    source: str = ""  # the rule file that defines it
+
+
+@dataclass(frozen=True)
 class TaxonomyTables:
     """The ``taxonomy:`` section of every rule folder, merged: regexes by label, as data."""
 
-    families: Table
+    families: tuple[FamilyPattern, ...]  # first match wins
     comm_libraries: Table
     comm_kinds: Table
     nvtx_collectives: tuple[NvtxCollective, ...]
@@ -45,9 +58,9 @@ class TaxonomyTables:
 
 
 MAX_PATTERN_CHARS = 2000
-# list key -> the field naming each entry's label
+MAX_EXAMPLE_CHARS = 2000
+# list key -> the field naming each entry's label (families: their own parser, _families)
 LISTS = {
-    "families": "family",
     "comm_libraries": "library",
     "comm_kinds": "kind",
     "nvtx_collectives": "kind",
@@ -67,33 +80,39 @@ PATTERN_MAPS = {
 def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
     """The taxonomy of every folder's files, later folders over earlier ones."""
     lists: dict[str, list[tuple[Any, ...]]] = {key: [] for key in LISTS}
+    families: list[FamilyPattern] = []
     maps: dict[str, dict[str, str]] = {key: {} for key in PATTERN_MAPS}
     fp8 = ""
     for files in layers:
         layer_lists: dict[str, list[tuple[Any, ...]]] = {key: [] for key in LISTS}
+        layer_families: list[FamilyPattern] = []
         for path, doc in files:
             raw = doc.get("taxonomy")
             if raw is None:
                 continue
             if not isinstance(raw, dict):
                 raise TraceError(path, "taxonomy: must be a mapping")
-            unknown = set(raw) - {*LISTS, *PATTERN_MAPS, "fp8_gemm"}
+            unknown = set(raw) - {*LISTS, "families", *PATTERN_MAPS, "fp8_gemm"}
             if unknown:
                 raise TraceError(path, f"taxonomy: unknown key {sorted(map(str, unknown))[0]!r}")
+            layer_families += _families(raw.get("families"), path)
             for key, label in LISTS.items():
                 layer_lists[key] += _entries(raw.get(key), key, label, path)
             for key in PATTERN_MAPS:
                 maps[key] |= _patterns(raw.get(key), key, path)
             if raw.get("fp8_gemm") is not None:
                 fp8 = _pattern(raw["fp8_gemm"], "taxonomy: fp8_gemm", path)
+        if stamp.CHECKING.get():  # (a stamped rule set: checked when it was stamped)
+            _check_examples(layer_families)
         for key in LISTS:  # this folder's entries first: first match wins
             lists[key] = layer_lists[key] + lists[key]
+        families = layer_families + families
     missing = [f"{m}.{n}" for m, names in PATTERN_MAPS.items() for n in names if n not in maps[m]]
     if missing or not fp8:
         what = missing[0] if missing else "fp8_gemm"
         raise TraceError(None, f"taxonomy: missing {what!r} in the rule files")
     return TaxonomyTables(
-        families=tuple((e[0], e[1]) for e in lists["families"]),
+        families=tuple(families),
         comm_libraries=tuple((e[0], e[1]) for e in lists["comm_libraries"]),
         comm_kinds=tuple((e[0], e[1]) for e in lists["comm_kinds"]),
         nvtx_collectives=tuple(
@@ -107,6 +126,66 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
         training=maps["training"],
         moe=maps["moe"],
     )
+
+
+def _families(raw: Any, path: Path) -> list[FamilyPattern]:
+    """``families`` entries: ``family`` and ``match``, and (optional for a user's folder,
+    present on every bundled one) a ``name`` and real kernel names as ``examples``."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise TraceError(path, "taxonomy: families must be a list of entries")
+    out = []
+    for i, entry in enumerate(raw):
+        where = f"taxonomy: families #{i + 1}"
+        if (
+            not isinstance(entry, dict)
+            or set(entry) - {"name", "family", "match", "examples"}
+            or not {"family", "match"} <= set(entry)
+        ):
+            raise TraceError(path, f"{where}: must be a mapping with 'family' and 'match'")
+        family, name = entry["family"], entry.get("name", entry["family"])
+        for key, value in (("family", family), ("name", name)):
+            if not isinstance(value, str) or not value.isidentifier():
+                raise TraceError(path, f"{where}: {key!r} must be an identifier")
+        examples = entry.get("examples") or []
+        if not isinstance(examples, list) or not all(
+            isinstance(e, str) and 0 < len(e) <= MAX_EXAMPLE_CHARS for e in examples
+        ):
+            raise TraceError(path, f"{where} ({name}): 'examples' must be a list of kernel names")
+        pattern = _pattern(entry["match"], f"{where} ({name})", path)
+        out.append(FamilyPattern(name, family, pattern, tuple(examples), str(path)))
+    return out
+
+
+def _check_examples(entries: list[FamilyPattern]) -> None:
+    """Each example of one folder's family entries is classified by its own entry: matched by
+    it and by none tried before it (an entry of another folder may still override it)."""
+    import polars as pl
+
+    examples = [(i, e) for i, entry in enumerate(entries) for e in entry.examples]
+    if not examples:
+        return
+    names = pl.Series([e for _, e in examples], dtype=pl.String)
+    hits = [names.str.contains(entry.pattern).to_list() for entry in entries]
+    for k, (i, example) in enumerate(examples):
+        first = next((j for j in range(len(entries)) if hits[j][k]), None)
+        if first == i:
+            continue
+        entry = entries[i]
+        if first is None or first > i:
+            problem = "is not matched by its 'match'"
+        else:
+            winner = entries[first]
+            problem = f"is taken by the earlier entry {winner.name!r} ({winner.family})"
+        raise TraceError(
+            Path(entry.source),
+            f"taxonomy: families ({entry.name}): example {_short(example)!r} {problem}",
+        )
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _entries(raw: Any, key: str, label: str, path: Path) -> list[tuple[Any, ...]]:
