@@ -9,12 +9,19 @@ capture (:mod:`traceclf.pipeline.twopass`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import polars as pl
 
 from traceclf.ingest.devices import (
+    DEVICE_MAP_SCHEMA,
+    GPU_METRICS_SCHEMA,
+    GPU_SCHEMA,
+    PROCESS_SCHEMA,
+    THREAD_SCHEMA,
     nccl_payload,
     read_device_map,
     read_gpus,
@@ -24,6 +31,7 @@ from traceclf.ingest.devices import (
 )
 from traceclf.ingest.reader import Reader, Span, decode_pid, release_read_buffers
 from traceclf.model.trace import Trace
+from traceclf.support.errors import TraceError, TraceWarning
 
 # copyKind values of CUpti_ActivityMemcpyKind
 COPY_KINDS = {
@@ -116,18 +124,31 @@ def _names(strings: pl.DataFrame, id_col: str, out: str) -> Callable[[pl.DataFra
     return attach
 
 
+# Event times no capture has: before the session's clock starts, past 2^62 ns (146 years), or
+# one event lasting more than a day. A row holding one (a damaged or forged export: a kernel
+# from -2^63 to 2^63-1) would stretch every union and interval it joins.
+MAX_EVENT_NS = 24 * 3600 * 10**9
+MAX_TIME_NS = 1 << 62
+# No allocation is this large (256 TiB): a memory event beyond it would put the peak of
+# allocated memory at millions of times the GPU's capacity.
+MAX_ALLOCATION_BYTES = 1 << 48
+
+
 def usable(df: pl.DataFrame, logical: str, counts: dict[str, int]) -> pl.DataFrame:
-    """``df`` without the rows no measure can use: no start or end, an end before the start,
-    no process. How many of each are dropped is added to ``counts`` (the Trace's
-    ``unusable_rows``), so the report can say so rather than judge silently on fewer rows."""
+    """``df`` without the rows no measure can use: no start or end (or one of another type),
+    an end before the start, times no capture has, no process. How many of each are dropped
+    is added to ``counts`` (the Trace's ``unusable_rows``), so the report can say so rather
+    than judge silently on fewer rows."""
     if df.is_empty():
         return df
+    timed = "end" in df.columns
+    end = pl.col("end") if timed else pl.col("start")
     checks = {
-        "no_time": pl.col("start").is_null()
-        | (pl.col("end").is_null() if "end" in df.columns else pl.lit(False)),
-        "end_before_start": (pl.col("end") < pl.col("start")).fill_null(False)
-        if "end" in df.columns
-        else pl.lit(False),
+        "no_time": pl.col("start").is_null() | end.is_null(),
+        "end_before_start": (end < pl.col("start")).fill_null(False),
+        "implausible_time": (
+            (pl.col("start") < 0) | (end > MAX_TIME_NS) | (end - pl.col("start") > MAX_EVENT_NS)
+        ).fill_null(False),
         "no_process": pl.col("pid").is_null() if "pid" in df.columns else pl.lit(False),
     }
     found = df.select(**{k: v.sum() for k, v in checks.items()}).row(0, named=True)
@@ -229,14 +250,49 @@ def build_trace(
 
     step("memory")
     memory = read("memory")  # instants; the whole capture is needed for the peak
-    if memory.height and memory["pid"].null_count():
-        unusable["memory.no_process"] = memory["pid"].null_count()
-        memory = memory.filter(pl.col("pid").is_not_null())
+    memory = usable(memory, "memory", unusable)
+    too_large = (pl.col("bytes") < 0) | (pl.col("bytes") > MAX_ALLOCATION_BYTES)
+    if memory.height and (n := memory.select(too_large.sum()).item()):
+        unusable["memory.implausible_bytes"] = n
+        memory = memory.filter(~too_large.fill_null(False))
     overhead = _names(strings, "name_id", "name")(read("overhead"))
 
     step("GPU metrics")
-    gpu_metrics = read_metrics()
+    gpu_metrics = optional(
+        reader, "GPU metrics", read_metrics, pl.DataFrame(schema=GPU_METRICS_SCHEMA)
+    )
 
+    gpus = optional(
+        reader, "GPU descriptions", lambda: read_gpus(reader), pl.DataFrame(schema=GPU_SCHEMA)
+    )
+    processes = optional(
+        reader, "process names", lambda: read_processes(reader), pl.DataFrame(schema=PROCESS_SCHEMA)
+    )
+    device_map = optional(
+        reader,
+        "CUDA device map",
+        lambda: read_device_map(reader),
+        pl.DataFrame(schema=DEVICE_MAP_SCHEMA),
+    )
+    threads = optional(
+        reader,
+        "thread names",
+        lambda: read_threads(reader, strings),
+        pl.DataFrame(schema=THREAD_SCHEMA),
+    )
+    session = optional(
+        reader,
+        "session start and host",
+        lambda: read_session(reader),
+        {"utc_offset_ns": None, "host": None},
+    )
+    payload = optional(
+        # (a read of one time span has some of the NVTX rows: the payload check scans)
+        reader,
+        "NCCL payloads",
+        lambda: nccl_payload(reader, raw_nvtx if nvtx_span is None else None),
+        "absent",
+    )
     trace = Trace(
         path=info.path,
         nsys_version=info.nsys_version,
@@ -251,21 +307,36 @@ def build_trace(
         gpu_metrics=gpu_metrics,
         memory=memory,
         overhead=sorted_by_start(overhead),
-        gpus=read_gpus(reader),
-        processes=read_processes(reader),
-        device_map=read_device_map(reader),
-        threads=read_threads(reader, strings),
+        gpus=gpus,
+        processes=processes,
+        device_map=device_map,
+        threads=threads,
         events=events,
-        session=read_session(reader),
-        # (a read of one time span has some of the NVTX rows: the payload check scans)
-        nccl_payload=nccl_payload(reader, raw_nvtx if nvtx_span is None else None),
+        session=session,
+        nccl_payload=payload,
         unusable_rows=dict(sorted(unusable.items())),
+        repaired_strings=dict(sorted(reader.repaired.items())),
         read_spans=read_spans,
         capture_span=capture[0],
         capture_rows=capture[1],
     )
     release_read_buffers()
     return trace
+
+
+T = TypeVar("T")
+
+
+def optional(reader: Reader, what: str, read: Callable[[], T], absent: T) -> T:
+    """Metadata no measure depends on (GPU and process descriptions, the session, GPU metrics):
+    unreadable, it is absent, said in a warning; a valid export never fails on it."""
+    try:
+        return read()
+    except TraceError as e:
+        warnings.warn(
+            TraceWarning(f"{reader.info.path}: {what} left out: {e.problem}"), stacklevel=2
+        )
+        return absent
 
 
 def nvtx_ranges(reader: Reader, raw: pl.DataFrame) -> pl.DataFrame:

@@ -114,6 +114,7 @@ def read_entry(entry: Path, path: Path) -> Trace | None:
         nccl_payload=meta["nccl_payload"],
         session=meta["session"],
         unusable_rows=dict(meta["unusable_rows"]),
+        repaired_strings=dict(meta["repaired_strings"]),
         **dict(zip(Trace.FRAMES, frames, strict=True)),
     )
 
@@ -137,6 +138,8 @@ def _read_meta(file: Path) -> dict:
         and set(meta["frames"]) == set(Trace.FRAMES)
         and isinstance(meta.get("unusable_rows"), dict)
         and all(isinstance(n, int) for n in meta["unusable_rows"].values())
+        and isinstance(meta.get("repaired_strings"), dict)
+        and all(isinstance(n, int) for n in meta["repaired_strings"].values())
     )
     if not ok:
         raise ValueError("meta.json is not a cache entry's")
@@ -177,6 +180,7 @@ def write_entry(trace: Trace, slot: Path, key: str) -> bool:
             "session": trace.session,
             "frames": {name: _frame_meta(getattr(trace, name)) for name in Trace.FRAMES},
             "unusable_rows": trace.unusable_rows,
+            "repaired_strings": trace.repaired_strings,
         }
         # meta.json is written last, but the rename below is what publishes the entry.
         (tmp / META).write_text(json.dumps(meta), encoding="utf-8")

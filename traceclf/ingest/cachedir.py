@@ -54,7 +54,7 @@ EXPORT_RE = re.compile(r".+-[0-9a-f]{12}-[0-9a-f]{12}\.sqlite")
 TMP_EXPORT_RE = re.compile(r"\..+\.\d+-[0-9a-f]{8}\.tmp\.sqlite")
 RULES_STAMP_RE = re.compile(r"rules-[0-9a-f]{32}\.json")
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5
 # the modules that shape the trace model (read as files: importing them imports polars); a
 # folder stands for its modules, so that one split off another is not forgotten
 MODEL_SOURCES = ("ingest", "model/trace.py")

@@ -11,6 +11,7 @@ import polars as pl
 
 from traceclf.ingest.reader import decode_pid, in_ranges
 from traceclf.ingest.tables import PAYLOAD_COLUMNS
+from traceclf.ingest.utf8 import blob_sql
 
 if TYPE_CHECKING:
     from traceclf.ingest.reader import Reader
@@ -55,13 +56,21 @@ def read_gpu_metrics(
     if any(not need <= set(columns.get(t, ())) for t, need in METRIC_TABLE_COLUMNS.items()):
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
     names = reader.small_table(
-        "TARGET_INFO_GPU_METRICS", METRIC_TABLE_COLUMNS["TARGET_INFO_GPU_METRICS"]
+        "TARGET_INFO_GPU_METRICS",
+        METRIC_TABLE_COLUMNS["TARGET_INFO_GPU_METRICS"],
+        text=("metricName",),
     )
     known = {name: key for key, names in METRIC_NAMES.items() for name in names}
     wanted = names.filter(pl.col("metricName").is_in(list(known)))
-    if wanted.is_empty():
+    # The ids go into SQL: only integers (a TEXT id could hold SQL, a recursive query that
+    # never ends); metrics described otherwise are not read.
+    if wanted.is_empty() or not all(
+        dtype.is_integer() for dtype in wanted.select("typeId", "metricId").dtypes
+    ):
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
-    ids = ", ".join(str(i) for i in wanted["metricId"].unique().to_list())
+    ids = ", ".join(str(int(i)) for i in wanted["metricId"].drop_nulls().unique().to_list())
+    if not ids:
+        return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
     clauses = [f"metricId IN ({ids})"]
     if spans is not None:
         spans = [spans] if isinstance(spans[0], int) else list(spans)
@@ -115,12 +124,16 @@ GPU_COLUMNS: dict[str, tuple[str, ...]] = {
 GPU_SCHEMA = {
     out: (pl.String if out in ("name", "chip", "bus", "uuid") else pl.Int64) for out in GPU_COLUMNS
 }
+# physical columns holding text, read as bytes (ingest/utf8.py)
+GPU_TEXT = tuple(
+    s for out, srcs in GPU_COLUMNS.items() if GPU_SCHEMA[out] == pl.String for s in srcs
+)
 
 
 def read_gpus(reader: Reader) -> pl.DataFrame:
     table = next((t for t in GPU_TABLES if reader.info.has(t)), None)
     wanted = (src for sources in GPU_COLUMNS.values() for src in sources)
-    raw = reader.small_table(table, wanted) if table else pl.DataFrame()
+    raw = reader.small_table(table, wanted, text=GPU_TEXT) if table else pl.DataFrame()
     if raw.is_empty():
         return pl.DataFrame(schema=GPU_SCHEMA)
 
@@ -133,10 +146,15 @@ def read_gpus(reader: Reader) -> pl.DataFrame:
     )
 
 
+PROCESS_SCHEMA = {"pid": pl.Int64, "process_name": pl.String}
+THREAD_SCHEMA = {"global_tid": pl.Int64, "pid": pl.Int64, "tid": pl.Int64, "thread_name": pl.String}
+DEVICE_MAP_SCHEMA = {"pid": pl.Int64, "device_id": pl.Int64, "gpu_id": pl.Int64}
+
+
 def read_processes(reader: Reader) -> pl.DataFrame:
-    raw = reader.small_table("PROCESSES", ("globalPid", "name"))
+    raw = reader.small_table("PROCESSES", ("globalPid", "name"), text=("name",))
     if raw.is_empty() or not {"globalPid", "name"} <= set(raw.columns):
-        return pl.DataFrame(schema={"pid": pl.Int64, "process_name": pl.String})
+        return pl.DataFrame(schema=PROCESS_SCHEMA)
     return raw.select(
         pid=decode_pid("globalPid"), process_name=pl.col("name").cast(pl.String)
     ).unique("pid", maintain_order=True)
@@ -146,9 +164,8 @@ def read_threads(reader: Reader, strings: pl.DataFrame) -> pl.DataFrame:
     """Thread names (``ThreadNames``): which thread launched what, e.g. PyTorch's autograd
     threads ``pt_autograd_N`` that run the backward pass."""
     raw = reader.small_table("ThreadNames", ("globalTid", "nameId"))
-    schema = {"global_tid": pl.Int64, "pid": pl.Int64, "tid": pl.Int64, "thread_name": pl.String}
     if raw.is_empty() or not {"globalTid", "nameId"} <= set(raw.columns):
-        return pl.DataFrame(schema=schema)
+        return pl.DataFrame(schema=THREAD_SCHEMA)
     return (
         raw.select(
             global_tid=pl.col("globalTid").cast(pl.Int64), id=pl.col("nameId").cast(pl.Int64)
@@ -202,9 +219,8 @@ def _nccl_payload_scan(reader: Reader) -> str:
 def read_device_map(reader: Reader) -> pl.DataFrame:
     """(pid, CUDA device ordinal) -> physical GPU id, for ranks that each see their GPU as 0."""
     raw = reader.small_table("TARGET_INFO_CUDA_DEVICE", ("gpuId", "cudaId", "pid"))
-    schema = {"pid": pl.Int64, "device_id": pl.Int64, "gpu_id": pl.Int64}
     if raw.is_empty() or not {"gpuId", "cudaId", "pid"} <= set(raw.columns):
-        return pl.DataFrame(schema=schema)
+        return pl.DataFrame(schema=DEVICE_MAP_SCHEMA)
     return raw.select(
         pid=pl.col("pid").cast(pl.Int64),
         device_id=pl.col("cudaId").cast(pl.Int64),
@@ -223,9 +239,19 @@ def read_session(reader: Reader) -> dict:
     if "utcEpochNs" in start.columns and len(start) and start["utcEpochNs"][0] is not None:
         clock = start["systemClockNs"][0] if "systemClockNs" in start.columns else None
         offset = int(start["utcEpochNs"][0]) - int(clock or 0)
-    env = reader.small_table("TARGET_INFO_SYSTEM_ENV", ("name", "value"))
-    host = None
-    if {"name", "value"} <= set(env.columns):
-        hit = env.filter(pl.col("name") == "Hostname")["value"]
-        host = str(hit[0]) if len(hit) and hit[0] else None
-    return {"utc_offset_ns": offset, "host": host}
+    return {"utc_offset_ns": offset, "host": _hostname(reader)}
+
+
+def _hostname(reader: Reader) -> str | None:
+    """The Hostname row of TARGET_INFO_SYSTEM_ENV, and only that row: nsys 2022.2/2022.3 keep
+    raw bytes (GpuInfo, NicInfo) in other rows of its TEXT value column."""
+    if not {"name", "value"} <= set(reader.info.columns.get("TARGET_INFO_SYSTEM_ENV", ())):
+        return None
+    hit = reader.sql(
+        f"SELECT {blob_sql('value')} AS value FROM TARGET_INFO_SYSTEM_ENV "
+        "WHERE name = 'Hostname' LIMIT 1"
+    )
+    if hit.is_empty():
+        return None
+    (value,) = reader.decoded(hit, "TARGET_INFO_SYSTEM_ENV", {"value": "value"})["value"]
+    return value or None

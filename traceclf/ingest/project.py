@@ -76,7 +76,7 @@ class Projector:
         row = self.con.execute(
             f"SELECT min(correlationId), max(correlationId) FROM {self.api.table} "
             f"WHERE rowid > {after} AND rowid <= {upto} AND start BETWEEN {lo} AND {hi} "
-            f"AND {self.reader.pid_sql('api')} = {self.pid}"
+            f"AND {self.reader.pid_sql('api')} = {self.pid} AND typeof(correlationId) = 'integer'"
         ).fetchone()
         return None if row[0] is None else (int(row[0]), int(row[1]))
 
@@ -98,6 +98,7 @@ class Projector:
                 upto = rowid + block if stop is None else stop
                 (found,) = self.con.execute(
                     f"SELECT min(start) FROM {index.table} WHERE rowid > {rowid} "
+                    "AND typeof(start) = 'integer' "
                     f"AND rowid <= {upto} AND {pid} = {self.pid} "
                     f"AND correlationId BETWEEN {calls[0]} AND {calls[1]}"
                 ).fetchone()
@@ -118,6 +119,7 @@ class Projector:
             (found,) = self.con.execute(
                 f'SELECT max("end") FROM {index.table} WHERE rowid > '
                 f"{index.first_from(self.starts[i]) - 1} AND {pid} = {self.pid} "
+                "AND typeof(\"end\") = 'integer' "
                 f"AND correlationId BETWEEN {calls[0]} AND {calls[1]}"
             ).fetchone()
             if found is not None:

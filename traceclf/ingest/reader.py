@@ -13,16 +13,19 @@ import functools
 import itertools
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
 import connectorx as cx
 import polars as pl
 
-from traceclf.ingest.schema import ExportInfo, readonly_uri
+from traceclf.ingest.schema import BEING_WRITTEN, ExportInfo, changed_since, readonly_uri
 from traceclf.ingest.tables import TABLES, TIMED, Col
+from traceclf.ingest.utf8 import blob_sql, decode_text
 from traceclf.support.cpus import cpu_share, in_worker
 from traceclf.support.errors import TraceError
+from traceclf.support.panics import panics_hidden
 
 # Tables with more rows than this are read in rowid ranges on several cores (2x on 2 cores).
 PARTITION_MIN_ROWS = 500_000
@@ -40,6 +43,20 @@ def _uri(path: Path) -> str:
 
 STREAM_BATCH_ROWS = 1 << 24
 Span = tuple[int, int]  # (start, end) ns on the session's timeline
+# What a value of the wrong type reads as when a table is read ``checked``: INT64's minimum,
+# never a time, id or size nsys writes; it becomes null after the read.
+CHECKED_MISSING = -(1 << 63)
+
+
+@dataclass
+class _Columns:
+    """How the columns of one read were selected: read as bytes (``{name: physical}``),
+    type-checked, absent from the table, decoded after the read."""
+
+    text: dict[str, str] = field(default_factory=dict)
+    checked: list[str] = field(default_factory=list)
+    missing: list[Col] = field(default_factory=list)
+    decoded: list[Col] = field(default_factory=list)
 
 
 class Reader:
@@ -48,26 +65,35 @@ class Reader:
     def __init__(self, info: ExportInfo) -> None:
         self.info = info
         self.uri = _uri(info.path)
+        # strings that were not UTF-8, by "TABLE.column": repaired with U+FFFD (ingest/utf8.py)
+        self.repaired: dict[str, int] = {}
 
     def sql(self, query: str | list[str], batch_rows: int | None = None) -> pl.DataFrame:
         """Run a query (or several whose results are concatenated, read in parallel).
         ``batch_rows``: at most as many rows as any one query returns (an event table's)."""
         try:
-            if batch_rows is None:
-                table = cx.read_sql(self.uri, query, return_type="arrow")
-            else:
-                # One batch per query (connectorx's own are 64 k rows): a frame of a few
-                # chunks, made contiguous in a third of the time hundreds take. (connectorx
-                # reserves a batch's buffers up front: never more rows than the table has.)
-                size = max(1, min(batch_rows, STREAM_BATCH_ROWS))
-                stream = cx.read_sql(self.uri, query, return_type="arrow_stream", batch_size=size)
-                table = stream.read_all()
+            with panics_hidden():  # (a failed read is the one-line error below, no panic)
+                if batch_rows is None:
+                    table = cx.read_sql(self.uri, query, return_type="arrow")
+                else:
+                    # One batch per query (connectorx's own are 64 k rows): a frame of a few
+                    # chunks, made contiguous in a third of the time hundreds take. (connectorx
+                    # reserves a batch's buffers up front: never more rows than the table has.)
+                    size = max(1, min(batch_rows, STREAM_BATCH_ROWS))
+                    stream = cx.read_sql(
+                        self.uri, query, return_type="arrow_stream", batch_size=size
+                    )
+                    table = stream.read_all()
             if isinstance(query, list) and len(query) > 1:
                 table = _in_start_order(table)
             return pl.from_arrow(table)  # type: ignore[return-value]
         except BaseException as e:  # connectorx surfaces SQLite corruption as Rust panics
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
+            if isinstance(e, MemoryError):
+                raise TraceError(self.info.path, "out of memory while reading it") from None
+            if changed_since(self.info):
+                raise TraceError(self.info.path, BEING_WRITTEN) from None
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TraceError(self.info.path, f"corrupt or unreadable database ({detail})") from None
 
@@ -80,9 +106,24 @@ class Reader:
         """StringIds: (id, value)."""
         if not self.info.has("StringIds"):
             return pl.DataFrame(schema={"id": pl.Int64, "value": pl.String})
-        return self.sql("SELECT id, value FROM StringIds").with_columns(
-            pl.col("id").cast(pl.Int64), pl.col("value").cast(pl.String)
+        raw = self.sql(f"SELECT id, {blob_sql('value')} AS value FROM StringIds")
+        return self.decoded(raw, "StringIds", {"value": "value"}).with_columns(
+            pl.col("id").cast(pl.Int64)
         )
+
+    def decoded(self, df: pl.DataFrame, table: str, columns: dict[str, str]) -> pl.DataFrame:
+        """``df`` with each text column read as bytes (``{column: its physical name}``)
+        decoded, the repaired strings counted under ``TABLE.column``."""
+        out = []
+        for name, source in columns.items():
+            if name not in df.columns:
+                continue
+            text, repaired = decode_text(df[name])
+            if repaired:
+                key = f"{table}.{source}"
+                self.repaired[key] = self.repaired.get(key, 0) + repaired
+            out.append(text)
+        return df.with_columns(out) if out else df
 
     def read(
         self,
@@ -103,15 +144,73 @@ class Reader:
         if table is None:
             return empty_frame(cols)
         present = frozenset(self.info.columns[table])
-        select, missing, decoded = [], [], []
+        clauses = [where] if where else []
+        if spans is not None and logical in TIMED:
+            end = '"end"' if "end" in present else "start"
+            clauses.append(overlap_clause(spans, end))
+        first, last = self._rowids(table)
+        try:
+            df, columns = self._select(table, cols, present, clauses, rowids, last - first)
+        except TraceError:
+            # A value of another type than the column's (a TEXT or REAL time, as a damaged or
+            # hand-edited export holds) fails the whole read: read again with every value
+            # type-checked in SQL, the odd ones read as missing. Honest exports never pay
+            # for the checks (~0.1 us a row).
+            df, columns = self._select(
+                table, cols, present, clauses, rowids, last - first, checked=True
+            )
+        if df.is_empty():
+            return empty_frame(cols)
+        df = (
+            self.decoded(df, table, columns.text)
+            .with_columns(
+                *[
+                    pl.when(pl.col(c) != CHECKED_MISSING).then(pl.col(c)).alias(c)
+                    for c in columns.checked
+                ],
+                *[pl.lit(None, dtype=c.dtype).alias(c.name) for c in columns.missing],
+                *[decode_pid(c.decode_from).alias(c.name) for c in columns.decoded],  # type: ignore[arg-type]
+            )
+            .select([_typed(c) for c in cols])
+        )
+        df = _contiguous(_nulls_unwritten(df))
+        if df.height >= PARTITION_MIN_ROWS:  # the batches are no longer referenced: a big
+            release_read_buffers()  # read's go back now (a trim walks the heap: not per read)
+        return df
+
+    def _select(
+        self,
+        table: str,
+        cols: tuple[Col, ...],
+        present: frozenset[str],
+        clauses: list[str],
+        rowids: Sequence[tuple[int, int]] | None,
+        rows: int,
+        *,
+        checked: bool = False,
+    ) -> tuple[pl.DataFrame, _Columns]:
+        """Read ``cols`` of ``table`` where ``clauses`` hold; with ``checked`` every integer
+        column's value passes ``typeof()`` first (:data:`CHECKED_MISSING` where it fails)."""
+        columns = _Columns()
+        select = []
         for col in cols:
             if col.decode_from is not None:
-                decoded.append(col)
+                columns.decoded.append(col)
                 continue
             expr = col.sql(present) if col.sql else None
             src = next((s for s in col.sources if s in present or s == "rowid"), None)
             if expr is not None:
-                select.append(f"{expr} AS {col.name}")
+                select.append(
+                    f"CAST({expr} AS INTEGER) AS {col.name}" if checked else f"{expr} AS {col.name}"
+                )
+            elif src is not None and col.sql is None and col.dtype == pl.String:
+                select.append(f"{blob_sql(src)} AS {col.name}")
+                columns.text[col.name] = src
+            elif src is not None and col.sql is None and checked and src != "rowid":
+                select.append(
+                    f'iif(typeof("{src}") = \'integer\', "{src}", {CHECKED_MISSING}) AS {col.name}'
+                )
+                columns.checked.append(col.name)
             elif src is not None and col.sql is None:
                 select.append(f'"{src}" AS {col.name}')
             elif col.required:
@@ -121,29 +220,14 @@ class Reader:
                     f"(schema {self.info.schema_version or 'unknown'})",
                 )
             else:
-                missing.append(col)
-        clauses = [where] if where else []
-        if spans is not None and logical in TIMED:
-            end = '"end"' if "end" in present else "start"
-            clauses.append(overlap_clause(spans, end))
+                columns.missing.append(col)
         query = f"SELECT {', '.join(select)} FROM {table}"
         queries = (
             self.partitioned(query, table, clauses)
             if rowids is None
             else in_ranges(query, rowids, clauses)
         )
-        first, last = self._rowids(table)
-        df = self.sql(queries, last - first) if queries else pl.DataFrame()
-        if df.is_empty():
-            return empty_frame(cols)
-        df = df.with_columns(
-            *[pl.lit(None, dtype=c.dtype).alias(c.name) for c in missing],
-            *[decode_pid(c.decode_from).alias(c.name) for c in decoded],  # type: ignore[arg-type]
-        ).select([_typed(c) for c in cols])
-        df = _contiguous(_nulls_unwritten(df))
-        if df.height >= PARTITION_MIN_ROWS:  # the batches are no longer referenced: a big
-            release_read_buffers()  # read's go back now (a trim walks the heap: not per read)
-        return df
+        return (self.sql(queries, rows) if queries else pl.DataFrame()), columns
 
     @functools.cache  # noqa: B019 (one reader per export, a handful of tables)
     def _rowids(self, table: str) -> tuple[int, int]:
@@ -182,15 +266,19 @@ class Reader:
         cuts = [first + (last - first) * i // parts for i in range(parts + 1)]
         return in_ranges(select, list(itertools.pairwise(cuts)), clauses, split=False)
 
-    def small_table(self, table: str, columns: Iterable[str]) -> pl.DataFrame:
+    def small_table(
+        self, table: str, columns: Iterable[str], text: Iterable[str] = ()
+    ) -> pl.DataFrame:
         """Those of ``columns`` that a small metadata table (GPU info, processes) has, or an
         empty frame. Only named columns: connectorx fails on an all-NULL column it cannot
-        type, and newer exports may add such columns anywhere."""
+        type, and newer exports may add such columns anywhere. The ``text`` ones are read as
+        bytes and decoded (:mod:`traceclf.ingest.utf8`)."""
         present = [c for c in dict.fromkeys(columns) if c in self.info.columns.get(table, ())]
         if not present:
             return pl.DataFrame()
-        select = ", ".join(f'"{c}"' for c in present)
-        return self.sql(f"SELECT {select} FROM {table}")
+        text = {c: c for c in text if c in present}
+        select = ", ".join(f'{blob_sql(c)} AS "{c}"' if c in text else f'"{c}"' for c in present)
+        return self.decoded(self.sql(f"SELECT {select} FROM {table}"), table, text)
 
 
 def _in_start_order(table):

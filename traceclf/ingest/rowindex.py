@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traceclf.ingest.schema import readonly_uri
+from traceclf.ingest.schema import connect_readonly
 from traceclf.support.errors import TraceError
 
 # Evenly spaced samples per table: the order check, row-count estimates, and the brackets that
@@ -30,7 +30,7 @@ def connect(path: Path) -> Iterator[sqlite3.Connection]:
     """A read-only connection for many small lookups. Not memory-mapped: mapped pages of the
     export would count in the process's resident memory."""
     try:
-        con = sqlite3.connect(readonly_uri(path), uri=True, check_same_thread=False)
+        con = connect_readonly(path, check_same_thread=False)
     except sqlite3.Error as e:
         raise TraceError(path, f"cannot open SQLite database: {e}") from None
     try:
@@ -73,7 +73,7 @@ class RowIndex:
         rows = con.execute(
             f'SELECT rowid, "{column}" FROM {table} WHERE rowid IN ({ids}) ORDER BY rowid'
         ).fetchall()
-        rows = [(r, t) for r, t in rows if t is not None]
+        rows = [(r, t) for r, t in rows if type(t) is int]  # (an odd value is no time)
         if not rows:
             return None
         rowids = np.array([r for r, _ in rows], dtype=np.int64)
@@ -112,7 +112,7 @@ class RowIndex:
         t_lo, t_hi = int(self.times[i - 1]), int(self.times[i])
         query = (
             f'SELECT rowid, "{self.column}" FROM {self.table} '
-            f'WHERE rowid >= ? AND "{self.column}" IS NOT NULL ORDER BY rowid LIMIT 1'
+            f"WHERE rowid >= ? AND typeof(\"{self.column}\") = 'integer' ORDER BY rowid LIMIT 1"
         )
         # Times grow about evenly with rowids, so guessing by interpolation takes a few lookups
         # where halving takes ~17 (each a random read of a multi-GB file); halving every other

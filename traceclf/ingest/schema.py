@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -40,9 +41,18 @@ READ_TABLE_PREFIXES = (
     "PROCESSES",
     "CUDA_GPU_MEMORY_USAGE_EVENTS",
     "PROFILER_OVERHEAD",
+    "ThreadNames",
 )
 HOT_JOURNAL_MAGIC = bytes.fromhex("d9d505f920a163d7")
 WAL_HEADER_BYTES = 32
+# An export that changes while it is read is being written (nsys export, a copy in progress)
+# or was replaced: its bytes are half old, half new, which is not damage.
+BEING_WRITTEN = (
+    "changed while traceclf read it: it is still being written (or was replaced); wait for "
+    "the writer to finish, then retry"
+)
+# How long a file that failed to read is watched for a writer still growing it.
+SETTLE_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,9 @@ class ExportInfo:
     nsys_version: str | None
     schema_version: str | None
     columns: dict[str, tuple[str, ...]] = field(repr=False)
+    # (size, mtime ns) when inspected: a read that fails on a file that changed since then
+    # reports a writer, not damage
+    identity: tuple[int, int] | None = None
 
     def has(self, table: str) -> bool:
         return table in self.columns
@@ -60,6 +73,19 @@ class ExportInfo:
     @property
     def tables(self) -> frozenset[str]:
         return frozenset(self.columns)
+
+
+def text_as_utf8(raw: bytes) -> str:
+    """sqlite3's text factory for exports: nsys stores bytes in TEXT columns unchecked (see
+    :mod:`traceclf.ingest.utf8`), so a bad byte becomes U+FFFD instead of an error."""
+    return raw.decode("utf-8", "replace")
+
+
+def connect_readonly(path: Path, **kwargs) -> sqlite3.Connection:
+    """A read-only, immutable sqlite3 connection to the export (raises sqlite3.Error)."""
+    con = sqlite3.connect(readonly_uri(path), uri=True, **kwargs)
+    con.text_factory = text_as_utf8
+    return con
 
 
 def readonly_uri(path: Path) -> str:
@@ -80,6 +106,30 @@ def is_sqlite_file(path: Path) -> bool:
         return False
 
 
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """(size, mtime ns) of ``path``; None when it cannot be read."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def changed_since(info: ExportInfo) -> bool:
+    """Whether the export changed since it was inspected, or still changes (a writer growing
+    it): then a failed read is a file being written, not a damaged one."""
+    return _changing(info.path, info.identity)
+
+
+def _changing(path: Path, before: tuple[int, int] | None) -> bool:
+    if before is None:
+        return False
+    if file_identity(path) != before:
+        return True
+    time.sleep(SETTLE_S)
+    return file_identity(path) != before
+
+
 def check_sqlite_file(path: Path) -> None:
     """Reject missing, empty, non-SQLite and truncated files from the header alone."""
     if not path.exists():
@@ -87,11 +137,22 @@ def check_sqlite_file(path: Path) -> None:
     if not path.is_file():
         raise TraceError(path, "not a regular file")
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        size = st.st_size
         with path.open("rb") as f:
             header = f.read(SQLITE_HEADER_BYTES)
     except OSError as e:
         raise TraceError(path, f"cannot read file: {e.strerror or e}") from None
+    try:
+        _check_header(path, size, header)
+    except TraceError:
+        if _changing(path, (size, st.st_mtime_ns)):
+            raise TraceError(path, BEING_WRITTEN) from None
+        raise
+    _check_not_being_written(path, wal_mode=2 in header[18:20])
+
+
+def _check_header(path: Path, size: int, header: bytes) -> None:
     if size == 0:
         raise TraceError(path, "empty file")
     if not header.startswith(SQLITE_MAGIC):
@@ -116,7 +177,6 @@ def check_sqlite_file(path: Path) -> None:
         raise TraceError(
             path, f"truncated SQLite database ({size} of {page_count * page_size} bytes)"
         )
-    _check_not_being_written(path, wal_mode=2 in header[18:20])
 
 
 def _check_not_being_written(path: Path, *, wal_mode: bool) -> None:
@@ -162,8 +222,9 @@ def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
     it because reading the tables finds them anyway.
     """
     check_sqlite_file(path)
+    identity = file_identity(path)
     try:
-        con = sqlite3.connect(readonly_uri(path), uri=True)
+        con = connect_readonly(path)
     except sqlite3.Error as e:
         raise TraceError(path, f"cannot open SQLite database: {e}") from None
     try:
@@ -176,6 +237,8 @@ def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
             _check_pages(con)
     # Garbage where a table name or metadata text should be fails UTF-8 decoding, not SQLite.
     except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
+        if _changing(path, identity):
+            raise TraceError(path, BEING_WRITTEN) from None
         raise TraceError(path, f"corrupt SQLite database ({e})") from None
     finally:
         con.close()
@@ -196,12 +259,17 @@ def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
         nsys_version=meta.get("EXPORT_PRODUCT_VERSION"),
         schema_version=_schema_version(meta),
         columns=columns,
+        identity=identity,
     )
 
 
 def _check_views(path: Path, con: sqlite3.Connection) -> None:
+    """Refuse a view named like a table traceclf reads. SQLite matches names whatever their
+    case, so the names are compared case-blind: ``target_info_system_env`` is read for
+    ``TARGET_INFO_SYSTEM_ENV``."""
     views = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='view'")]
-    shadow = next((v for v in views if str(v).startswith(READ_TABLE_PREFIXES)), None)
+    prefixes = tuple(p.casefold() for p in READ_TABLE_PREFIXES)
+    shadow = next((v for v in views if str(v).casefold().startswith(prefixes)), None)
     if shadow is not None:
         raise TraceError(
             path,
@@ -218,12 +286,25 @@ def _table_columns(con: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
     }
 
 
+# The rows of the export's metadata that are read: versions only (nsys may add anything).
+META_NAMES = (
+    "EXPORT_PRODUCT_VERSION",
+    "EXPORT_SCHEMA_VERSION",
+    "EXPORT_SCHEMA_VERSION_MAJOR",
+    "EXPORT_SCHEMA_VERSION_MINOR",
+    "EXPORT_SCHEMA_VERSION_MICRO",
+)
+
+
 def _export_meta(con: sqlite3.Connection, columns: dict[str, tuple[str, ...]]) -> dict[str, str]:
-    """Name/value rows of META_DATA_EXPORT (nsys >= 2023) or EXPORT_META_DATA (older)."""
+    """The version rows (:data:`META_NAMES`) of META_DATA_EXPORT (nsys >= 2023) or
+    EXPORT_META_DATA (older)."""
     table = next((t for t in META_TABLES if t in columns), None)
     if table is None or not {"name", "value"} <= set(columns[table]):
         return {}
-    return {str(k): str(v) for k, v in con.execute(f'SELECT name, value FROM "{table}"')}
+    marks = ", ".join("?" * len(META_NAMES))
+    rows = con.execute(f'SELECT name, value FROM "{table}" WHERE name IN ({marks})', META_NAMES)
+    return {str(k): str(v) for k, v in rows}
 
 
 def _schema_version(meta: dict[str, str]) -> str | None:

@@ -15,7 +15,7 @@ import re
 import sqlite3
 from pathlib import Path
 
-from traceclf.ingest.schema import readonly_uri
+from traceclf.ingest.schema import connect_readonly
 
 # NCCL payload JSON is small; more rows than this would only repeat communicator inits.
 MAX_PAYLOAD_ROWS = 256
@@ -48,7 +48,7 @@ def session_info(path: Path) -> dict:
         "env_ranks": [],
     }
     try:
-        con = sqlite3.connect(readonly_uri(path), uri=True)
+        con = connect_readonly(path)  # (text that is not UTF-8 reads with U+FFFD)
     except sqlite3.Error:
         return info
     try:
@@ -57,12 +57,10 @@ def session_info(path: Path) -> dict:
             if row and isinstance(row[0], int):
                 info["start_utc_ns"] = row[0]
         with contextlib.suppress(sqlite3.Error):
-            env = dict(
-                con.execute(
-                    "SELECT name, value FROM TARGET_INFO_SYSTEM_ENV WHERE name = 'Hostname'"
-                ).fetchall()
-            )
-            info["hostname"] = env.get("Hostname") or None
+            host = con.execute(
+                "SELECT value FROM TARGET_INFO_SYSTEM_ENV WHERE name = 'Hostname' LIMIT 1"
+            ).fetchone()
+            info["hostname"] = str(host[0]) if host and host[0] else None
         with contextlib.suppress(sqlite3.Error):
             capture = con.execute("SELECT name, value FROM META_DATA_CAPTURE").fetchall()
             uuid = [v for n, v in capture if n == "PROFILING_SESSION_UUID" and v]

@@ -299,7 +299,10 @@ def kernel_summary(w: RankWindow) -> list[dict]:
         )
         .with_columns(
             pl.col("name", "short_name").cast(pl.String),
-            time_frac=pl.col("total_ns") / pl.col("total_ns").sum(),
+            # (kernels of zero length, as a damaged export may hold: no share, not NaN)
+            time_frac=pl.when(pl.col("total_ns").sum() > 0)
+            .then(pl.col("total_ns") / pl.col("total_ns").sum())
+            .otherwise(0.0),
         )
         .sort(["total_ns", "name"], descending=[True, False])
         .head(KERNEL_SUMMARY_ROWS)

@@ -102,6 +102,8 @@ class ExportResult:
     job: dict = field(default_factory=dict)
     # rows left out as unusable (Trace.unusable_rows): among the rows read
     unusable_rows: dict[str, int] = field(default_factory=dict)
+    # strings that were not UTF-8, repaired (Trace.repaired_strings), by "TABLE.column"
+    repaired_strings: dict[str, int] = field(default_factory=dict)
     # one process of a multi-process export split off as a run of its own (grouping.py)
     part: str | None = None
 

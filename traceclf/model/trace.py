@@ -76,6 +76,8 @@ class Trace:
     session: dict = field(default_factory=dict)
     # rows left out as unusable, by "<frame>.<reason>" (no_time, end_before_start, no_process)
     unusable_rows: dict[str, int] = field(default_factory=dict)
+    # strings that were not UTF-8, repaired with U+FFFD, by "<TABLE>.<column>" (ingest/utf8.py)
+    repaired_strings: dict[str, int] = field(default_factory=dict)
     # time spans (ns) the event frames cover; None: the whole capture
     read_spans: tuple[tuple[int, int], ...] | None = None
     # with ``read_spans``: first start and last end of GPU work in the whole capture, and the rows

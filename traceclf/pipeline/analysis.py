@@ -218,6 +218,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
         gpu_count=len(trace.gpus),
         job=job_evidence(path, trace),
         unusable_rows=trace.unusable_rows,
+        repaired_strings=trace.repaired_strings,
     )
 
 

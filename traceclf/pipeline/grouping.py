@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 STEP_TOLERANCE = 0.25
 # Clocks of different hosts agree to well under this (NTP); captures are compared with it.
 CLOCK_SLACK_NS = 2_000_000_000
-RANK_IN_NAME = re.compile(r"(?<![a-z])(?:rank|proc|node|gpu|r)[-_.]?(\d+)(?!.*\d)", re.IGNORECASE)
+# A rank number in a file name: a whole token of the name (between separators) such as
+# "rank3", "rank_3", "r3", "proc3", "gpu3"; the last such token counts. Counts are not ranks
+# ("2gpu", "8gpus"), nor suffixed numbers ("r2s"), nor node indices ("node0").
+RANK_IN_NAME = re.compile(r"(?:^|[-_.])(?:rank|proc|gpu|r)[-_.]?(\d+)(?=$|[-_.])", re.IGNORECASE)
 DIGITS = re.compile(r"\d+")
 
 
@@ -56,11 +59,15 @@ def evidence(result: ExportResult) -> Evidence:
     start, span = job.get("start_utc_ns"), job.get("gpu_span_ns")
     capture = (start + span[0], start + span[1]) if start is not None and span else None
     stem = Path(result.path).stem
-    named = RANK_IN_NAME.search(stem)
-    ranks = set(job.get("nccl_ranks") or []) or set(job.get("env_ranks") or [])
-    if named and not ranks:
-        ranks = {int(named.group(1))}
     part = result.part
+    # Rank ids describe a whole file: one process split off a file of several has none of its
+    # own (it is compared on GPU, step anchor and step time only), and a number in the name
+    # is a rank only when the file holds one rank.
+    ranks: set[int] = set()
+    if part is None:
+        ranks = set(job.get("nccl_ranks") or []) or set(job.get("env_ranks") or [])
+        if not ranks and len(result.ranks) == 1:
+            ranks = set(rank_in_name(stem))
     return Evidence(
         name=Path(result.path).name + (f" ({part})" if part else ""),
         gpus=frozenset((r.gpu or {}).get("name") or "unknown GPU" for r in result.ranks),
@@ -71,6 +78,13 @@ def evidence(result: ExportResult) -> Evidence:
         name_pattern=DIGITS.sub("#", stem),
         rank_ids=frozenset(ranks),
     )
+
+
+def rank_in_name(stem: str) -> list[int]:
+    """The rank number a file name (without suffix) carries, if it follows a rank pattern
+    (:data:`RANK_IN_NAME`): ``run_rank3`` → [3], ``ulysses_2gpu_1s_window`` → []."""
+    found = RANK_IN_NAME.findall(stem)
+    return [int(found[-1])] if found else []
 
 
 def match(a: Evidence, b: Evidence) -> tuple[list[str], list[str]]:

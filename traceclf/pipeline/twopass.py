@@ -46,6 +46,8 @@ PROBE_MAX_ROWS = 3_200_000
 # A table this small costs less to read whole than to reason about.
 SMALL_ROWS = 100_000
 GPU_SIDE = ("kernels", "graphs", "memcpy", "memset", "syncs")
+# Values read back from SQL are used as numbers: rows whose end is not an integer are skipped.
+INTEGER_END = "typeof(\"end\") = 'integer'"
 Span = tuple[int, int]
 
 
@@ -209,6 +211,7 @@ class _Planner:
         # the last step ends with the rank's last kernel (as --all-steps has it), which sits
         # among the table's last rows
         table = self.reader.table_of("kernels")
+        where += f" AND {INTEGER_END}"  # (a value of another type is no time)
         tail = f"{where} AND rowid > {index.last - Projector.BLOCK}"
         (last_end,) = self.con.execute(f'SELECT max("end") FROM {table} WHERE {tail}').fetchone()
         if last_end is None:
@@ -433,7 +436,8 @@ def _capture(
             continue
         first = int(index.times.min())
         (last,) = index.con.execute(
-            f'SELECT max("end") FROM {index.table} WHERE rowid > {index.last - Projector.BLOCK}'
+            f'SELECT max("end") FROM {index.table} WHERE rowid > {index.last - Projector.BLOCK} '
+            f"AND {INTEGER_END}"
         ).fetchone()
         lo = first if lo is None else min(lo, first)
         hi = int(last or 0) if hi is None else max(hi, int(last or 0))

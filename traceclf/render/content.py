@@ -156,6 +156,10 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     ]  # fmt: skip
     if any(unusable.values()):
         rows.append(("Unusable rows", ", ".join(f"{k} {v:,}" for k, v in unusable.items() if v)))
+    repaired = {k: v for k, v in (c.get("repaired_strings") or {}).items() if v}
+    if repaired:
+        counts = ", ".join(f"{k} {v:,}" for k, v in repaired.items())
+        rows.append(("Repaired strings", f"{counts} (not UTF-8: bad bytes shown as \ufffd)"))
     return rows
 
 

@@ -1,5 +1,7 @@
 """JSON text for people and for tools at once: indented, but every row (a list or an object
-that holds only numbers, strings, booleans and nulls) on one line.
+that holds only numbers, strings, booleans and nulls) on one line; and JSON that every parser
+reads: a number that is not finite (NaN, ±infinity, which Python would write as the invalid
+``NaN``/``Infinity``) is written as ``null``, the contract's "unknown".
 
 A long ``--all-steps`` report is mostly such rows (one per step of every series). Writing each
 on its own line keeps the file a few thousand lines instead of tens of thousands, diffs stay
@@ -10,6 +12,7 @@ Python and was most of re-analysing a cached 2 GB export.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 from collections.abc import Callable
@@ -20,9 +23,11 @@ _SCALARS = (str, int, float, bool, type(None))
 
 def dumps(data: Any, indent: int | None = 2, default: Callable[[Any], Any] | None = None) -> str:
     """``json.dumps(data, indent=indent, default=default)``, each row on one line (the same
-    JSON value either way)."""
+    JSON value either way), numbers that are not finite as ``null``."""
+    if default is not None:
+        default = _finite_default(default)
     if indent is None:
-        return json.dumps(data, default=default)
+        return json.dumps(_finite(data), default=default, allow_nan=False)
     rows: list[str] = []
     # a fresh nonce per call: a string read from a trace cannot spell a placeholder
     tag = f"\x00{secrets.token_hex(8)}:"
@@ -30,18 +35,34 @@ def dumps(data: Any, indent: int | None = 2, default: Callable[[Any], Any] | Non
     def fold(value: Any) -> Any:
         if isinstance(value, dict):
             if value and all(isinstance(v, _SCALARS) for v in value.values()):
-                return _row(value)
+                return _row({k: _finite(v) for k, v in value.items()})
             return {k: fold(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             if value and all(isinstance(v, _SCALARS) for v in value):
-                return _row(value)
+                return _row([_finite(v) for v in value])
             return [fold(v) for v in value]
-        return value
+        return _finite(value)
 
     def _row(value: Any) -> str:
-        rows.append(json.dumps(value, default=default, separators=(", ", ": ")))
+        rows.append(json.dumps(value, default=default, separators=(", ", ": "), allow_nan=False))
         return f"{tag}{len(rows) - 1}"
 
-    text = json.dumps(fold(data), indent=indent, default=default)
+    text = json.dumps(fold(data), indent=indent, default=default, allow_nan=False)
     placeholder = re.compile(re.escape(json.dumps(tag)[:-1]) + r'(\d+)"')
     return placeholder.sub(lambda m: rows[int(m[1])], text)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite made None (in containers too)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _finite_default(default: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``default`` whose results (a numpy scalar's ``.item()``) are made finite as well."""
+    return lambda value: _finite(default(value))

@@ -1,0 +1,58 @@
+"""Text columns of an export, read as the bytes nsys stored and decoded here.
+
+nsys writes names (StringIds, NVTX text, GPU and process names, metadata) into TEXT columns
+without checking that they are UTF-8: nsys 2022.2/2022.3 store raw GpuInfo bytes in
+TARGET_INFO_SYSTEM_ENV, and an application's NVTX label or a kernel name may hold any bytes.
+connectorx decodes TEXT strictly and fails the whole read on one bad byte, so text is selected
+as a BLOB (:func:`blob_sql`) and decoded with :func:`decode_text`: valid UTF-8 at polars'
+speed, anything else with U+FFFD in place of the bad bytes, and counted, so that the report
+can say how many strings were repaired instead of refusing a valid export.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+# What a NULL text becomes in SQL: connectorx types a computed column from its first value and
+# fails on a NULL there. One NUL byte is no name anyone writes; it reads back as null.
+NULL_BYTES = b"\x00"
+_NULL_SQL = "X'00'"
+
+
+def blob_sql(column: str) -> str:
+    """SQL for the bytes of the TEXT column ``column`` (quoted here), never NULL."""
+    return f'coalesce(CAST("{column}" AS BLOB), {_NULL_SQL})'
+
+
+def decode_text(values: pl.Series) -> tuple[pl.Series, int]:
+    """``values`` (bytes read through :func:`blob_sql`) as text, and how many of them were not
+    valid UTF-8 (decoded with U+FFFD for each bad sequence). A column already read as text
+    (an empty result, which connectorx types from the declared column) is returned as it is."""
+    if values.dtype != pl.Binary:
+        return values.cast(pl.String), 0
+    name = values.name
+    values = pl.select(pl.when(pl.lit(values) != NULL_BYTES).then(pl.lit(values))).to_series()
+    try:
+        return values.cast(pl.String).alias(name), 0
+    except pl.exceptions.ComputeError:  # invalid UTF-8 somewhere: the slow path, rarely taken
+        pass
+    raw = values.to_list()
+    repaired = sum(1 for b in raw if b is not None and not _valid(b))
+    text = [None if b is None else b.decode("utf-8", "replace") for b in raw]
+    return pl.Series(name, text, dtype=pl.String), repaired
+
+
+def decode_bytes(value: object) -> str | None:
+    """One value read with Python's sqlite3 as bytes (``CAST(... AS BLOB)``): text with
+    U+FFFD for bad bytes; None for NULL or the empty string."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace") or None
+    return str(value) if value is not None else None
+
+
+def _valid(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -1,0 +1,69 @@
+"""Rust panics of the readers are errors, not output.
+
+connectorx reports a failed read (a damaged page, a file cut short while it is read, a value of
+the wrong type) by panicking in one of its threads: Rust prints the panic, and a backtrace when
+``RUST_BACKTRACE`` is set, straight to file descriptor 2 before Python sees the exception that
+traceclf turns into its one-line message. While a read runs, :func:`panics_hidden` holds what
+reaches descriptor 2 and afterwards writes it back without the panic reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+
+# "thread '<unnamed>' (123) panicked at src/x.rs:1:2:", the message, an optional backtrace and
+# a closing "note: ..." line (absent when the process dies: then the rest of the output).
+_PANIC = re.compile(
+    rb"^thread '[^\n]*' (?:\(\d+\) )?panicked at [^\n]*\n(?:(?!note: )[^\n]*\n)*(?:note: [^\n]*\n?)?",
+    re.M,
+)
+# One holder at a time: descriptor 2 belongs to the whole process.
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def panics_hidden() -> Iterator[None]:
+    """Hold what is written to descriptor 2 while the body runs; then write it back, Rust panic
+    reports removed. Where descriptor 2 cannot be redirected, the body runs as it is."""
+    with _LOCK:
+        held = _scratch()
+        if held is None:
+            yield
+            return
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            rest = _PANIC.sub(b"", held.read())
+            held.close()
+            if rest.strip():
+                with contextlib.suppress(OSError):
+                    os.write(2, rest)
+
+
+def _scratch():
+    """An anonymous file in memory (Linux) or in the temporary folder; None if neither works
+    or descriptor 2 is closed."""
+    try:
+        os.fstat(2)
+    except OSError:
+        return None
+    with contextlib.suppress(OSError, AttributeError):
+        return os.fdopen(os.memfd_create("traceclf-stderr"), "w+b")
+    with contextlib.suppress(OSError):
+        return tempfile.TemporaryFile()
+    return None
