@@ -10,7 +10,8 @@ Noise band. For each run the standard error of its mean step time is
 ``SE = cv * mean / sqrt(n)``, with ``cv`` the coefficient of variation of its steady-state step
 times (mean over ranks) and ``n`` the steady steps used. The band is two standard errors of the
 difference of the means, ``noise = 2 * sqrt(SE_before² + SE_after²)`` (about a 95% interval for
-steps that vary independently around their mean).
+steps that vary independently around their mean). A CV no step times can have (see
+:attr:`traceclf.report.comparison.Run.standard_error_ms`) leaves the band unknown: the verdict rests on the threshold.
 
 Verdict. ``regression`` when the mean step time grew by more than ``threshold`` (a fraction,
 default 5%) and by more than the noise band; ``improvement`` when it shrank by as much;
@@ -229,7 +230,11 @@ def _summary(
         missing = " and ".join(r.source for r in (b, a) if r.step_mean_ms is None)
         return f"Inconclusive: no step time for {missing} (no steps found), so nothing to gate on."
     steps = f"step {fmt_ms(b.step_mean_ms)} → {fmt_ms(a.step_mean_ms)} ({signed_pct(change)})"
-    band = f"±{fmt_ms(noise)}" if noise is not None else "unknown (fewer than 2 steady steps)"
+    band = (
+        f"±{fmt_ms(noise)}"
+        if noise is not None
+        else "unknown (fewer than 2 steady steps, or a step-time spread no run can have)"
+    )
     if verdict == "regression":
         return f"Regression: {steps}, beyond the noise band ({band}) and the {threshold:.0%} threshold."
     if verdict == "improvement":

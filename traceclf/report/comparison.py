@@ -30,9 +30,14 @@ class Run:
 
     @property
     def standard_error_ms(self) -> float | None:
-        if self.step_mean_ms is None or self.step_cv is None or self.steps_used < 2:
+        """The standard error of the mean step time; None when it cannot be known: fewer than
+        2 steps, or a CV no step times can have (negative, or above sqrt(n): n non-negative
+        times spread at most that much), as a damaged or edited report holds. Such a CV
+        loses the noise band whatever its size (infinite or 1e300 alike)."""
+        n, cv = self.steps_used, self.step_cv
+        if self.step_mean_ms is None or cv is None or n < 2 or not 0 <= cv <= math.sqrt(n):
             return None
-        return self.step_cv * self.step_mean_ms / math.sqrt(self.steps_used)
+        return cv * self.step_mean_ms / math.sqrt(n)
 
 
 @dataclass

@@ -12,6 +12,11 @@ from traceclf.report import display
 from traceclf.support import jsontext
 from traceclf.support.errors import TraceError
 from traceclf.support.pandas_frames import to_pandas
+from traceclf.support.readfile import read_bounded
+
+# A saved report bigger than this is no report traceclf wrote (a long --all-steps report is a
+# few MB): reading it could exhaust memory (a 3 GB file took every byte there was).
+MAX_REPORT_BYTES = 64 << 20
 
 WALLS = ("memory", "communication", "host", "compute")
 ORDER = (
@@ -119,12 +124,23 @@ class Report:
 
     @classmethod
     def load(cls, path: str | Path) -> Report:
-        """Read a saved JSON report (``traceclf analyze --format json -o report.json``)."""
+        """Read a saved JSON report (``traceclf analyze --format json -o report.json``): a
+        regular file of at most MAX_REPORT_BYTES (never a FIFO or a device), whose numbers,
+        nesting and size cannot exhaust the process."""
         path = Path(path)
+        raw = read_bounded(path, MAX_REPORT_BYTES, "JSON report")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise TraceError(path, f"cannot read JSON report ({e})") from None
+        except ValueError as e:  # a number longer than Python reads (4,300 digits)
+            raise TraceError(
+                path, f"cannot read JSON report ({' '.join(str(e).split())[:120]})"
+            ) from None
+        except RecursionError:
+            raise TraceError(path, "cannot read JSON report (nested too deeply)") from None
+        except MemoryError:
+            raise TraceError(path, "cannot read JSON report (out of memory)") from None
         if not isinstance(data, dict):
             raise TraceError(path, "not a traceclf report (not a JSON object)")
         try:

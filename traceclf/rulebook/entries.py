@@ -154,11 +154,12 @@ def parse_definitions(
                     merged[name] = Definition(name, Expr.parse(str(source)), path)
                 except ExprError as e:
                     raise TraceError(path, f"{label}: {e}") from None
-    for i, d in enumerate(merged.values()):
-        earlier = measures | frozenset(list(merged)[:i])
+    earlier = set(measures)  # grown one definition at a time: linear in the definitions
+    for d in merged.values():
         for used in sorted(d.expr.names - earlier):
             where = "a later definition" if used in merged else "unknown"
             raise TraceError(d.source, f"definition {d.name!r}: uses {used!r} ({where})")
+        earlier.add(d.name)
     return merged
 
 

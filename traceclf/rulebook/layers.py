@@ -41,7 +41,13 @@ from traceclf.rulebook.entries import (
 )
 from traceclf.rulebook.taxonomy_tables import TaxonomyTables, parse_taxonomy
 from traceclf.rulebook.thresholds import parse_thresholds
-from traceclf.rulebook.yamlfile import read_text, read_yaml, yaml_files
+from traceclf.rulebook.yamlfile import (
+    MAX_RULE_VALUES,
+    check_folder_size,
+    read_text,
+    read_yaml,
+    yaml_files,
+)
 from traceclf.support.errors import TraceError
 from traceclf.support.version import PACKAGE
 
@@ -145,7 +151,12 @@ def _load(
     names: Callable[[], frozenset[str]],
 ) -> RuleSet:
     texts = [[(path, read_text(path)) for path in layer] for layer in layers]  # (once each)
-    docs = [[(path, read_yaml(path, text)) for path, text in layer] for layer in texts]
+    for folder, layer in zip(folders, texts, strict=True):
+        check_folder_size(folder, layer)
+    docs = []
+    for folder, layer in zip(folders, texts, strict=True):
+        values = [MAX_RULE_VALUES]  # what the folder's files may still hold, shared by them
+        docs.append([(path, read_yaml(path, text, values, folder)) for path, text in layer])
     stamped = None
     if remember is not None:
         with contextlib.suppress(OSError):

@@ -5,8 +5,6 @@ machine)."""
 
 from __future__ import annotations
 
-import os
-import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,11 +12,18 @@ from typing import Any
 import yaml
 
 from traceclf.support.errors import TraceError
+from traceclf.support.readfile import read_bounded
 
 # Limits on rule files (docs/security.md): a rule file is data, and no rule file may exhaust
-# the machine. The bundled files are ~25 KB, 8 levels deep, ~30,000 characters expanded.
+# the machine. The bundled files are ~75 KB, 8 levels deep, ~30,000 characters expanded.
 MAX_RULE_FILE_BYTES = 1 << 20
 MAX_RULE_FILES = 200  # per folder
+# Per folder, all its files together: what parsing and checking costs grows with the bytes
+# and with the entries and values (each expression ~0.1-0.2 ms to parse and check). The
+# bundled rules hold ~1,800 values in ~75 KB; at both limits a folder loads in seconds
+# (docs/security.md), where 44,000 definitions in 1 MiB took 339 s before (issue 29).
+MAX_RULES_BYTES = 1 << 20
+MAX_RULE_VALUES = 10_000
 MAX_YAML_DEPTH = 32
 # Characters (scalars) plus nodes once every alias is expanded: bounds whatever walks or
 # prints a document, whatever its aliases multiply ("billion laughs").
@@ -45,10 +50,23 @@ def yaml_files(folder: Path) -> list[Path]:
     return found
 
 
-def read_yaml(path: Path, text: str | None = None) -> dict:
+def check_folder_size(folder: Path, texts: list[tuple[Path, str]]) -> None:
+    """Refuse a folder whose rule files are larger than MAX_RULES_BYTES together."""
+    size = sum(len(text.encode()) for _path, text in texts)
+    if size > MAX_RULES_BYTES:
+        raise TraceError(
+            folder, f"rule files larger than {MAX_RULES_BYTES >> 20} MiB together ({size:,} bytes)"
+        )
+
+
+def read_yaml(
+    path: Path, text: str | None = None, values: list[int] | None = None, folder: Path | None = None
+) -> dict:
+    """The document of one rule file; ``values``: how many more YAML values (scalars and
+    collections) its folder may hold, counted down here and shared by the folder's files."""
     text = read_text(path) if text is None else text
     try:
-        _check_shape(path, text)
+        _check_shape(path, text, [MAX_RULE_VALUES] if values is None else values, folder)
         doc = yaml.load(text, Loader=_LOADER)  # a SafeLoader, C or Python
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
@@ -83,41 +101,31 @@ def read_yaml(path: Path, text: str | None = None) -> dict:
 def read_text(path: Path) -> str:
     """The file's text, read without blocking (a FIFO would hang a plain read) and only if it
     is a regular file of at most MAX_RULE_FILE_BYTES (``/dev/zero`` never ends)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise TraceError(path, f"cannot read rule file: {e.strerror or e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise TraceError(path, "not a regular file (a rule file must be a plain YAML file)")
-        if st.st_size > MAX_RULE_FILE_BYTES:
-            raise TraceError(
-                path, f"rule file larger than {MAX_RULE_FILE_BYTES >> 20} MiB ({st.st_size} bytes)"
-            )
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(MAX_RULE_FILE_BYTES + 1)
-    except OSError as e:
-        raise TraceError(path, f"cannot read rule file: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_RULE_FILE_BYTES:  # it grew while being read
-        raise TraceError(path, f"rule file larger than {MAX_RULE_FILE_BYTES >> 20} MiB")
+    data = read_bounded(path, MAX_RULE_FILE_BYTES, "rule file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise TraceError(path, f"cannot read rule file: not UTF-8 text ({e.reason})") from None
 
 
-def _check_shape(path: Path, text: str) -> None:
-    """Bound nesting and alias expansion from the parser's events, before any object is
-    built: PyYAML shares an alias's object, but whatever walks or prints the document
-    afterwards (a message, ``str()``) pays for every expansion."""
+def _check_shape(path: Path, text: str, values: list[int], folder: Path | None) -> None:
+    """Bound nesting, alias expansion and the values of the folder (``values``, counted down)
+    from the parser's events, before any object is built: PyYAML shares an alias's object,
+    but whatever walks or prints the document afterwards (a message, ``str()``) pays for
+    every expansion."""
     open_nodes: list[tuple[str | None, int]] = []  # (anchor, expanded size when it opened)
     sizes: dict[str, int] = {}  # anchor -> expanded size of its node
     expanded = 0
     for event in yaml.parse(text, Loader=_LOADER):
         line = event.start_mark.line + 1 if event.start_mark else 0
+        if isinstance(event, yaml.ScalarEvent | yaml.CollectionStartEvent):
+            values[0] -= 1
+            if values[0] < 0:
+                raise TraceError(
+                    folder or path,
+                    f"rule files hold more than {MAX_RULE_VALUES:,} YAML values together "
+                    f"(the bundled rules hold about 1,800); {path.name} line {line} is past it",
+                )
         if isinstance(event, yaml.AliasEvent):
             if event.anchor not in sizes:
                 raise TraceError(path, f"line {line}: alias *{event.anchor} refers to itself")
