@@ -260,7 +260,8 @@ def test_interrupt_stops_nsys_and_cleans_up(env: Path, report: Path) -> None:
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     cache_dir = env / "user-cache"
-    (pid_file,) = _wait_for(lambda: list(cache_dir.glob(".*.pid")))
+    # (nsys exports into a folder of its own: .traceclf-export-*, removed with what it holds)
+    (pid_file,) = _wait_for(lambda: list(cache_dir.glob(".traceclf-export-*/*.pid")))
     pids = [int(p) for p in _wait_for(lambda: pid_file.read_text().split())]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)

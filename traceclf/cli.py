@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import click
 
-from traceclf.support.errors import TraceError, TraceWarning
+from traceclf.support.errors import TraceError, show_warnings
 from traceclf.support.version import __version__
 
 FORMATS = ("terminal", "json", "md", "html", "csv")
@@ -100,14 +99,37 @@ no_cache_option = click.option(
     help="Neither read nor write the cache (each export's trace model as Parquet and its "
     "analysis result).",
 )
+
+
+def _cache_dir(_ctx, _param, cache_dir: Path | None) -> Path | None:
+    """A cache folder that cannot be one is no reason to fail: the run goes on without a
+    cache (as with any unusable cache), said once."""
+    if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
+        import warnings
+
+        from traceclf.support.errors import TraceWarning
+
+        warnings.warn(
+            TraceWarning(f"{cache_dir}: --cache-dir is not a folder: no cache"), stacklevel=1
+        )
+    return cache_dir
+
+
 cache_dir_option = click.option(
     "--cache-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
+    callback=_cache_dir,
     help="Cache folder (default: $TRACECLF_CACHE_DIR, else the user cache directory, "
     "e.g. ~/.cache/traceclf). Nothing is written beside your traces unless you ask: "
     "--cache-dir . keeps the cache in the current folder.",
 )
-quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+quiet_option = click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="No progress on stderr (traceclf's own warnings still show, other libraries' do not).",
+    callback=lambda _ctx, _param, quiet: show_warnings(quiet) or quiet,
+)
 all_steps_option = click.option(
     "--all-steps",
     is_flag=True,
@@ -240,6 +262,9 @@ def analyze(
     rank-numbered names, and the same GPU, step anchor and step time); otherwise each run gets
     its own report plus a summary table. --job or --runs overrides the guess.
     """
+    from traceclf.support.process import check_address_space
+
+    check_address_space()
     from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
     from traceclf.render import render
 
@@ -321,6 +346,9 @@ def compare(
     explains the change (measures that moved, overlap, fixes that became applied, CUDA-graph
     tracing mode). With several candidates, prints one row each against the baseline. Exits 1
     if any candidate regresses beyond --threshold."""
+    from traceclf.support.process import check_address_space
+
+    check_address_space()
     from traceclf.compare.regression import compare_many
     from traceclf.pipeline.analysis import AnalysisOptions
     from traceclf.render.compared import render_comparison
@@ -437,21 +465,17 @@ def cache_clear(cache_dir: Path | None) -> None:
     )
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """traceclf's own warnings as one line on stderr; others as Python prints them."""
-    if issubclass(category, TraceWarning):
-        from traceclf.support.escape import visible
-
-        click.echo(f"traceclf: warning: {visible(message)}", err=True)
-    else:
-        _python_showwarning(message, category, filename, lineno, file, line)
-
-
-_python_showwarning = warnings.showwarning
-
-
 def main() -> None:
-    warnings.showwarning = _show_warning
+    from traceclf.support.process import (
+        TERMINATED_EXIT,
+        Terminated,
+        end_on_sigterm,
+        escape_unencodable_output,
+    )
+
+    show_warnings()
+    escape_unencodable_output()
+    end_on_sigterm()
     try:
         cli.main(standalone_mode=False, prog_name="traceclf")
     except click.exceptions.Exit as e:
@@ -461,13 +485,20 @@ def main() -> None:
         _fail(f"{' '.join(e.format_message().split())} (see: {command} --help)")
     except click.ClickException as e:
         _fail(" ".join(e.format_message().split()))
-    except click.Abort:
+    except click.Abort as e:
+        if isinstance(e.__cause__, Terminated):  # SIGTERM: cleaned up like Ctrl-C
+            click.echo("traceclf: terminated", err=True)
+            sys.exit(TERMINATED_EXIT)
         click.echo("traceclf: aborted", err=True)
         sys.exit(130)
     except TraceError as e:
         _fail(str(e))
     except BrokenPipeError:
         sys.exit(0)
+    except MemoryError:
+        _fail("out of memory (the analysis needs more than this machine or its limits allow)")
+    except ImportError as e:  # a library that cannot load: memory limits or a broken install
+        _fail(f"cannot load {e.name or 'a library'}: {' '.join(str(e).split())[:200]}")
     except Exception as e:  # a bug, not bad input: keep the traceback one env var away
         if os.environ.get("TRACECLF_DEBUG"):
             raise

@@ -36,6 +36,9 @@ lines = open(rep, "rb").read().decode("utf-8", "replace").splitlines()
 if not lines or lines[0] != {magic!r}:
     print("Error: cannot open report file " + rep + ": wrong file format", file=sys.stderr)
     sys.exit(1)
+if behaviour == "symlink":  # --output left as a link to another SQLite file
+    os.symlink(lines[1], out)
+    sys.exit(0)
 if behaviour == "nofile":
     print("Export completed.")
     sys.exit(0)
@@ -48,8 +51,9 @@ def write_fake_nsys(
     path: Path, log: Path, *, behaviour: str = "export", delay: float = 0.0
 ) -> Path:
     """Write an executable stand-in nsys at ``path``. ``behaviour``: "export" (copy the export
-    the report names), "fail" (exit 3 with an error), "nofile" (exit 0, write nothing) or
-    "hang" (start a helper process, write part of OUT and both pids to OUT.pid, sleep)."""
+    the report names), "fail" (exit 3 with an error), "nofile" (exit 0, write nothing),
+    "symlink" (leave OUT as a symlink to the export the report names) or "hang" (start a
+    helper process, write part of OUT and both pids to OUT.pid, sleep)."""
     path.write_text(
         SCRIPT.format(
             python=sys.executable,

@@ -1,6 +1,8 @@
 """Writing the files that go with a report: every table into a folder (``--export-dir``, CSV or
-Parquet), and a Markdown report's figures as PNG files beside it. Each file is written
-atomically through :func:`traceclf.support.atomic.write_output` and never onto an input of the run.
+Parquet), and a Markdown report's figures as PNG files beside it. They are written together
+(:func:`traceclf.support.atomic.written_together`: all of them or none, a folder traceclf made
+removed again), under names traceclf derives (a link planted there is refused, never
+followed), and never onto an input of the run.
 
 Text cells come from traces (kernel, NVTX and file names): in CSV they go through
 :func:`traceclf.support.escape.for_csv` (one line, control characters written out, no formula),
@@ -10,6 +12,7 @@ and the rest (RFC 4180).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 from collections.abc import Iterable
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from traceclf.support.atomic import check_output, write_output
+from traceclf.support.atomic import Together, check_output, written_together
 from traceclf.support.errors import TraceError
 
 if TYPE_CHECKING:
@@ -51,43 +54,50 @@ def export_tables(
     """Write every table of ``report`` (:data:`traceclf.report.frames.TABLES`) into ``folder``
     (created if missing) as ``<table>.csv`` or ``<table>.parquet``; returns the files written."""
     folder = Path(folder)
-    check_folder(folder)
-    inputs = list(inputs)
+    made = make_folder(folder)
     written = []
-    for name, df in report.tables().items():
-        path = folder / f"{name}.{fmt}"
-        write_output(path, table_bytes(df, fmt), inputs=inputs)
-        written.append(path)
+    try:
+        with written_together(inputs) as files:
+            for name, df in report.tables().items():
+                path = folder / f"{name}.{fmt}"
+                files.add(path, table_bytes(df, fmt))
+                written.append(path)
+    except BaseException:
+        for created in made:  # innermost first: only the folders made here, if still empty
+            with contextlib.suppress(OSError):
+                created.rmdir()
+        raise
     return written
 
 
-def check_folder(folder: Path) -> None:
-    """Create ``folder`` when missing; refuse anything there that is not a folder."""
+def make_folder(folder: Path) -> list[Path]:
+    """Create ``folder`` when missing (refusing anything there that is not a folder); the
+    folders created, innermost first."""
     if folder.exists() and not folder.is_dir():
         raise TraceError(folder, "--export-dir: not a folder")
+    missing = [p for p in (folder, *folder.absolute().parents) if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TraceError(folder, f"--export-dir: cannot create the folder ({e.strerror})") from None
+    return missing
 
 
-def figures_beside(
-    report: Report, output: Path, inputs: Iterable[Path] = (), tag: str = ""
-) -> dict[str, str]:
+def figures_beside(report: Report, output: Path, files: Together, tag: str = "") -> dict[str, str]:
     """Draw ``report``'s figures into PNG files beside ``output`` (``report.md`` ->
-    ``report.step_timeline.png``; ``tag`` goes before the figure name for several runs) and
-    return {figure: file name relative to ``output``'s folder}. Nothing is drawn when
-    ``output`` is not a regular file to be (a FIFO, a device, /dev/stdout)."""
+    ``report.step_timeline.png``; ``tag`` goes before the figure name for several runs), staged
+    in ``files`` with the report, and return {figure: file name relative to ``output``'s
+    folder}. Nothing is drawn when ``output`` is not a regular file to be (a FIFO, a device,
+    /dev/stdout)."""
     from traceclf.figures.draw import figure_png, report_figures
 
     target, st = check_output(output)
     if st is not None and not target.is_file():
         return {}
     stem = re.sub(r"\.(md|markdown)$", "", target.name, flags=re.IGNORECASE)
-    inputs = list(inputs)
     out = {}
     for name, fig in report_figures(report.series).items():
         path = target.parent / f"{stem}.{tag}{name}.png"
-        write_output(path, figure_png(fig), inputs=inputs)
+        files.add(path, figure_png(fig))
         out[name] = path.name
     return out

@@ -8,16 +8,24 @@ written beside the inputs unless the user puts the root there (``--cache-dir .``
 Names traceclf owns in the root, and the only names it ever deletes::
 
     <export name>-<16 hex>.traceclf/        one folder per export path (a "slot")
+        .traceclf-made                      the marker traceclf wrote when it made the folder
         <32 hex>/                           the trace model of one version of the export
         results-<32 hex>/<24 hex>.json      analysis results of that version, per option set
         .tmp-*                              a writer's temporaries (removed once stale)
-    <report stem>-<12 hex>-<12 hex>.sqlite  nsys exports of .nsys-rep reports (stamped)
-    rules-<32 hex>.json                     a rule set that passed its checks (judge/stamp.py)
+    <report stem>-<12 hex>-<12 hex>.sqlite  nsys exports of .nsys-rep reports (stamped in
+                                            their SQLite header)
+    .traceclf-export-*/                     a running nsys export's folder (marked; removed
+                                            once stale)
+    rules-<32 hex>.json                     a rule set that passed its checks (rulebook/
+                                            stamp.py), marked by its first key
 
-The root itself may be a symbolic link (a user's choice); everything traceclf creates inside
-it must be a real folder or file owned by this user, so a link planted in a cache can neither
-redirect a write nor a deletion. Any problem with the cache (a full disk, a read-only or
-foreign folder, a damaged entry) means "no cache", never a failed analysis.
+A name alone proves nothing (a user's ``rules-<32 hex>.json`` or ``x-<16 hex>.traceclf/`` may sit
+in a ``--cache-dir``): traceclf reads, prunes and deletes only what carries the mark it wrote
+there. The root itself may be a symbolic link (a user's choice); everything traceclf creates
+inside it must be a real folder or file owned by this user, so a link planted in a cache can
+neither redirect a write nor a deletion. Any problem with the cache (a full disk, a read-only or
+foreign folder, a damaged entry, the root being a file) means "no cache", never a failed
+analysis.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from traceclf.ingest.exportstamp import made_by_traceclf
-from traceclf.support.owned import is_owned, usable_root, writable
+from traceclf.rulebook.stamp import is_rules_stamp
+from traceclf.support.owned import is_owned, read_head, usable_root, writable
 from traceclf.support.version import __version__, sources_digest
 
 APP = "traceclf"
@@ -51,13 +60,17 @@ SLOT_RE = re.compile(r".+-[0-9a-f]{16}\.traceclf")
 ENTRY_RE = re.compile(r"[0-9a-f]{32}")
 RESULTS_RE = re.compile(r"results-[0-9a-f]{32}")
 EXPORT_RE = re.compile(r".+-[0-9a-f]{12}-[0-9a-f]{12}\.sqlite")
-TMP_EXPORT_RE = re.compile(r"\..+\.\d+-[0-9a-f]{8}\.tmp\.sqlite")
+EXPORT_WORK_RE = re.compile(r"\.traceclf-export-[\w-]+")
+EXPORT_WORK_PREFIX = ".traceclf-export-"
 RULES_STAMP_RE = re.compile(r"rules-[0-9a-f]{32}\.json")
 # Bump when the on-disk layout changes; loader code changes are caught by the fingerprint.
 CACHE_FORMAT = 5
 # the modules that shape the trace model (read as files: importing them imports polars); a
 # folder stands for its modules, so that one split off another is not forgotten
 MODEL_SOURCES = ("ingest", "model/trace.py")
+# What traceclf writes into each folder it makes in the cache: the proof that it made it.
+MARKER = ".traceclf-made"
+MARKER_TEXT = b"made by traceclf; `traceclf cache clear` removes this folder\n"
 
 
 @dataclass(frozen=True)
@@ -127,18 +140,35 @@ def slot_of(path: Path, cache_dir: Path | None = None) -> Path:
 
 
 def ensure_slot(slot: Path) -> bool:
-    """Create ``slot`` (and the root) if needed; True when it is a real folder of ours that
-    we may write into. A link in its place is never followed."""
+    """Create ``slot`` (and the root) if needed, marked as made by traceclf; True when it is
+    a real folder of ours, so marked, that we may write into. A link in its place is never
+    followed, and a folder of that name without the mark is someone else's."""
     if not usable_root(slot.parent, create=True):
         return False
-    with contextlib.suppress(FileExistsError, OSError):
+    with contextlib.suppress(OSError):
         slot.mkdir()
-    return is_owned(slot) and writable(slot)
+        mark(slot)
+    return readable_slot(slot) and writable(slot)
 
 
 def readable_slot(slot: Path) -> bool:
-    """A slot we may read: a real folder (not a link) of ours."""
-    return is_owned(slot)
+    """A slot we may read: a real folder (not a link) of ours that traceclf marked."""
+    return is_owned(slot) and marked(slot)
+
+
+def mark(folder: Path) -> None:
+    """Write the marker into a folder traceclf just made (raises OSError)."""
+    fd = os.open(folder / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(MARKER_TEXT)
+
+
+def marked(folder: Path) -> bool:
+    """Whether ``folder`` holds the marker traceclf writes into the folders it makes."""
+    return (
+        is_owned(folder / MARKER, "file")
+        and read_head(folder / MARKER, len(MARKER_TEXT) + 1) == MARKER_TEXT
+    )
 
 
 def remove(path: Path) -> int:
@@ -221,22 +251,23 @@ def owned_items(root: Path) -> list[tuple[str, Path]]:
         return items
     for child in children:
         name = child.name
-        if SLOT_RE.fullmatch(name) and is_owned(child):
+        if SLOT_RE.fullmatch(name) and readable_slot(child):
             items.append(("slot", child))
+        elif EXPORT_WORK_RE.fullmatch(name) and is_owned(child) and marked(child):
+            if _stale(child):  # a dead export's folder (a live one may still be filling)
+                items.append(("work", child))
         elif _owned_export(child):
             items.append(("export", child))
-        elif RULES_STAMP_RE.fullmatch(name) and is_owned(child, "file"):
+        elif RULES_STAMP_RE.fullmatch(name) and is_rules_stamp(child):
             items.append(("rules", child))
     return items
 
 
 def _owned_export(path: Path) -> bool:
-    """An nsys export traceclf made (stamped), or a dead writer's temporary of one."""
-    if not is_owned(path, "file"):
-        return False
-    if TMP_EXPORT_RE.fullmatch(path.name):
-        return _stale(path)
-    return bool(EXPORT_RE.fullmatch(path.name)) and made_by_traceclf(path)
+    """An nsys export traceclf made (stamped in its SQLite header)."""
+    return (
+        is_owned(path, "file") and bool(EXPORT_RE.fullmatch(path.name)) and made_by_traceclf(path)
+    )
 
 
 def _stale(path: Path) -> bool:

@@ -8,6 +8,8 @@ import struct
 import zlib
 from pathlib import Path
 
+from traceclf.support.owned import read_head
+
 # SQLite header fields (offsets 60 and 68) that nsys leaves at 0: ours carry "tclf" and the
 # report's identity, which is how an export is recognised as made by traceclf for that report.
 APPLICATION_ID = 0x74636C66
@@ -21,13 +23,8 @@ def stamp_for(key: str) -> tuple[int, int]:
 
 
 def read_stamp(path: Path) -> tuple[int, int] | None:
-    try:
-        with path.open("rb") as f:
-            f.seek(STAMP_OFFSET)
-            raw = f.read(HEADER_STAMP.size)
-    except OSError:
-        return None
-    return HEADER_STAMP.unpack(raw) if len(raw) == HEADER_STAMP.size else None
+    raw = read_head(path, HEADER_STAMP.size, STAMP_OFFSET)  # (a FIFO there is never opened)
+    return HEADER_STAMP.unpack(raw) if raw and len(raw) == HEADER_STAMP.size else None
 
 
 def is_export_of(path: Path, key: str) -> bool:

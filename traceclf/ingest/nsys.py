@@ -7,9 +7,10 @@ into the cache root (:mod:`traceclf.ingest.cachedir`, ``--cache-dir`` /
 ``$TRACECLF_CACHE_DIR`` / the user's cache directory), never beside the report, under a name
 keyed by the report's path and identity (size, mtime, first MiB); exports of earlier versions
 of that report are removed. Each export is stamped with that identity in SQLite's header, so an
-unchanged report is never exported twice and a changed one always is. nsys writes to a
-temporary name that is renamed into place, so two traceclf runs exporting one report at once
-both get a whole file. Exports made by earlier traceclf versions in ``.traceclf-cache/`` beside
+unchanged report is never exported twice and a changed one always is. nsys writes into a
+folder of its own (``.traceclf-export-*``, marked as traceclf's) and the export is renamed into
+place, so two traceclf runs exporting one report at once both get a whole file. What nsys
+leaves must be a regular SQLite export (a symlink there is never followed or stamped). Exports made by earlier traceclf versions in ``.traceclf-cache/`` beside
 the report are still reused, never written.
 """
 
@@ -18,16 +19,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import secrets
 import shutil
 import signal
 import sqlite3
 import subprocess
+import tempfile
 from pathlib import Path
 
-from traceclf.ingest.cachedir import cache_root
+from traceclf.ingest.cachedir import EXPORT_WORK_PREFIX, cache_root, mark
 from traceclf.ingest.exportstamp import is_export_of, made_by_traceclf, stamp_for
-from traceclf.ingest.schema import is_sqlite_file
+from traceclf.ingest.schema import inspect_export, is_sqlite_file
 from traceclf.support.errors import TraceError
 from traceclf.support.owned import is_owned, usable_root
 
@@ -154,8 +155,16 @@ def _prune_older_versions(target: Path, report: Path) -> None:
 
 
 def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
-    """Run ``nsys export`` into a temporary file beside ``target``, stamp it, rename it."""
-    tmp = target.with_name(f".{target.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp.sqlite")
+    """Run ``nsys export`` into a folder of its own beside ``target`` (marked as traceclf's,
+    so a dead export's is recognised and cleared), stamp the export, rename it into place."""
+    try:
+        work = Path(
+            tempfile.mkdtemp(prefix=f"{EXPORT_WORK_PREFIX}{os.getpid()}-", dir=target.parent)
+        )
+        mark(work)
+    except OSError as e:
+        raise TraceError(report, f"cannot export into {target.parent}: {e.strerror or e}") from None
+    tmp = work / "export.sqlite"
     # Absolute paths: a report named "-x.nsys-rep" must reach nsys as a file, not an option.
     cmd = [
         str(nsys),
@@ -177,6 +186,12 @@ def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
                 f"nsys export failed (exit {done.returncode}): "
                 f"{_first_line(done.stderr, done.stdout)}",
             )
+        if tmp.is_symlink():  # stamping it would write into whatever file it points to
+            raise TraceError(
+                report,
+                f"nsys export left a symbolic link at its output, not a file ({nsys}): "
+                "traceclf does not follow links it did not make",
+            )
         if not tmp.is_file() or tmp.stat().st_size == 0:
             raise TraceError(
                 report,
@@ -188,13 +203,17 @@ def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
                 f"nsys export wrote a file that is not an SQLite database ({nsys}: "
                 f"{_first_line(done.stderr, done.stdout)})",
             )
+        try:  # an SQLite file that is no export is the report's problem, never filed as one
+            inspect_export(tmp)
+        except TraceError as e:
+            raise TraceError(report, f"nsys export wrote an unusable file: {e.problem}") from None
         try:
             _stamp_export(tmp, key)
         except sqlite3.DatabaseError as e:
             raise TraceError(report, f"nsys export wrote a damaged SQLite file ({e})") from None
         os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)  # a failed export leaves nothing behind
+    finally:  # a failed export leaves nothing behind (rmtree follows no link nsys left)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _stamp_export(path: Path, key: str) -> None:

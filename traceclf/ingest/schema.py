@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from traceclf.support.errors import TraceError
+from traceclf.support.owned import read_head
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 SQLITE_HEADER_BYTES = 100
@@ -98,12 +99,9 @@ def readonly_uri(path: Path) -> str:
 
 
 def is_sqlite_file(path: Path) -> bool:
-    """Whether ``path`` starts with SQLite's magic string, whatever its name."""
-    try:
-        with path.open("rb") as f:
-            return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
-    except OSError:
-        return False
+    """Whether ``path`` is a regular file starting with SQLite's magic string, whatever its
+    name."""
+    return read_head(path, len(SQLITE_MAGIC)) == SQLITE_MAGIC
 
 
 def file_identity(path: Path) -> tuple[int, int] | None:
@@ -201,12 +199,8 @@ def _check_not_being_written(path: Path, *, wal_mode: bool) -> None:
             f"sqlite3 {path.name} 'PRAGMA wal_checkpoint(TRUNCATE)', then retry",
         )
     journal = path.with_name(path.name + "-journal")
-    try:
-        with journal.open("rb") as f:
-            hot = f.read(len(HOT_JOURNAL_MAGIC)) == HOT_JOURNAL_MAGIC
-    except OSError:
-        hot = False
-    if hot:
+    # (a FIFO there is no journal, and opening it normally would wait for a writer forever)
+    if read_head(journal, len(HOT_JOURNAL_MAGIC)) == HOT_JOURNAL_MAGIC:
         raise TraceError(
             path,
             f"being written ({journal.name} is a hot journal: a write is in progress or was "

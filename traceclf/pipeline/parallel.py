@@ -15,15 +15,17 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Executor, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from traceclf.support.cpus import WORKER_CPUS, cpus
-from traceclf.support.errors import TraceError
+from traceclf.support.errors import TraceError, show_warnings, warnings_quiet
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -108,7 +110,7 @@ def _local_pool(workers: int) -> Iterator[Executor]:
         workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_start_worker,
-        initargs=(workers, _users_decay()),
+        initargs=(workers, _users_decay(), warnings_quiet()),
     )
     try:
         yield pool
@@ -124,9 +126,10 @@ def _local_pool(workers: int) -> Iterator[Executor]:
 def _map_on(
     pool: Executor, fn: Callable[[T], R], items: list[T], advance: Callable[[], None]
 ) -> list[R]:
-    with _main_hidden_from_workers(fn):  # workers not started yet start on a submit
-        futures = [pool.submit(fn, item) for item in items]
+    futures: list = []
     try:
+        with _main_hidden_from_workers(fn):  # workers not started yet start on a submit
+            futures = [pool.submit(fn, item) for item in items]
         pending = set(futures)
         while pending:
             done, pending = wait(pending, return_when=FIRST_EXCEPTION)
@@ -134,17 +137,35 @@ def _map_on(
                 future.result()  # re-raises the worker's exception; the finally cancels the rest
                 advance()
         return [future.result() for future in futures]
+    except BrokenProcessPool:  # (also from a submit: a worker died while it started)
+        lost = [i for n, i in enumerate(items) if n >= len(futures) or not _succeeded(futures[n])]
+        raise TraceError(None, _worker_died(lost)) from None
     finally:
         for future in futures:
             future.cancel()
 
 
-def _start_worker(workers: int, users_decay: bool) -> None:
-    """In a worker, before polars is imported: its share of the cores, and its allocator's
-    settings (unless ``users_decay``: :func:`_users_decay`)."""
+def _succeeded(future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+def _worker_died(lost: list) -> str:
+    """A worker process ended without an answer (killed: the OOM killer, kill -9)."""
+    names = ", ".join(Path(str(i)).name for i in lost[:3]) + (" ..." if len(lost) > 3 else "")
+    return (
+        f"a worker process died while analysing {names or 'the inputs'} (killed, perhaps for "
+        "lack of memory); rerun with --jobs 1 to analyse one export at a time"
+    )
+
+
+def _start_worker(workers: int, users_decay: bool, quiet: bool) -> None:
+    """In a worker, before polars is imported: its share of the cores, its allocator's
+    settings (unless ``users_decay``: :func:`_users_decay`), and warnings shown as the CLI
+    shows them (``quiet``: ``--quiet``)."""
     # Ctrl-C reaches the whole process group: the parent stops the workers, which would
     # otherwise each print a traceback from their idle wait.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    show_warnings(quiet)
     _share_cores(workers)
     if not users_decay:
         _keep_freed_pages()
@@ -230,7 +251,7 @@ def _map_dask(
     fn: Callable[[T], R], items: list[T], address: str, advance: Callable[[], None]
 ) -> list[R]:
     try:
-        from distributed import Client, as_completed
+        from distributed import Client
     except ImportError:
         raise TraceError(None, "--dask needs Dask: pip install 'traceclf[dask]'") from None
     timeout = _dask_timeout()
@@ -240,18 +261,63 @@ def _map_dask(
     except (OSError, ValueError, TypeError, MemoryError) as e:
         raise TraceError(None, f"cannot reach the Dask scheduler at {address} ({e})") from None
     with client:
+        _wait_for_a_worker(client, address, timeout)
         # Workers run elsewhere: files travel as absolute paths with the identity seen here.
         remote = [RemoteFile.of(i) if isinstance(i, Path) else i for i in items]
         # pure=False: an export rewritten in place must be read again, not served from memory.
         futures = client.map(functools.partial(_on_worker, fn=fn), remote, pure=False)
         try:
-            for future in as_completed(futures):
-                if future.status == "error":
-                    future.result()  # re-raises the original exception with its traceback
-                advance()
+            _wait_on_cluster(client, address, futures, timeout, advance)
             return client.gather(futures)
         finally:
             client.cancel(futures)
+
+
+# How often a wait on the cluster checks that it still has a worker (seconds).
+DASK_POLL_S = 1.0
+
+
+def _wait_for_a_worker(client, address: str, timeout: float) -> None:
+    """A scheduler without workers would hold the tasks forever, in silence."""
+    try:
+        client.wait_for_workers(1, timeout=timeout)
+    except (TimeoutError, OSError) as e:
+        raise TraceError(
+            None,
+            f"the Dask scheduler at {address} has no worker (none joined within {timeout:g} s): "
+            f"start one (dask worker {address}) or run without --dask",
+        ) from e
+
+
+def _wait_on_cluster(
+    client, address: str, futures: list, timeout: float, advance: Callable[[], None]
+) -> None:
+    """Wait for ``futures``, re-raising the first error; if the cluster has no worker for
+    ``timeout`` seconds (the only one died or left), give up in one line instead of waiting
+    for a worker that may never come."""
+    from distributed import wait as dask_wait
+
+    pending, alone_since = set(futures), None
+    while pending:
+        try:
+            done, pending = dask_wait(pending, timeout=DASK_POLL_S, return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            done = set()
+        for future in done:
+            if future.status == "error":
+                future.result()  # re-raises the original exception with its traceback
+            advance()
+        if done:
+            continue
+        workers = len(client.nthreads())
+        alone_since = None if workers else (alone_since or time.monotonic())
+        if alone_since is not None and time.monotonic() - alone_since > timeout:
+            raise TraceError(
+                None,
+                f"the Dask cluster at {address} lost its workers ({len(pending)} of "
+                f"{len(futures)} exports unfinished, no worker for {timeout:g} s): a worker "
+                "died or left; restart them, or run without --dask",
+            )
 
 
 def _dask_timeout() -> float:

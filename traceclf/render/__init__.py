@@ -8,7 +8,7 @@ from pathlib import Path
 
 from traceclf.report.contract import Report
 from traceclf.report.runset import RunSet
-from traceclf.support.atomic import write_output
+from traceclf.support.atomic import Together, written_together
 
 
 def render(
@@ -16,15 +16,20 @@ def render(
 ) -> None:
     """Render ``report`` (one job, or several runs) as ``fmt`` to ``output`` (atomically) or
     stdout. Markdown written to a file gets its figures as PNG files beside it (none on
-    stdout); csv is the per-rank table (report/frames.py). Nothing is written onto ``inputs``."""
-    inputs = list(inputs)
+    stdout), written with the report: all of them or none. csv is the per-rank table
+    (report/frames.py). Nothing is written onto ``inputs``."""
+    with written_together(inputs) as files:
+        _render(report, fmt, output, files)
+
+
+def _render(report: Report | RunSet, fmt: str, output: Path | None, files: Together) -> None:
     if fmt == "csv":
         from traceclf.export.files import table_bytes
 
-        emit(table_bytes(report.tables()["ranks"]).decode("utf-8"), output, inputs)
+        emit(table_bytes(report.tables()["ranks"]).decode("utf-8"), output, files)
         return
     if isinstance(report, RunSet):
-        _render_runs(report, fmt, output, inputs)
+        _render_runs(report, fmt, output, files)
         return
     if fmt == "terminal":
         from traceclf.render.terminal import render_terminal
@@ -39,7 +44,7 @@ def render(
         from traceclf.export.files import figures_beside
         from traceclf.render.markdown import render_markdown
 
-        figures = figures_beside(report, output, inputs) if output is not None else None
+        figures = figures_beside(report, output, files) if output is not None else None
         text = render_markdown(report, figures)
     elif fmt == "html":
         from traceclf.render.html import render_html
@@ -47,10 +52,10 @@ def render(
         text = render_html(report)
     else:
         raise ValueError(f"unknown format {fmt!r}")
-    emit(text, output, inputs)
+    emit(text, output, files)
 
 
-def _render_runs(runs: RunSet, fmt: str, output: Path | None, inputs: list[Path]) -> None:
+def _render_runs(runs: RunSet, fmt: str, output: Path | None, files: Together) -> None:
     from traceclf.render import multirun as r
 
     if fmt == "terminal":
@@ -64,7 +69,7 @@ def _render_runs(runs: RunSet, fmt: str, output: Path | None, inputs: list[Path]
         from traceclf.export.files import figures_beside
 
         figures = (
-            [figures_beside(run, output, inputs, f"run{i}.") for i, run in enumerate(runs.runs, 1)]
+            [figures_beside(run, output, files, f"run{i}.") for i, run in enumerate(runs.runs, 1)]
             if output is not None
             else None
         )
@@ -73,7 +78,7 @@ def _render_runs(runs: RunSet, fmt: str, output: Path | None, inputs: list[Path]
         text = r.runs_html(runs)
     else:
         raise ValueError(f"unknown format {fmt!r}")
-    emit(text, output, inputs)
+    emit(text, output, files)
 
 
 def notebook_html(report: Report | RunSet) -> str:
@@ -88,9 +93,13 @@ def notebook_html(report: Report | RunSet) -> str:
     return notebook_html(report)
 
 
-def emit(text: str, output: Path | None, inputs: Iterable[Path] = ()) -> None:
-    """Write rendered text to ``output`` (traceclf/atomic.py: write_output), or to stdout."""
+def emit(text: str, output: Path | None, files: Together | None = None) -> None:
+    """Write rendered text to ``output`` (with ``files``, the others that go with it: see
+    traceclf/support/atomic.py), or to stdout."""
     if output is None:
         sys.stdout.write(text)
+    elif files is not None:
+        files.add(output, text, named=True)
     else:
-        write_output(output, text, inputs=inputs)
+        with written_together() as alone:
+            alone.add(output, text, named=True)

@@ -17,15 +17,19 @@ import contextlib
 import contextvars
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from traceclf.support.owned import is_owned, usable_root
+from traceclf.support.owned import is_owned, read_head, usable_root
 from traceclf.support.version import PACKAGE, __version__
 
 # Whether patterns are checked with polars as they are read (not when the stamp vouches).
 CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar("checking", default=True)
 PREFIX = "rules-"
+STAMP_MARK = "rules stamp"  # the first key's value: what STAMP_HEAD reads
+# The first bytes of a rule stamp: a file named like one without them is not traceclf's.
+STAMP_HEAD = b'{"traceclf": "rules stamp"'
 CODE = ("rulebook", "judge", "measures")
 
 
@@ -70,8 +74,9 @@ class Stamp:
         return frozenset(self.data["names"]) if self.data else None
 
     def write(self, names: frozenset[str]) -> None:
-        """Remember that the rule set passed its checks (best effort: no cache, no stamp)."""
-        self.data = {"names": sorted(names), "matches": {}}
+        """Remember that the rule set passed its checks (best effort: no cache, no stamp).
+        Its first key marks it as traceclf's (``traceclf cache clear`` deletes no other)."""
+        self.data = {"traceclf": STAMP_MARK, "names": sorted(names), "matches": {}}
         self._save()
 
     def match(self, pattern: str, text: str) -> bool | None:
@@ -88,12 +93,16 @@ class Stamp:
         from traceclf.support.atomic import write_atomic
 
         with contextlib.suppress(OSError):
-            if usable_root(self.file.parent, create=True):
+            # (a file of that name that is not a stamp of ours is left as it is)
+            ours = is_rules_stamp(self.file) or not os.path.lexists(self.file)
+            if ours and usable_root(self.file.parent, create=True):
                 write_atomic(self.file, json.dumps(self.data).encode())
 
 
 def _well_formed(data: object) -> bool:
     if not isinstance(data, dict) or not isinstance(data.get("names"), list):
+        return False
+    if next(iter(data), None) != "traceclf" or data["traceclf"] != STAMP_MARK:
         return False
     matches = data.get("matches")
     return (
@@ -104,6 +113,11 @@ def _well_formed(data: object) -> bool:
             for by_text in matches.values()
         )
     )
+
+
+def is_rules_stamp(file: Path) -> bool:
+    """A rule stamp traceclf wrote: a file of ours that starts with its mark."""
+    return is_owned(file, "file") and read_head(file, len(STAMP_HEAD)) == STAMP_HEAD
 
 
 # The stamp of the rule set in use by this process (load_rules sets it), for pattern answers.

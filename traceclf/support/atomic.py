@@ -8,6 +8,13 @@
   substitution's pipe) is written through, as the shell's ``>`` would; it is never replaced.
 - A folder, a block device or a socket is refused, and so is any input of the run, however it
   is spelled (the CLI passes them): ``output would overwrite input``.
+- The files that go with a report under names traceclf derives (a Markdown report's figures,
+  the ``--export-dir`` tables) are its own: only a regular file or nothing may be there. A
+  symlink there is refused, never followed (someone else planted it), and so is a FIFO.
+- Files that belong together (a report and its figures, the tables of ``--export-dir``) are
+  written with :func:`written_together`: every one to its temporary first, then all renamed
+  into place; a failure (a full disk) removes the temporaries, so they appear whole or not
+  at all.
 
 Every problem is a one-line :class:`~traceclf.support.errors.TraceError` naming the output.
 """
@@ -19,7 +26,7 @@ import errno
 import os
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from traceclf.support.errors import TraceError
@@ -39,15 +46,89 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
 
 def write_output(path: str | Path, data: str | bytes, *, inputs: Iterable[Path] = ()) -> None:
     """Write a report to ``path`` as described in the module docstring; raises TraceError."""
-    target, st = check_output(path, inputs)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
-    try:
+    with written_together(inputs) as files:
+        files.add(path, data, named=True)
+
+
+class Together:
+    """Files written as one: staged to temporaries by :meth:`add`, renamed into place by
+    :meth:`publish`, or removed by :meth:`discard`."""
+
+    def __init__(self, inputs: Iterable[Path]) -> None:
+        self.inputs = list(inputs)
+        self.staged: list[tuple[Path, Path]] = []  # (temporary, target)
+        self.through: list[tuple[Path, bytes]] = []  # FIFOs and devices, written at the end
+
+    def add(self, path: str | Path, data: str | bytes, *, named: bool = False) -> None:
+        """Stage ``data`` for ``path``: ``named`` when the user named it (``-o``: links are
+        followed, a FIFO or device is written through), else a name traceclf derived (only a
+        regular file or nothing may be there). Raises TraceError."""
+        payload = data.encode("utf-8") if isinstance(data, str) else data
+        target, st = check_output(path, self.inputs) if named else check_derived(path, self.inputs)
         if st is not None and not stat.S_ISREG(st.st_mode):
-            _write_through(target, payload)
-        else:
-            _replace(target, payload, st)
+            self.through.append((target, payload))
+            return
+        try:
+            self.staged.append((_stage(target, payload, st), target))
+        except OSError as e:
+            raise TraceError(path, f"cannot write the report: {_reason(e)}") from None
+
+    def publish(self) -> None:
+        for tmp, target in self.staged:
+            try:
+                os.replace(tmp, target)
+            except OSError as e:
+                self.discard()
+                raise TraceError(target, f"cannot write the report: {_reason(e)}") from None
+        self.staged = []
+        for target, payload in self.through:
+            try:
+                _write_through(target, payload)
+            except OSError as e:
+                raise TraceError(target, f"cannot write the report: {_reason(e)}") from None
+
+    def discard(self) -> None:
+        for tmp, _target in self.staged:
+            tmp.unlink(missing_ok=True)
+        self.staged = []
+
+
+@contextlib.contextmanager
+def written_together(inputs: Iterable[Path] = ()) -> Iterator[Together]:
+    """Stage files with ``.add`` in the body; they are renamed into place when it ends, or
+    all removed when it fails, so that they appear whole or not at all."""
+    files = Together(inputs)
+    try:
+        yield files
+    except BaseException:
+        files.discard()
+        raise
+    files.publish()
+
+
+def check_derived(path: Path, inputs: Iterable[Path] = ()) -> tuple[Path, os.stat_result | None]:
+    """Where a file traceclf names itself (a figure beside the report, an exported table)
+    goes: that very path, if nothing or a regular file is there. A symlink is refused, never
+    followed: traceclf did not make it, and following it would overwrite its target."""
+    path = Path(path)
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        st = None
     except OSError as e:
         raise TraceError(path, f"cannot write the report: {_reason(e)}") from None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise TraceError(
+            path,
+            "is a symbolic link, and traceclf does not follow a link it did not make "
+            "(remove it, or write the report elsewhere)",
+        )
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = "is a folder" if stat.S_ISDIR(st.st_mode) else _kind(st.st_mode)
+        raise TraceError(path, f"cannot write the report: {kind}")
+    if any(_same(path.absolute(), st, Path(i)) for i in inputs):
+        raise TraceError(path, "output would overwrite input")
+    return path, st
 
 
 def check_output(
@@ -102,6 +183,17 @@ def _write_through(target: Path, payload: bytes) -> None:
 
 
 def _replace(target: Path, payload: bytes, st: os.stat_result | None) -> None:
+    tmp = _stage(target, payload, st)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _stage(target: Path, payload: bytes, st: os.stat_result | None) -> Path:
+    """``payload`` in a temporary file beside ``target``, with the mode ``target`` has (or a
+    new file's), ready to be renamed over it; removed again if writing it fails."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as e:  # say where: the file itself was never reached
@@ -118,10 +210,10 @@ def _replace(target: Path, payload: bytes, st: os.stat_result | None) -> None:
                 with contextlib.suppress(OSError):
                     if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
                         os.fchown(f.fileno(), st.st_uid, st.st_gid)
-        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return Path(tmp)
 
 
 def _umask() -> int:

@@ -1,6 +1,7 @@
 """Files and folders of our own: a real folder or file (never reached through a link) that
 this user owns and may write. Every cache write and deletion checks this, so that a link
-planted in a cache can neither redirect a write nor a deletion (docs/security.md)."""
+planted in a cache can neither redirect a write nor a deletion (docs/security.md). And the
+first bytes of a file, read only if it is a regular one (a FIFO is never opened blocking)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,20 @@ def writable(folder: Path) -> bool:
         return os.access(folder, os.W_OK) and bool(folder.stat().st_mode & 0o222)
     except OSError:
         return False
+
+
+def read_head(path: Path, size: int, offset: int = 0) -> bytes | None:
+    """``size`` bytes from ``offset`` of the regular file at ``path``; None for anything else
+    (missing, unreadable, a FIFO or a device: opened without blocking, never read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.pread(fd, size, offset)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
