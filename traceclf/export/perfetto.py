@@ -8,8 +8,9 @@ complete event (``"ph": "X"``) with ``ts``/``dur`` in µs on the export's own cl
 nsys shows, so "open in nsys at t = X s" in the report is the same X here. Ranks of different
 exports keep their own clocks (see ``cross_rank.clock`` in the report for their offsets).
 
-Names come from the trace: they go through :func:`traceclf.support.escape.visible` (control
-characters written out); JSON quoting is the encoder's.
+Names come from the trace (kernel names short and full, NVTX text and domains): they go
+through :func:`traceclf.support.escape.visible` (control characters written out); JSON quoting
+is the encoder's.
 """
 
 from __future__ import annotations
@@ -108,7 +109,10 @@ def write_trace(
 def _gpu_events(trace: Trace, pid: int, window: tuple[int, int]) -> list[pl.DataFrame]:
     """Kernels, graph replays, and copies and memsets of one process overlapping the window:
     one frame per kind, each with its own ``args``."""
-    kernels = _inside(trace.kernels, pid, window).select(
+    kernels = _inside(trace.kernels, pid, window).with_columns(
+        full_name=pl.col("name").cast(pl.String)
+    )
+    kernels = _made_visible(kernels, "full_name").select(
         name=pl.col("short_name").cast(pl.String).fill_null(pl.col("name").cast(pl.String)),
         cat=pl.lit("kernel"),
         start="start",
@@ -118,7 +122,7 @@ def _gpu_events(trace: Trace, pid: int, window: tuple[int, int]) -> list[pl.Data
             "correlation_id",
             grid=pl.col("grid_blocks"),
             block=pl.col("block_threads"),
-            full_name=pl.col("name").cast(pl.String),
+            full_name="full_name",
         ),
     )
     graphs = _inside(trace.graphs, pid, window).select(
@@ -147,6 +151,7 @@ def _nvtx_events(trace: Trace, pid: int, window: tuple[int, int]) -> pl.DataFram
         return _empty().with_columns(thread=pl.lit(None, pl.Int64))
     threads = ranges["tid"].unique().sort().to_list()
     track = {t: NVTX_TID_BASE + i for i, t in enumerate(threads)}
+    ranges = _made_visible(ranges.with_columns(pl.col("domain").cast(pl.String)), "domain")
     return _complete(
         ranges.select(
             name=pl.col("text").cast(pl.String).fill_null("<unnamed range>"),
@@ -167,22 +172,31 @@ def _inside(df: pl.DataFrame, pid: int, window: tuple[int, int]) -> pl.DataFrame
     return df.filter((pl.col("pid") == pid) & (pl.col("start") < hi) & (pl.col("end") > lo))
 
 
-def _complete(df: pl.DataFrame) -> pl.DataFrame:
-    """Complete events with µs times; names made visible once per distinct name."""
+def _made_visible(df: pl.DataFrame, column: str) -> pl.DataFrame:
+    """``df`` with the text of ``column`` made visible (control characters written out), once
+    per distinct value."""
     from traceclf.support.escape import visible
 
-    names = df.select("name").unique()
-    names = names.with_columns(shown=pl.col("name").map_elements(visible, return_dtype=pl.String))
+    values = df.select(column).unique()
+    shown = values.with_columns(_shown=pl.col(column).map_elements(visible, return_dtype=pl.String))
     return (
-        df.join(names, on="name", how="left")
+        df.join(shown, on=column, how="left", nulls_equal=True)
+        .with_columns(pl.col("_shown").alias(column))
+        .drop("_shown")
+    )
+
+
+def _complete(df: pl.DataFrame) -> pl.DataFrame:
+    """Complete events with µs times; names made visible once per distinct name."""
+    return (
+        _made_visible(df, "name")
         .with_columns(
-            name="shown",
             ph=pl.lit("X"),
             ts=(pl.col("start") / 1e3).round(3),
             dur=((pl.col("end") - pl.col("start")).clip(lower_bound=0) / 1e3).round(3),
             tid=pl.col("tid").cast(pl.Int64),
         )
-        .drop("shown", "start", "end")
+        .drop("start", "end")
     )
 
 

@@ -4,7 +4,6 @@ fonts or links to fetch), with the Markdown report's content plus the figures.""
 from __future__ import annotations
 
 import base64
-from html import escape
 
 from traceclf.figures.draw import figure_png, report_figures
 from traceclf.figures.style import WALL_COLORS
@@ -28,6 +27,7 @@ from traceclf.render.markdown import config_language
 from traceclf.render.text import input_names, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.report.contract import WALLS, Report
+from traceclf.support.escape import for_html
 
 # Every rule is scoped to the report's root element, so the same style serves the standalone
 # file and a notebook cell (Report._repr_html_) without restyling the notebook around it.
@@ -93,7 +93,7 @@ def html_document(title: str, body: str) -> str:
     return (
         f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>{escape(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
+        f"<title>{for_html(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
         f'<div class="{ROOT}">\n{body}\n</div>\n</body>\n</html>\n'
     )
 
@@ -110,8 +110,8 @@ def notebook_html(report: Report) -> str:
 
 def _header(report: Report) -> str:
     return (
-        f"<h1>traceclf: {escape(verdict_title(report))} · {escape(input_names(report))}</h1>\n"
-        f'<p class="sub">{escape(steps_line(report))}</p>'
+        f"<h1>traceclf: {for_html(verdict_title(report))} · {for_html(input_names(report))}</h1>\n"
+        f'<p class="sub">{for_html(steps_line(report))}</p>'
     )
 
 
@@ -126,8 +126,8 @@ def _verdict(report: Report) -> str:
         for w in WALLS
     )
     parts = [
-        f"<h2>{escape(verdict_title(report))}</h2>",
-        f"<p><b>{escape(verdict_line(report))}</b></p>",
+        f"<h2>{for_html(verdict_title(report))}</h2>",
+        f"<p><b>{for_html(verdict_line(report))}</b></p>",
     ]
     if not report.abstained:
         parts.append(
@@ -137,9 +137,11 @@ def _verdict(report: Report) -> str:
     if cls.get("evidence"):
         parts.append("<h3>Evidence</h3>" + _list(cls["evidence"]))
     if report.applied:
-        parts.append(f"<p><b>Already applied:</b> {escape('; '.join(report.applied))}</p>")
+        parts.append(f"<p><b>Already applied:</b> {for_html('; '.join(report.applied))}</p>")
     if report.next_wall:
-        parts.append(f"<p><b>Next wall once this one is fixed:</b> {escape(report.next_wall)}</p>")
+        parts.append(
+            f"<p><b>Next wall once this one is fixed:</b> {for_html(report.next_wall)}</p>"
+        )
     return (
         f'<section class="verdict" style="--wall:{_wall_color(report.bound)}">'
         + "".join(parts)
@@ -158,8 +160,8 @@ def _budget(report: Report) -> str | None:
 def _facts(title: str, rows: list[tuple[str, str]]) -> str | None:
     if not rows:
         return None
-    items = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in rows)
-    return f"<h2>{escape(title)}</h2><dl>{items}</dl>"
+    items = "".join(f"<dt>{for_html(k)}</dt><dd>{for_html(v)}</dd>" for k, v in rows)
+    return f"<h2>{for_html(title)}</h2><dl>{items}</dl>"
 
 
 def _ranks(report: Report) -> str:
@@ -177,9 +179,9 @@ def _figures(report: Report) -> str:
     items = []
     for name, fig in figures.items():
         data = base64.b64encode(figure_png(fig)).decode("ascii")
-        caption = escape(CAPTIONS.get(name, ""))
+        caption = for_html(CAPTIONS.get(name, ""))
         items.append(
-            f'<figure id="fig-{name}"><img alt="{escape(name.replace("_", " "))}" '
+            f'<figure id="fig-{name}"><img alt="{for_html(name.replace("_", " "))}" '
             f'src="data:image/png;base64,{data}"><figcaption>{caption}</figcaption></figure>'
         )
     return "<h2>Figures</h2>" + "".join(items)
@@ -190,7 +192,7 @@ def _phases(report: Report) -> str | None:
     if not rows:
         return None
     numeric = set(range(len(PHASE_COLUMNS))) - {1}
-    return f"<h2>NVTX phases</h2><p>{escape(PHASE_NOTE)}</p>" + _table(
+    return f"<h2>NVTX phases</h2><p>{for_html(PHASE_NOTE)}</p>" + _table(
         PHASE_COLUMNS, rows, numeric=numeric
     )
 
@@ -212,7 +214,7 @@ def _kernels(report: Report) -> str | None:
 
 def _fixes(report: Report) -> str:
     if not report.fixes:
-        return f"<h2>What to change, in order</h2><p>{escape(no_fixes_line(report))}</p>"
+        return f"<h2>What to change, in order</h2><p>{for_html(no_fixes_line(report))}</p>"
     return "<h2>What to change, in order</h2>" + "".join(
         _fix(i, fix) for i, fix in enumerate(report.fixes, 1)
     )
@@ -221,22 +223,22 @@ def _fixes(report: Report) -> str:
 def _fix(i: int, fix: dict) -> str:
     wall = fix.get("wall", "")
     parts = [
-        f"<h3>{i}. {escape(fix.get('title') or fix['id'])}"
-        f'<span class="tag">{escape(fix["id"])} · {escape(wall)}</span></h3>'
+        f"<h3>{i}. {for_html(fix.get('title') or fix['id'])}"
+        f'<span class="tag">{for_html(fix["id"])} · {for_html(wall)}</span></h3>'
     ]
     if fix.get("why"):
-        parts.append(f"<p>{escape(fix['why'].strip())}</p>")
+        parts.append(f"<p>{for_html(fix['why'].strip())}</p>")
     if fix.get("config"):
         language = config_language(fix["config"])
         caption = config_caption(fix)
         if caption:
-            parts.append(f'<p class="caption">{escape(caption)}:</p>')
+            parts.append(f'<p class="caption">{for_html(caption)}:</p>')
         parts.append(
-            f'<pre><code class="language-{language}">{escape(fix["config"].strip())}</code></pre>'
+            f'<pre><code class="language-{language}">{for_html(fix["config"].strip(), multiline=True)}</code></pre>'
         )
     facts = fix_facts(fix)
     if facts:
-        items = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in facts)
+        items = "".join(f"<dt>{for_html(k)}</dt><dd>{for_html(v)}</dd>" for k, v in facts)
         parts.append(f"<dl>{items}</dl>")
     for label, key in (("Preconditions", "preconditions"), ("Pitfalls", "pitfalls")):
         if fix.get(key):
@@ -247,7 +249,9 @@ def _fix(i: int, fix: dict) -> str:
 
 
 def _provenance(report: Report) -> str:
-    items = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in provenance_rows(report))
+    items = "".join(
+        f"<dt>{for_html(k)}</dt><dd>{for_html(v)}</dd>" for k, v in provenance_rows(report)
+    )
     return f"<h2>Provenance</h2><dl>{items}</dl>"
 
 
@@ -261,7 +265,7 @@ def _table(
 ) -> str:
     def cell(tag: str, i: int, text: str) -> str:
         cls = ' class="num"' if i in numeric else ""
-        body = escape(text)
+        body = for_html(text)
         if i == 0 and bold_first and tag == "td":
             body = f"<b>{body}</b>"
         if i == 0 and code_first and tag == "td":
@@ -276,7 +280,7 @@ def _table(
 
 
 def _list(items: list[str]) -> str:
-    return "<ul>" + "".join(f"<li>{escape(item)}</li>" for item in items) + "</ul>"
+    return "<ul>" + "".join(f"<li>{for_html(item)}</li>" for item in items) + "</ul>"
 
 
 def _wall_color(wall: str | None) -> str:

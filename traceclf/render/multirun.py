@@ -5,10 +5,9 @@ every format."""
 from __future__ import annotations
 
 import re
-from html import escape
 
 from traceclf.report.runset import SUMMARY_COLUMNS, RunSet
-from traceclf.support.escape import for_markdown, for_terminal
+from traceclf.support.escape import for_html, for_markdown, for_terminal
 from traceclf.support.units import fmt_ms, pct
 
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -98,14 +97,14 @@ def runs_html(runs: RunSet) -> str:
 def runs_html_body(runs: RunSet) -> str:
     from traceclf.render.html import html_body
 
-    head = "".join(f"<th>{escape(c)}</th>" for c in SUMMARY_COLUMNS)
+    head = "".join(f"<th>{for_html(c)}</th>" for c in SUMMARY_COLUMNS)
     rows = "".join(
-        "<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>"
+        "<tr>" + "".join(f"<td>{for_html(c)}</td>" for c in cells) + "</tr>"
         for cells in summary_cells(runs)
     )
     body = [
         f"<h1>traceclf: {len(runs.runs)} separate runs</h1>",
-        f'<p class="sub">{escape(runs.grouping.get("reason", ""))}</p>',
+        f'<p class="sub">{for_html(runs.grouping.get("reason", ""))}</p>',
         f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>",
     ]
     for i, report in enumerate(runs.runs, 1):

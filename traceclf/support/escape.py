@@ -54,26 +54,52 @@ def for_terminal(value: Any, style: str = "", *, multiline: bool = False):
 
 
 # Outside code spans a backslash makes any ASCII punctuation literal (CommonMark 2.4). These
-# open HTML, links, images or code spans, or end a table cell; "*" is escaped too so that a
-# name cannot restyle the text around it. "_", "~" and ">" stay: emphasis inside a word and
-# ">=" are common in names and rule text, and cannot inject anything.
-_MD_SPECIAL = re.compile(r"([\\`*\[\]<|])")
-_MD_SPECIAL_PROSE = re.compile(r"([\\*\[\]<])")
+# open HTML, links, images or code spans, or end a table cell; "&" would start an entity
+# ("&#x202e;" is a bidi override once rendered), "*" and "~" emphasis or strikethrough (GFM)
+# that restyles the text around the value, and so would "_" anywhere but between two letters
+# or digits (as in "h100_comm_ep2", where it opens nothing and stays as it is).
+_MD_SPECIAL = re.compile(r"([\\`*~&\[\]<|]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z]))")
+_MD_SPECIAL_PROSE = re.compile(r"([\\*~&\[\]<]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z]))")
 _LINE_BREAKS = re.compile("[\r\n\u2028\u2029]+")
+# GFM links bare URLs ("http://", "https://", "ftp://"), "www." names and e-mail addresses
+# (autolink extension). A backslash before ":" or "." ends the first two; an address is found
+# in the text after escapes are read, so an empty HTML comment (invisible where GFM renders,
+# and inert) splits it after the "@".
+_URL = re.compile(r"(?<=[A-Za-z])(:)(?=//)")
+_WWW = re.compile(r"([Ww]{3})(\.)")
+_EMAIL = re.compile(r"@(?=[A-Za-z0-9])")
+# Code spans of rule prose (``config names``): literal already, left as they are.
+_CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1(?!`)")
+# What a value could start at the beginning of a line: a heading, a quote, a list item, a
+# setext underline or thematic break ("-12%" or "1.5 ms" start none of them).
+_LINE_START = re.compile(r"^([#>]|[-+=](?=[-=\s]|$))|^(\d{1,9})([.)])(?=\s|$)")
 
 
 def for_markdown(value: Any, *, code_spans: bool = False) -> str:
-    """``value`` as literal Markdown inline text on one line: no HTML, links, images, code
-    spans, headings or table-cell breaks.
+    """``value`` as literal Markdown inline text on one line: no HTML, entities, links,
+    images, code spans, emphasis, headings or table-cell breaks, as GitHub (GFM) renders it.
 
     ``code_spans=True`` is for rule-written prose outside tables, which marks config names
-    with backticks: those stay code spans. That is safe too: text inside a code span is
-    literal, and outside one every ``<`` is escaped, so no HTML can go live either way.
+    with backticks: those stay code spans (text inside a code span is literal), and the text
+    between them is escaped as any other.
     """
     text = visible(_LINE_BREAKS.sub(" ", value if isinstance(value, str) else str(value)))
-    text = (_MD_SPECIAL_PROSE if code_spans else _MD_SPECIAL).sub(r"\\\1", text)
-    # The value may start a line: keep it from being read as a heading or a quote.
-    return re.sub(r"^([#>])", r"\\\1", text)
+    if not code_spans:
+        text = _literal(text, _MD_SPECIAL)
+    else:
+        parts, at = [], 0
+        for span in _CODE_SPAN.finditer(text):
+            parts += [_literal(text[at : span.start()], _MD_SPECIAL_PROSE), span.group(0)]
+            at = span.end()
+        text = "".join([*parts, _literal(text[at:], _MD_SPECIAL_PROSE)])
+    # The value may start a line: keep it from being read as a heading, quote or list.
+    return _LINE_START.sub(lambda m: f"\\{m[1]}" if m[1] else f"{m[2]}\\{m[3]}", text)
+
+
+def _literal(text: str, special: re.Pattern[str]) -> str:
+    text = special.sub(r"\\\1", text)
+    text = _WWW.sub(r"\1\\\2", _URL.sub(r"\\\1", text))
+    return _EMAIL.sub("@<!-- -->", text)
 
 
 def markdown_code(value: Any) -> str:
@@ -94,6 +120,15 @@ def markdown_fence(code: str, language: str = "") -> str:
     longest = max((len(run) for run in re.findall(r"`{3,}", text)), default=2)
     fence = "`" * (longest + 1)
     return f"{fence}{visible(language)}\n{text}\n{fence}"
+
+
+def for_html(value: Any, *, multiline: bool = False) -> str:
+    """``value`` as HTML text: control characters, bidirectional overrides and the like
+    written out as in the terminal (``\\u202e``; an entity would still reorder the text once
+    rendered), then ``& < > " '`` escaped. ``multiline`` keeps newlines (config snippets)."""
+    import html
+
+    return html.escape(visible(value, multiline=multiline))
 
 
 # A spreadsheet reads a cell that starts with one of these as a formula ("CSV injection"): a
