@@ -13,6 +13,7 @@ from typing import Any
 from traceclf.rulebook import stamp
 from traceclf.rulebook.expr import Expr, ExprError, Template
 from traceclf.support.errors import TraceError
+from traceclf.support.regex import regex_problem
 
 WALLS = ("memory", "communication", "host", "compute")
 
@@ -360,8 +361,7 @@ def _linear_pattern(e: _Entry) -> LinearPattern:
     try:
         pl.Series([""]).str.contains(f"(?i){source}")
     except pl.exceptions.PolarsError as err:
-        detail = " ".join(str(err).split())[:160]
-        e.fail(f"'match' is not a valid regex for the linear-time engine ({detail})")
+        e.fail(f"'match' is not a valid regex for the linear-time engine ({regex_problem(err)})")
     return LinearPattern(source)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from traceclf.rulebook import stamp
 from traceclf.support.errors import TraceError
+from traceclf.support.regex import regex_problem
 
 Table = tuple[tuple[str, str], ...]  # (label, pattern), first match wins
 
@@ -241,6 +242,5 @@ def _pattern(raw: Any, where: str, path: Path) -> str:
     try:
         pl.Series([""]).str.contains(raw)
     except pl.exceptions.PolarsError as e:
-        detail = " ".join(str(e).split())[:160]
-        raise TraceError(path, f"{where}: not a usable regex ({detail})") from None
+        raise TraceError(path, f"{where}: not a usable regex ({regex_problem(e)})") from None
     return raw

@@ -27,6 +27,7 @@ from traceclf.model.trace import Trace, outermost
 from traceclf.steps.plan import StepPlan, planned_steps
 from traceclf.steps.steady import Steps, choose_window, empty_steps_table
 from traceclf.support.errors import TraceError, TraceWarning
+from traceclf.support.regex import regex_problem
 
 
 def find_steps(
@@ -93,18 +94,8 @@ def check_step_regex(pattern: str | None) -> None:
     except pl.exceptions.PolarsError as e:
         raise TraceError(
             None,
-            f"--step-range {pattern!r} is not a valid regular expression ({_regex_problem(e)})",
+            f"--step-range {pattern!r} is not a valid regular expression ({regex_problem(e)})",
         ) from None
-
-
-def _regex_problem(error: Exception) -> str:
-    """The regex engine's own one-line reason ("unclosed character class"), without the
-    polars expression it was raised from."""
-    lines = [line.strip() for line in str(error).splitlines()]
-    reason = next(
-        (line[len("error:") :].strip() for line in lines if line.startswith("error:")), ""
-    )
-    return reason or "not supported by the regex engine (no look-around, no backreferences)"
 
 
 def range_label(names: pl.Series) -> str:
