@@ -102,8 +102,6 @@ class Expr:
             raise ExprError(f"{source.strip()[:40]!r}... is nested too deeply") from None
         except ValueError as e:  # e.g. a NUL byte in the source
             raise ExprError(f"not a valid expression ({e})") from None
-        if _depth(tree) > MAX_EXPR_DEPTH:
-            raise ExprError(f"nested too deeply (more than {MAX_EXPR_DEPTH} levels)")
         return cls(source.strip(), tree, frozenset(_check(tree)))
 
     def value(self, env: Mapping[str, Any]) -> Any:
@@ -113,23 +111,17 @@ class Expr:
         return _truth(self.value(env)) is True
 
 
-def _depth(tree: ast.AST) -> int:
-    """Nesting depth of ``tree``, without recursion (a deep tree is what is being refused)."""
-    deepest, pending = 0, [(tree, 1)]
+def _check(tree: ast.Expression) -> set[str]:
+    """Reject a tree nested deeper than MAX_EXPR_DEPTH and every node outside the whitelist;
+    return the variable names used. One walk, without recursion (a deep tree is what is being
+    refused): a rule folder at its limits holds thousands of expressions."""
+    names: set[str] = set()
+    functions: set[int] = set()  # the Name nodes that are called, not read
+    pending: list[tuple[ast.AST, int]] = [(tree, 1)]
     while pending:
         node, depth = pending.pop()
-        deepest = max(deepest, depth)
-        if deepest > MAX_EXPR_DEPTH:
-            break
-        pending.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
-    return deepest
-
-
-def _check(tree: ast.Expression) -> set[str]:
-    """Reject every node outside the whitelist; return the variable names used."""
-    functions = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
-    names: set[str] = set()
-    for node in ast.walk(tree):
+        if depth > MAX_EXPR_DEPTH:
+            raise ExprError(f"nested too deeply (more than {MAX_EXPR_DEPTH} levels)")
         if not isinstance(node, _ALLOWED):
             raise ExprError(f"{_describe(node)} is not allowed")
         if isinstance(node, ast.Call):
@@ -137,12 +129,14 @@ def _check(tree: ast.Expression) -> set[str]:
             if name not in _FUNCTIONS or node.keywords or not node.args:
                 shown = name or ast.unparse(node.func)
                 raise ExprError(f"call of {shown!r} is not allowed (only {', '.join(_FUNCTIONS)})")
+            functions.add(id(node.func))
         elif isinstance(node, ast.Constant) and (
             node.value is None or not isinstance(node.value, (bool, int, float, str))
         ):
             raise ExprError(f"constant {node.value!r} is not allowed (a missing measure is null)")
         elif isinstance(node, ast.Name) and id(node) not in functions:
             names.add(node.id)
+        pending.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
     return names
 
 
