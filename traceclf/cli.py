@@ -431,7 +431,7 @@ def explain(fix_id: str, rules_dir: Path | None) -> None:
 def cache_group() -> None:
     """Show or clear traceclf's cache (trace models, analysis results, exports of
     .nsys-rep reports). It lives in --cache-dir, else $TRACECLF_CACHE_DIR, else the user
-    cache directory. Only names traceclf creates there are ever deleted."""
+    cache directory. Only what traceclf created and marked as its own there is ever deleted."""
 
 
 @cache_group.command("info")
@@ -453,8 +453,8 @@ def cache_info(cache_dir: Path | None) -> None:
 @cache_group.command("clear")
 @cache_dir_option
 def cache_clear(cache_dir: Path | None) -> None:
-    """Delete everything traceclf cached in the cache folder (only the names traceclf
-    creates there; anything else in the folder stays)."""
+    """Delete everything traceclf cached in the cache folder (only what traceclf created and
+    marked as its own there; anything else in the folder stays, whatever its name)."""
     from traceclf.ingest.cachedir import cache_root, clear
     from traceclf.support.units import fmt_bytes
 
