@@ -140,7 +140,8 @@ def cli() -> None:
     """Say what bounds a GPU training run (memory, communication, host or compute), with
     evidence and fixes, from Nsight Systems traces.
 
-    Exit codes: 0 done; 1 `compare` found a regression; 2 bad input or usage.
+    Exit codes: 0 done; 1 `compare` found a regression; 2 bad input or usage; 3 `compare`
+    could not compare (a run without steps, or one traceclf abstained on).
     """
 
 
@@ -289,16 +290,24 @@ def analyze(
     "-f",
     "--format",
     "fmt",
-    type=click.Choice(("terminal", "md", "json")),
+    type=click.Choice(("terminal", "md", "html", "json")),
     default="terminal",
     show_default=True,
-    help="Output format.",
+    help="Output format: rich terminal text, Markdown for a ticket, one self-contained HTML "
+    "file with a waterfall of the step change (needs -o), or the JSON comparison contract.",
 )
 @click.option(
     "-o",
     "--output",
     metavar="FILE",
-    help="Write to this file (atomically; never onto BEFORE or AFTER) instead of stdout.",
+    help="Write to this file (atomically; never onto BEFORE or AFTER) instead of stdout. "
+    "Required for html.",
+)
+@click.option(
+    "--allow-inconclusive",
+    is_flag=True,
+    help="Exit 0, not 3, when a comparison cannot be made (a run without steps, or one "
+    "traceclf abstained on); the output still says why.",
 )
 @analysis_options
 @quiet_option
@@ -308,6 +317,7 @@ def compare(
     threshold: float,
     fmt: str,
     output: str | None,
+    allow_inconclusive: bool,
     step_range: str | None,
     all_steps: bool,
     nsys_path: str | None,
@@ -318,12 +328,16 @@ def compare(
 ) -> None:
     """Compare runs: BASELINE and each CANDIDATE are traces (any `analyze` input; use a
     folder for several ranks) or saved JSON reports (report_version 1 or 2). Says what
-    explains the change (measures that moved, overlap, fixes that became applied, CUDA-graph
-    tracing mode). With several candidates, prints one row each against the baseline. Exits 1
-    if any candidate regresses beyond --threshold."""
-    from traceclf.compare.regression import compare_many
+    changed inside the step (kernel by kernel, NVTX phase by phase, idle by cause, exposed
+    communication by kind, launch shapes, peak memory, and how they add up to the step change)
+    and what explains it (measures that moved, fixes that became applied, CUDA-graph tracing
+    mode). With several candidates, prints one row each against the baseline. Exits 1 if any
+    candidate regresses beyond --threshold; otherwise 3 if a comparison cannot be made (a run
+    without steps, or one traceclf abstained on), with one line on stderr saying why."""
+    from traceclf.compare.regression import MultiComparison, compare_many
     from traceclf.pipeline.analysis import AnalysisOptions
     from traceclf.render.compared import render_comparison
+    from traceclf.support.escape import visible
 
     opts = AnalysisOptions(
         step_regex=step_range,
@@ -334,10 +348,18 @@ def compare(
         cache_dir=cache_dir,
         quiet=quiet,
     )
+    if fmt == "html" and output is None:
+        raise click.UsageError("--format html needs -o/--output FILE")
     out = _check_output(output, [before, *after], rules_dir)
     result = compare_many(before, list(after), threshold=threshold, opts=opts)
     render_comparison(result, fmt, out)
-    sys.exit(1 if result.regression else 0)
+    comparisons = result.comparisons if isinstance(result, MultiComparison) else [result]
+    for c in comparisons:
+        if not c.conclusive:  # (its summary says why, in one line)
+            click.echo(f"traceclf: {visible(c.summary)}", err=True)
+    if result.regression:
+        sys.exit(1)
+    sys.exit(0 if result.conclusive or allow_inconclusive else 3)
 
 
 @cli.command("measures")
