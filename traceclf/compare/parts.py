@@ -166,7 +166,7 @@ def _reconciliation(b: Side, a: Side, step_b: float, step_a: float) -> Reconcili
         kernels_ms=kernels,
         idle_ms=idle,
         unexplained_ms=change - kernels - idle,
-        overlap_ms=-delta("overlap_ms"),
+        overlap_ms=0.0 - delta("overlap_ms"),  # (not -0.0 when nothing changed)
         copies_ms=delta("copy_ms"),
         outlier_steps_ms=(step_a - a.account["step_ms"]) - (step_b - b.account["step_ms"]),
     )
