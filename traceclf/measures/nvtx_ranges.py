@@ -7,7 +7,8 @@ A range is projected like a step or a phase (first start to last end of the work
 the CUDA calls inside it); ranges of one name are united, so a row counts no ns twice, while
 ranges of different names may nest and overlap. PyTorch's per-call counters (``seq = 47595``)
 are dropped from names. A range name recurs when its GPU spans start in at least half of the
-analysed steps; the RANGE_ROWS longest are kept.
+analysed steps, at most MAX_PER_STEP times per step on average; the RANGE_ROWS longest are
+kept.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from traceclf.model.taxonomy import matches
 from traceclf.model.trace import outermost
 
 RANGE_ROWS = 12
+# A name opened more often than this per step marks operators (PyTorch's emit_nvtx, CUB's own
+# ranges around each sort), not a phase of the step; leaving them out also keeps the
+# projection cheap on captures of millions of kernels.
+MAX_PER_STEP = 64
 # Recurring ranges nested deeper than this among themselves are not projected (each level is
 # one pass over the kernels' launches); a name with a range that deep is left out whole.
 MAX_DEPTH = 8
@@ -36,25 +41,38 @@ def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
     n = len(starts)
     if trace.nvtx.is_empty() or not w.host_traced or not n:
         return []
-    named = trace.nvtx.select(
-        "start",
-        "end",
-        name=pl.col("text")
-        .cast(pl.String)
-        .str.replace_all(NVTX_COUNTERS, "")
-        .str.strip_chars(" ,"),
-    ).filter(pl.col("name").is_not_null() & (pl.col("name") != ""))
-    skip = pl.Series(np.zeros(len(named), bool))
+    # names per distinct text, counted (a regex per text, not per range: hundreds of
+    # thousands of ranges over a long capture, a few dozen texts)
+    texts = (
+        trace.nvtx.group_by("text")
+        .len()
+        .with_columns(
+            name=pl.col("text")
+            .cast(pl.String)
+            .str.replace_all(NVTX_COUNTERS, "")
+            .str.strip_chars(" ,")
+        )
+        .filter(pl.col("name").is_not_null() & (pl.col("name") != ""))
+    )
+    skip = pl.Series(np.zeros(len(texts), bool))
     for key in SKIPPED:
-        skip = skip | matches(named["name"], w.taxonomy.nvtx[key]).fill_null(False)
-    named = named.filter(~skip)
-    # a name needs as many ranges as half the steps to recur in half of them
-    frequent = named.group_by("name").len().filter(pl.col("len") * 2 >= n)
-    candidates = named.join(frequent.select("name"), on="name", how="semi").with_row_index(
-        "range_id"
+        skip = skip | matches(texts["name"], w.taxonomy.nvtx[key]).fill_null(False)
+    texts = texts.filter(~skip)
+    # a name needs as many ranges as half the analysed steps to recur in half of them; the
+    # capture's NVTX ranges span all its steps, analysed or not (window mode)
+    counts = texts.group_by("name").agg(pl.col("len").sum())
+    frequent = counts.filter(
+        (pl.col("len") * 2 >= n) & (pl.col("len") <= MAX_PER_STEP * max(w.steps.count, n))
+    )
+    chosen = texts.join(frequent.select("name"), on="name", how="semi").select("text", "name")
+    candidates = (
+        trace.nvtx.select("start", "end", "text")
+        .join(chosen, on="text", how="inner")
+        .drop("text")
+        .with_row_index("range_id")
     )
     spans = _projected(trace, candidates.with_columns(pl.col("range_id").cast(pl.Int64)))
-    runs = _united(timeline.clip(spans, w.spans))
+    runs = _united(timeline.clip(spans, w.spans)).sort("start")  # (queries in time order)
     if runs.is_empty():
         return []
     lo, hi = runs["start"].to_numpy(), runs["end"].to_numpy()
@@ -70,7 +88,7 @@ def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
             instances=pl.col("ranges").sum(),
             steps=pl.col("step").n_unique(),
         )
-        .filter(pl.col("steps") * 2 >= n)
+        .filter((pl.col("steps") * 2 >= n) & (pl.col("instances") <= MAX_PER_STEP * n))
         .sort(["ns", "name"], descending=[True, False])
         .head(RANGE_ROWS)
     )
