@@ -221,6 +221,7 @@ def test_comparison_gives_polars_frames() -> None:
     assert recon["step_change"] == pytest.approx(c.step_change_ms)
     assert tables["measures"].filter(pl.col("key") == "gpu_busy_frac").height == 1
     assert c.to_pandas("phases").shape[0] == tables["phases"].height
+    assert repr(c).startswith("<Comparison h100_comm_ep2.sqlite → ") and "\n" not in repr(c)
 
 
 # Kernel lists cut short, and the thresholds as data -------------------------------------------

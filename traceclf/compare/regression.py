@@ -51,6 +51,7 @@ from traceclf.compare.changes import (
     explanations,
     graph_tracing,
     metrics_of,
+    per_step_known,
     tracing_note,
 )
 from traceclf.compare.parts import breakdown
@@ -199,8 +200,8 @@ def compare_reports(
     measures = [
         _measure_change(
             m,
-            _per_step_known(mb, b),
-            _per_step_known(ma, a),
+            per_step_known(mb, b),
+            per_step_known(ma, a),
             settings,
             comparable=not (tracing_changed and m.key in PER_KERNEL),
         )
@@ -224,14 +225,6 @@ def compare_reports(
             before, after, (b.step_mean_ms, a.step_mean_ms), (b.source, a.source), settings
         ),
     )
-
-
-def _per_step_known(metrics: dict, run: Run) -> dict:
-    """The run's measures, less those per step when it has no steps (they would count the
-    whole capture as one step)."""
-    if run.step_mean_ms is not None:
-        return metrics
-    return {k: v for k, v in metrics.items() if not k.endswith("_per_step")}
 
 
 def _change(before: float | None, after: float | None) -> tuple[float | None, float | None]:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from traceclf.report.breakdown import Breakdown, comparison_tables
 from traceclf.support.pandas_frames import to_pandas
-from traceclf.support.units import fmt_bytes, pct
+from traceclf.support.units import fmt_bytes, fmt_ms, pct, signed_pct
 
 
 @dataclass
@@ -137,6 +138,18 @@ class Comparison:
         """The comparison as polars frames by name: ``measures`` (every measure compared),
         ``kernels``, ``phases``, ``idle``, ``communication`` and ``reconciliation``."""
         return comparison_tables([asdict(m) for m in self.measures], self.breakdown)
+
+    def __repr__(self) -> str:
+        """One line (a notebook cell shows this, not every kernel)."""
+        change = (
+            f" ({signed_pct(self.step_change_frac)})" if self.step_change_frac is not None else ""
+        )
+        return (
+            f"<Comparison {Path(self.before.source).name} → {Path(self.after.source).name}: "
+            f"{self.verdict}, step {fmt_ms(self.before.step_mean_ms)} → "
+            f"{fmt_ms(self.after.step_mean_ms)}{change}; {len(self.breakdown.kernels)} kernels, "
+            f"{len(self.moved)} measures moved>"
+        )
 
     def to_pandas(self, table: str = "kernels"):
         """One of :meth:`tables` as a pandas DataFrame (``pip install 'traceclf[pandas]'``)."""
