@@ -120,6 +120,8 @@ def test_terminal_fits_the_width_and_keeps_every_number(
     r = compare_reports(report(EP), report(EP_OVERLAP)).breakdown.reconciliation
     assert "Step change" in flat and "unexplained" in flat
     assert f"{r.step_change_ms * 1000:.3g} µs" in flat  # -692 µs
+    # what "material" means, with the numbers used: 1% of the baseline's 115 ms step
+    assert "a change of at least 1.15 ms per step (1.0% of the baseline step)" in flat
 
 
 def test_markdown_for_the_ticket(saved: dict[str, Path]) -> None:

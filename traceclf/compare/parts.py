@@ -16,6 +16,7 @@ from traceclf.report.breakdown import (
     PartChange,
     PhaseChange,
     Reconciliation,
+    Thresholds,
 )
 from traceclf.report.contract import Report
 from traceclf.rulebook.entries import ComparisonSettings
@@ -35,22 +36,30 @@ def breakdown(
     steady steps are ``steps_ms``; only peak memory when a side has no steps (no per-step
     figure is made up for it) or no per-step detail."""
     memory = _memory(before, after, settings)
+    thresholds = Thresholds(settings.part_share, None, settings.memory_share)
     missing = [label for label, ms in zip(labels, steps_ms, strict=True) if ms is None]
     if missing:
-        return Breakdown(memory=memory, detail_missing=f"no steps in {' and '.join(missing)}")
+        return Breakdown(
+            memory=memory,
+            thresholds=thresholds,
+            detail_missing=f"no steps in {' and '.join(missing)}",
+        )
     sides = side_of(before), side_of(after)
     if None in sides:
         bare = [label for label, s in zip(labels, sides, strict=True) if s is None]
         return Breakdown(
             memory=memory,
+            thresholds=thresholds,
             detail_missing=f"no per-kernel detail in {' and '.join(bare)} (a report saved by "
             "an earlier traceclf: analyse the trace again)",
         )
     b, a = sides
     step_b, step_a = steps_ms
     floor = settings.part_share * step_b
+    thresholds.part_floor_ms = floor
     kernels, other = kernel_diff(b, a, settings, step_b)
     return Breakdown(
+        thresholds=thresholds,
         kernels=kernels,
         other_kernels=other,
         phases=_phases(b, a, floor),

@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import re
 
-from traceclf.report.breakdown import STATUSES, Breakdown, KernelChange, PartChange
-from traceclf.support.units import fmt_bytes
+from traceclf.report.breakdown import (
+    STATUSES,
+    Breakdown,
+    KernelChange,
+    PartChange,
+    Thresholds,
+)
+from traceclf.support.units import fmt_bytes, pct
 
 KERNELS_SHOWN = 12  # changed kernels listed in the terminal, Markdown and HTML
 NAME_WIDTH = 40
@@ -59,12 +65,20 @@ def lines(b: Breakdown) -> list[str]:
     memory = memory_line(b)
     if memory:
         out.append(memory)
-    if b.kernels or b.phases or b.memory:
-        out.append(
-            f"{MARK} material: at least the share of the baseline step (or of the "
-            "GPU's memory) set in rules/scoring.yaml."
-        )
+    if b.thresholds and (b.kernels or b.phases or b.memory):
+        out.append(material_line(b.thresholds))
     return out
+
+
+def material_line(t: Thresholds) -> str:
+    """What the ``*`` means, with the thresholds used."""
+    step = f"{pct(t.part_share)} of the baseline step"
+    if t.part_floor_ms is not None:
+        step = f"{ms(t.part_floor_ms)} per step ({step})"
+    return (
+        f"{MARK} material: a change of at least {step}, and past its own noise for a kernel or "
+        f"idle; peak memory: {pct(t.memory_share)} of the GPU's memory (rules/scoring.yaml)."
+    )
 
 
 def changed_kernels(b: Breakdown) -> list[KernelChange]:

@@ -140,6 +140,17 @@ class MemoryChange:
 
 
 @dataclass
+class Thresholds:
+    """When a part's change is material (rules/scoring.yaml, ``comparison``): a kernel, phase,
+    idle cause or collective kind moving by ``part_share`` of the baseline's step
+    (``part_floor_ms``; null without steps), peak memory by ``memory_share`` of the GPU's."""
+
+    part_share: float
+    part_floor_ms: float | None
+    memory_share: float
+
+
+@dataclass
 class Breakdown:
     """Everything above for one comparison; ``detail_missing`` says why the per-step parts
     are absent (a side without steps, or a report saved without them)."""
@@ -151,6 +162,7 @@ class Breakdown:
     communication: CommunicationChange | None = None
     reconciliation: Reconciliation | None = None
     memory: MemoryChange | None = None
+    thresholds: Thresholds | None = None
     detail_missing: str | None = None
 
     @property
