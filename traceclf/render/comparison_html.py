@@ -9,7 +9,13 @@ from html import escape
 from pathlib import Path
 
 from traceclf.render import comparison_parts as parts
-from traceclf.render.comparison import MANY_COLUMNS, bound_line, many_rows, run_line, step_rows
+from traceclf.render.comparison_rows import (
+    MANY_COLUMNS,
+    bound_line,
+    many_rows,
+    run_line,
+    step_rows,
+)
 from traceclf.render.html import html_document
 from traceclf.report.comparison import Comparison, MultiComparison
 
