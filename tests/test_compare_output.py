@@ -23,7 +23,7 @@ import traceclf
 from traceclf.compare.kernel_diff import kernel_diff
 from traceclf.compare.regression import compare_reports, comparison_settings
 from traceclf.compare.side import Side
-from traceclf.render.comparison import comparison_markdown
+from traceclf.render.compared import comparison_markdown
 from traceclf.report.contract import Report
 from traceclf.support.errors import TraceError
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from traceclf.measures import timeline
+from traceclf.measures import intervals
 from traceclf.measures.host import NVTX_COUNTERS
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import matches
@@ -59,7 +59,7 @@ def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
         skip = skip | matches(texts["name"], w.taxonomy.nvtx[key]).fill_null(False)
     texts = texts.filter(~skip)
     # a name needs as many ranges as half the analysed steps to recur in half of them; the
-    # capture's NVTX ranges span all its steps, analysed or not (window mode)
+    # capture's NVTX ranges span all its steps, analysed or not (step sampling)
     counts = texts.group_by("name").agg(pl.col("len").sum())
     frequent = counts.filter(
         (pl.col("len") * 2 >= n) & (pl.col("len") <= MAX_PER_STEP * max(w.steps.count, n))
@@ -72,7 +72,7 @@ def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
         .with_row_index("range_id")
     )
     spans = _projected(trace, candidates.with_columns(pl.col("range_id").cast(pl.Int64)))
-    runs = _united(timeline.clip(spans, w.spans)).sort("start")  # (queries in time order)
+    runs = _united(intervals.clip(spans, w.spans)).sort("start")  # (queries in time order)
     if runs.is_empty():
         return []
     lo, hi = runs["start"].to_numpy(), runs["end"].to_numpy()

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from traceclf.measures.busy import Busy
-from traceclf.measures.host import IDLE_CAUSES
+from traceclf.measures.handoff import IDLE_CAUSES
+from traceclf.measures.intervals import Busy
 from traceclf.measures.nvtx_ranges import recurring_ranges
 from traceclf.measures.window import RankWindow
 

@@ -1,12 +1,12 @@
 """`traceclf compare` output: the comparison (traceclf/report/comparison.py) as rich terminal
-text, Markdown, HTML (:mod:`traceclf.render.comparison_html`) or JSON."""
+text, Markdown, HTML (:mod:`traceclf.render.compared_html`) or JSON."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from traceclf.render import comparison_parts as parts
-from traceclf.render import comparison_rows as run_rows
+from traceclf.render import compared_inside as parts
+from traceclf.render import compared_runs as run_rows
 from traceclf.render import emit
 from traceclf.render.fit import new_console, output_of
 from traceclf.report.comparison import Comparison, MultiComparison
@@ -20,9 +20,9 @@ def render_comparison(
     """Write the comparison as ``terminal`` (rich), ``md``, ``html`` or ``json`` to ``output``
     (atomically) or stdout."""
     if fmt == "html":
-        from traceclf.render.comparison_html import comparison_html
+        from traceclf.render.compared_html import comparison_page
 
-        emit(comparison_html(result), output)
+        emit(comparison_page(result), output)
         return
     if isinstance(result, MultiComparison):
         _render_many(result, fmt, output)

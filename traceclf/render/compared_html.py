@@ -8,8 +8,8 @@ import base64
 from html import escape
 from pathlib import Path
 
-from traceclf.render import comparison_parts as parts
-from traceclf.render.comparison_rows import (
+from traceclf.render import compared_inside as parts
+from traceclf.render.compared_runs import (
     MANY_COLUMNS,
     bound_line,
     many_rows,
@@ -26,7 +26,7 @@ WATERFALL_CAPTION = (
 )
 
 
-def comparison_html(result: Comparison | MultiComparison) -> str:
+def comparison_page(result: Comparison | MultiComparison) -> str:
     if isinstance(result, MultiComparison):
         head = f"<h1>traceclf compare: baseline {escape(Path(result.baseline).name)}</h1>" + _table(
             MANY_COLUMNS, many_rows(result), numeric={1, 2, 3}
