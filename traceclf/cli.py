@@ -307,7 +307,7 @@ def analyze(
     "--allow-inconclusive",
     is_flag=True,
     help="Exit 0, not 3, when a comparison cannot be made (a run without steps, or one "
-    "traceclf abstained on); the output still says why.",
+    "traceclf abstained on), with nothing on stderr; the output still says why.",
 )
 @analysis_options
 @quiet_option
@@ -355,7 +355,7 @@ def compare(
     render_comparison(result, fmt, out)
     comparisons = result.comparisons if isinstance(result, MultiComparison) else [result]
     for c in comparisons:
-        if not c.conclusive:  # (its summary says why, in one line)
+        if not (c.conclusive or allow_inconclusive):  # (its summary says why, in one line)
             click.echo(f"traceclf: {visible(c.summary)}", err=True)
     if result.regression:
         sys.exit(1)

@@ -157,10 +157,10 @@ def _check_threshold(threshold: float) -> None:
 
 def comparison_settings(opts: AnalysisOptions | None = None) -> ComparisonSettings:
     """The ``comparison`` thresholds of the rule set (bundled, with ``opts.rules_dir`` merged
-    over it)."""
+    over it); without ``opts``, the bundled ones, nothing written to the cache."""
     from traceclf.pipeline.analysis import rule_set
 
-    return rule_set(opts or AnalysisOptions(quiet=True)).scoring.comparison
+    return rule_set(opts or AnalysisOptions(quiet=True, use_cache=False)).scoring.comparison
 
 
 def load_run(source: str | Path, opts: AnalysisOptions) -> Report:

@@ -141,7 +141,8 @@ def comparison_markdown(result: Comparison) -> str:
     if inside.detail_missing:
         lines += [for_markdown(f"No per-step detail: {inside.detail_missing}."), ""]
     for title, columns, rows in parts.sections(inside):
-        lines += [f"### {title}", ""]
+        # (bold, not a heading: several candidates demote every heading one level)
+        lines += [f"**{title}**", ""]
         if title == "Phases":
             lines += [for_markdown(parts.PHASE_NOTE), ""]
         lines += ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]

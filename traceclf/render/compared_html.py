@@ -31,13 +31,14 @@ def comparison_page(result: Comparison | MultiComparison) -> str:
         head = f"<h1>traceclf compare: baseline {escape(Path(result.baseline).name)}</h1>" + _table(
             MANY_COLUMNS, many_rows(result), numeric={1, 2, 3}
         )
-        body = head + "".join(_body(c, level=2) for c in result.comparisons)
+        body = head + "".join(_body(c, level=2, n=i) for i, c in enumerate(result.comparisons))
         return html_document(f"traceclf compare: {Path(result.baseline).name}", body)
     title = f"traceclf compare: {result.verdict}"
-    return html_document(title, _body(result, level=1))
+    return html_document(title, _body(result, level=1, n=0))
 
 
-def _body(c: Comparison, level: int) -> str:
+def _body(c: Comparison, level: int, n: int) -> str:
+    """One comparison's sections, headed at ``level``; ``n`` numbers its figure's id."""
     b, a = c.before, c.after
     h, h2 = f"h{level}", f"h{level + 1}"
     out = [
@@ -59,7 +60,7 @@ def _body(c: Comparison, level: int) -> str:
     breakdown = c.breakdown
     if breakdown.detail_missing:
         out.append(f"<p>No per-step detail: {escape(breakdown.detail_missing)}.</p>")
-    out.append(_waterfall(c))
+    out.append(_waterfall(c, n))
     for title, columns, rows in parts.sections(breakdown):
         out.append(f"<h{level + 2}>{escape(title)}</h{level + 2}>")
         if title == "Phases":
@@ -80,7 +81,7 @@ def _body(c: Comparison, level: int) -> str:
     return "\n".join(out)
 
 
-def _waterfall(c: Comparison) -> str:
+def _waterfall(c: Comparison, n: int) -> str:
     """The step change as a waterfall figure, when the parts reconcile with it."""
     steps = parts.waterfall_steps(c.breakdown)
     if not steps or c.before.step_mean_ms is None or c.after.step_mean_ms is None:
@@ -91,7 +92,7 @@ def _waterfall(c: Comparison) -> str:
     fig = step_waterfall(c.before.step_mean_ms, steps, c.after.step_mean_ms)
     data = base64.b64encode(figure_png(fig)).decode("ascii")
     return (
-        f'<figure id="fig-step-waterfall"><img alt="waterfall of the step change" '
+        f'<figure id="fig-step-waterfall-{n}"><img alt="waterfall of the step change" '
         f'src="data:image/png;base64,{data}"><figcaption>{escape(WATERFALL_CAPTION)}'
         "</figcaption></figure>"
     )

@@ -283,9 +283,10 @@ def memory_line(b: Breakdown) -> str | None:
 
 def waterfall_steps(b: Breakdown, top: int = 5) -> list[tuple[str, float]]:
     """The step change as steps of a waterfall: the ``top`` kernels that moved most, the
-    other kernels, idle and the unexplained rest (ms per step, adding up to the change)."""
+    other kernels, idle and the unexplained rest (ms per step, adding up to the change); none
+    when nothing moved (a waterfall of zeros shows nothing)."""
     r = b.reconciliation
-    if r is None:
+    if r is None or not any((r.step_change_ms, r.kernels_ms, r.idle_ms, r.unexplained_ms)):
         return []
     labels = kernel_labels(b.kernels)
     biggest = sorted(b.kernels, key=lambda k: -abs(k.delta_ms_per_step))[:top]
