@@ -293,12 +293,18 @@ def test_saved_report_version_2_that_abstains(saved: dict[str, Path]) -> None:
     }
     candidate = saved[FAST].with_name("v2.json")
     candidate.write_text(json.dumps(v2))
+    # a run traceclf abstained on cannot be compared: exit 3, one line on stderr (issue 24)
     code, out, err = run_cli("compare", saved[FAST], candidate, "-f", "json")
+    assert code == 3 and err.count("\n") == 1 and "too few steady steps" in err
+    assert json.loads(out)["verdict"] == "inconclusive"
+    code, out, err = run_cli(
+        "compare", saved[FAST], candidate, "-f", "json", "--allow-inconclusive"
+    )
     assert code == 0, err
     data = json.loads(out)
     assert data["after"]["bound"] is None and data["after"]["report_version"] == 2
     assert any("did not name a bound (too few steady steps)" in n for n in data["notes"])
-    code, out, err = run_cli("compare", saved[FAST], candidate)
+    code, out, err = run_cli("compare", saved[FAST], candidate, "--allow-inconclusive")
     assert code == 0 and "abstained" in out
 
 
@@ -310,6 +316,8 @@ def test_saved_report_with_wrong_types_does_not_crash(saved: dict[str, Path]) ->
     odd = saved[FAST].with_name("odd.json")
     odd.write_text(json.dumps(data))
     code, out, err = run_cli("compare", saved[FAST], odd, "-f", "json")
+    assert code == 3 and "Traceback" not in err
+    code, out, err = run_cli("compare", saved[FAST], odd, "-f", "json", "--allow-inconclusive")
     assert code == 0, err
     assert json.loads(out)["verdict"] == "inconclusive"
 

@@ -323,10 +323,14 @@ def test_compare_with_a_malformed_saved_report_neither_crashes_nor_passes_silent
     before = saved_report(tmp_path)
     after = edited(before, tmp_path / "after.json", MALFORMED_REPORTS[case])
     for fmt in ("terminal", "md", "json"):
-        result = run_cli("compare", before, after, "-f", fmt)
+        # a comparison that cannot be made exits 3 with one line saying why (issue 24)
+        gate = run_cli("compare", before, after, "-f", fmt)
+        assert (gate.code, len(gate.stderr.splitlines())) in ((0, 0), (3, 1)), gate.stderr
+        result = run_cli("compare", before, after, "-f", fmt, "--allow-inconclusive")
         assert result.code == 0 and result.stderr == "", (fmt, result.stderr)
         if fmt == "json" and case in GATE_CASES:
             assert json.loads(result.stdout)["verdict"] == "inconclusive"
+            assert gate.code == 3
 
 
 GARBAGE_NSYS = """#!{python}

@@ -83,14 +83,16 @@ def compare(
 ) -> Comparison:
     """Compare two runs as ``traceclf compare`` does. Each side is a trace input, a saved
     JSON report path, or a :class:`Report` already in memory."""
-    from traceclf.compare.regression import compare_reports, load_run
+    from traceclf.compare.regression import compare_reports, comparison_settings, load_run
 
     opts = _options(step_range, options)
     reports = [
         side if isinstance(side, Report) else load_run(side, opts) for side in (before, after)
     ]
     labels = tuple("report" if isinstance(s, Report) else str(s) for s in (before, after))
-    return compare_reports(*reports, threshold=threshold, labels=labels)
+    return compare_reports(
+        *reports, threshold=threshold, labels=labels, settings=comparison_settings(opts)
+    )
 
 
 def load_report(path: str | Path) -> Report:

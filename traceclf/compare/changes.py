@@ -50,6 +50,14 @@ def metrics_of(report: Report) -> dict:
     return m
 
 
+def per_step_known(metrics: dict, run: Run) -> dict:
+    """The run's measures, less those per step when it has no steps (they would count the
+    whole capture as one step)."""
+    if run.step_mean_ms is not None:
+        return metrics
+    return {k: v for k, v in metrics.items() if not k.endswith("_per_step")}
+
+
 def explanations(before: Report, after: Report) -> list[str]:
     """Fixes that became applied (or stopped being), and proposals that came or went."""
     out = []

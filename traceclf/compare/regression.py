@@ -15,12 +15,18 @@ steps that vary independently around their mean). A CV no step times can have (s
 
 Verdict. ``regression`` when the mean step time grew by more than ``threshold`` (a fraction,
 default 5%) and by more than the noise band; ``improvement`` when it shrank by as much;
-``no significant change`` otherwise; ``inconclusive`` when either run has no step time (no steps
-were found). Only a regression makes the CLI exit 1.
+``no significant change`` otherwise; ``inconclusive`` when the comparison cannot be made: a run
+has no step time (no steps were found) or traceclf abstained on it. A regression makes the CLI
+exit 1, an inconclusive comparison exit 3 (0 with ``--allow-inconclusive``).
 
 Measures that moved. Fractions of the step (busy, exposed communication, copies, idle causes,
 ...) compare in percentage points; per-step counts and sizes (kernels, syncs, bytes) compare
-relative to before. A change is material past the thresholds in ``MEASURES``. Launch counts
+relative to before. A change is material past the thresholds of ``comparison`` in
+rules/scoring.yaml (and the floors in ``MEASURES``). A run without steps has no per-step
+figure: its per-step measures are left out, not compared.
+
+What changed inside the step (:mod:`traceclf.compare.parts`): kernel by kernel, NVTX phase by
+phase, idle by cause and exposed communication by kind, reconciled with the step change. Launch counts
 include CUDA-graph launches, so a run that moved its kernels into a graph shows fewer launches,
 not none (``launch_calls_per_step`` counts each step's ``cudaGraphLaunch``; a report saved by a
 traceclf that missed them, counting the calls made while the GPU ran the window, has its graph
@@ -46,16 +52,16 @@ from traceclf.compare.changes import (
     explanations,
     graph_tracing,
     metrics_of,
+    per_step_known,
     tracing_note,
 )
+from traceclf.compare.parts import breakdown
 from traceclf.pipeline.analysis import AnalysisOptions
 from traceclf.report.comparison import Comparison, MeasureChange, MultiComparison, Run
 from traceclf.report.contract import Report
+from traceclf.rulebook.entries import ComparisonSettings
 from traceclf.support.errors import TraceError
 from traceclf.support.units import fmt_ms, signed_pct
-
-MATERIAL_PP = 0.03  # a fraction of the step that moves by 3 percentage points
-MATERIAL_REL = 0.20  # a count that moves by 20%
 
 
 @dataclass(frozen=True)
@@ -130,10 +136,15 @@ def compare_many(
     analysed (or loaded) once."""
     _check_threshold(threshold)
     opts = opts or AnalysisOptions(quiet=True)
+    settings = comparison_settings(opts)
     base = load_run(baseline, opts)
     results = [
         compare_reports(
-            base, load_run(c, opts), threshold=threshold, labels=(str(baseline), str(c))
+            base,
+            load_run(c, opts),
+            threshold=threshold,
+            labels=(str(baseline), str(c)),
+            settings=settings,
         )
         for c in candidates
     ]
@@ -143,6 +154,14 @@ def compare_many(
 def _check_threshold(threshold: float) -> None:
     if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
         raise TraceError(None, f"--threshold must be a finite number, 0 or more (got {threshold})")
+
+
+def comparison_settings(opts: AnalysisOptions | None = None) -> ComparisonSettings:
+    """The ``comparison`` thresholds of the rule set (bundled, with ``opts.rules_dir`` merged
+    over it); without ``opts``, the bundled ones, nothing written to the cache."""
+    from traceclf.pipeline.analysis import rule_set
+
+    return rule_set(opts or AnalysisOptions(quiet=True, use_cache=False)).scoring.comparison
 
 
 def load_run(source: str | Path, opts: AnalysisOptions) -> Report:
@@ -168,16 +187,25 @@ def compare_reports(
     *,
     threshold: float = 0.05,
     labels: tuple[str, str] = ("before", "after"),
+    settings: ComparisonSettings | None = None,
 ) -> Comparison:
+    """Compare two reports; ``settings``: the bundled rules' ``comparison`` thresholds."""
+    settings = settings or comparison_settings()
     b, a = run_of(labels[0], before), run_of(labels[1], after)
     change_ms, change_frac = _change(b.step_mean_ms, a.step_mean_ms)
     _, median_frac = _change(b.step_median_ms, a.step_median_ms)
-    noise = _noise_ms(b, a)
-    verdict = _verdict(change_ms, change_frac, noise, threshold)
+    noise = _noise_ms(b, a, settings)
+    verdict = _verdict(change_ms, change_frac, noise, threshold, b, a)
     mb, ma = metrics_of(before), metrics_of(after)
     tracing_changed = b.graph_tracing and a.graph_tracing and b.graph_tracing != a.graph_tracing
     measures = [
-        _measure_change(m, mb, ma, comparable=not (tracing_changed and m.key in PER_KERNEL))
+        _measure_change(
+            m,
+            per_step_known(mb, b),
+            per_step_known(ma, a),
+            settings,
+            comparable=not (tracing_changed and m.key in PER_KERNEL),
+        )
         for m in MEASURES
     ]
     return Comparison(
@@ -194,6 +222,9 @@ def compare_reports(
         measures=measures,
         notes=_comparability(b, a),
         explanations=[n for n in (tracing_note(b, a),) if n] + explanations(before, after),
+        breakdown=breakdown(
+            before, after, (b.step_mean_ms, a.step_mean_ms), (b.source, a.source), settings
+        ),
     )
 
 
@@ -203,17 +234,22 @@ def _change(before: float | None, after: float | None) -> tuple[float | None, fl
     return after - before, (after - before) / before if before else None
 
 
-def _noise_ms(b: Run, a: Run) -> float | None:
+def _noise_ms(b: Run, a: Run, settings: ComparisonSettings) -> float | None:
     se = [b.standard_error_ms, a.standard_error_ms]
     if any(s is None for s in se):
         return None
-    return 2 * math.hypot(*se)
+    return settings.noise_standard_errors * math.hypot(*se)
 
 
 def _verdict(
-    change_ms: float | None, change_frac: float | None, noise: float | None, threshold: float
+    change_ms: float | None,
+    change_frac: float | None,
+    noise: float | None,
+    threshold: float,
+    b: Run,
+    a: Run,
 ) -> str:
-    if change_ms is None or change_frac is None:
+    if change_ms is None or change_frac is None or b.bound is None or a.bound is None:
         return "inconclusive"
     beyond_noise = abs(change_ms) > (noise or 0.0)
     if beyond_noise and change_frac > threshold:
@@ -228,7 +264,18 @@ def _summary(
 ) -> str:
     if verdict == "inconclusive":
         missing = " and ".join(r.source for r in (b, a) if r.step_mean_ms is None)
-        return f"Inconclusive: no step time for {missing} (no steps found), so nothing to gate on."
+        if missing:
+            return (
+                f"Inconclusive: no step time for {missing} (no steps found), so nothing to gate on."
+            )
+        abstained = "; ".join(
+            r.source + (f" ({r.abstain_reason})" if r.abstain_reason else "")
+            for r in (b, a)
+            if r.bound is None
+        )
+        return (
+            f"Inconclusive: traceclf did not name a bound for {abstained}, so nothing to gate on."
+        )
     steps = f"step {fmt_ms(b.step_mean_ms)} → {fmt_ms(a.step_mean_ms)} ({signed_pct(change)})"
     band = (
         f"±{fmt_ms(noise)}"
@@ -247,17 +294,17 @@ def _summary(
 
 
 def _measure_change(
-    m: Measure, before: dict, after: dict, comparable: bool = True
+    m: Measure, before: dict, after: dict, settings: ComparisonSettings, comparable: bool = True
 ) -> MeasureChange:
     b, a = before.get(m.key), after.get(m.key)
     if not _number(b) or not _number(a) or not comparable:
         return MeasureChange(m.key, m.label, m.unit, _float(b), _float(a), None, False)
     if m.unit == "frac":
         change = a - b
-        material = abs(change) >= MATERIAL_PP
+        material = abs(change) >= settings.material_points
     else:
         change = (a - b) / b if b else None
-        big = change is None or abs(change) >= MATERIAL_REL
+        big = change is None or abs(change) >= settings.material_relative
         material = a != b and big and abs(a - b) >= m.floor
     return MeasureChange(m.key, m.label, m.unit, b, a, change, material)
 

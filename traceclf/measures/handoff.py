@@ -34,6 +34,8 @@ class RankMeasures:
     step_lanes: dict = field(default_factory=dict)  # one representative step, for its figure
     memory_series: dict = field(default_factory=dict)  # allocated device memory over time
     kernel_summary: list[dict] = field(default_factory=list)  # like nsys cuda_gpu_kern_sum
+    # per kernel time per step and the step's account, for compare (measures/step_kernels.py)
+    step_kernels: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

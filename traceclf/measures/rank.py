@@ -16,6 +16,7 @@ from traceclf.measures import (
     memory,
     phases,
     series,
+    step_kernels,
 )
 from traceclf.measures.handoff import RankMeasures
 from traceclf.measures.window import prepare
@@ -59,12 +60,13 @@ def measure_rank(
     m |= compute.gpu_metric_means(gpu_samples, steps.spans)
     facts = capture.capture_facts(w) | {"kernel_mix_source": mix_source}
     phase_spans = phases.projected(w)
+    breakdown = series.step_breakdown(w)
     return RankMeasures(
         metrics={k: _round(v) for k, v in m.items()},
         capture=facts,
         comm_by_kind=comm_by_kind,
         top_kernels=compute.top_kernels(w),
-        step_breakdown=series.step_breakdown(w),
+        step_breakdown=breakdown,
         idle_gaps=series.gap_histogram(gaps),
         gpu_metrics_series=series.metric_series(gpu_samples, steps.spans),
         idle_nvtx=host.idle_by_nvtx(gaps, w),
@@ -76,6 +78,7 @@ def measure_rank(
             trace.memory, (gpu or {}).get("memory_bytes"), steps.window
         ),
         kernel_summary=compute.kernel_summary(w),
+        step_kernels=step_kernels.step_kernels(w, gaps, breakdown),
     )
 
 

@@ -250,10 +250,16 @@ ANALYSIS_SOURCES = (
 
 
 def _taxonomy(opts: AnalysisOptions):
-    from traceclf.judge.vocabulary import load_rules
     from traceclf.model.taxonomy import Taxonomy
 
-    return Taxonomy.of(load_rules(opts.rules_dir, remember=_rules_stamp_root(opts)).taxonomy)
+    return Taxonomy.of(rule_set(opts).taxonomy)
+
+
+def rule_set(opts: AnalysisOptions):
+    """The rules of these options: bundled, with ``opts.rules_dir`` merged over them."""
+    from traceclf.judge.vocabulary import load_rules
+
+    return load_rules(opts.rules_dir, remember=_rules_stamp_root(opts))
 
 
 def _rules_stamp_root(opts: AnalysisOptions) -> Path | None:

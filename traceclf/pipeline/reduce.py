@@ -49,6 +49,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
             "top_kernels": r.measures.top_kernels,
             "idle_nvtx": r.measures.idle_nvtx,
             "phases": r.measures.phases,
+            "step_kernels": r.measures.step_kernels,
             "capture": rank_capture(r.measures.capture, thresholds),
         }
         for i, r in enumerate(ranks)

@@ -1,23 +1,29 @@
-"""`traceclf compare` output: the comparison (traceclf/report/comparison.py) as rich terminal text,
-Markdown or JSON."""
+"""`traceclf compare` output: the comparison (traceclf/report/comparison.py) as rich terminal
+text, Markdown, HTML (:mod:`traceclf.render.compared_html`) or JSON."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from traceclf.render import compared_inside as parts
+from traceclf.render import compared_runs as run_rows
 from traceclf.render import emit
 from traceclf.render.fit import new_console, output_of
-from traceclf.report.comparison import Comparison, MultiComparison, Run
+from traceclf.report.comparison import Comparison, MultiComparison
 from traceclf.support import jsontext
 from traceclf.support.escape import for_markdown, for_terminal, markdown_code
-from traceclf.support.units import fmt_ms, pct, signed_pct
 
 
 def render_comparison(
     result: Comparison | MultiComparison, fmt: str, output: Path | None = None
 ) -> None:
-    """Write the comparison as ``terminal`` (rich), ``md`` or ``json`` to ``output``
+    """Write the comparison as ``terminal`` (rich), ``md``, ``html`` or ``json`` to ``output``
     (atomically) or stdout."""
+    if fmt == "html":
+        from traceclf.render.compared_html import comparison_page
+
+        emit(comparison_page(result), output)
+        return
     if isinstance(result, MultiComparison):
         _render_many(result, fmt, output)
         return
@@ -48,10 +54,10 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
     steps = Table(show_edge=False, title="Step time", title_justify="left")
     for col in ("", "before", "after", "change"):
         steps.add_column(col, justify="left" if not col else "right")
-    for row in _step_rows(result):
+    for row in run_rows.step_rows(result):
         steps.add_row(*map(for_terminal, row))
     console.print(steps)
-    console.print(for_terminal(_bound_line(result)))
+    console.print(for_terminal(run_rows.bound_line(result)))
     moved = Table(show_edge=False, title="Measures that moved", title_justify="left")
     for col in ("measure", "before", "after", "change"):
         moved.add_column(col, justify="left" if col == "measure" else "right")
@@ -59,6 +65,7 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
         cells = (m.label, m.value(m.before), m.value(m.after), m.delta())
         moved.add_row(*map(for_terminal, cells))
     console.print(moved if result.moved else Text("No measure moved materially."))
+    _terminal_inside(console, result)
     if result.explanations:
         console.print(Text("What changed besides the measures", style="bold"))
         for line in result.explanations:
@@ -66,6 +73,35 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
     for note in result.notes:
         console.print(for_terminal(f"Not directly comparable: {note}", "yellow"))
     return output_of(console)
+
+
+def _terminal_inside(console, result: Comparison) -> None:
+    """What changed inside the step: kernels, launch shapes, phases, idle, communication,
+    the reconciliation and peak memory."""
+    from rich.table import Table
+    from rich.text import Text
+
+    b = result.breakdown
+    console.print(Text("What changed inside the step (per steady step)", style="bold"))
+    if b.detail_missing:
+        console.print(for_terminal(f"No per-step detail: {b.detail_missing}."))
+    for title, columns, rows in parts.sections(b):
+        if columns == parts.SHAPE_COLUMNS:  # (two long lists of shapes: as lines, wrapping)
+            console.print(Text(title, style="italic"))
+            for name, before, after in rows:
+                console.print(for_terminal(f"• {name}: {before} → {after}"))
+            continue
+        table = Table(show_edge=False, title=title, title_justify="left")
+        for i, col in enumerate(columns):
+            if i:
+                table.add_column(col, justify="right", no_wrap=True)
+            else:  # (a long kernel or phase name wraps; the numbers never do)
+                table.add_column(col, overflow="fold", min_width=12)
+        for row in rows:
+            table.add_row(*map(for_terminal, row))
+        console.print(table)
+    for line in parts.lines(b):
+        console.print(for_terminal(line))
 
 
 def comparison_markdown(result: Comparison) -> str:
@@ -81,9 +117,9 @@ def comparison_markdown(result: Comparison) -> str:
         "",
         "|  | before | after | change |",
         "| --- | ---: | ---: | ---: |",
-        *(f"| {' | '.join(map(for_markdown, row))} |" for row in _step_rows(result)),
+        *(f"| {' | '.join(map(for_markdown, row))} |" for row in run_rows.step_rows(result)),
         "",
-        for_markdown(_bound_line(result)),
+        for_markdown(run_rows.bound_line(result)),
         "",
         "## Measures that moved",
         "",
@@ -100,6 +136,19 @@ def comparison_markdown(result: Comparison) -> str:
         ]
     else:
         lines.append("No measure moved materially.")
+    lines += ["", "## What changed inside the step", ""]
+    inside = result.breakdown
+    if inside.detail_missing:
+        lines += [for_markdown(f"No per-step detail: {inside.detail_missing}."), ""]
+    for title, columns, rows in parts.sections(inside):
+        # (bold, not a heading: several candidates demote every heading one level)
+        lines += [f"**{title}**", ""]
+        if title == "Phases":
+            lines += [for_markdown(parts.PHASE_NOTE), ""]
+        lines += ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
+        lines += ["| " + " | ".join(map(for_markdown, row)) + " |" for row in rows]
+        lines.append("")
+    lines += [for_markdown(line) for line in parts.lines(inside)]
     if result.explanations:
         lines += ["", "## What changed besides the measures", ""]
         lines += [f"- {_md(line)}" for line in result.explanations]
@@ -111,7 +160,7 @@ def comparison_markdown(result: Comparison) -> str:
         "## Runs",
         "",
         *(
-            f"- **{side}:** {markdown_code(r.source)} ({for_markdown(_run_line(r))})"
+            f"- **{side}:** {markdown_code(r.source)} ({for_markdown(run_rows.run_line(r))})"
             for side, r in (("before", b), ("after", a))
         ),
         "",
@@ -124,23 +173,6 @@ def comparison_markdown(result: Comparison) -> str:
 def _md(text: str) -> str:
     """Trace- and rule-derived text as inert Markdown (one line, no HTML, no table breaks)."""
     return for_markdown(text)
-
-
-MANY_COLUMNS = ("candidate", "step before", "step after", "change", "verdict", "bound")
-
-
-def _many_rows(result: MultiComparison) -> list[tuple[str, ...]]:
-    return [
-        (
-            Path(c.after.source).name,
-            fmt_ms(c.before.step_mean_ms),
-            fmt_ms(c.after.step_mean_ms),
-            signed_pct(c.step_change_frac),
-            c.verdict,
-            f"{_bound(c.before)} → {_bound(c.after)}" if c.bound_changed else _bound(c.after),
-        )
-        for c in result.comparisons
-    ]
 
 
 def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None:
@@ -161,9 +193,9 @@ def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None
             "",
             f"**{_md(head)}**",
             "",
-            "| " + " | ".join(MANY_COLUMNS) + " |",
+            "| " + " | ".join(run_rows.MANY_COLUMNS) + " |",
             "| --- | ---: | ---: | ---: | --- | --- |",
-            *("| " + " | ".join(_md(c) for c in row) + " |" for row in _many_rows(result)),
+            *("| " + " | ".join(_md(c) for c in row) + " |" for row in run_rows.many_rows(result)),
         ]
         details = [
             "\n".join(
@@ -182,9 +214,9 @@ def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None
     console.print(for_terminal(f"Baseline: {Path(result.baseline).name}", "bold"))
     console.print(for_terminal(head, "bold red" if regressed else "bold green"))
     table = Table(show_edge=False)
-    for i, col in enumerate(MANY_COLUMNS):
+    for i, col in enumerate(run_rows.MANY_COLUMNS):
         table.add_column(col, justify="right" if 1 <= i <= 3 else "left", overflow="fold")
-    for row in _many_rows(result):
+    for row in run_rows.many_rows(result):
         table.add_row(*(for_terminal(c, VERDICT_STYLE.get(c, "")) for c in row))
     console.print(table)
     for c in result.comparisons:
@@ -192,49 +224,3 @@ def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None
         console.print(Text(_terminal(c, to_string=True) or ""), end="")
     if output is not None:
         emit(output_of(console) or "", output)
-
-
-def _step_rows(result: Comparison) -> list[tuple[str, str, str, str]]:
-    b, a = result.before, result.after
-    noise = f"±{fmt_ms(result.noise_ms)}" if result.noise_ms is not None else "–"
-    noise_frac = f" (±{result.noise_frac:.1%})" if result.noise_frac is not None else ""
-    return [
-        (
-            "mean",
-            fmt_ms(b.step_mean_ms),
-            fmt_ms(a.step_mean_ms),
-            signed_pct(result.step_change_frac),
-        ),
-        (
-            "median",
-            fmt_ms(b.step_median_ms),
-            fmt_ms(a.step_median_ms),
-            signed_pct(result.median_change_frac),
-        ),
-        ("spread (CV)", pct(b.step_cv), pct(a.step_cv), ""),
-        ("steady steps", str(b.steps_used), str(a.steps_used), ""),
-        ("noise band", "", "", noise + noise_frac),
-    ]
-
-
-def _bound_line(result: Comparison) -> str:
-    b, a = result.before, result.after
-    if result.bound_changed:
-        return f"Bound changed: {_bound(b)} → {_bound(a)} (confidence {_conf(b)} → {_conf(a)})."
-    return f"Bound unchanged: {_bound(a)} (confidence {_conf(b)} → {_conf(a)})."
-
-
-def _bound(r: Run) -> str:
-    return r.bound or "no verdict (abstained)"
-
-
-def _run_line(r: Run) -> str:
-    return (
-        f"{f'{r.bound}-bound' if r.bound else 'no verdict'}, "
-        f"{r.ranks} rank{'s' if r.ranks != 1 else ''}, "
-        f"{', '.join(r.gpus) or 'unknown GPU'}, steps from {r.step_source or 'none'}"
-    )
-
-
-def _conf(r: Run) -> str:
-    return f"{r.confidence:.2f}" if r.confidence is not None else "–"

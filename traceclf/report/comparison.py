@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from traceclf.support.units import fmt_bytes, pct
+from traceclf.report.breakdown import Breakdown, comparison_tables
+from traceclf.support.pandas_frames import to_pandas
+from traceclf.support.units import fmt_bytes, fmt_ms, pct, signed_pct
 
 
 @dataclass
@@ -94,10 +97,17 @@ class Comparison:
     notes: list[str] = field(default_factory=list)  # why the runs may not be comparable
     # What explains the result besides the measures: applied fixes and proposals that changed.
     explanations: list[str] = field(default_factory=list)
+    # What changed inside the step: kernels, phases, idle, communication, reconciliation
+    breakdown: Breakdown = field(default_factory=Breakdown)
 
     @property
     def regression(self) -> bool:
         return self.verdict == "regression"
+
+    @property
+    def conclusive(self) -> bool:
+        """False when the comparison cannot be made (the CLI exits 3; ``summary`` says why)."""
+        return self.verdict != "inconclusive"
 
     @property
     def comparable(self) -> bool:
@@ -120,12 +130,35 @@ class Comparison:
 
     def to_dict(self) -> dict:
         data = asdict(self)
+        del data["breakdown"]
         data |= {
             "regression": self.regression,
             "comparable": self.comparable,
+            "conclusive": self.conclusive,
             "noise_frac": self.noise_frac,
         }
-        return data
+        return data | self.breakdown.to_dict()
+
+    def tables(self) -> dict:
+        """The comparison as polars frames by name: ``measures`` (every measure compared),
+        ``kernels``, ``phases``, ``idle``, ``communication`` and ``reconciliation``."""
+        return comparison_tables([asdict(m) for m in self.measures], self.breakdown)
+
+    def __repr__(self) -> str:
+        """One line (a notebook cell shows this, not every kernel)."""
+        change = (
+            f" ({signed_pct(self.step_change_frac)})" if self.step_change_frac is not None else ""
+        )
+        return (
+            f"<Comparison {Path(self.before.source).name} → {Path(self.after.source).name}: "
+            f"{self.verdict}, step {fmt_ms(self.before.step_mean_ms)} → "
+            f"{fmt_ms(self.after.step_mean_ms)}{change}; {len(self.breakdown.kernels)} kernels, "
+            f"{len(self.moved)} measures moved>"
+        )
+
+    def to_pandas(self, table: str = "kernels"):
+        """One of :meth:`tables` as a pandas DataFrame (``pip install 'traceclf[pandas]'``)."""
+        return to_pandas(self.tables(), table)
 
 
 @dataclass
@@ -139,10 +172,15 @@ class MultiComparison:
     def regression(self) -> bool:
         return any(c.regression for c in self.comparisons)
 
+    @property
+    def conclusive(self) -> bool:
+        return all(c.conclusive for c in self.comparisons)
+
     def to_dict(self) -> dict:
         return {
             "baseline": self.baseline,
             "regression": self.regression,
+            "conclusive": self.conclusive,
             "comparisons": [c.to_dict() for c in self.comparisons],
         }
 

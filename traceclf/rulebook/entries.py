@@ -122,6 +122,17 @@ class Scoring:
     framework_advice_when: Expr
     # One sentence per wall saying how much of the step the bound takes (the report's headline)
     headline: dict[str, Template]
+    # When `traceclf compare` calls a change beyond noise or material (docs/api.md)
+    comparison: ComparisonSettings
+
+
+@dataclass(frozen=True)
+class ComparisonSettings:
+    noise_standard_errors: float  # a change beyond this many standard errors is beyond noise
+    material_points: float  # a fraction of the step moving by this many points is material
+    material_relative: float  # a count or size moving by this share of itself is material
+    part_share: float  # a kernel, phase, idle cause or collective: this share of the step
+    memory_share: float  # peak device memory moving by this share of the GPU's memory
 
 
 @dataclass(frozen=True)
@@ -392,7 +403,9 @@ _SCORING_KEYS = (
     "full_confidence_steps",
     "framework_advice_when",
     "headline",
+    "comparison",
 )
+COMPARISON_SHARES = ("material_points", "material_relative", "part_share", "memory_share")
 
 
 def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Scoring:
@@ -458,6 +471,7 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
             check_names(template.names, names)
     except ExprError as e:
         raise TraceError(path, f"scoring: 'headline': {e}") from None
+    comparison = parse_comparison(*get("comparison"))
     return Scoring(
         tuple(workflow),
         values["meaningful"],
@@ -471,4 +485,18 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
         steps,
         framework,
         headline,
+        comparison,
     )
+
+
+def parse_comparison(raw: Any, path: Path) -> ComparisonSettings:
+    """``scoring.comparison``: the noise band in standard errors, and the shares past which a
+    change is material."""
+    keys = ("noise_standard_errors", *COMPARISON_SHARES)
+    if not isinstance(raw, dict) or sorted(raw) != sorted(keys):
+        raise TraceError(path, f"scoring: 'comparison' must set each of {', '.join(keys)}")
+    for key, value in raw.items():
+        top = 10 if key == "noise_standard_errors" else 1
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= top:
+            raise TraceError(path, f"scoring: comparison {key!r} must be a number in [0, {top}]")
+    return ComparisonSettings(**{k: float(v) for k, v in raw.items()})

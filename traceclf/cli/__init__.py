@@ -8,152 +8,21 @@ from pathlib import Path
 
 import click
 
+from traceclf.cli.options import (
+    analysis_options,
+    cache_dir_option,
+    check_exports,
+    check_report_output,
+    fail,
+    nsys_path_of,
+    quiet_option,
+    rules_option,
+    run_inputs,
+)
 from traceclf.support.errors import TraceError, show_warnings
 from traceclf.support.version import __version__
 
 FORMATS = ("terminal", "json", "md", "html", "csv")
-
-
-def _inputs(named: list[str], rules_dir: Path | None) -> list[Path]:
-    """Every input of the run, however it is spelled (folders and patterns expanded, the export
-    beside each report, the rule files): nothing traceclf writes may land on one."""
-    from traceclf.ingest.inputs import named_files
-
-    inputs = [Path(n) for n in named if n.lower().endswith(".json")]
-    inputs += named_files([n for n in named if not n.lower().endswith(".json")])
-    if rules_dir is not None and rules_dir.is_dir():
-        inputs += [*rules_dir.glob("*.yaml"), *rules_dir.glob("*.yml")]
-    return inputs
-
-
-def _check_output(output: str | None, named: list[str], rules_dir: Path | None) -> Path | None:
-    """Fail before the analysis, not after it, when the report could not or must not be
-    written: no folder, a folder or a disk in the way, or any input of the run."""
-    if output is None:
-        return None
-    from traceclf.support.atomic import check_output
-
-    check_output(output, _inputs(named, rules_dir))
-    return Path(output)
-
-
-def _check_exports(
-    out: Path | None, export_trace: str | None, export_dir: Path | None, fmt: str
-) -> None:
-    """The extra files must not land on the report or on each other; --export-dir must be a
-    folder (or nothing yet)."""
-    if export_trace is not None and out is not None and _same(Path(export_trace), out):
-        raise click.UsageError("--export-trace and -o name the same file")
-    if export_dir is not None:
-        if export_dir.exists() and not export_dir.is_dir():
-            raise TraceError(export_dir, "--export-dir: not a folder")
-        for path in (out, Path(export_trace) if export_trace else None):
-            if path is not None and _same(path.parent, export_dir) and path.suffix == f".{fmt}":
-                from traceclf.report.frames import TABLES
-
-                if path.stem in TABLES:
-                    raise click.UsageError(f"{path} would be overwritten by --export-dir")
-
-
-def _same(a: Path, b: Path) -> bool:
-    return a.absolute().resolve() == b.absolute().resolve()
-
-
-def _nsys(value: str | None) -> Path | None:
-    """--nsys as given: a bare name is looked up on PATH, anything with a slash (./nsys) is
-    that file (pathlib would turn ./nsys into nsys, which PATH lookup would then find)."""
-    if value is None:
-        return None
-    return Path(value).absolute() if "/" in value else Path(value)
-
-
-def _fail(message: str) -> None:
-    from traceclf.support.escape import visible
-
-    click.echo(f"traceclf: error: {visible(message)}", err=True)
-    sys.exit(2)
-
-
-# Options shared by several commands, defined once so their help reads the same everywhere.
-step_range_option = click.option(
-    "--step-range",
-    metavar="REGEX",
-    help="Regular expression for the NVTX ranges that mark one training step "
-    "(default: names like 'step 12', 'iteration 3', 'batch 7', 'ProfilerStep#5').",
-)
-nsys_option = click.option(
-    "--nsys",
-    "nsys_path",
-    type=click.Path(path_type=str),
-    help="nsys executable used to export .nsys-rep files (default: $NSYS, then nsys on PATH).",
-)
-rules_option = click.option(
-    "--rules",
-    "rules_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Extra rule/fix YAML folder, merged over the bundled rules/.",
-)
-no_cache_option = click.option(
-    "--no-cache",
-    is_flag=True,
-    help="Neither read nor write the cache (each export's trace model as Parquet and its "
-    "analysis result).",
-)
-
-
-def _cache_dir(_ctx, _param, cache_dir: Path | None) -> Path | None:
-    """A cache folder that cannot be one is no reason to fail: the run goes on without a
-    cache (as with any unusable cache), said once."""
-    if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
-        import warnings
-
-        from traceclf.support.errors import TraceWarning
-
-        warnings.warn(
-            TraceWarning(f"{cache_dir}: --cache-dir is not a folder: no cache"), stacklevel=1
-        )
-    return cache_dir
-
-
-cache_dir_option = click.option(
-    "--cache-dir",
-    type=click.Path(path_type=Path),
-    callback=_cache_dir,
-    help="Cache folder (default: $TRACECLF_CACHE_DIR, else the user cache directory, "
-    "e.g. ~/.cache/traceclf). Nothing is written beside your traces unless you ask: "
-    "--cache-dir . keeps the cache in the current folder.",
-)
-quiet_option = click.option(
-    "-q",
-    "--quiet",
-    is_flag=True,
-    help="No progress on stderr (traceclf's own warnings still show, other libraries' do not).",
-    callback=lambda _ctx, _param, quiet: show_warnings(quiet) or quiet,
-)
-all_steps_option = click.option(
-    "--all-steps",
-    is_flag=True,
-    help="Read and analyse every step of the capture. By default a long capture is analysed "
-    "on a sample of its steady-state steps (runs of consecutive steps spread evenly over the "
-    "steady state, up to a budget of event rows), so that time and memory follow the steps "
-    "analysed, not the capture's length; the report says how many steps were analysed.",
-)
-
-
-def analysis_options(command):
-    """The options of every command that analyses traces."""
-    for option in reversed(
-        (
-            step_range_option,
-            all_steps_option,
-            nsys_option,
-            rules_option,
-            no_cache_option,
-            cache_dir_option,
-        )
-    ):
-        command = option(command)
-    return command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -162,7 +31,8 @@ def cli() -> None:
     """Say what bounds a GPU training run (memory, communication, host or compute), with
     evidence and fixes, from Nsight Systems traces.
 
-    Exit codes: 0 done; 1 `compare` found a regression; 2 bad input or usage.
+    Exit codes: 0 done; 1 `compare` found a regression; 2 bad input or usage; 3 `compare`
+    could not compare (a run without steps, or one traceclf abstained on).
     """
 
 
@@ -270,13 +140,13 @@ def analyze(
 
     if fmt == "html" and output is None:
         raise click.UsageError("--format html needs -o/--output FILE")
-    out = _check_output(output, list(inputs), rules_dir)
-    trace_out = _check_output(export_trace, list(inputs), rules_dir)
-    _check_exports(out, export_trace, export_dir, export_format)
+    out = check_report_output(output, list(inputs), rules_dir)
+    trace_out = check_report_output(export_trace, list(inputs), rules_dir)
+    check_exports(out, export_trace, export_dir, export_format)
     opts = AnalysisOptions(
         step_regex=step_range,
         all_steps=all_steps,
-        nsys=_nsys(nsys_path),
+        nsys=nsys_path_of(nsys_path),
         rules_dir=rules_dir,
         use_cache=not no_cache,
         cache_dir=cache_dir,
@@ -286,7 +156,7 @@ def analyze(
         grouping=grouping or "auto",
     )
     report = analyze_inputs(list(inputs), opts)
-    written = _inputs(list(inputs), rules_dir)
+    written = run_inputs(list(inputs), rules_dir)
     render(report, fmt, out, written)
     if export_dir is not None:
         from traceclf.export.files import export_tables
@@ -314,16 +184,24 @@ def analyze(
     "-f",
     "--format",
     "fmt",
-    type=click.Choice(("terminal", "md", "json")),
+    type=click.Choice(("terminal", "md", "html", "json")),
     default="terminal",
     show_default=True,
-    help="Output format.",
+    help="Output format: rich terminal text, Markdown for a ticket, one self-contained HTML "
+    "file with a waterfall of the step change (needs -o), or the JSON comparison contract.",
 )
 @click.option(
     "-o",
     "--output",
     metavar="FILE",
-    help="Write to this file (atomically; never onto BEFORE or AFTER) instead of stdout.",
+    help="Write to this file (atomically; never onto BEFORE or AFTER) instead of stdout. "
+    "Required for html.",
+)
+@click.option(
+    "--allow-inconclusive",
+    is_flag=True,
+    help="Exit 0, not 3, when a comparison cannot be made (a run without steps, or one "
+    "traceclf abstained on), with nothing on stderr; the output still says why.",
 )
 @analysis_options
 @quiet_option
@@ -333,6 +211,7 @@ def compare(
     threshold: float,
     fmt: str,
     output: str | None,
+    allow_inconclusive: bool,
     step_range: str | None,
     all_steps: bool,
     nsys_path: str | None,
@@ -343,29 +222,41 @@ def compare(
 ) -> None:
     """Compare runs: BASELINE and each CANDIDATE are traces (any `analyze` input; use a
     folder for several ranks) or saved JSON reports (report_version 1 or 2). Says what
-    explains the change (measures that moved, overlap, fixes that became applied, CUDA-graph
-    tracing mode). With several candidates, prints one row each against the baseline. Exits 1
-    if any candidate regresses beyond --threshold."""
+    changed inside the step (kernel by kernel, NVTX phase by phase, idle by cause, exposed
+    communication by kind, launch shapes, peak memory, and how they add up to the step change)
+    and what explains it (measures that moved, fixes that became applied, CUDA-graph tracing
+    mode). With several candidates, prints one row each against the baseline. Exits 1 if any
+    candidate regresses beyond --threshold; otherwise 3 if a comparison cannot be made (a run
+    without steps, or one traceclf abstained on), with one line on stderr saying why."""
     from traceclf.support.process import check_address_space
 
     check_address_space()
-    from traceclf.compare.regression import compare_many
+    from traceclf.compare.regression import MultiComparison, compare_many
     from traceclf.pipeline.analysis import AnalysisOptions
     from traceclf.render.compared import render_comparison
+    from traceclf.support.escape import visible
 
     opts = AnalysisOptions(
         step_regex=step_range,
         all_steps=all_steps,
-        nsys=_nsys(nsys_path),
+        nsys=nsys_path_of(nsys_path),
         rules_dir=rules_dir,
         use_cache=not no_cache,
         cache_dir=cache_dir,
         quiet=quiet,
     )
-    out = _check_output(output, [before, *after], rules_dir)
+    if fmt == "html" and output is None:
+        raise click.UsageError("--format html needs -o/--output FILE")
+    out = check_report_output(output, [before, *after], rules_dir)
     result = compare_many(before, list(after), threshold=threshold, opts=opts)
     render_comparison(result, fmt, out)
-    sys.exit(1 if result.regression else 0)
+    comparisons = result.comparisons if isinstance(result, MultiComparison) else [result]
+    for c in comparisons:
+        if not (c.conclusive or allow_inconclusive):  # (its summary says why, in one line)
+            click.echo(f"traceclf: {visible(c.summary)}", err=True)
+    if result.regression:
+        sys.exit(1)
+    sys.exit(0 if result.conclusive or allow_inconclusive else 3)
 
 
 @cli.command("measures")
@@ -482,9 +373,9 @@ def main() -> None:
         sys.exit(e.exit_code)
     except click.UsageError as e:  # one line, like every other error
         command = e.ctx.command_path if e.ctx else "traceclf"
-        _fail(f"{' '.join(e.format_message().split())} (see: {command} --help)")
+        fail(f"{' '.join(e.format_message().split())} (see: {command} --help)")
     except click.ClickException as e:
-        _fail(" ".join(e.format_message().split()))
+        fail(" ".join(e.format_message().split()))
     except click.Abort as e:
         if isinstance(e.__cause__, Terminated):  # SIGTERM: cleaned up like Ctrl-C
             click.echo("traceclf: terminated", err=True)
@@ -492,17 +383,17 @@ def main() -> None:
         click.echo("traceclf: aborted", err=True)
         sys.exit(130)
     except TraceError as e:
-        _fail(str(e))
+        fail(str(e))
     except BrokenPipeError:
         sys.exit(0)
     except MemoryError:
-        _fail("out of memory (the analysis needs more than this machine or its limits allow)")
+        fail("out of memory (the analysis needs more than this machine or its limits allow)")
     except ImportError as e:  # a library that cannot load: memory limits or a broken install
-        _fail(f"cannot load {e.name or 'a library'}: {' '.join(str(e).split())[:200]}")
+        fail(f"cannot load {e.name or 'a library'}: {' '.join(str(e).split())[:200]}")
     except Exception as e:  # a bug, not bad input: keep the traceback one env var away
         if os.environ.get("TRACECLF_DEBUG"):
             raise
-        _fail(f"internal error: {type(e).__name__}: {e} (set TRACECLF_DEBUG=1 for a traceback)")
+        fail(f"internal error: {type(e).__name__}: {e} (set TRACECLF_DEBUG=1 for a traceback)")
 
 
 if __name__ == "__main__":

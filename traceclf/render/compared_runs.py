@@ -1,0 +1,72 @@
+"""What every format of ``traceclf compare`` shows about the runs themselves, as strings: the
+step-time table, the bound line, each run's line, and one row per candidate against a
+baseline. Names come from traces and reports: each renderer escapes these strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from traceclf.report.comparison import Comparison, MultiComparison, Run
+from traceclf.support.units import fmt_ms, pct, signed_pct
+
+MANY_COLUMNS = ("candidate", "step before", "step after", "change", "verdict", "bound")
+
+
+def many_rows(result: MultiComparison) -> list[tuple[str, ...]]:
+    return [
+        (
+            Path(c.after.source).name,
+            fmt_ms(c.before.step_mean_ms),
+            fmt_ms(c.after.step_mean_ms),
+            signed_pct(c.step_change_frac),
+            c.verdict,
+            f"{bound(c.before)} → {bound(c.after)}" if c.bound_changed else bound(c.after),
+        )
+        for c in result.comparisons
+    ]
+
+
+def step_rows(result: Comparison) -> list[tuple[str, str, str, str]]:
+    b, a = result.before, result.after
+    noise = f"±{fmt_ms(result.noise_ms)}" if result.noise_ms is not None else "–"
+    noise_frac = f" (±{result.noise_frac:.1%})" if result.noise_frac is not None else ""
+    return [
+        (
+            "mean",
+            fmt_ms(b.step_mean_ms),
+            fmt_ms(a.step_mean_ms),
+            signed_pct(result.step_change_frac),
+        ),
+        (
+            "median",
+            fmt_ms(b.step_median_ms),
+            fmt_ms(a.step_median_ms),
+            signed_pct(result.median_change_frac),
+        ),
+        ("spread (CV)", pct(b.step_cv), pct(a.step_cv), ""),
+        ("steady steps", str(b.steps_used), str(a.steps_used), ""),
+        ("noise band", "", "", noise + noise_frac),
+    ]
+
+
+def bound_line(result: Comparison) -> str:
+    b, a = result.before, result.after
+    if result.bound_changed:
+        return f"Bound changed: {bound(b)} → {bound(a)} (confidence {_conf(b)} → {_conf(a)})."
+    return f"Bound unchanged: {bound(a)} (confidence {_conf(b)} → {_conf(a)})."
+
+
+def bound(r: Run) -> str:
+    return r.bound or "no verdict (abstained)"
+
+
+def run_line(r: Run) -> str:
+    return (
+        f"{f'{r.bound}-bound' if r.bound else 'no verdict'}, "
+        f"{r.ranks} rank{'s' if r.ranks != 1 else ''}, "
+        f"{', '.join(r.gpus) or 'unknown GPU'}, steps from {r.step_source or 'none'}"
+    )
+
+
+def _conf(r: Run) -> str:
+    return f"{r.confidence:.2f}" if r.confidence is not None else "–"
