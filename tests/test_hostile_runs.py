@@ -58,7 +58,7 @@ def wait_for(condition, timeout: float = 60.0):
 
 def start(*args: str | Path, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "traceclf.cli", *map(str, args)],
+        [sys.executable, "-m", "traceclf", *map(str, args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -217,7 +217,7 @@ def test_a_stdout_that_is_not_utf8_gets_the_report(tmp_path: Path, fmt: str) -> 
     env = os.environ | {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
                         "PYTHONIOENCODING": "ascii"}  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "traceclf.cli", "analyze", export, "-f", fmt, "-q", "--no-cache"],
+        [sys.executable, "-m", "traceclf", "analyze", export, "-f", fmt, "-q", "--no-cache"],
         capture_output=True, env=env, timeout=CHILD_TIMEOUT_S, check=False,
     )  # fmt: skip
     assert done.returncode == 0 and done.stderr == b"", done.stderr

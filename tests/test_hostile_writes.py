@@ -55,7 +55,7 @@ def limited(*args: str | Path, file_size: int) -> CliResult:
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
 
     done = subprocess.run(
-        [sys.executable, "-m", "traceclf.cli", *map(str, args)],
+        [sys.executable, "-m", "traceclf", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT_S,

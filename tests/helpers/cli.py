@@ -54,7 +54,7 @@ def run_cli_process(
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
     done = subprocess.run(
-        [sys.executable, "-m", "traceclf.cli", *map(str, args)],
+        [sys.executable, "-m", "traceclf", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
