@@ -29,6 +29,7 @@ from traceclf.ingest.devices import (
     read_session,
     read_threads,
 )
+from traceclf.ingest.hosttables import empty_host_side, read_host_side
 from traceclf.ingest.reader import Reader, Span, decode_pid, release_read_buffers
 from traceclf.model.trace import Trace
 from traceclf.support.errors import TraceError, TraceWarning
@@ -293,6 +294,21 @@ def build_trace(
         lambda: nccl_payload(reader, raw_nvtx if nvtx_span is None else None),
         "absent",
     )
+
+    step("host side")
+    # (the threads that made CUDA calls: only their time can leave the GPU idle)
+    host = optional(
+        reader,
+        "host side (OS runtime calls, samples, scheduling, diagnostics)",
+        lambda: read_host_side(
+            reader,
+            api["global_tid"].unique().to_list(),
+            read_spans if read_spans is not None else nvtx_span,
+            has_nvtx_ranges=not nvtx.is_empty(),
+        ),
+        empty_host_side(),
+    )
+
     trace = Trace(
         path=info.path,
         nsys_version=info.nsys_version,
@@ -319,6 +335,14 @@ def build_trace(
         read_spans=read_spans,
         capture_span=capture[0],
         capture_rows=capture[1],
+        osrt=host.osrt,
+        samples=host.samples,
+        callchains=host.callchains,
+        py_frames=host.py_frames,
+        sched=host.sched,
+        diagnostics=host.diagnostics,
+        host_sources=host.sources,
+        host_notes=host.notes,
     )
     release_read_buffers()
     return trace

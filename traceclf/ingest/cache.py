@@ -115,6 +115,8 @@ def read_entry(entry: Path, path: Path) -> Trace | None:
         session=meta["session"],
         unusable_rows=dict(meta["unusable_rows"]),
         repaired_strings=dict(meta["repaired_strings"]),
+        host_sources=tuple(meta["host_sources"]),
+        host_notes=dict(meta["host_notes"]),
         **dict(zip(Trace.FRAMES, frames, strict=True)),
     )
 
@@ -140,6 +142,10 @@ def _read_meta(file: Path) -> dict:
         and all(isinstance(n, int) for n in meta["unusable_rows"].values())
         and isinstance(meta.get("repaired_strings"), dict)
         and all(isinstance(n, int) for n in meta["repaired_strings"].values())
+        and isinstance(meta.get("host_sources"), list)
+        and all(isinstance(t, str) for t in meta["host_sources"])
+        and isinstance(meta.get("host_notes"), dict)
+        and all(isinstance(t, str) for t in meta["host_notes"].values())
     )
     if not ok:
         raise ValueError("meta.json is not a cache entry's")
@@ -181,6 +187,8 @@ def write_entry(trace: Trace, slot: Path, key: str) -> bool:
             "frames": {name: _frame_meta(getattr(trace, name)) for name in Trace.FRAMES},
             "unusable_rows": trace.unusable_rows,
             "repaired_strings": trace.repaired_strings,
+            "host_sources": list(trace.host_sources),
+            "host_notes": trace.host_notes,
         }
         # meta.json is written last, but the rename below is what publishes the entry.
         (tmp / META).write_text(json.dumps(meta), encoding="utf-8")

@@ -25,6 +25,7 @@ LOAD_STAGES = (
     "NVTX",
     "memory",
     "GPU metrics",
+    "host side",
 )
 
 

@@ -213,7 +213,10 @@ class PayloadSchemas:
     @classmethod
     def read(cls, reader: Reader) -> PayloadSchemas:
         """The schemas of ``reader``'s export (none when it declares none)."""
-        frames = [reader.small_table(t, cols) for t, cols in SCHEMA_COLUMNS.items()]
+        frames = [
+            reader.small_table(t, cols, text=("name", "description"))
+            for t, cols in SCHEMA_COLUMNS.items()
+        ]
         return cls(*frames)
 
     def layout(self, domain_id: int, schema_id: int) -> Layout | None:

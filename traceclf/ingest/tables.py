@@ -205,6 +205,38 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
             _pid("globalTid"),
         ),
     ),
+    # The host side beyond CUDA calls (ingest/hostside.py): read only on the threads that made
+    # CUDA calls, in the spans the trace covers.
+    "osrt": (
+        ("OSRT_API",),
+        (
+            _c("start", required=True),
+            _c("end", required=True),
+            _c("global_tid", "globalTid", required=True),
+            _c("name_id", "nameId", required=True),
+            _c("callchain_id", "callchainId"),
+            _pid("globalTid", decode_from="global_tid"),
+        ),
+    ),
+    "samples": (
+        ("COMPOSITE_EVENTS",),
+        (
+            _c("start", required=True),
+            _c("sample_id", "id", required=True),
+            _c("global_tid", "globalTid", required=True),
+            _pid("globalTid", decode_from="global_tid"),
+        ),
+    ),
+    "sched": (
+        ("SCHED_EVENTS",),
+        (
+            _c("start", required=True),
+            _c("global_tid", "globalTid", required=True),
+            _c("is_in", "isSchedIn", required=True, dtype=pl.Int8),
+            _c("block", "threadBlock", dtype=pl.Int32),
+            _pid("globalTid", decode_from="global_tid"),
+        ),
+    ),
 }
 # The event tables of the GPU and the CUDA API whose rows are checked for usability (a time, an
 # end not before the start, a process) and that step sampling reads by rowid range.
@@ -212,4 +244,16 @@ EVENT_TABLES = ("kernels", "graphs", "memcpy", "memset", "api", "syncs")
 
 
 # Tables with a [start, end) extent; the others (memory events) are instants.
-TIMED = {"kernels", "graphs", "memcpy", "memset", "api", "syncs", "nvtx", "overhead"}
+TIMED = {
+    "kernels",
+    "graphs",
+    "memcpy",
+    "memset",
+    "api",
+    "syncs",
+    "nvtx",
+    "overhead",
+    "osrt",
+    "samples",  # (instants: a window holds those that start inside it)
+    "sched",
+}

@@ -27,6 +27,16 @@ Frames and their columns
 - ``memory``: allocation events: start, pid, device_id, bytes, op (0 alloc, 1 free)
 - ``gpus``: one row per GPU of TARGET_INFO_GPU; ``processes``: pid, process_name
 - ``threads``: global_tid, pid, tid, thread_name (ThreadNames)
+- the host side beyond CUDA calls (ingest/hosttables.py), on the threads that made CUDA calls:
+  ``osrt`` (OS runtime calls, outermost only: start, end, global_tid, pid, name, callchain_id),
+  ``samples`` (CPU samples: start, global_tid, pid, sample_id), ``callchains`` (their frames,
+  innermost first: source "osrt"/"sampling", id, depth, symbol, module, unresolved),
+  ``py_frames`` (nsys's Python samples, one row per frame, innermost first: start,
+  global_tid, pid, sample, state, depth, function, file, line), ``sched`` (thread
+  scheduling: start, global_tid, pid, running, block) and ``diagnostics`` (nsys's messages:
+  timestamp, pid, severity, source, text); ``host_sources`` names the host sources the export
+  holds (nvtx, cuda_api, osrt, sampling, python_sampling, sched), ``host_notes`` why one of
+  them was not read
 
 Event frames come in ``start`` order (flagged sorted when they are) as nsys writes them; rows
 no measure can use (no time, an end before the start, no process) are left out and counted in
@@ -84,6 +94,14 @@ class Trace:
     # of each event table (what the frames cannot say, holding only the analysed steps)
     capture_span: tuple[int, int] | None = None
     capture_rows: dict[str, int] = field(default_factory=dict)
+    osrt: pl.DataFrame = field(default_factory=pl.DataFrame)
+    samples: pl.DataFrame = field(default_factory=pl.DataFrame)
+    callchains: pl.DataFrame = field(default_factory=pl.DataFrame)
+    py_frames: pl.DataFrame = field(default_factory=pl.DataFrame)
+    sched: pl.DataFrame = field(default_factory=pl.DataFrame)
+    diagnostics: pl.DataFrame = field(default_factory=pl.DataFrame)
+    host_sources: tuple[str, ...] = ()
+    host_notes: dict[str, str] = field(default_factory=dict)
 
     FRAMES = (
         "kernels",
@@ -100,10 +118,30 @@ class Trace:
         "device_map",
         "threads",
         "events",
+        "osrt",
+        "samples",
+        "callchains",
+        "py_frames",
+        "sched",
+        "diagnostics",
     )
     # Frames of events that belong to one process (for_pid keeps only that process's rows);
-    # the others describe the machine (GPUs, metrics, processes, threads).
-    PER_PROCESS = ("kernels", "graphs", "copies", "api", "syncs", "nvtx", "memory", "overhead")
+    # the others describe the machine (GPUs, metrics, processes, threads) or the capture
+    # (diagnostics; callchains, found by the id of a call or sample).
+    PER_PROCESS = (
+        "kernels",
+        "graphs",
+        "copies",
+        "api",
+        "syncs",
+        "nvtx",
+        "memory",
+        "overhead",
+        "osrt",
+        "samples",
+        "py_frames",
+        "sched",
+    )
 
     @property
     def graph_executions(self) -> pl.DataFrame:
