@@ -59,6 +59,12 @@ NOT_RECOMPUTED = {
     "idle_top_activity": "NVTX attribution: checked on nvfuser by test_nvfuser_idle_is_nvrtc",
     "idle_top_nvtx_frac": "NVTX attribution: checked on nvfuser by test_nvfuser_idle_is_nvrtc",
     "idle_host_nvtx_frac": "NVTX attribution: checked on nvfuser by test_nvfuser_idle_is_nvrtc",
+    "idle_top_what": "host attribution: recomputed with plain SQL in tests/test_hostsources.py",
+    "idle_top_what_ms": "host attribution: recomputed with plain SQL in tests/test_hostsources.py",
+    "idle_top_what_frac": "host attribution: recomputed with plain SQL in tests/test_hostsources.py",
+    "idle_top_what_evidence": "host attribution: its counts, in tests/test_hostsources.py",
+    "idle_host_sources_frac": "host attribution: recomputed in tests/test_hostsources.py",
+    "idle_unattributed_frac": "host attribution: recomputed in tests/test_hostsources.py",
     "theoretical_occupancy_mean": "CUDA occupancy-calculator model, not a trace fact",
     "straggler_rank": "a judgement on compute_skew_frac, which is recomputed",
     "graph_launches_per_step": "not used by any rule",
@@ -271,7 +277,7 @@ def _context(rep: dict) -> dict:
         default={},
     )
     capture, steps, cross = rep["capture"], rep["steps"], rep["cross_rank"]
-    return {
+    return _host_top(rep) | {
         "training_loop": capture.get("training_loop") or "unknown",
         "moe_evidence": bool(capture.get("moe_evidence")),
         "ranks_share_gpu": bool(capture.get("ranks_share_gpu")),
@@ -286,6 +292,36 @@ def _context(rep: dict) -> dict:
         "compute_skew_frac": cross.get("compute_skew_frac"),
         "gpu_name": (rep["gpus"][0] if rep["gpus"] else {}).get("name"),
         "gpu_chip": (rep["gpus"][0] if rep["gpus"] else {}).get("chip"),
+    }
+
+
+def _host_top(rep: dict) -> dict:
+    """The idle_top_* names: the job's largest host-attribution row of a thread source."""
+    rows = [
+        r
+        for r in rep["host_attribution"]
+        if r["source"] in ("osrt", "python_sampling", "sched", "sampling")
+    ]
+    if not rows:
+        return {"idle_top_what_frac": 0.0, "idle_top_what_ms": 0.0}
+    top = max(rows, key=lambda r: r["ms_per_step"])
+    d = top["detail"]
+    label = {"osrt": "OS runtime", "python_sampling": "Python samples"}.get(top["source"])
+    label = label or {"sched": "scheduling", "sampling": "CPU samples"}[top["source"]]
+    if "calls" in d:
+        words = f"{label}, {d['calls']} call{'s' * (d['calls'] != 1)}"
+    elif "samples" in d:
+        words = f"{d['samples']} {label if d['samples'] != 1 else label[:-1]}"
+        words += f", {d['data_loading_samples']} in data-loading code" * bool(
+            d["data_loading_samples"]
+        )
+    else:
+        words = label
+    return {
+        "idle_top_what": top["what"],
+        "idle_top_what_ms": top["ms_per_step"],
+        "idle_top_what_frac": top["ms_per_step"] / rep["metrics"]["step_time_ms"],
+        "idle_top_what_evidence": words,
     }
 
 

@@ -93,6 +93,15 @@ def capture_block(
         "unusable_rows": _sum_counts(f.get("unusable_rows") or {} for f in facts),
         # per export: the strings of one export are shared by its ranks
         "repaired_strings": _sum_counts(e.repaired_strings for e in exports),
+        # the host side (docs/judgement.md, "What the host was doing"): the sources every rank
+        # has, why one was not read, nsys's messages that matter, the profiler's own work
+        "host_sources": _common_sources(f.get("host_sources") for f in facts),
+        "host_notes": {k: v for f in facts for k, v in (f.get("host_notes") or {}).items()},
+        "diagnostics": _unique_messages(f.get("diagnostics") or [] for f in facts),
+        "profiler_overhead_frac": _max(
+            r.measures.metrics.get("profiler_overhead_frac") for r in ranks
+        ),
+        "python_process": any(f.get("python_process") for f in facts),
     }
 
 
@@ -191,6 +200,32 @@ def _payload(values) -> str:
         if state in seen:
             return state
     return "absent"
+
+
+SOURCE_ORDER = ("nvtx", "cuda_api", "osrt", "sampling", "python_sampling", "sched")
+
+
+def _common_sources(per_rank) -> list[str]:
+    """The host sources every rank has, in the contract's order."""
+    sets = [set(s or ()) for s in per_rank]
+    common = set.intersection(*sets) if sets else set()
+    return [s for s in SOURCE_ORDER if s in common]
+
+
+def _unique_messages(per_rank) -> list[dict]:
+    seen, out = set(), []
+    for messages in per_rank:
+        for m in messages:
+            key = (m.get("kind"), m.get("text"))
+            if key not in seen:
+                seen.add(key)
+                out.append(m)
+    return out
+
+
+def _max(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
 
 
 def _min(values) -> float | None:

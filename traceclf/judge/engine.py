@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from traceclf.judge import ceiling
+from traceclf.judge.hostverdict import capture_context, capture_options, distortions, top_context
 from traceclf.judge.vocabulary import load_rules
 from traceclf.rulebook.entries import WALLS, Fix, GpuFamily, Rule, Scoring
 from traceclf.rulebook.expr import Expr
@@ -41,6 +42,11 @@ def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
     scores = {w: _combine(h.score for h in hits if h.rule.wall == w) for w in WALLS}
     bound = _bound(scores, rs.scoring)
     confidence = _confidence(bound, env, facts.get("steps") or {}, rs.scoring)
+    if distortions(rs, env):  # the capture may have changed the verdict (capture.warnings)
+        weight = rs.capture.distorted_weight
+        confidence["reliability"] = round(confidence["reliability"] * weight, 3)
+        confidence["value"] = round(confidence["explained"] * confidence["reliability"], 3)
+        confidence["capture_distortion"] = weight
     # Walls reported with evidence and fixes: the bound and any other wall that matters.
     shown = [w for w in rs.scoring.workflow if w == bound or scores[w] >= rs.scoring.meaningful]
     return Verdict(
@@ -49,6 +55,14 @@ def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
         applied=[_applied_sentence(f, env) for f in by_workflow(rs) if _is_applied(f, env)],
         next_wall=_next_wall(scores, bound, rs.scoring, env),
     )
+
+
+def capture_quality(facts: dict, rules_dir: Path | None = None) -> dict:
+    """The capture block's ``warnings`` (the capture's own distortions that hold) and
+    ``host_capture_options`` (what would attribute the idle time no host source does)."""
+    rs = load_rules(rules_dir)
+    env = build_env(facts, rs)
+    return {"warnings": distortions(rs, env), "host_capture_options": capture_options(rs, env)}
 
 
 def abstained(reason: str) -> Verdict:
@@ -114,7 +128,11 @@ def _classification(
         "bound": bound,
         "headline": rs.scoring.headline[bound].render(env),
         "confidence": confidence["value"],
-        "confidence_basis": {k: confidence[k] for k in ("explained", "reliability")},
+        "confidence_basis": {
+            k: confidence[k]
+            for k in ("explained", "reliability", "capture_distortion")
+            if k in confidence
+        },
         "scores": {w: round(scores[w], 3) for w in WALLS},
         "evidence": [e for e in evidence if e],
         "rules": [{"id": h.rule.id, "wall": h.rule.wall, "score": round(h.score, 3)} for h in hits],
@@ -164,6 +182,8 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
         "last_arriver_rank": cross.get("last_arriver_rank"),
     } | host_link(gpu, rs)
     env |= rs.thresholds
+    env |= capture_context(capture)
+    env |= top_context(facts.get("host_attribution") or [], metrics.get("step_time_ms"))
     for name, definition in rs.definitions.items():  # in order: each may use the ones before
         env[name] = definition.expr.value(env)
     return env

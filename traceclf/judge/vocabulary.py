@@ -53,6 +53,24 @@ CONTEXT_NAMES: dict[str, str] = {
     "idle_top_nvtx_frac": "the share of the step that range covers while the GPU idles",
     "link_name": "the GPU's link to host memory (hardware.yaml host_links), e.g. PCIe Gen5 x16",
     "link_gbps": "that link's bandwidth per direction in GB/s (null for an unknown GPU)",
+    "host_sources": 'capture: the host sources every rank has, e.g. ["nvtx", "cuda_api", '
+    '"osrt", "sampling", "python_sampling", "sched"]',
+    "python_process": "capture: a rank's process runs Python (its or its threads' names, or "
+    "Python samples)",
+    "capture_profiler_overhead_frac": "capture: nsys's own work in the window, the largest "
+    "share of any rank (profiler_overhead_frac)",
+    "capture_dropped_data": "capture: nsys says it dropped or lost events, cut the capture or "
+    "hit a CUPTI error (diagnostics)",
+    "capture_dropped_kinds": 'capture: which of those, e.g. "dropped, truncated"',
+    "idle_top_source": "the host source of the largest host_attribution row other than nsys's "
+    "own work, NVTX, CUDA calls and the unattributed rest (osrt, python_sampling, sched, "
+    "sampling; null: none)",
+    "idle_top_source_label": 'that source in words, e.g. "OS runtime", "Python samples"',
+    "idle_top_what": "what the launching thread was in for that row, e.g. poll, or a function",
+    "idle_top_what_frac": "that row's share of the step",
+    "idle_top_what_ms": "that row in ms per step",
+    "idle_top_what_evidence": 'its source and numbers in words, e.g. "OS runtime, 18 calls" '
+    'or "323 Python samples, 323 in data-loading code"',
 }
 
 

@@ -3,7 +3,8 @@
 One module per wall computes that wall's measures and owns their one-line definitions
 (``MEASURES``): :mod:`.budget` (step time, busy, idle, compute, communication and copies),
 :mod:`.critical_path` (what blocked compute), :mod:`.communication`, :mod:`.memory`,
-:mod:`.host` and :mod:`.compute`; :mod:`.cross_rank` holds the numbers across ranks; :mod:`.window`
+:mod:`.host` (with :mod:`.hostsources`: where idle time went, by host source) and
+:mod:`.compute`; :mod:`.cross_rank` holds the numbers across ranks; :mod:`.window`
 prepares the clipped, classified frames and the unions of GPU work they all read, and
 :mod:`.intervals` holds the interval arithmetic. What a rank hands to the cross-rank stage is
 :mod:`.handoff`. Measures return numbers; the judge (traceclf/judge) decides. ``traceclf

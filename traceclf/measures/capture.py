@@ -42,7 +42,75 @@ def capture_facts(w: RankWindow) -> dict:
         "unusable_rows": dict(getattr(trace, "unusable_rows", {}) or {}),
         "cuda_api_traced": w.host_traced,
         "nvtx_step_ranges": 0 if nvtx_steps is None else len(nvtx_steps),
+        "host_sources": list(trace.host_sources),
+        "host_notes": dict(trace.host_notes),
+        "diagnostics": diagnostics(
+            trace.diagnostics, w.taxonomy, _rank_pid(trace), trace.processes
+        ),
+        # nsys's own work on the process over the whole capture (the window's share is the
+        # measure profiler_overhead_frac): start-up, flushes, injection
+        "profiler_overhead_ms": round(Busy.of(trace.overhead).total / 1e6, 4)
+        if not trace.overhead.is_empty()
+        else 0.0,
+        "python_process": _python_process(w),
     }
+
+
+DIAGNOSTICS_SHOWN = 20  # messages that matter, at most (each text cut by the loader)
+
+
+def diagnostics(
+    messages: pl.DataFrame, taxonomy, pid: int | None, processes: pl.DataFrame
+) -> list[dict]:
+    """nsys's warnings and errors that matter (the taxonomy's ``diagnostics`` kinds: dropped
+    or lost data, a cut capture, CUPTI errors, what could not be collected), of the rank's
+    process ``pid`` or of the capture as a whole (no traced process: the daemon, the
+    analysis), each once; every error is kept (kind "error" when no entry names it)."""
+    if messages.is_empty() or not {"severity", "text", "pid"} <= set(messages.columns):
+        return []
+    others = processes["pid"].filter(processes["pid"] != pid) if pid is not None else None
+    mine = pl.lit(True) if others is None else ~pl.col("pid").is_in(others.implode())
+    kept = (
+        messages.filter(pl.col("severity").is_in(["warning", "error"]) & mine.fill_null(True))
+        .with_columns(kind=taxonomy.diagnostic_kind("text"))
+        .with_columns(
+            kind=pl.when(pl.col("kind").is_null() & (pl.col("severity") == "error"))
+            .then(pl.lit("error"))
+            .otherwise("kind")
+        )
+        .filter(pl.col("kind").is_not_null())
+        .unique(["kind", "text"], keep="first", maintain_order=True)
+        .head(DIAGNOSTICS_SHOWN)
+    )
+    return [
+        {"severity": r["severity"], "source": r["source"], "kind": r["kind"], "text": r["text"]}
+        for r in kept.iter_rows(named=True)
+    ]
+
+
+def _rank_pid(trace) -> int | None:
+    pids = trace.rank_pids
+    return pids[0] if len(pids) == 1 else None
+
+
+def _python_process(w: RankWindow) -> bool:
+    """Whether the rank's process runs Python: its name or one of its threads' (a process
+    started through ``env`` keeps its main thread's "python3"), or nsys's Python samples."""
+    trace, pid = w.trace, _rank_pid(w.trace)
+    processes, threads = trace.processes, trace.threads
+    if pid is not None:
+        processes = processes.filter(pl.col("pid") == pid)
+        threads = threads.filter(pl.col("pid") == pid) if not threads.is_empty() else threads
+    names = pl.concat(
+        [
+            processes["process_name"].cast(pl.String),
+            threads["thread_name"].cast(pl.String)
+            if not threads.is_empty()
+            else pl.Series([], dtype=pl.String),
+        ]
+    ).drop_nulls()
+    pattern = w.taxonomy.host_frames["python_process"]
+    return bool(names.str.contains(pattern).any()) or not trace.py_frames.is_empty()
 
 
 def _gpu_work_ns(w: RankWindow) -> int:

@@ -36,6 +36,8 @@ class RankMeasures:
     kernel_summary: list[dict] = field(default_factory=list)  # like nsys cuda_gpu_kern_sum
     # per kernel time per step and the step's account, for compare (measures/step_kernels.py)
     step_kernels: dict = field(default_factory=dict)
+    # where the GPU's idle time went on the host, by source (measures/hostsources.py)
+    host_attribution: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import polars as pl
 
 from traceclf.measures import intervals
 from traceclf.measures.handoff import IDLE_CAUSES
+from traceclf.measures.hostframes import loading_gaps
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import matches
 
@@ -24,8 +25,9 @@ MEASURES: dict[str, str] = {
     "idle_sync_frac": "idle time right after a synchronising call returned, or filled by "
     "cudaMalloc/cudaFree (which synchronise the device) (sync-bound)",
     "idle_input_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them and evidence "
-    "of data loading: an NVTX data range over the gap, or the gap ends with a host->device copy "
-    "of >= 1 MiB (the next batch) (input-bound)",
+    "of data loading: an NVTX data range over the gap, the gap ends with a host->device copy "
+    "of >= 1 MiB (the next batch), or the launching thread's samples in the gap show "
+    "data-loading frames (input-bound)",
     "idle_host_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them and no "
     "evidence of data loading: the host is busy elsewhere (see idle_nvtx for what NVTX says)",
     "idle_host_nvtx_frac": "the part of idle_input_frac + idle_host_frac that an NVTX range "
@@ -133,7 +135,13 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     )
     del dur, flushed
     gaps = _attribute_nvtx(gaps, w)
-    data = (pl.col("activity") == "data").fill_null(False) | pl.col("batch_copy")
+    # the launching thread's samples in a long gap showing data loading (hostframes.py)
+    long = np.flatnonzero(gaps["long"].to_numpy())
+    loading = np.zeros(gaps.height, bool)
+    loading[long] = loading_gaps(w, gstart[long], gend[long])
+    data = (
+        (pl.col("activity") == "data").fill_null(False) | pl.col("batch_copy") | pl.Series(loading)
+    )
     return gaps.with_columns(
         cause=pl.when(pl.col("profiler_flush"))
         .then(pl.lit("other", CAUSE))  # a profiler flush, not the host's doing
@@ -204,42 +212,9 @@ def _after_sync(
 def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     """For each long gap: the innermost NVTX range of the process that covers at least half
     of it (``nvtx``, its ``activity`` from the taxonomy, the ns it covers), and whether the gap
-    ends with a big host->device copy (``batch_copy``: the next batch going in).
-
-    Step ranges and forward/backward/optimizer phases are skipped: that the host is "in step
-    7" says nothing about what it is doing."""
-    nvtx, tax = w.taxonomy.nvtx, w.taxonomy
-    generic = "|".join(f"(?:{nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
-    step_names = w.steps.table["name"].unique().implode()
-    nvtx_ranges = w.trace.nvtx
-    ranges = nvtx_ranges.filter(
-        ~pl.col("text").is_in(step_names) & ~matches(nvtx_ranges["text"], generic)
-    ).select("text", r_start="start", r_end="end")
+    ends with a big host->device copy (``batch_copy``: the next batch going in)."""
     long = gaps.filter("long").select("start", "end", "dur")
-    best = pl.DataFrame(
-        schema={"start": pl.Int64, "nvtx": pl.String, "nvtx_ns": pl.Int64, "activity": pl.String}
-    )
-    if not long.is_empty() and not ranges.is_empty():
-        cover = (
-            long.join_where(
-                ranges, pl.col("r_start") < pl.col("end"), pl.col("r_end") > pl.col("start")
-            )
-            .with_columns(
-                nvtx_ns=pl.min_horizontal("end", "r_end") - pl.max_horizontal("start", "r_start")
-            )
-            .filter(pl.col("nvtx_ns") * 2 >= pl.col("dur"))
-            .with_columns(activity=tax.host_activity())
-        )
-        # innermost = latest start; its activity, or the nearest enclosing range's that has one
-        best = (
-            cover.sort("r_start", descending=True)
-            .group_by("start", maintain_order=True)
-            .agg(
-                nvtx=pl.col("text").first(),
-                nvtx_ns=pl.col("nvtx_ns").first(),
-                activity=pl.col("activity").drop_nulls().first(),
-            )
-        )
+    best = nvtx_cover(long, w).drop("r_start", "r_end")
     # the capture's copies, not the window's: the last gap ends where the next step's copy
     # starts, which is the window's end
     batch = w.trace.copies.filter(
@@ -259,6 +234,55 @@ def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
         *named.values(),
         nvtx_ns=nvtx_ns,
         batch_copy=pl.col("long") & pl.col("end").is_in(batch.implode()),
+    )
+
+
+def nvtx_cover(long: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
+    """Per gap of ``long`` (start, end, dur) that one covers: the innermost NVTX range of the
+    process that covers at least half of it (``nvtx``, ``nvtx_ns`` it covers, ``activity``
+    from the taxonomy or the nearest enclosing range's, and its ``r_start``, ``r_end``).
+
+    Step ranges and forward/backward/optimizer phases are skipped: that the host is "in step
+    7" says nothing about what it is doing."""
+    nvtx, tax = w.taxonomy.nvtx, w.taxonomy
+    generic = "|".join(f"(?:{nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
+    step_names = w.steps.table["name"].unique().implode()
+    nvtx_ranges = w.trace.nvtx
+    ranges = nvtx_ranges.filter(
+        ~pl.col("text").is_in(step_names) & ~matches(nvtx_ranges["text"], generic)
+    ).select("text", r_start="start", r_end="end")
+    schema = {
+        "start": pl.Int64,
+        "nvtx": pl.String,
+        "nvtx_ns": pl.Int64,
+        "activity": pl.String,
+        "r_start": pl.Int64,
+        "r_end": pl.Int64,
+    }
+    if long.is_empty() or ranges.is_empty():
+        return pl.DataFrame(schema=schema)
+    cover = (
+        long.join_where(
+            ranges, pl.col("r_start") < pl.col("end"), pl.col("r_end") > pl.col("start")
+        )
+        .with_columns(
+            nvtx_ns=pl.min_horizontal("end", "r_end") - pl.max_horizontal("start", "r_start")
+        )
+        .filter(pl.col("nvtx_ns") * 2 >= pl.col("dur"))
+        .with_columns(activity=tax.host_activity())
+    )
+    # innermost = latest start; its activity, or the nearest enclosing range's that has one
+    return (
+        cover.sort("r_start", descending=True)
+        .group_by("start", maintain_order=True)
+        .agg(
+            nvtx=pl.col("text").first(),
+            nvtx_ns=pl.col("nvtx_ns").first(),
+            activity=pl.col("activity").drop_nulls().first(),
+            r_start=pl.col("r_start").first(),
+            r_end=pl.col("r_end").first(),
+        )
+        .select(pl.col(c).cast(t) for c, t in schema.items())
     )
 
 

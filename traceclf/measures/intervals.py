@@ -159,6 +159,76 @@ def covered_by_runs(
     return prefix(ends) - prefix(starts)
 
 
+Pieces = tuple[np.ndarray, np.ndarray, np.ndarray]  # disjoint sorted [start, end), owner
+
+
+def claim(
+    pieces: Pieces, lo: np.ndarray, hi: np.ndarray, label: np.ndarray | None = None
+) -> tuple[Pieces, np.ndarray, Pieces]:
+    """Split ``pieces`` (disjoint, sorted; each with an owner, e.g. the idle gap it is part of)
+    by the intervals [lo, hi) (any order, may overlap): the parts they cover, the ``label`` of
+    the interval covering each part (of several, the one reaching furthest; None: no labels),
+    and the parts they do not cover, as pieces with their owners, in order.
+
+    Only the pieces the intervals touch are cut, over the sorted boundaries of both: a few
+    calls against millions of idle gaps cost the gaps they touch, not every gap."""
+    start, end, owner = pieces
+    empty = (start[:0], end[:0], owner[:0])
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    cover_lo, cover_hi = union_sorted(lo, hi)
+    if not len(start) or not len(cover_lo):
+        return empty, np.empty(0, np.int64), pieces
+    touched = covered_by_runs(cover_lo, cover_hi, start, end) > 0
+    # with labels, cut at every interval's bounds too: each part is then covered by the same
+    # intervals all along, so the one covering its start covers all of it
+    extra = np.concatenate([lo, hi]) if label is not None else lo[:0]
+    cut, rest = _cut((start[touched], end[touched], owner[touched]), cover_lo, cover_hi, extra)
+    if not touched.all():
+        rest = merged((start[~touched], end[~touched], owner[~touched]), rest)
+    if label is None:
+        return cut, np.empty(0, np.int64), rest
+    # the interval reaching furthest among those started by each part's start covers it
+    reach = np.maximum.accumulate(hi)
+    furthest = np.maximum.accumulate(np.where(hi == reach, np.arange(len(hi)), 0))
+    at = np.searchsorted(lo, cut[0], side="right") - 1
+    return cut, label[order][furthest[at]], rest
+
+
+def _cut(
+    pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray, extra: np.ndarray
+) -> tuple[Pieces, Pieces]:
+    """The parts of ``pieces`` inside the disjoint sorted runs and outside them, cut at the
+    ``extra`` bounds as well."""
+    start, end, owner = pieces
+    if not len(start):
+        return pieces, pieces
+    bounds = _distinct(np.concatenate([start, end, cover_lo, cover_hi, extra]))
+    a, b = bounds[:-1], bounds[1:]
+    i = np.searchsorted(start, a, side="right") - 1
+    in_piece = (i >= 0) & (a < end[np.maximum(i, 0)])
+    j = np.searchsorted(cover_lo, a, side="right") - 1
+    in_cover = (j >= 0) & (a < cover_hi[np.maximum(j, 0)])
+    own = owner[np.maximum(i, 0)]
+    inside, outside = in_piece & in_cover, in_piece & ~in_cover
+    return (a[inside], b[inside], own[inside]), (a[outside], b[outside], own[outside])
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values (np.unique hashes int64 in numpy 2, slower than a sort)."""
+    values = np.sort(values)
+    keep = np.ones(len(values), bool)
+    keep[1:] = values[1:] != values[:-1]
+    return values[keep]
+
+
+def merged(a: Pieces, b: Pieces) -> Pieces:
+    """Two sets of disjoint sorted pieces, disjoint from each other, as one in order."""
+    joined = [np.concatenate([x, y]) for x, y in zip(a, b, strict=True)]
+    order = np.argsort(joined[0], kind="stable")
+    return joined[0][order], joined[1][order], joined[2][order]
+
+
 def _disjoint(starts: np.ndarray, ends: np.ndarray) -> bool:
     """Whether the intervals are in order and none overlaps the next (idle gaps)."""
     return bool(np.all(ends >= starts)) and bool(np.all(starts[1:] >= ends[:-1]))

@@ -13,6 +13,7 @@ from traceclf.measures import (
     compute,
     critical_path,
     host,
+    hostsources,
     memory,
     phases,
     series,
@@ -30,6 +31,7 @@ MEASURES: dict[str, str] = (
     | communication.MEASURES
     | memory.MEASURES
     | host.MEASURES
+    | hostsources.MEASURES
     | compute.MEASURES
 )
 
@@ -51,6 +53,8 @@ def measure_rank(
     m |= host.calls(w)
     gaps = host.idle_gaps(w)
     m |= host.idle(gaps, w)
+    attribution = hostsources.attribute(w, gaps)
+    m |= attribution.measures
     mix, mix_source = compute.kernel_mix(w)
     m |= mix
     m["recompute_frac"] = memory.recompute_frac(w)
@@ -79,6 +83,7 @@ def measure_rank(
         ),
         kernel_summary=compute.kernel_summary(w),
         step_kernels=step_kernels.step_kernels(w, gaps, breakdown),
+        host_attribution=attribution.rows,
     )
 
 

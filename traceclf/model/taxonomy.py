@@ -72,6 +72,15 @@ class Taxonomy(TaxonomyTables):
         """What an NVTX range says the host was doing (compile, data, ...; null: unknown)."""
         return first_match(col, self.host_activities, None)
 
+    def osrt_class(self, col: str = "name") -> pl.Expr:
+        """What an OS runtime call does to its thread (io, poll, lock, sleep, ...; "other")."""
+        return first_match(col, self.osrt_calls, "other")
+
+    def diagnostic_kind(self, col: str = "text") -> pl.Expr:
+        """Which kind of trouble an nsys diagnostic message reports (dropped, cupti_error,
+        truncated, ...; null: none that matters)."""
+        return first_match(col, self.diagnostics, None)
+
     def is_api(self, kind: str, col: str = "name") -> pl.Expr:
         """Whether a CUDA call is of ``kind`` (a key of ``cuda_api``: sync, launch, alloc...)."""
         import polars as pl

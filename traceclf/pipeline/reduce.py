@@ -29,7 +29,8 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
     capture supports, then classify — or abstain (docs/judgement.md)."""
     from traceclf.judge.abstention import abstain_reason, capture_block, rank_capture
     from traceclf.judge.ceiling import combined
-    from traceclf.judge.engine import abstained, evaluate
+    from traceclf.judge.engine import abstained, capture_quality, evaluate
+    from traceclf.judge.hostverdict import job_attribution
     from traceclf.judge.straggler import Limits, cross_rank_block
     from traceclf.judge.vocabulary import load_rules
 
@@ -50,6 +51,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
             "idle_nvtx": r.measures.idle_nvtx,
             "phases": r.measures.phases,
             "step_kernels": r.measures.step_kernels,
+            "host_attribution": r.measures.host_attribution,
             "capture": rank_capture(r.measures.capture, thresholds),
         }
         for i, r in enumerate(ranks)
@@ -96,7 +98,9 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
         "capture": capture,
         "steps": steps,
         "idle_nvtx": _top_idle_nvtx(ranks),
+        "host_attribution": job_attribution([r.measures.host_attribution for r in ranks]),
     }
+    capture |= capture_quality(facts, rules_dir)
     reason = abstain_reason(capture, ranks, thresholds)
     verdict = abstained(reason) if reason else evaluate(facts, rules_dir)
     return Report(
@@ -120,6 +124,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
         metrics=metrics,
         cross_rank=cross,
         comm_by_kind=comm_by_kind,
+        host_attribution=facts["host_attribution"],
         classification=verdict.classification,
         fixes=verdict.fixes,
         applied=verdict.applied,

@@ -33,6 +33,7 @@ ORDER = (
     "metrics",
     "cross_rank",
     "comm_by_kind",
+    "host_attribution",
     "ranks",
     "series",
 )
@@ -52,6 +53,8 @@ class Report:
     capture: dict = field(default_factory=dict)
     cross_rank: dict = field(default_factory=dict)
     comm_by_kind: dict = field(default_factory=dict)
+    # where the GPU's idle time went on the host, by source, for the job (measures/hostsources)
+    host_attribution: list = field(default_factory=list)
     applied: list[str] = field(default_factory=list)
     next_wall: str | None = None
     series: list[dict] = field(default_factory=list)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from traceclf.rulebook import stamp
+from traceclf.rulebook.capturequality import CaptureQuality, parse_capture
 from traceclf.rulebook.entries import (
     Definition,
     Fix,
@@ -90,6 +91,7 @@ class RuleSet:
     names: frozenset[str] = frozenset()
     # every number that decides a verdict, a straggler, an abstention or a fix, by name
     thresholds: dict[str, int | float] = field(default_factory=dict)
+    capture: CaptureQuality = field(default_factory=CaptureQuality)
 
 
 def bundled_rules_dir() -> Path:
@@ -222,6 +224,7 @@ def _parse(
         host_links,
         names=known,
         thresholds=thresholds,
+        capture=parse_capture(docs, names),
     )
     _check_references(ruleset)
     return ruleset

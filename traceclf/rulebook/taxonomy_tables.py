@@ -56,6 +56,12 @@ class TaxonomyTables:
     cuda_api: dict[str, str] = field(default_factory=dict, hash=False)  # sync, launch, ...
     training: dict[str, str] = field(default_factory=dict, hash=False)  # backward_kernel, ...
     moe: dict[str, str] = field(default_factory=dict, hash=False)  # kernel, nvtx
+    # the host side beyond CUDA calls (rules/hostside.yaml): OS runtime call classes, nsys's
+    # diagnostic messages that matter, frame patterns, and the attribution's thresholds
+    osrt_calls: Table = ()
+    diagnostics: Table = ()
+    host_frames: dict[str, str] = field(default_factory=dict, hash=False)
+    host_attribution: dict[str, float] = field(default_factory=dict, hash=False)
 
 
 MAX_PATTERN_CHARS = 2000
@@ -66,15 +72,22 @@ LISTS = {
     "comm_kinds": "kind",
     "nvtx_collectives": "kind",
     "host_activities": "activity",
+    "osrt_calls": "call_class",
+    "diagnostics": "kind",
 }
 # optional extra fields of list entries
 EXTRA_FIELDS = {"nvtx_collectives": ("domain", "source")}
 # single-pattern maps and the names each must define
 PATTERN_MAPS = {
     "nvtx": ("step", "forward", "backward", "optimizer"),
-    "cuda_api": ("sync", "launch", "alloc", "graph_launch"),
+    "cuda_api": ("sync", "launch", "alloc", "graph_launch", "module", "jit"),
     "training": ("backward_kernel", "autograd_thread", "backward_nvtx", "framework_kernel"),
     "moe": ("kernel", "nvtx"),
+    "host_frames": ("system_module", "python_library", "data_loading", "python_process"),
+}
+# maps of numbers and the names each must define: (lowest, highest) allowed
+NUMBER_MAPS = {
+    "host_attribution": {"min_samples": (1, 1e6), "data_loading_share": (0, 1)},
 }
 
 
@@ -83,6 +96,7 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
     lists: dict[str, list[tuple[Any, ...]]] = {key: [] for key in LISTS}
     families: list[FamilyPattern] = []
     maps: dict[str, dict[str, str]] = {key: {} for key in PATTERN_MAPS}
+    numbers: dict[str, dict[str, float]] = {key: {} for key in NUMBER_MAPS}
     fp8 = ""
     for files in layers:
         layer_lists: dict[str, list[tuple[Any, ...]]] = {key: [] for key in LISTS}
@@ -93,7 +107,7 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
                 continue
             if not isinstance(raw, dict):
                 raise TraceError(path, "taxonomy: must be a mapping")
-            unknown = set(raw) - {*LISTS, "families", *PATTERN_MAPS, "fp8_gemm"}
+            unknown = set(raw) - {*LISTS, "families", *PATTERN_MAPS, *NUMBER_MAPS, "fp8_gemm"}
             if unknown:
                 raise TraceError(path, f"taxonomy: unknown key {sorted(map(str, unknown))[0]!r}")
             layer_families += _families(raw.get("families"), path)
@@ -101,6 +115,8 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
                 layer_lists[key] += _entries(raw.get(key), key, label, path)
             for key in PATTERN_MAPS:
                 maps[key] |= _patterns(raw.get(key), key, path)
+            for key in NUMBER_MAPS:
+                numbers[key] |= _numbers(raw.get(key), key, path)
             if raw.get("fp8_gemm") is not None:
                 fp8 = _pattern(raw["fp8_gemm"], "taxonomy: fp8_gemm", path)
         if stamp.CHECKING.get():  # (a stamped rule set: checked when it was stamped)
@@ -109,6 +125,9 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
             lists[key] = layer_lists[key] + lists[key]
         families = layer_families + families
     missing = [f"{m}.{n}" for m, names in PATTERN_MAPS.items() for n in names if n not in maps[m]]
+    missing += [
+        f"{m}.{n}" for m, names in NUMBER_MAPS.items() for n in names if n not in numbers[m]
+    ]
     if missing or not fp8:
         what = missing[0] if missing else "fp8_gemm"
         raise TraceError(None, f"taxonomy: missing {what!r} in the rule files")
@@ -126,6 +145,10 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
         cuda_api=maps["cuda_api"],
         training=maps["training"],
         moe=maps["moe"],
+        osrt_calls=tuple((e[0], e[1]) for e in lists["osrt_calls"]),
+        diagnostics=tuple((e[0], e[1]) for e in lists["diagnostics"]),
+        host_frames=maps["host_frames"],
+        host_attribution=numbers["host_attribution"],
     )
 
 
@@ -226,6 +249,24 @@ def _patterns(raw: Any, key: str, path: Path) -> dict[str, str]:
         if name not in known:
             raise TraceError(path, f"taxonomy: {key}: unknown name {name!r} ({', '.join(known)})")
         out[name] = _pattern(pattern, f"taxonomy: {key}.{name}", path)
+    return out
+
+
+def _numbers(raw: Any, key: str, path: Path) -> dict[str, float]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise TraceError(path, f"taxonomy: {key} must be a mapping of name: number")
+    known = NUMBER_MAPS[key]
+    out = {}
+    for name, value in raw.items():
+        if name not in known:
+            raise TraceError(path, f"taxonomy: {key}: unknown name {name!r} ({', '.join(known)})")
+        lo, hi = known[name]
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok or not lo <= value <= hi:
+            raise TraceError(path, f"taxonomy: {key}.{name} must be a number from {lo:g} to {hi:g}")
+        out[name] = float(value)
     return out
 
 

@@ -40,6 +40,7 @@ _TOP_KEYS = (
     "scoring",
     "taxonomy",
     "thresholds",
+    "capture",
 )
 
 

@@ -1,0 +1,469 @@
+"""Where the GPU's idle time went on the host, from every source the capture holds
+(docs/judgement.md, "What the host was doing"; the report's ``host_attribution``).
+
+Every ns of every idle gap of the window goes to one source, the first in this order that
+accounts for it, so nothing is counted twice:
+
+1. ``profiler``: nsys's own work on the process (``PROFILER_OVERHEAD``);
+2. ``nvtx``: the NVTX range that covers at least half of a long gap (as ``idle_nvtx``);
+3. ``cuda_api``: a CUDA call of the process, by class (module loading, JIT compilation,
+   allocator, synchronisation, launch, other);
+4. ``osrt``: an OS runtime call of the gap's launching thread (the thread whose call launched
+   the work that ends the gap), by call name;
+5. ``python_sampling``: what is left of the gaps of one idle cause on one launching thread,
+   split by its Python samples there (nsys samples Python at wall-clock intervals, blocked or
+   not), by top user frame;
+6. ``sched``: the launching thread not running (scheduled out);
+7. ``sampling``: what is left, split by the thread's CPU samples there (taken only while it
+   runs), by top user frame;
+8. ``unattributed``: the rest.
+
+Samples estimate: a pool of time split in proportion to the samples that fall in it, and only
+from ``host_attribution.min_samples`` samples on (rules/hostside.yaml).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from traceclf.measures import intervals
+from traceclf.measures.handoff import IDLE_CAUSES
+from traceclf.measures.host import NVTX_COUNTERS, nvtx_cover
+from traceclf.measures.hostframes import (
+    NO_USER_FRAME,
+    cpu_samples,
+    launching_threads,
+    native_stacks,
+    python_samples,
+    samples_in,
+)
+from traceclf.measures.window import RankWindow
+from traceclf.model.taxonomy import by_name
+
+MEASURES: dict[str, str] = {
+    "profiler_overhead_frac": "nsys's own work on the process (PROFILER_OVERHEAD: CUPTI buffer "
+    "flushes, injection) in the window, whatever the GPU does meanwhile (null without the "
+    "table)",
+    "idle_unattributed_frac": "idle time that no host source of the capture accounts for "
+    "(host_attribution's unattributed row)",
+    "idle_host_sources_frac": "the part of idle_host_frac that OS runtime calls, samples or "
+    "scheduling of the launching thread account for (host_attribution)",
+}
+SOURCES = (
+    "profiler",
+    "nvtx",
+    "cuda_api",
+    "osrt",
+    "python_sampling",
+    "sched",
+    "sampling",
+    "unattributed",
+)
+# CUDA call classes, the first that a call is of wins (taxonomy cuda_api patterns)
+CUDA_CLASSES = (
+    ("module", "module loading"),
+    ("jit", "JIT compilation"),
+    ("alloc", "allocator"),
+    ("sync", "synchronisation"),
+    ("launch", "launch"),
+)
+PER_SOURCE = 5  # "what" rows per source; the rest are summed as "other"
+NATIVE_TOP = 3  # hottest native functions named beside Python frames
+
+
+@dataclass
+class _Claims:
+    """Idle time claimed so far, as (gap, ns) parts per (source, what), and the pieces of the
+    gaps still to claim (disjoint, sorted, each with its gap)."""
+
+    pieces: intervals.Pieces
+    parts: list[pl.DataFrame] = field(default_factory=list)
+
+    def take(
+        self,
+        source: str,
+        what: str | list[str],
+        lo: np.ndarray,
+        hi: np.ndarray,
+        label: np.ndarray | None = None,
+    ) -> set[str]:
+        """Claim the remaining time that [lo, hi) covers, for ``what`` (one name, or with
+        ``label`` the name ``what[label[i]]`` of each interval); the names that got any."""
+        if not len(lo) or not len(self.pieces[0]):
+            return set()
+        cut, labels, self.pieces = intervals.claim(self.pieces, lo, hi, label)
+        if not len(cut[0]):
+            return set()
+        names = np.asarray([what] if label is None else what, dtype=object)
+        whats = names[labels] if label is not None else np.full(len(cut[0]), what, dtype=object)
+        self.parts.append(
+            pl.DataFrame(
+                {
+                    "gap": cut[2].astype(np.int64),
+                    "ns": (cut[1] - cut[0]).astype(np.int64),
+                    "what": pl.Series(whats, dtype=pl.String),
+                }
+            ).with_columns(source=pl.lit(source))
+        )
+        return set(whats.tolist())
+
+    def record(self, source: str, what: str, gap: np.ndarray, ns: np.ndarray) -> None:
+        self.parts.append(
+            pl.DataFrame({"gap": gap.astype(np.int64), "ns": ns.astype(np.int64)}).with_columns(
+                what=pl.lit(what), source=pl.lit(source)
+            )
+        )
+
+    def split(self, keep: np.ndarray) -> _Claims:
+        """The pieces ``keep`` selects (the gaps of one thread), taken out to claim from on
+        their own; :meth:`join` puts back what they leave."""
+        start, end, owner = self.pieces
+        self.pieces = (start[~keep], end[~keep], owner[~keep])
+        return _Claims((start[keep], end[keep], owner[keep]))
+
+    def join(self, part: _Claims) -> None:
+        self.parts += part.parts
+        self.pieces = intervals.merged(self.pieces, part.pieces)
+
+
+@dataclass
+class HostAttribution:
+    """The rank's ``host_attribution`` rows and the measures read from them."""
+
+    rows: list[dict]
+    measures: dict[str, float | None]
+
+
+def attribute(w: RankWindow, gaps: pl.DataFrame) -> HostAttribution:
+    """The host attribution of the window's idle ``gaps`` (:func:`host.idle_gaps`)."""
+    wall, steps = w.wall, w.n_steps
+    # (unknown, not zero, when the export has no PROFILER_OVERHEAD table)
+    recorded = "PROFILER_OVERHEAD" in w.trace.tables and wall
+    overhead = {"profiler_overhead_frac": w.layers.profiler.total / wall if recorded else None}
+    idle_ns = int(gaps["dur"].sum()) if gaps.height else 0
+    if not idle_ns:
+        return HostAttribution(
+            [], overhead | {"idle_unattributed_frac": 0.0, "idle_host_sources_frac": 0.0}
+        )
+    gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
+    threads = launching_threads(w, gstart, gend)
+    cause = gaps["cause"].to_physical().to_numpy()
+    claims = _Claims((gstart.copy(), gend.copy(), np.arange(len(gstart))))
+    details: dict[tuple[str, str], dict] = {}
+
+    _profiler(w, claims)
+    _nvtx(w, gaps, claims, details)
+    _cuda_api(w, claims, details)
+    _osrt(w, threads, claims, details)
+    _sampled(w, "python_sampling", threads, cause, claims, details)
+    _sched(w, threads, claims)
+    _sampled(w, "sampling", threads, cause, claims, details)
+    start, end, owner = claims.pieces
+    claims.record("unattributed", "unattributed", owner, end - start)
+
+    claimed = pl.concat(claims.parts).filter(pl.col("ns") > 0)
+    causes = pl.Series("cause", np.asarray(IDLE_CAUSES)[cause])
+    claimed = claimed.with_columns(cause=causes.gather(claimed["gap"]))
+    host_gaps = claimed.filter(pl.col("cause") == "host")
+    from_sources = host_gaps.filter(
+        pl.col("source").is_in(["osrt", "python_sampling", "sched", "sampling"])
+    )["ns"].sum()
+    unattributed = claimed.filter(pl.col("source") == "unattributed")["ns"].sum()
+    return HostAttribution(
+        _rows(claimed, details, idle_ns, steps),
+        overhead
+        | {
+            "idle_unattributed_frac": unattributed / wall,
+            "idle_host_sources_frac": from_sources / wall,
+        },
+    )
+
+
+def _profiler(w: RankWindow, claims: _Claims) -> None:
+    overhead = w.trace.overhead
+    if overhead.is_empty() or not {"start", "end", "name"} <= set(overhead.columns):
+        return
+    names = overhead["name"].cast(pl.String).fill_null("nsys overhead")
+    whats, label = np.unique(names.to_numpy().astype(str), return_inverse=True)
+    claims.take("profiler", whats.tolist(), *_arrays(overhead), label=label)
+
+
+def _nvtx(w: RankWindow, gaps: pl.DataFrame, claims: _Claims, details: dict) -> None:
+    long = gaps.filter(pl.col("nvtx").is_not_null()).select("start", "end", "dur")
+    cover = nvtx_cover(long, w)
+    if cover.is_empty():
+        return
+    cover = cover.join(long, on="start").with_columns(
+        what=pl.col("nvtx").str.replace_all(NVTX_COUNTERS, "").str.strip_chars(" ,")
+    )
+    lo = np.maximum(cover["start"].to_numpy(), cover["r_start"].to_numpy())
+    hi = np.minimum(cover["end"].to_numpy(), cover["r_end"].to_numpy())
+    whats, label = np.unique(cover["what"].to_numpy().astype(str), return_inverse=True)
+    claims.take("nvtx", whats.tolist(), lo, hi, label=label)
+    for (what,), rows in cover.group_by("what"):
+        details[("nvtx", str(what))] = {"gaps": rows.height, "activity": rows["activity"][0]}
+
+
+def _cuda_api(w: RankWindow, claims: _Claims, details: dict) -> None:
+    calls = w.api
+    if calls.is_empty():
+        return
+    tax = w.taxonomy
+    kind = pl.lit("other CUDA call")
+    # from the last class to the first, so that the first a call is of is what stays
+    for key, label in reversed(CUDA_CLASSES):
+        kind = pl.when(pl.col(key).fill_null(False)).then(pl.lit(label)).otherwise(kind)
+    # (the patterns run once per distinct name, not once per call)
+    names = (
+        calls.select("name")
+        .unique()
+        .with_columns(**{key: tax.is_api(key) for key, _ in CUDA_CLASSES})
+        .with_columns(kind=kind)
+        .select("name", "kind")
+    )
+    kinds = by_name(calls.select("start", "end", "name"), names)
+    start, end = claims.pieces[0], claims.pieces[1]
+    for label in [label for _, label in CUDA_CLASSES] + ["other CUDA call"]:
+        rows = kinds.filter(pl.col("kind") == label)
+        if rows.is_empty() or not claims.take("cuda_api", label, *_arrays(rows)):
+            continue
+        touching = rows.filter(_overlaps(start, end))
+        top = touching["name"].cast(pl.String).mode().sort().first() if touching.height else None
+        details[("cuda_api", label)] = {"calls": touching.height, "top_call": top}
+
+
+def _osrt(w: RankWindow, threads: np.ndarray, claims: _Claims, details: dict) -> None:
+    calls = w.trace.osrt
+    if calls.is_empty():
+        return
+    tax = w.taxonomy
+    stacks = native_stacks(w.trace.callchains, "osrt", tax)
+    calls = calls.join(stacks, left_on="callchain_id", right_on="id", how="left")
+    classes = (
+        calls.select("name")
+        .unique()
+        .with_columns(call_class=tax.osrt_class())
+        .select(pl.col("name").cast(pl.String), "call_class")
+    )
+    for tid in np.unique(threads):
+        mine = calls.filter(pl.col("global_tid") == int(tid))
+        if mine.is_empty():
+            continue
+        part = claims.split(threads[claims.pieces[2]] == tid)
+        start, end = part.pieces[0], part.pieces[1]
+        names = mine["name"].cast(pl.String).fill_null("?")
+        whats, codes = np.unique(names.to_numpy().astype(str), return_inverse=True)
+        taken = part.take("osrt", whats.tolist(), *_arrays(mine), label=codes)
+        claims.join(part)
+        for label in sorted(taken):
+            rows = mine.filter(names == label)
+            touching = rows.filter(_overlaps(start, end))
+            entry = details.setdefault(
+                ("osrt", label),
+                {
+                    "calls": 0,
+                    "call_class": classes.filter(pl.col("name") == label)["call_class"].first(),
+                    "top_frame": None,
+                },
+            )
+            entry["calls"] += touching.height
+            frames = touching["what"].drop_nulls()
+            if frames.len() and entry["top_frame"] is None:
+                entry["top_frame"] = frames.mode().sort().first()
+
+
+def _sampled(
+    w: RankWindow,
+    source: str,
+    threads: np.ndarray,
+    cause: np.ndarray,
+    claims: _Claims,
+    details: dict,
+) -> None:
+    """Split what is left of the gaps of each (launching thread, idle cause) among the
+    thread's samples that fall in it, by their top user frame."""
+    trace, tax = w.trace, w.taxonomy
+    if source == "python_sampling":
+        sampled = python_samples(trace.py_frames, tax)
+    else:
+        sampled = cpu_samples(trace.samples, trace.callchains, tax).with_columns(
+            leaf=pl.lit(None, pl.String)
+        )
+    start, end, owner = claims.pieces
+    if sampled.is_empty() or not len(start):
+        return
+    at = samples_in(sampled["start"].to_numpy(), start, end)
+    gap = np.where(at >= 0, owner[np.maximum(at, 0)], -1)
+    inside = (at >= 0) & (sampled["global_tid"].to_numpy() == threads[np.maximum(gap, 0)])
+    if not inside.any():
+        return
+    key = ["thread", "cause"]
+    hits = sampled.filter(pl.Series(inside)).with_columns(
+        thread=pl.Series(threads[gap[inside]]), cause=pl.Series(cause[gap[inside]])
+    )
+    pools = (
+        hits.group_by(key)
+        .agg(n=pl.len())
+        .filter(pl.col("n") >= tax.host_attribution["min_samples"])
+    )
+    if pools.is_empty():
+        return
+    pieces = pl.DataFrame(
+        {"gap": owner, "ns": end - start, "thread": threads[owner], "cause": cause[owner]}
+    ).join(pools.with_columns(taken=pl.lit(True)), on=key, how="left", maintain_order="left")
+    taken = pieces["taken"].fill_null(False).to_numpy()
+    shares = (
+        hits.join(pools, on=key)
+        .group_by(*key, "what")
+        .agg(
+            k=pl.len(),
+            n=pl.col("n").first(),
+            loading=pl.col("data_loading").sum(),
+            leaf=pl.col("leaf").drop_nulls().mode().sort().first(),
+        )
+    )
+    # each gap's part of its pool, split by the pool's samples per top user frame
+    split = (
+        pieces.filter(pl.col("taken").fill_null(False))
+        .group_by("gap", *key)
+        .agg(pl.col("ns").sum())
+        .join(shares.select(*key, "what", "k", "n"), on=key)
+        .with_columns(ns=(pl.col("ns") * pl.col("k") / pl.col("n")).round().cast(pl.Int64))
+    )
+    for (what,), rows in split.group_by("what", maintain_order=True):
+        claims.record(source, str(what), rows["gap"].to_numpy(), rows["ns"].to_numpy())
+    summary = shares.group_by("what").agg(
+        samples=pl.col("k").sum(),
+        loading=pl.col("loading").sum(),
+        leaf=pl.col("leaf").drop_nulls().first(),
+    )
+    native = (
+        _native_beside(w, hits.join(pools, on=key), (start, end, owner), threads)
+        if source == "python_sampling"
+        else {}
+    )
+    for row in summary.iter_rows(named=True):
+        entry = {"samples": int(row["samples"]), "data_loading_samples": int(row["loading"])}
+        if row["leaf"] is not None:
+            entry["innermost_frame"] = row["leaf"]
+        if native.get(row["what"]):
+            entry["hottest_native"] = native[row["what"]]
+        details[(source, str(row["what"]))] = entry
+    claims.pieces = (start[~taken], end[~taken], owner[~taken])
+
+
+def _native_beside(
+    w: RankWindow,
+    hits: pl.DataFrame,
+    pieces: intervals.Pieces,
+    threads: np.ndarray,
+) -> dict[str, list[dict]]:
+    """Per top Python frame: the hottest native functions of the CPU samples (taken in the
+    same stretches) whose nearest Python sample on their thread is in that frame — what the
+    Python code ran underneath (numpy, a decoder, a tokenizer)."""
+    trace = w.trace
+    if trace.samples.is_empty():
+        return {}
+    native = cpu_samples(trace.samples, trace.callchains, w.taxonomy)
+    start, end, owner = pieces
+    at = samples_in(native["start"].to_numpy(), start, end)
+    gap = np.where(at >= 0, owner[np.maximum(at, 0)], -1)
+    inside = (at >= 0) & (native["global_tid"].to_numpy() == threads[np.maximum(gap, 0)])
+    if not inside.any():
+        return {}
+    python = hits.select("start", "global_tid", python_what="what").sort("start")
+    near = (
+        native.filter(pl.Series(inside))
+        .sort("start")
+        .filter(pl.col("what") != NO_USER_FRAME)
+        .join_asof(python, on="start", by="global_tid", strategy="nearest", check_sortedness=False)
+        .drop_nulls("python_what")
+        .group_by("python_what", "what")
+        .agg(samples=pl.len())
+        .sort(["samples", "what"], descending=[True, False])
+        .group_by("python_what", maintain_order=True)
+        .head(NATIVE_TOP)
+    )
+    out: dict[str, list[dict]] = {}
+    for row in near.iter_rows(named=True):
+        out.setdefault(row["python_what"], []).append(
+            {"frame": row["what"], "samples": int(row["samples"])}
+        )
+    return out
+
+
+def _sched(w: RankWindow, threads: np.ndarray, claims: _Claims) -> None:
+    """The launching thread scheduled out: from each switch-out to the thread's next
+    switch-in (a switch-in with no switch-out read before it says nothing of when it left)."""
+    sched = w.trace.sched
+    if sched.is_empty():
+        return
+    out = (
+        sched.sort("global_tid", "start")
+        .with_columns(
+            end=pl.col("start").shift(-1).over("global_tid"),
+            back_in=pl.col("running").shift(-1).over("global_tid"),
+        )
+        .filter(~pl.col("running") & pl.col("back_in").fill_null(False))
+        .with_columns(
+            what=pl.concat_str(
+                pl.lit("thread not running ("), pl.col("block").cast(pl.String), pl.lit(")")
+            ).fill_null("thread not running")
+        )
+    )
+    for tid in np.unique(threads):
+        mine = out.filter(pl.col("global_tid") == int(tid))
+        if mine.is_empty():
+            continue
+        part = claims.split(threads[claims.pieces[2]] == tid)
+        whats, codes = np.unique(mine["what"].to_numpy().astype(str), return_inverse=True)
+        part.take("sched", whats.tolist(), *_arrays(mine), label=codes)
+        claims.join(part)
+
+
+def _rows(claimed: pl.DataFrame, details: dict, idle_ns: int, steps: int) -> list[dict]:
+    """One row per (source, what), in the sources' order, the largest first within one; at
+    most :data:`PER_SOURCE` per source (the rest summed as "other")."""
+    totals = claimed.group_by("source", "what").agg(pl.col("ns").sum())
+    out = []
+    for source in SOURCES:
+        mine = totals.filter(pl.col("source") == source).sort(
+            ["ns", "what"], descending=[True, False]
+        )
+        shown = mine.head(PER_SOURCE)
+        rest = mine.slice(PER_SOURCE)
+        for row in shown.iter_rows(named=True):
+            out.append(_row(source, row["what"], row["ns"], idle_ns, steps, details))
+        if rest.height:
+            detail = {"whats": rest.height}
+            out.append(
+                _row(source, "other", int(rest["ns"].sum()), idle_ns, steps, {})
+                | {"detail": detail}
+            )
+    return out
+
+
+def _row(source: str, what: str, ns: int, idle_ns: int, steps: int, details: dict) -> dict:
+    return {
+        "source": source,
+        "what": what,
+        "ms_per_step": round(ns / 1e6 / steps, 4),
+        "frac_of_idle": round(ns / idle_ns, 4),
+        "detail": details.get((source, what), {}),
+    }
+
+
+def _arrays(rows: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    return rows["start"].to_numpy(), rows["end"].to_numpy()
+
+
+def _overlaps(start: np.ndarray, end: np.ndarray) -> pl.Expr:
+    """Whether a row [start, end) overlaps one of the disjoint sorted pieces [start, end)."""
+    if not len(start):
+        return pl.lit(False)
+    starts, ends = pl.lit(pl.Series(start, dtype=pl.Int64)), pl.lit(pl.Series(end, dtype=pl.Int64))
+    i = starts.search_sorted(pl.col("end"), side="left").cast(pl.Int64) - 1
+    return (i >= 0) & (ends.gather(i.clip(0)) > pl.col("start"))
