@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from traceclf.render.hostlines import host_capture_rows
 from traceclf.render.text import anchor_label, sampled
 from traceclf.report.contract import Report
 from traceclf.support.escape import visible
@@ -160,7 +161,7 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     if repaired:
         counts = ", ".join(f"{k} {v:,}" for k, v in repaired.items())
         rows.append(("Repaired strings", f"{counts} (not UTF-8: bad bytes shown as \ufffd)"))
-    return rows
+    return rows + host_capture_rows(report)
 
 
 def rank_rows(report: Report) -> list[list[str]]:

@@ -23,6 +23,14 @@ from traceclf.render.content import (
     verdict_line,
     verdict_title,
 )
+from traceclf.render.hostlines import (
+    ATTRIBUTION_COLUMNS,
+    attribution_rows,
+    attribution_shown,
+    attribution_title,
+    option_rows,
+    options_title,
+)
 from traceclf.render.markdown import config_language
 from traceclf.render.text import input_names, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
@@ -78,6 +86,7 @@ def html_body(report: Report) -> str:
             _budget(report),
             _ranks(report),
             _phases(report),
+            _host_attribution(report),
             _figures(report),
             _details(report),
             _kernels(report),
@@ -195,6 +204,22 @@ def _phases(report: Report) -> str | None:
     return f"<h2>NVTX phases</h2><p>{for_html(PHASE_NOTE)}</p>" + _table(
         PHASE_COLUMNS, rows, numeric=numeric
     )
+
+
+def _host_attribution(report: Report) -> str | None:
+    parts = []
+    if attribution_shown(report):
+        parts.append(
+            f"<p>{for_html(attribution_title(report))}</p>"
+            + _table(ATTRIBUTION_COLUMNS, attribution_rows(report), numeric={2, 3})
+        )
+    options = option_rows(report)
+    if options:
+        items = "".join(
+            f"<li><code>{for_html(o)}</code>: {for_html(why)}</li>" for o, why in options
+        )
+        parts.append(f"<p>{for_html(options_title(report))}:</p><ul>{items}</ul>")
+    return "<h2>Host attribution</h2>" + "".join(parts) if parts else None
 
 
 def _details(report: Report) -> str:

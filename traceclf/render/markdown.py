@@ -26,6 +26,14 @@ from traceclf.render.content import (
     verdict_line,
     verdict_title,
 )
+from traceclf.render.hostlines import (
+    ATTRIBUTION_COLUMNS,
+    attribution_rows,
+    attribution_shown,
+    attribution_title,
+    option_rows,
+    options_title,
+)
 from traceclf.render.text import input_names, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.report.contract import WALLS, Report
@@ -61,6 +69,7 @@ def render_markdown(report: Report, figures: dict[str, str] | None = None) -> st
         ),
         _section("Where the steady-state step goes", _ranks_table(report)),
         _phases(report),
+        _host_attribution(report),
         figures,
         _section(
             "Details",
@@ -134,6 +143,26 @@ def _phases(report: Report) -> str | None:
         return None
     align = ("right", "left", *("right",) * (len(PHASE_COLUMNS) - 2))
     return _section("NVTX phases", f"{PHASE_NOTE}\n\n" + _table(PHASE_COLUMNS, rows, align=align))
+
+
+def _host_attribution(report: Report) -> str | None:
+    parts = []
+    if attribution_shown(report):
+        parts.append(
+            f"{_md(attribution_title(report))}\n\n"
+            + _table(
+                ATTRIBUTION_COLUMNS,
+                attribution_rows(report),
+                align=("left", "left", "right", "right", "left"),
+            )
+        )
+    options = option_rows(report)
+    if options:
+        parts.append(
+            f"{_md(options_title(report))}:\n\n"
+            + "\n".join(f"- {markdown_code(o)}: {_md(why)}" for o, why in options)
+        )
+    return _section("Host attribution", "\n\n".join(parts)) if parts else None
 
 
 def _figures(figures: dict[str, str]) -> str:

@@ -26,6 +26,14 @@ from traceclf.render.content import (
     verdict_title,
 )
 from traceclf.render.fit import CodeBlock, FoldedTable, hanging, new_console, output_of
+from traceclf.render.hostlines import (
+    ATTRIBUTION_COLUMNS,
+    attribution_rows,
+    attribution_shown,
+    attribution_title,
+    option_rows,
+    options_title,
+)
 from traceclf.render.text import provenance, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.report.contract import WALLS, Report
@@ -50,6 +58,7 @@ def render_terminal(
         _budget(report),
         _ranks_table(report),
         _phases(report),
+        _host_attribution(report),
         _details(report),
         _top_kernels(report),
         _fixes(report),
@@ -152,6 +161,31 @@ def _phases(report: Report) -> Group | None:
         justify=["right", "left", *["right"] * (len(keep) - 2)],
     )
     return Group(table, for_terminal(PHASE_NOTE, "dim"))
+
+
+def _host_attribution(report: Report) -> Group | None:
+    parts: list[RenderableType] = []
+    if attribution_shown(report):
+        table = Table(title=attribution_title(report), title_justify="left", show_edge=False)
+        for col in ATTRIBUTION_COLUMNS:
+            # numbers keep their width; names and evidence wrap (a narrow terminal folds them)
+            text = col in ("what", "evidence")
+            table.add_column(
+                col,
+                justify="left" if text or col == "source" else "right",
+                no_wrap=not text,
+                overflow="fold",
+                max_width=48 if col == "what" else None,
+                ratio=1 if col == "evidence" else None,
+            )
+        for row in attribution_rows(report):
+            table.add_row(*map(for_terminal, row))
+        parts.append(table)
+    options = option_rows(report)
+    if options:
+        parts.append(Text(options_title(report), style="bold"))
+        parts.append(hanging([("•", for_terminal(f"{o}: {why}")) for o, why in options]))
+    return Group(*parts) if parts else None
 
 
 def _details(report: Report) -> Table:

@@ -10,6 +10,7 @@ what ``--export-dir`` writes as CSV or Parquet, ``--format csv`` prints (``ranks
 | ``idle_gaps`` | rank, host-side cause and gap-length bin | ``series[].idle_gaps`` |
 | ``collectives`` | rank and collective kind | ``ranks[].comm_by_kind``, ``cross_rank.comm_by_kind`` |
 | ``phases`` | rank and NVTX phase | ``ranks[].phases`` |
+| ``host_attribution`` | rank, host source and what | ``ranks[].host_attribution`` |
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Sections(Protocol):
     cross_rank: dict
 
 
-TABLES = ("steps", "ranks", "kernels", "idle_gaps", "collectives", "phases")
+TABLES = ("steps", "ranks", "kernels", "idle_gaps", "collectives", "phases", "host_attribution")
 STEP_PARTS = ("compute", "exposed_comm", "copy", "idle")
 
 
@@ -212,6 +213,30 @@ def phases_table(report: Sections) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schema)
 
 
+HOST_DETAIL = {
+    "calls": pl.Int64,
+    "samples": pl.Int64,
+    "data_loading_samples": pl.Int64,
+    "call_class": pl.String,
+    "top_frame": pl.String,
+}
+
+
+def host_attribution_table(report: Sections) -> pl.DataFrame:
+    """Per rank, host source and what the launching thread was in: the GPU-idle time it
+    accounts for (ms per step, share of idle) and its numbers (calls, samples, ...)."""
+    rows = [
+        {"rank": r["rank"], "source": h["source"], "what": h["what"]}
+        | {"ms_per_step": h["ms_per_step"], "frac_of_idle": h["frac_of_idle"]}
+        | {k: (h.get("detail") or {}).get(k) for k in HOST_DETAIL}
+        for r in report.ranks
+        for h in r.get("host_attribution") or []
+    ]
+    schema = {"rank": pl.Int64, "source": pl.String, "what": pl.String}
+    schema |= {"ms_per_step": pl.Float64, "frac_of_idle": pl.Float64} | HOST_DETAIL
+    return pl.DataFrame(rows, schema=schema)
+
+
 BUILDERS = {
     "steps": steps_table,
     "ranks": ranks_table,
@@ -219,6 +244,7 @@ BUILDERS = {
     "idle_gaps": idle_gaps_table,
     "collectives": collectives_table,
     "phases": phases_table,
+    "host_attribution": host_attribution_table,
 }
 
 
