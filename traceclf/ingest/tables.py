@@ -205,7 +205,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
             _pid("globalTid"),
         ),
     ),
-    # The host side beyond CUDA calls (ingest/hostside.py): read only on the threads that made
+    # The host side beyond CUDA calls (ingest/hosttables.py): read only on the threads that made
     # CUDA calls, in the spans the trace covers.
     "osrt": (
         ("OSRT_API",),

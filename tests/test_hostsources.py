@@ -1,0 +1,466 @@
+"""Issue 25: the host side from every source a capture holds (traceclf/ingest/hostside.py,
+measures/hostsources.py, judge/hostside.py), held to independent computations in the test
+(plain sqlite3 over the export, Python intervals, struct for the Python samples' blobs; no
+traceclf code) on real traces: the starved loop profiled with OS runtime calls, CPU and Python
+sampling (fixtures/h100_host_slow_loader.sqlite), CloverLeaf's profiler overhead and
+diagnostics, our own H100 traces' NVTX and CUDA API only. Exports edited here are copies of
+real ones; each test says what it changes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import struct
+from collections import Counter, defaultdict
+from functools import cache
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, fixture_trace
+from helpers.cli import run_cli
+from helpers.files import copy_export
+
+SLOW = "h100_host_slow_loader"
+CLOVERLEAF = FIXTURES / "external" / "cloverleaf_a100.sqlite"
+PY_SCHEMA = "Python Periodic Sampling"
+LIBRARY = re.compile(r"/(site|dist)-packages/|/lib/python3\.\d+/|^<frozen |^&lt;frozen ")
+LOADING = re.compile(r"torch/utils/data/")
+MS_TOL = 2e-4  # the report rounds ms per step to 4 decimals
+
+
+@cache
+def report(path: Path, *extra: str) -> dict:
+    result = run_cli("analyze", path, "--format", "json", "--no-cache", "-q", *extra)
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+
+
+# ------------------------------------------------------------------ intervals, by hand
+
+
+def union(intervals):
+    out = []
+    for lo, hi in sorted(intervals):
+        if hi <= lo:
+            continue
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [tuple(x) for x in out]
+
+
+def minus(pieces, cover):
+    """The parts of ``pieces`` (disjoint) outside the union ``cover``."""
+    out = []
+    for lo, hi in pieces:
+        at = lo
+        for c_lo, c_hi in cover:
+            if c_hi <= at or c_lo >= hi:
+                continue
+            if c_lo > at:
+                out.append((at, c_lo))
+            at = max(at, c_hi)
+        if at < hi:
+            out.append((at, hi))
+    return out
+
+
+def overlap(pieces, cover) -> int:
+    return sum(hi - lo for lo, hi in pieces) - sum(hi - lo for lo, hi in minus(pieces, cover))
+
+
+def pid_of(gtid: int) -> int:
+    return (gtid >> 24) & 0xFFFFFF
+
+
+# ----------------------------------------------------- the slow loader, recomputed by hand
+
+
+@cache
+def slow_loader_by_hand() -> dict:
+    """What the launching threads did during the GPU-idle gaps of the slow loader's steady
+    window, each ns to the first of: nsys overhead, CUDA calls of the process, OS runtime
+    calls of the gap's launching thread; and the launching thread's Python samples in what is
+    left of the long (input) gaps."""
+    path = fixture_trace(SLOW)
+    rep = report(path)
+    (rank,) = rep["ranks"]
+    pid, (lo, hi) = rank["pid"], rank["steps"]["window_ns"]
+    con = connect(path)
+    gpu = []
+    for table in ("KERNEL", "MEMCPY", "MEMSET"):
+        gpu += con.execute(
+            f'SELECT start, "end", correlationId FROM CUPTI_ACTIVITY_KIND_{table} '
+            "WHERE ((globalPid >> 24) & 16777215) = ?",
+            (pid,),
+        ).fetchall()
+    busy = union((max(s, lo), min(e, hi)) for s, e, _ in gpu if s < hi and e > lo)
+    gaps = minus([(lo, hi)], busy)
+    # the launching thread: the CUDA call that launched the work starting where a gap ends
+    calls = con.execute(
+        'SELECT start, "end", correlationId, globalTid FROM CUPTI_ACTIVITY_KIND_RUNTIME '
+        "WHERE ((globalTid >> 24) & 16777215) = ?",
+        (pid,),
+    ).fetchall()
+    tid_of_corr = {c: t for _, _, c, t in calls}
+    starting = {s: corr for s, _, corr in sorted(gpu, reverse=True)}
+    threads = [tid_of_corr.get(starting.get(e)) for _, e in gaps]
+    main = Counter(t for t in threads if t is not None).most_common(1)[0][0]
+    threads = [t if t is not None else main for t in threads]
+    cuda = union((s, e) for s, e, _, _ in calls)
+    profiler = union(
+        con.execute(
+            'SELECT start, "end" FROM PROFILER_OVERHEAD WHERE ((globalTid >> 24) & 16777215) = ?',
+            (pid,),
+        ).fetchall()
+    )
+    osrt = defaultdict(list)
+    for s, e, tid, name in con.execute(
+        'SELECT o.start, o."end", o.globalTid, s.value FROM OSRT_API o '
+        "JOIN StringIds s ON s.id = o.nameId WHERE coalesce(o.nestingLevel, 0) = 0"
+    ):
+        osrt[tid, name].append((s, e))
+    per_call = Counter()  # ns by OS runtime call
+    rest = {}  # gap -> what is left after OSRT
+    for i, ((g_lo, g_hi), tid) in enumerate(zip(gaps, threads, strict=True)):
+        left = minus(minus([(g_lo, g_hi)], profiler), cuda)
+        for (t, name), spans in osrt.items():
+            if t != tid:
+                continue
+            mine = union(spans)
+            per_call[name] += overlap(left, mine)
+            left = minus(left, mine)
+        rest[i] = left
+    # Python samples of the launching thread in what is left of the long gaps (>= 1 ms, CUDA
+    # calls under half): their top user frame, and whether the stack shows data loading
+    strings = dict(con.execute("SELECT id, value FROM StringIds"))
+    (schema,) = con.execute(
+        "SELECT schemaId FROM NVTX_PAYLOAD_SCHEMAS WHERE name = ?", (PY_SCHEMA,)
+    ).fetchone()
+    long_gaps = [
+        i
+        for i, (g_lo, g_hi) in enumerate(gaps)
+        if g_hi - g_lo >= 1_000_000 and 2 * overlap([(g_lo, g_hi)], cuda) < g_hi - g_lo
+    ]
+    samples = []
+    for start, tid, blob in con.execute(
+        "SELECT start, globalTid, CAST(binaryData AS BLOB) FROM NVTX_EVENTS "
+        "WHERE eventType = 34 AND binaryData IS NOT NULL"
+    ):
+        (count,) = struct.unpack_from("<Q", blob, 0)
+        for k in range(count):
+            sid, _size, offset = struct.unpack_from("<QQQ", blob, 8 + 24 * k)
+            if sid != schema:
+                continue
+            (n,) = struct.unpack_from("<I", blob, offset + 12)
+            frames = [struct.unpack_from("<QQ", blob, offset + 16 + 24 * j) for j in range(n)]
+            named = [(strings[f], strings[file]) for f, file in frames]
+            user = next((f for f in named if not LIBRARY.search(f[1])), named[0] if named else None)
+            loading = any(LOADING.search(file) for _, file in named)
+            samples.append((start, tid, user, loading))
+    in_long, loading_in_long = Counter(), Counter()
+    for start, tid, user, loading in samples:
+        for i in long_gaps:
+            if tid == threads[i] and any(a <= start < b for a, b in rest[i]):
+                in_long[user] += 1
+                loading_in_long[user] += loading
+    long_rest = sum(b - a for i in long_gaps for a, b in rest[i])
+    return {
+        "steps": rank["steps"]["analysed"],
+        "idle_ns": sum(b - a for a, b in gaps),
+        "per_call": per_call,
+        "long_gaps": len(long_gaps),
+        "python": in_long,
+        "python_loading": loading_in_long,
+        "long_rest_ns": long_rest,
+        "threads": Counter(threads),
+        "main": main,
+    }
+
+
+def rows(rep: dict, source: str) -> dict[str, dict]:
+    return {r["what"]: r for r in rep["ranks"][0]["host_attribution"] if r["source"] == source}
+
+
+def test_slow_loader_holds_every_host_source():
+    """The capture was profiled with -t cuda,nvtx,osrt --sample=cpu --python-sampling=true
+    --cpuctxsw=process-tree and exported with --include-blobs=true (fixtures/README.md)."""
+    capture = report(fixture_trace(SLOW))["capture"]
+    assert capture["host_sources"] == [
+        "nvtx",
+        "cuda_api",
+        "osrt",
+        "sampling",
+        "python_sampling",
+        "sched",
+    ]
+    assert capture["host_notes"] == {} and capture["host_capture_options"] == []
+
+
+def test_slow_loader_os_runtime_time_per_call_in_the_idle_gaps():
+    """The time the launching thread spent in each OS runtime call during the GPU-idle gaps of
+    the steady steps (what CUDA calls and nsys's own work do not already account for)."""
+    want = slow_loader_by_hand()
+    got = rows(report(fixture_trace(SLOW)), "osrt")
+    shown = [w for w in got if w != "other"]
+    assert {"pthread_cond_wait", "sem_wait", "read"} <= set(shown)
+    for name in shown:
+        expected = want["per_call"][name] / 1e6 / want["steps"]
+        assert got[name]["ms_per_step"] == pytest.approx(expected, abs=MS_TOL), name
+    # the rest of the calls, summed as "other", and nothing counted twice
+    others = sum(ns for name, ns in want["per_call"].items() if name not in shown)
+    assert got["other"]["ms_per_step"] == pytest.approx(others / 1e6 / want["steps"], abs=MS_TOL)
+    assert got["read"]["detail"]["call_class"] == "io"
+    assert got["pthread_cond_wait"]["detail"]["call_class"] == "lock"
+    assert got["read"]["detail"]["top_frame"] == "_Py_read (python3.12)"
+
+
+def test_slow_loader_hottest_python_function_is_the_dataset():
+    """The hottest Python function while the GPU waits for input is the dataset's __getitem__
+    (workloads/slow_loader.py), every one of its samples inside PyTorch's DataLoader; its time
+    is what the OS runtime calls leave of the long gaps, split by the samples."""
+    want = slow_loader_by_hand()
+    rep = report(fixture_trace(SLOW))
+    got = rows(rep, "python_sampling")
+    top = max(got.values(), key=lambda r: r["ms_per_step"])
+    (function, file), count = want["python"].most_common(1)[0]
+    assert (function, Path(file).name) == ("__getitem__", "slow_loader.py")
+    assert top["what"] == "__getitem__ (slow_loader.py)"
+    assert top["detail"]["samples"] == count
+    assert top["detail"]["data_loading_samples"] == want["python_loading"][function, file] == count
+    share = count / sum(want["python"].values())
+    expected = want["long_rest_ns"] * share / 1e6 / want["steps"]
+    assert top["ms_per_step"] == pytest.approx(expected, rel=0.01)
+    # numpy's ufuncs run underneath (CPU samples nearest to those Python samples)
+    native = [n["frame"] for n in top["detail"]["hottest_native"]]
+    assert all("_multiarray_umath" in f for f in native)
+    # and the evidence names it with its numbers
+    assert (
+        f"while the launching thread was in __getitem__ (slow_loader.py) ({count} Python "
+        f"samples, {count} in data-loading code)"
+    ) in " ".join(rep["classification"]["evidence"])
+
+
+def test_attribution_never_counts_a_ns_twice():
+    """Per rank, the rows add up to the idle time: each ns to one source (slow loader by
+    hand; the others against their own idle share)."""
+    want = slow_loader_by_hand()
+    rep = report(fixture_trace(SLOW))
+    total = sum(r["ms_per_step"] for r in rep["ranks"][0]["host_attribution"])
+    assert total == pytest.approx(want["idle_ns"] / 1e6 / want["steps"], abs=0.01)
+    for path in (
+        CLOVERLEAF,
+        fixture_trace("h100_host_input_stall"),
+        fixture_trace("h100_comm_ep2"),
+    ):
+        for rank in report(path)["ranks"]:
+            m = rank["metrics"]
+            shares = sum(r["frac_of_idle"] for r in rank["host_attribution"])
+            assert shares == pytest.approx(1.0, abs=0.002), path.name
+            unattributed = rows({"ranks": [rank]}, "unattributed")["unattributed"]
+            assert unattributed["frac_of_idle"] * m["gpu_idle_frac"] == pytest.approx(
+                m["idle_unattributed_frac"], abs=0.002
+            )
+
+
+def test_data_loading_evidence_from_python_samples_alone(tmp_path: Path):
+    """Copy of the slow loader without its host->device copies (the batch-copy evidence gone):
+    the long gaps stay input, on the Python samples' DataLoader frames alone; without those
+    samples too (binaryData cleared) nothing shows data loading and they are host."""
+    path = copy_export(fixture_trace(SLOW), tmp_path / "no_copy.sqlite")
+    with sqlite3.connect(path) as con:
+        con.execute("DELETE FROM CUPTI_ACTIVITY_KIND_MEMCPY WHERE copyKind = 1")
+    m = report(path)["metrics"]
+    assert m["idle_input_frac"] > 0.9 and m["idle_host_frac"] == 0
+    blind = copy_export(path, tmp_path / "no_python.sqlite")
+    with sqlite3.connect(blind) as con:
+        con.execute("UPDATE NVTX_EVENTS SET binaryData = NULL")
+    rep = report(blind)
+    assert rep["metrics"]["idle_input_frac"] == 0 and rep["metrics"]["idle_host_frac"] > 0.9
+    assert "python_sampling" not in rep["capture"]["host_sources"]
+    assert rep["capture"]["host_notes"]["python_sampling"].endswith("--include-blobs=true)")
+    # the long gaps are still explained: by the thread's OS runtime calls and CPU samples
+    assert "host-idle-unattributed" not in [r["id"] for r in rep["classification"]["rules"]]
+
+
+def test_own_h100_traces_hold_nvtx_and_cuda_api_only_and_say_so(monkeypatch, tmp_path: Path):
+    """Our own H100 captures (-t cuda,nvtx): no OS runtime calls, samples or scheduling. Where
+    idle time stays unattributed (the input stall: 97% of the step), the report says which
+    capture options would attribute it, in every format."""
+    for name in ("h100_comm_ep2", "h100_host_input_stall", "h100_memory_offload"):
+        path = fixture_trace(name)
+        with connect(path) as con:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
+        assert not tables & {"OSRT_API", "COMPOSITE_EVENTS", "SCHED_EVENTS"}
+        assert report(path)["capture"]["host_sources"] == ["nvtx", "cuda_api"]
+    path = fixture_trace("h100_host_input_stall")
+    rep = report(path)
+    assert [o["source"] for o in rep["capture"]["host_capture_options"]] == [
+        "osrt",
+        "python_sampling",
+        "sched",
+        "sampling",
+    ]
+    assert rep["metrics"]["idle_unattributed_frac"] > 0.9
+    monkeypatch.setenv("COLUMNS", "200")
+    for fmt in ("terminal", "md", "html"):
+        text = rendered(path, fmt, tmp_path)
+        assert "no OS runtime, CPU samples, Python samples or scheduling" in text, fmt
+        assert "-t osrt" in text and "--python-sampling=true" in text, fmt
+
+
+def test_cloverleaf_profiler_overhead_and_diagnostics():
+    """CloverLeaf: 103 ms of PROFILER_OVERHEAD rows (99 ms once overlaps are merged), none in
+    the steady window; of its 19 diagnostic messages, the two warnings that say what could not
+    be collected matter, the "No NVTX events collected" ones do not."""
+    rep = report(CLOVERLEAF)
+    (rank,) = rep["ranks"]
+    lo, hi = rank["steps"]["window_ns"]
+    with connect(CLOVERLEAF) as con:
+        rows_ = con.execute(
+            'SELECT start, "end" FROM PROFILER_OVERHEAD WHERE ((globalTid >> 24) & 16777215) = ?',
+            (rank["pid"],),
+        ).fetchall()
+        (summed,) = con.execute('SELECT sum("end" - start) FROM PROFILER_OVERHEAD').fetchone()
+        (messages,) = con.execute("SELECT count(*) FROM DIAGNOSTIC_EVENT").fetchone()
+    assert messages == 19 and summed / 1e6 == pytest.approx(102.76, abs=0.01)
+    merged = union(rows_)
+    assert rank["capture"]["profiler_overhead_ms"] == pytest.approx(
+        sum(b - a for a, b in merged) / 1e6, abs=1e-3
+    )
+    in_window = overlap([(lo, hi)], merged) / (hi - lo)
+    assert rep["capture"]["profiler_overhead_frac"] == pytest.approx(in_window, abs=1e-6)
+    assert rep["capture"]["warnings"] == []
+    kinds = [(d["severity"], d["kind"], d["text"][:30]) for d in rep["capture"]["diagnostics"]]
+    assert kinds == [
+        ("warning", "unsupported", "Unable to collect CPU kernel I"),
+        ("warning", "unsupported", "Installed CUDA driver version "),
+    ]
+
+
+def test_profiler_overhead_and_lost_data_warn_and_lower_the_confidence(tmp_path: Path):
+    """Copy of the slow loader with PROFILER_OVERHEAD rows added over a tenth of its steady
+    window, then a DIAGNOSTIC_EVENT warning that buffers were dropped: each warns in the
+    capture block and multiplies the window's reliability by distorted_weight (0.7)."""
+    base = report(fixture_trace(SLOW))
+    lo, hi = base["steps"]["window_ns"]
+    path = copy_export(fixture_trace(SLOW), tmp_path / "overhead.sqlite")
+    with sqlite3.connect(path) as con:
+        tid = con.execute("SELECT globalTid FROM CUPTI_ACTIVITY_KIND_RUNTIME LIMIT 1").fetchone()[0]
+        name = con.execute("SELECT max(id) + 1 FROM StringIds").fetchone()[0]
+        con.execute("INSERT INTO StringIds VALUES (?, 'CUPTI: Buffer flush')", (name,))
+        step = (hi - lo) // 20
+        con.executemany(
+            'INSERT INTO PROFILER_OVERHEAD (start, "end", globalTid, nameId, returnValue) '
+            "VALUES (?, ?, ?, ?, 0)",
+            [(lo + i * step, lo + i * step + step // 10, tid, name) for i in range(20)],
+        )
+    rep = report(path)
+    frac = rep["capture"]["profiler_overhead_frac"]
+    assert frac == pytest.approx(0.1, abs=0.002)
+    (warning,) = rep["capture"]["warnings"]
+    assert f"fills {frac:.1%} of the steady-state window" in warning
+    basis, was = rep["classification"]["confidence_basis"], base["classification"]
+    assert basis["capture_distortion"] == 0.7
+    assert basis["reliability"] == pytest.approx(
+        was["confidence_basis"]["reliability"] * 0.7, abs=1e-3
+    )
+    assert "profiler" in {r["source"] for r in rep["ranks"][0]["host_attribution"]}
+
+    lost = copy_export(fixture_trace(SLOW), tmp_path / "lost.sqlite")
+    with sqlite3.connect(lost) as con:
+        con.execute(
+            "INSERT INTO DIAGNOSTIC_EVENT VALUES (1, 1, 1, 2, "
+            "'CUPTI buffers were full: 1234 events were dropped.', NULL)"
+        )
+    rep = report(lost)
+    assert [d["kind"] for d in rep["capture"]["diagnostics"]] == ["dropped"]
+    (warning,) = rep["capture"]["warnings"]
+    assert "misses events (dropped" in warning
+    assert rep["classification"]["confidence_basis"]["capture_distortion"] == 0.7
+
+
+def test_host_text_from_the_trace_is_escaped_in_every_format(tmp_path: Path, monkeypatch):
+    """Copy of the slow loader whose Python function name and OS runtime call name carry
+    terminal escapes and markup: every format shows them inert."""
+    path = copy_export(fixture_trace(SLOW), tmp_path / "hostile.sqlite")
+    evil = "__getitem__\x1b[31m[bold]<script>|x"
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE StringIds SET value = ? WHERE value = '__getitem__'", (evil,))
+        con.execute("UPDATE StringIds SET value = ? WHERE value = 'read'", ("read\x1b]0;t\x07",))
+    monkeypatch.setenv("COLUMNS", "250")
+    for fmt in ("terminal", "md", "html", "csv", "json"):
+        text = rendered(path, fmt, tmp_path)
+        assert "\x1b" not in text and "\x07" not in text, fmt
+    html = rendered(path, "html", tmp_path)
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    tables = tmp_path / "tables"
+    assert run_cli("analyze", path, "--no-cache", "-q", "--export-dir", tables).code == 0
+    text = (tables / "host_attribution.csv").read_text()
+    assert "\x1b" not in text and "__getitem__\\x1b[31m" in text
+
+
+def rendered(path: Path, fmt: str, folder: Path) -> str:
+    """The report of ``path`` in ``fmt`` (html is written to a file, as the CLI requires)."""
+    out = folder / f"report.{fmt}"
+    result = run_cli("analyze", path, "--no-cache", "-q", "--format", fmt, "-o", out)
+    assert result.code == 0, result.stderr
+    return out.read_text(encoding="utf-8")
+
+
+def test_sampled_read_keeps_host_rows_of_the_analysed_steps_only():
+    """With a row budget under the slow loader's event rows, the default step sampling's
+    pass 2 reads only the analysed steps' spans: every host row it keeps overlaps them, and
+    only the CUDA threads' rows."""
+    from traceclf.model.taxonomy import bundled
+    from traceclf.pipeline import twopass
+
+    path = fixture_trace(SLOW)
+    read = twopass.load_sampled(path, bundled(), budget=800)
+    trace = read.trace
+    assert trace.read_spans is not None and read.plans
+    spans = trace.read_spans
+    cuda_threads = set(trace.api["global_tid"].unique().to_list())
+    for frame in (trace.osrt, trace.samples, trace.sched, trace.py_frames):
+        assert not frame.is_empty()
+        assert set(frame["global_tid"].unique().to_list()) <= cuda_threads
+        end = frame["end"] if "end" in frame.columns else frame["start"]
+        for start, stop in zip(frame["start"].to_list(), end.to_list(), strict=True):
+            assert any(start <= hi and stop >= lo for lo, hi in spans)
+    with connect(path) as con:
+        (all_osrt,) = con.execute("SELECT count(*) FROM OSRT_API").fetchone()
+    assert trace.osrt.height < all_osrt
+
+
+def test_claim_splits_pieces_by_labelled_intervals():
+    """Constructed intervals (logic no trace pins down alone): the parts of idle pieces that
+    overlapping labelled intervals cover go to the interval reaching furthest; the rest stays,
+    in order; a piece no interval touches is kept whole."""
+    import numpy as np
+
+    from traceclf.measures.intervals import claim
+
+    pieces = (np.array([0, 100, 300]), np.array([50, 200, 400]), np.array([7, 8, 9]))
+    lo, hi = np.array([150, 10, 120, 500]), np.array([160, 20, 180, 600])
+    cut, labels, rest = claim(pieces, lo, hi, np.array([2, 0, 1, 3]))
+    assert [(int(a), int(b), int(g)) for a, b, g in zip(*cut, strict=True)] == [
+        (10, 20, 7),
+        (120, 150, 8),
+        (150, 160, 8),
+        (160, 180, 8),
+    ]
+    assert labels.tolist() == [0, 1, 1, 1]  # 120..180 reaches past 150..160
+    assert [(int(a), int(b), int(g)) for a, b, g in zip(*rest, strict=True)] == [
+        (0, 10, 7),
+        (20, 50, 7),
+        (100, 120, 8),
+        (180, 200, 8),
+        (300, 400, 9),
+    ]
