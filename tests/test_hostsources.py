@@ -464,3 +464,15 @@ def test_claim_splits_pieces_by_labelled_intervals():
         (180, 200, 8),
         (300, 400, 9),
     ]
+
+
+def test_a_host_table_of_another_layout_is_left_out_not_fatal(tmp_path: Path):
+    """Copy of the slow loader whose OSRT_API lacks its globalTid column (as an export of
+    another nsys version might): OS runtime calls are left out, with a note; the rest stands."""
+    path = copy_export(fixture_trace(SLOW), tmp_path / "old.sqlite")
+    with sqlite3.connect(path) as con:
+        con.execute("ALTER TABLE OSRT_API DROP COLUMN globalTid")
+    rep = report(path)
+    assert "osrt" in rep["capture"]["host_sources"]
+    assert rep["capture"]["host_notes"]["osrt"] == "not read: OSRT_API has no column 'globalTid'"
+    assert not rows(rep, "osrt") and rows(rep, "python_sampling")

@@ -21,6 +21,7 @@ import polars as pl
 
 from traceclf.ingest.payloads import PayloadSchemas, decode, read_payload_events
 from traceclf.ingest.reader import decode_pid, overlap_clause
+from traceclf.ingest.tables import TABLES
 
 if TYPE_CHECKING:
     from traceclf.ingest.reader import Reader, Span
@@ -197,6 +198,20 @@ def _read_capped(
     table = reader.table_of(logical)
     source = {"samples": "sampling"}.get(logical, logical)
     columns = reader.info.columns.get(table or "", ())
+    schema = {"osrt": OSRT_SCHEMA, "samples": SAMPLE_SCHEMA, "sched": SCHED_SCHEMA}[logical]
+    # (an export of another nsys version may lack a column this reads: that source is then
+    # left out, not the analysis failed)
+    lacking = next(
+        (
+            c.sources[0]
+            for c in TABLES[logical][1]
+            if c.required and not any(name in columns for name in c.sources)
+        ),
+        None,
+    )
+    if lacking is not None:
+        notes[source] = f"not read: {table} has no column {lacking!r}"
+        return pl.DataFrame(schema=schema)
     if logical == "osrt" and "nestingLevel" in columns:  # calls inside calls: the outer one
         where = f"{where} AND coalesce(nestingLevel, 0) = 0"
     clauses = [where]
@@ -206,7 +221,6 @@ def _read_capped(
     (rows,) = reader.sql(
         f"SELECT count(*) AS n FROM {table} WHERE {' AND '.join(f'({c})' for c in clauses)}"
     ).row(0)
-    schema = {"osrt": OSRT_SCHEMA, "samples": SAMPLE_SCHEMA, "sched": SCHED_SCHEMA}[logical]
     if int(rows) > HOST_ROW_CAP:
         notes[source] = f"not read: {int(rows):,} rows on the CUDA threads (over {HOST_ROW_CAP:,})"
         return pl.DataFrame(schema=schema)
@@ -302,6 +316,9 @@ def _python_frames(
 ) -> pl.DataFrame:
     """nsys's Python samples on the CUDA threads: one row per frame, innermost (depth 0)
     first, at most :data:`PYTHON_FRAMES` per sample."""
+    if not {"globalTid", "domainId"} <= set(reader.info.columns.get("NVTX_EVENTS", ())):
+        notes["python_sampling"] = "not read: NVTX_EVENTS has no globalTid or domainId"
+        return pl.DataFrame(schema=PY_SCHEMA)
     domains = ", ".join(str(int(d)) for d in sorted({lay.domain_id for lay in layouts}))
     events, too_big = read_payload_events(reader, f"{where} AND domainId IN ({domains})", spans)
     if events.height > HOST_ROW_CAP:
