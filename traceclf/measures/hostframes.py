@@ -166,19 +166,28 @@ def launching_threads(w: RankWindow, gstart: np.ndarray, gend: np.ndarray) -> np
     trace = w.trace
     if not len(gstart) or trace.api.is_empty():
         return out
-    work = pl.concat(
-        [
-            f.select(pl.col("start").cast(pl.Int64), pl.col("pid").cast(pl.Int64), "correlation_id")
-            # (the capture's, not the window's: the last gap ends where the next step's first
-            # work starts, which is the window's end)
-            for f in (trace.kernels, trace.graph_executions, trace.copies)
-            if not f.is_empty()
-        ]
-        or [pl.DataFrame(schema={"start": pl.Int64, "pid": pl.Int64, "correlation_id": pl.Int64})]
-    )
-    # the work starting where a gap ends (of several that start together, the first launched)
+    # the work starting where a gap ends (of several that start together, the first launched),
+    # taken from each frame on its own: no copy of every kernel
+    ends = pl.Series(gend).implode()
     ending = (
-        work.filter(pl.col("start").is_in(pl.Series(gend).implode()))
+        pl.concat(
+            [
+                f.filter(pl.col("start").is_in(ends)).select(
+                    pl.col("start").cast(pl.Int64),
+                    pl.col("pid").cast(pl.Int64),
+                    pl.col("correlation_id").cast(pl.Int64),
+                )
+                # (the capture's, not the window's: the last gap ends where the next step's
+                # first work starts, which is the window's end)
+                for f in (trace.kernels, trace.graph_executions, trace.copies)
+                if not f.is_empty()
+            ]
+            or [
+                pl.DataFrame(
+                    schema={"start": pl.Int64, "pid": pl.Int64, "correlation_id": pl.Int64}
+                )
+            ]
+        )
         .sort("start", "correlation_id")
         .unique("start", keep="first")
     )

@@ -76,10 +76,12 @@ NATIVE_TOP = 3  # hottest native functions named beside Python frames
 
 @dataclass
 class _Claims:
-    """Idle time claimed so far, as (gap, ns) parts per (source, what), and the pieces of the
-    gaps still to claim (disjoint, sorted, each with its gap)."""
+    """Idle time claimed so far, summed per (source, what, idle cause of the gap), and the
+    pieces of the gaps still to claim (disjoint, sorted, each with its gap). Sums, not
+    pieces: a launch-bound window's millions of gaps are never a frame of strings."""
 
     pieces: intervals.Pieces
+    cause: np.ndarray  # each gap's idle cause (its code in IDLE_CAUSES)
     parts: list[pl.DataFrame] = field(default_factory=list)
 
     def take(
@@ -97,32 +99,46 @@ class _Claims:
         cut, labels, self.pieces = intervals.claim(self.pieces, lo, hi, label)
         if not len(cut[0]):
             return set()
-        names = np.asarray([what] if label is None else what, dtype=object)
-        whats = names[labels] if label is not None else np.full(len(cut[0]), what, dtype=object)
+        names = [what] if label is None else what
+        return self.record(
+            source, names, cut[2], cut[1] - cut[0], labels if label is not None else None
+        )
+
+    def record(
+        self,
+        source: str,
+        names: list[str],
+        gap: np.ndarray,
+        ns: np.ndarray,
+        label: np.ndarray | None = None,
+    ) -> set[str]:
+        """Add ``ns`` of the gaps ``gap`` to ``names[label]`` (``names[0]`` without labels);
+        the names that got any."""
+        code = np.zeros(len(gap), np.int64) if label is None else label.astype(np.int64)
+        key = code * len(IDLE_CAUSES) + self.cause[gap]
+        sums = np.bincount(key, weights=ns, minlength=len(names) * len(IDLE_CAUSES))
+        hit = np.flatnonzero(sums)
+        if not len(hit):
+            return set()
+        whats = [names[k // len(IDLE_CAUSES)] for k in hit]
         self.parts.append(
             pl.DataFrame(
                 {
-                    "gap": cut[2].astype(np.int64),
-                    "ns": (cut[1] - cut[0]).astype(np.int64),
-                    "what": pl.Series(whats, dtype=pl.String),
+                    "source": [source] * len(hit),
+                    "what": whats,
+                    "cause": [IDLE_CAUSES[k % len(IDLE_CAUSES)] for k in hit],
+                    "ns": np.rint(sums[hit]).astype(np.int64),
                 }
-            ).with_columns(source=pl.lit(source))
-        )
-        return set(whats.tolist())
-
-    def record(self, source: str, what: str, gap: np.ndarray, ns: np.ndarray) -> None:
-        self.parts.append(
-            pl.DataFrame({"gap": gap.astype(np.int64), "ns": ns.astype(np.int64)}).with_columns(
-                what=pl.lit(what), source=pl.lit(source)
             )
         )
+        return set(whats)
 
     def split(self, keep: np.ndarray) -> _Claims:
         """The pieces ``keep`` selects (the gaps of one thread), taken out to claim from on
         their own; :meth:`join` puts back what they leave."""
         start, end, owner = self.pieces
         self.pieces = (start[~keep], end[~keep], owner[~keep])
-        return _Claims((start[keep], end[keep], owner[keep]))
+        return _Claims((start[keep], end[keep], owner[keep]), self.cause)
 
     def join(self, part: _Claims) -> None:
         self.parts += part.parts
@@ -151,7 +167,7 @@ def attribute(w: RankWindow, gaps: pl.DataFrame) -> HostAttribution:
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
     threads = launching_threads(w, gstart, gend)
     cause = gaps["cause"].to_physical().to_numpy()
-    claims = _Claims((gstart.copy(), gend.copy(), np.arange(len(gstart))))
+    claims = _Claims((gstart.copy(), gend.copy(), np.arange(len(gstart))), cause)
     details: dict[tuple[str, str], dict] = {}
 
     _profiler(w, claims)
@@ -162,11 +178,9 @@ def attribute(w: RankWindow, gaps: pl.DataFrame) -> HostAttribution:
     _sched(w, threads, claims)
     _sampled(w, "sampling", threads, cause, claims, details)
     start, end, owner = claims.pieces
-    claims.record("unattributed", "unattributed", owner, end - start)
+    claims.record("unattributed", ["unattributed"], owner, end - start)
 
     claimed = pl.concat(claims.parts).filter(pl.col("ns") > 0)
-    causes = pl.Series("cause", np.asarray(IDLE_CAUSES)[cause])
-    claimed = claimed.with_columns(cause=causes.gather(claimed["gap"]))
     host_gaps = claimed.filter(pl.col("cause") == "host")
     from_sources = host_gaps.filter(
         pl.col("source").is_in(["osrt", "python_sampling", "sched", "sampling"])
@@ -212,22 +226,22 @@ def _cuda_api(w: RankWindow, claims: _Claims, details: dict) -> None:
     if calls.is_empty():
         return
     tax = w.taxonomy
-    kind = pl.lit("other CUDA call")
+    labels = [label for _, label in CUDA_CLASSES] + ["other CUDA call"]
+    kind = pl.lit(len(CUDA_CLASSES), pl.Int8)
     # from the last class to the first, so that the first a call is of is what stays
-    for key, label in reversed(CUDA_CLASSES):
-        kind = pl.when(pl.col(key).fill_null(False)).then(pl.lit(label)).otherwise(kind)
-    # (the patterns run once per distinct name, not once per call)
+    for i, (key, _) in reversed(list(enumerate(CUDA_CLASSES))):
+        kind = pl.when(pl.col(key).fill_null(False)).then(pl.lit(i, pl.Int8)).otherwise(kind)
+    # (the patterns run once per distinct name, not once per call; a byte per call)
     names = (
         calls.select("name")
         .unique()
         .with_columns(**{key: tax.is_api(key) for key, _ in CUDA_CLASSES})
-        .with_columns(kind=kind)
-        .select("name", "kind")
+        .select("name", kind=kind)
     )
     kinds = by_name(calls.select("start", "end", "name"), names)
     start, end = claims.pieces[0], claims.pieces[1]
-    for label in [label for _, label in CUDA_CLASSES] + ["other CUDA call"]:
-        rows = kinds.filter(pl.col("kind") == label)
+    for i, label in enumerate(labels):
+        rows = kinds.filter(pl.col("kind") == i)
         if rows.is_empty() or not claims.take("cuda_api", label, *_arrays(rows)):
             continue
         touching = rows.filter(_overlaps(start, end))
@@ -333,8 +347,8 @@ def _sampled(
         .join(shares.select(*key, "what", "k", "n"), on=key)
         .with_columns(ns=(pl.col("ns") * pl.col("k") / pl.col("n")).round().cast(pl.Int64))
     )
-    for (what,), rows in split.group_by("what", maintain_order=True):
-        claims.record(source, str(what), rows["gap"].to_numpy(), rows["ns"].to_numpy())
+    whats, label = np.unique(split["what"].to_numpy().astype(str), return_inverse=True)
+    claims.record(source, whats.tolist(), split["gap"].to_numpy(), split["ns"].to_numpy(), label)
     summary = shares.group_by("what").agg(
         samples=pl.col("k").sum(),
         loading=pl.col("loading").sum(),

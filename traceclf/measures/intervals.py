@@ -170,8 +170,9 @@ def claim(
     the interval covering each part (of several, the one reaching furthest; None: no labels),
     and the parts they do not cover, as pieces with their owners, in order.
 
-    Only the pieces the intervals touch are cut, over the sorted boundaries of both: a few
-    calls against millions of idle gaps cost the gaps they touch, not every gap."""
+    Only the (piece, run) pairs that overlap are visited: millions of CUDA calls, most of them
+    made while the GPU is busy, cost the idle pieces they touch, not an array of every call's
+    bounds."""
     start, end, owner = pieces
     empty = (start[:0], end[:0], owner[:0])
     order = np.argsort(lo, kind="stable")
@@ -179,47 +180,63 @@ def claim(
     cover_lo, cover_hi = union_sorted(lo, hi)
     if not len(start) or not len(cover_lo):
         return empty, np.empty(0, np.int64), pieces
-    touched = covered_by_runs(cover_lo, cover_hi, start, end) > 0
-    # with labels, cut at every interval's bounds too: each part is then covered by the same
-    # intervals all along, so the one covering its start covers all of it
-    extra = np.concatenate([lo, hi]) if label is not None else lo[:0]
-    cut, rest = _cut((start[touched], end[touched], owner[touched]), cover_lo, cover_hi, extra)
-    if not touched.all():
-        rest = merged((start[~touched], end[~touched], owner[~touched]), rest)
+    # the runs each piece overlaps: from the first ending after it starts to the last
+    # starting before it ends (runs and pieces are both disjoint and sorted)
+    first = np.searchsorted(cover_hi, start, side="right")
+    n = np.maximum(np.searchsorted(cover_lo, end, side="left") - first, 0)
+    piece = np.repeat(np.arange(len(start)), n)
+    run = np.arange(len(piece)) - np.repeat(np.cumsum(n) - n, n) + np.repeat(first, n)
+    a = np.maximum(start[piece], cover_lo[run])
+    b = np.minimum(end[piece], cover_hi[run])
+    cut = (a, b, owner[piece])
+    rest = _outside(pieces, n, a, b)
     if label is None:
         return cut, np.empty(0, np.int64), rest
-    # the interval reaching furthest among those started by each part's start covers it
+    # cut at every interval's bounds too: each part is then covered by the same intervals all
+    # along, and the one reaching furthest among those started by its start covers all of it
+    bounds = np.sort(np.concatenate([lo, hi]))
+    cut = _split_at(cut, bounds[np.concatenate([[True], bounds[1:] != bounds[:-1]])])
     reach = np.maximum.accumulate(hi)
     furthest = np.maximum.accumulate(np.where(hi == reach, np.arange(len(hi)), 0))
     at = np.searchsorted(lo, cut[0], side="right") - 1
     return cut, label[order][furthest[at]], rest
 
 
-def _cut(
-    pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray, extra: np.ndarray
-) -> tuple[Pieces, Pieces]:
-    """The parts of ``pieces`` inside the disjoint sorted runs and outside them, cut at the
-    ``extra`` bounds as well."""
+def _outside(pieces: Pieces, n: np.ndarray, a: np.ndarray, b: np.ndarray) -> Pieces:
+    """What is left of each piece once its ``n`` covered parts [a, b) (in order, piece by
+    piece) are cut out: in each piece's n + 1 slots, the stretch before each part and the one
+    after the last, put in place by index (no sort)."""
     start, end, owner = pieces
-    if not len(start):
-        return pieces, pieces
-    bounds = _distinct(np.concatenate([start, end, cover_lo, cover_hi, extra]))
-    a, b = bounds[:-1], bounds[1:]
-    i = np.searchsorted(start, a, side="right") - 1
-    in_piece = (i >= 0) & (a < end[np.maximum(i, 0)])
-    j = np.searchsorted(cover_lo, a, side="right") - 1
-    in_cover = (j >= 0) & (a < cover_hi[np.maximum(j, 0)])
-    own = owner[np.maximum(i, 0)]
-    inside, outside = in_piece & in_cover, in_piece & ~in_cover
-    return (a[inside], b[inside], own[inside]), (a[outside], b[outside], own[outside])
+    first = np.cumsum(n) - n  # each piece's first part
+    piece = np.repeat(np.arange(len(start)), n)
+    k = np.arange(len(a)) - first[piece]  # a part's rank in its piece
+    slot = first + np.arange(len(start))  # each piece's first slot
+    lo = np.empty(len(a) + len(start), start.dtype)
+    hi = np.empty_like(lo)
+    before = slot[piece] + k
+    lo[before] = np.where(k == 0, start[piece], np.roll(b, 1))
+    hi[before] = a
+    last = first + n - 1
+    lo[slot + n] = np.where(n > 0, b[np.maximum(last, 0)] if len(b) else start, start)
+    hi[slot + n] = end
+    own = np.repeat(owner, n + 1)
+    keep = hi > lo
+    return lo[keep], hi[keep], own[keep]
 
 
-def _distinct(values: np.ndarray) -> np.ndarray:
-    """The sorted distinct values (np.unique hashes int64 in numpy 2, slower than a sort)."""
-    values = np.sort(values)
-    keep = np.ones(len(values), bool)
-    keep[1:] = values[1:] != values[:-1]
-    return values[keep]
+def _split_at(parts: Pieces, bounds: np.ndarray) -> Pieces:
+    """``parts`` cut at each of the sorted ``bounds`` that falls strictly inside one."""
+    a, b, owner = parts
+    first = np.searchsorted(bounds, a, side="right")
+    n = np.maximum(np.searchsorted(bounds, b, side="left") - first, 0)
+    if not n.any():
+        return parts
+    part = np.repeat(np.arange(len(a)), n + 1)
+    k = np.arange(len(part)) - np.repeat(np.cumsum(n + 1) - (n + 1), n + 1)  # 0..n per part
+    at = np.repeat(first, n + 1) + k
+    lo = np.where(k == 0, a[part], bounds[np.minimum(at - 1, len(bounds) - 1)])
+    hi = np.where(k == n[part], b[part], bounds[np.minimum(at, len(bounds) - 1)])
+    return lo, hi, owner[part]
 
 
 def merged(a: Pieces, b: Pieces) -> Pieces:
