@@ -31,6 +31,8 @@ BIG_COPY_BYTES = 1 << 20  # next batch ("host->device copy of >= 1 MiB") and GB/
 SMALL_D2H_BYTES = 1024  # "device->host copies of <= 1 KiB"
 WARMUP_PAUSE_REPLAYS, WARMUP_PAUSE_MIN_NS = 4, 20 * MS  # kernel_stats_outside_window
 IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
+# docs/measures.md, dp_tp_exposed_frac: the collective kinds of data and tensor parallelism
+DP_TP_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 # GPU-metric rows as nsys names them on different GPUs
 METRIC_NAMES = {
     "sm_active_mean": ("SMs Active [Throughput %]", "SM Active [Throughput %]"),
@@ -370,7 +372,9 @@ def _budget(w: Window) -> dict:
 
 
 def _communication(w: Window) -> dict:
-    """a2a_frac / a2a_exposed_frac: all-to-all kernels (alone / with no compute). The kind of a
+    """a2a_frac / a2a_exposed_frac: all-to-all kernels (alone / with no compute);
+    dp_tp_exposed_frac: all-reduce, reduce-scatter, all-gather, broadcast and reduce kernels
+    (one union) with no compute. The kind of a
     kernel comes from its name (taxonomy.comm_kinds); a SendRecv ("send_recv_or_all_to_all",
     "send_recv" or "other")
     takes the kind of the innermost collective NVTX range open on the launching thread at the
@@ -399,10 +403,16 @@ def _communication(w: Window) -> dict:
         for k, kind in zip(w.comm_kernels, kinds, strict=True)
         if kind == "all_to_all"
     ]
+    dp_tp = [
+        (k["start"], k["end"])
+        for k, kind in zip(w.comm_kernels, kinds, strict=True)
+        if kind in DP_TP_KINDS
+    ]
     comp = length(w.compute)
     return {
         "a2a_frac": length(a2a) / w.wall,
         "a2a_exposed_frac": (length(a2a, w.compute) - comp) / w.wall,
+        "dp_tp_exposed_frac": (length(dp_tp, w.compute) - comp) / w.wall,
         "comm_kinds": sorted(set(kinds)),
         "comm_libraries": sorted(
             {first(tax["comm_libraries"], k["name"]) for k in w.comm_kernels} - {None}

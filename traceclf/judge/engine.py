@@ -161,7 +161,6 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
         "comm_libraries": sorted({lib for k in kinds.values() for lib in k.get("libraries") or []}),
         "comm_kinds": sorted(kinds),
         "other_comm_kinds": sorted(k for k in kinds if k != "all_to_all"),
-        "dp_tp_exposed_frac": _exposed_of(kinds, DP_TP_KINDS, metrics.get("exposed_comm_frac")),
         "straggler_rank": cross.get("straggler_rank"),
         "step_time_skew_frac": cross.get("step_time_skew_frac"),
         "compute_skew_frac": cross.get("compute_skew_frac"),
@@ -187,18 +186,6 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
     for name, definition in rs.definitions.items():  # in order: each may use the ones before
         env[name] = definition.expr.value(env)
     return env
-
-
-# Collective kinds of data/tensor parallelism (gradient reduction, parameter gathers, TP
-# collectives): what overlapping DP/TP communication can hide.
-DP_TP_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
-
-
-def _exposed_of(kinds: dict, names: tuple[str, ...], exposed: float | None) -> float:
-    """Exposed share of the step in collectives of these kinds (each kind's own union; their
-    sum capped by the exposed communication of all kinds together)."""
-    total = sum((kinds.get(k) or {}).get("exposed_frac") or 0.0 for k in names)
-    return min(total, exposed) if exposed is not None else total
 
 
 def host_link(gpu: dict, rs: RuleSet) -> dict[str, Any]:

@@ -27,8 +27,6 @@ CONTEXT_NAMES: dict[str, str] = {
     "comm_libraries": 'communication libraries seen, e.g. ["nccl"], ["deepep", "nccl"]',
     "comm_kinds": 'collective kinds seen, e.g. ["all_to_all", "all_reduce"]',
     "other_comm_kinds": "the collective kinds seen other than all-to-all",
-    "dp_tp_exposed_frac": "share of the step in all-reduce, reduce-scatter, all-gather, broadcast "
-    "and reduce kernels with no compute running (DP/TP collectives)",
     "straggler_rank": "rank with the most compute per step among like ranks (null with one "
     "rank, unlike ranks, ranks that share a GPU, or a skew within the noise)",
     "step_time_skew_frac": "spread of step time across like ranks, as a fraction of the mean",

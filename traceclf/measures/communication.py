@@ -13,20 +13,29 @@ from traceclf.measures.window import RankWindow
 # rules/kernels.yaml): the NVTX ranges around the launch decide them when present.
 REFINED_KINDS = ["send_recv_or_all_to_all", "send_recv", "other"]
 
+# Collective kinds of data/tensor parallelism (gradient reduction, parameter gathers, TP
+# collectives): what overlapping DP/TP communication can hide.
+DP_TP_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+
 MEASURES: dict[str, str] = {
     "a2a_frac": "union of all-to-all kernels (EP dispatch/combine)",
     "a2a_exposed_frac": "all-to-all time with no compute kernel running",
+    "dp_tp_exposed_frac": "union of all-reduce, reduce-scatter, all-gather, broadcast and reduce "
+    "kernels (DP/TP collectives) with no compute kernel running",
 }
 
 
-def by_kind(w: RankWindow) -> dict[str, dict[str, float]]:
-    """Per collective kind: share of the window, exposed share, kernel count, libraries."""
-    comm = refine_kinds(w.kern.filter(pl.col("is_comm")), w)
+def refined(w: RankWindow) -> pl.DataFrame:
+    """The window's communication kernels, their kinds refined (:func:`refine_kinds`)."""
+    return refine_kinds(w.kern.filter(pl.col("is_comm")), w)
+
+
+def by_kind(w: RankWindow, comm: pl.DataFrame) -> dict[str, dict[str, float]]:
+    """Per collective kind of ``comm`` (:func:`refined`): share of the window, exposed share,
+    kernel count, libraries."""
     out: dict[str, dict[str, float]] = {}
     for (kind,), rows in comm.group_by(["comm_kind"]):
-        running = Busy.of(intervals.clip(rows.select("start", "end"), w.spans))
-        busy = running.total
-        exposed = busy - w.layers.compute.overlap(running)
+        busy, exposed = _busy_exposed(w, rows)
         out[str(kind)] = {
             "frac": round(busy / w.wall, 4),
             "exposed_frac": round(exposed / w.wall, 4),
@@ -39,6 +48,19 @@ def by_kind(w: RankWindow) -> dict[str, dict[str, float]]:
 def a2a(kinds: dict[str, dict[str, float]]) -> dict[str, float]:
     row = kinds.get("all_to_all", {})
     return {"a2a_frac": row.get("frac", 0.0), "a2a_exposed_frac": row.get("exposed_frac", 0.0)}
+
+
+def dp_tp_exposed(w: RankWindow, comm: pl.DataFrame) -> dict[str, float]:
+    """Exposed share of the step in DP/TP collectives: one union over their kinds (kernels of
+    two kinds running at once count once)."""
+    rows = comm.filter(pl.col("comm_kind").cast(pl.String).is_in(DP_TP_KINDS))
+    return {"dp_tp_exposed_frac": _busy_exposed(w, rows)[1] / w.wall}
+
+
+def _busy_exposed(w: RankWindow, rows: pl.DataFrame) -> tuple[int, int]:
+    """ns of the window in which one of ``rows`` runs, and of those with no compute running."""
+    running = Busy.of(intervals.clip(rows.select("start", "end"), w.spans))
+    return running.total, running.total - w.layers.compute.overlap(running)
 
 
 def refine_kinds(comm: pl.DataFrame, w: RankWindow) -> pl.DataFrame:

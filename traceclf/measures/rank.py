@@ -47,8 +47,10 @@ def measure_rank(
     m = budget.measure(w)
     path_measures, step_budget = critical_path.measure(w)
     m |= path_measures
-    comm_by_kind = communication.by_kind(w)
+    comm = communication.refined(w)
+    comm_by_kind = communication.by_kind(w, comm)
     m |= communication.a2a(comm_by_kind)
+    m |= communication.dp_tp_exposed(w, comm)
     m |= memory.copies(w)
     m |= host.calls(w)
     gaps = host.idle_gaps(w)
