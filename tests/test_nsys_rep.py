@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_TRACE, fixture_trace
 from helpers.cli import run_cli
-from helpers.fake_nsys import invocations, write_fake_nsys, write_fake_report
+from helpers.fake_nsys import help_calls, invocations, write_fake_nsys, write_fake_report
 from helpers.files import copy_export, file_state, folder_listing
 
 from traceclf.ingest.exportstamp import is_export_of
@@ -70,6 +70,31 @@ def test_found_via_nsys_argument(env: Path, report: Path, nsys: Path, log: Path)
     assert kernels_of(export) == kernels_of(fixture_trace(SMALL_TRACE))
     (call,) = invocations(log)
     assert call.startswith("export --type sqlite --output ") and call.endswith(str(report))
+
+
+def test_export_asks_for_nvtx_payload_blobs_once_per_nsys(
+    env: Path, report: Path, nsys: Path, log: Path
+) -> None:
+    """An nsys whose ``export --help`` lists --include-blobs (2025.3) exports with
+    ``--include-blobs=true``: NCCL's message sizes and communicators reach the export only so.
+    Its help is asked once, however many reports it exports."""
+    other = write_fake_report(report.with_name("other.nsys-rep"), fixture_trace(SMALL_TRACE))
+    resolve_inputs([str(report)], nsys=nsys)
+    resolve_inputs([str(other)], nsys=nsys)
+    calls = invocations(log)
+    assert len(calls) == 2
+    assert all(" --include-blobs=true " in call for call in calls)
+    assert help_calls(log) == 1
+
+
+def test_older_nsys_exports_without_the_blobs_option(env: Path, report: Path, log: Path) -> None:
+    """An nsys whose help does not list --include-blobs (it would reject it) exports without
+    it, and the export is read as usual."""
+    older = write_fake_nsys(env / "nsys-2023.4", log, blobs=False)
+    (export,) = resolve_inputs([str(report)], nsys=older)
+    (call,) = invocations(log)
+    assert "--include-blobs" not in call
+    assert kernels_of(export) == kernels_of(fixture_trace(SMALL_TRACE))
 
 
 def test_found_via_environment(report: Path, nsys: Path, log: Path, monkeypatch) -> None:

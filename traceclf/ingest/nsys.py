@@ -12,11 +12,16 @@ folder of its own (``.traceclf-export-*``, marked as traceclf's) and the export 
 place, so two traceclf runs exporting one report at once both get a whole file. What nsys
 leaves must be a regular SQLite export (a symlink there is never followed or stamped). Exports made by earlier traceclf versions in ``.traceclf-cache/`` beside
 the report are still reused, never written.
+
+NCCL's NVTX payload values (communicators, message sizes) reach an export only as binary blobs:
+traceclf asks for them with ``--include-blobs=true`` whenever the nsys at hand knows the option
+(nsys 2025.3 does; ``nsys export --help`` is asked once per nsys binary).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -36,6 +41,13 @@ REPORT_SUFFIXES = (".nsys-rep", ".qdrep")  # .qdrep: reports of nsys before 2021
 CACHE_FOLDER = ".traceclf-cache"
 HEAD_BYTES = 1 << 20
 TERMINATE_GRACE_S = 5.0
+# NVTX extended payloads (NCCL's communicator ids and message sizes) as binary data; nsys
+# leaves them out unless asked, and nsys releases before the option reject it.
+BLOBS_OPTION = "--include-blobs"
+# How traceclf exports, as part of an export's identity: exports made before traceclf asked for
+# the blobs are made again, once.
+EXPORT_OPTIONS = "blobs"
+HELP_TIMEOUT_S = 60
 
 
 def find_nsys(explicit: Path | None = None) -> Path | None:
@@ -53,11 +65,42 @@ def find_nsys(explicit: Path | None = None) -> Path | None:
 
 
 def report_key(report: Path) -> str:
-    """Identity of a report's content: size, mtime and a hash of its first MiB."""
+    """Identity of a report's content (size, mtime and a hash of its first MiB) and of the
+    options traceclf exports it with."""
     st = report.stat()
     with report.open("rb") as f:
         head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()[:16]
-    return f"{st.st_size}-{st.st_mtime_ns}-{head}"
+    return f"{st.st_size}-{st.st_mtime_ns}-{head}-{EXPORT_OPTIONS}"
+
+
+def export_options(nsys: Path) -> list[str]:
+    """The options beyond ``--type sqlite`` this nsys is given: ``--include-blobs=true`` when
+    its ``export --help`` lists the option."""
+    try:
+        st = nsys.stat()
+    except OSError:
+        return []
+    return [f"{BLOBS_OPTION}=true"] if _knows_blobs(str(nsys), st.st_size, st.st_mtime_ns) else []
+
+
+@functools.cache
+def _knows_blobs(nsys: str, size: int, mtime_ns: int) -> bool:
+    """Whether ``nsys export --help`` lists --include-blobs; asked once per binary (its size
+    and mtime name it: a replaced nsys is asked again)."""
+    del size, mtime_ns  # (the cache key only)
+    try:
+        done = subprocess.run(
+            [nsys, "export", "--help"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=HELP_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return BLOBS_OPTION in f"{done.stdout}\n{done.stderr}"
 
 
 def export_report(
@@ -173,6 +216,7 @@ def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
         "sqlite",
         "--output",
         str(tmp.absolute()),
+        *export_options(nsys),
         str(report.absolute()),
     ]
     try:
