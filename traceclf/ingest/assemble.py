@@ -30,6 +30,8 @@ from traceclf.ingest.devices import (
     read_threads,
 )
 from traceclf.ingest.hosttables import empty_host_side, read_host_side
+from traceclf.ingest.nccl_calls import empty as nccl_empty
+from traceclf.ingest.nccl_calls import read_nccl_calls
 from traceclf.ingest.reader import Reader, Span, decode_pid, release_read_buffers
 from traceclf.model.trace import Trace
 from traceclf.support.errors import TraceError, TraceWarning
@@ -249,6 +251,10 @@ def build_trace(
     if nvtx_span is not None:
         nvtx = nvtx.filter((pl.col("start") < nvtx_span[1]) & (pl.col("end") > nvtx_span[0]))
 
+    step("NCCL payloads")
+    # (whole capture, like the NVTX ranges: a few per collective; no measure depends on them)
+    nccl = optional(reader, "NCCL payload values", lambda: read_nccl_calls(reader), nccl_empty())
+
     step("memory")
     memory = read("memory")  # instants; the whole capture is needed for the peak
     memory = usable(memory, "memory", unusable)
@@ -328,6 +334,7 @@ def build_trace(
         device_map=device_map,
         threads=threads,
         events=events,
+        nccl=nccl,
         session=session,
         nccl_payload=payload,
         unusable_rows=dict(sorted(unusable.items())),

@@ -23,6 +23,7 @@ LOAD_STAGES = (
     "CUDA API",
     "syncs",
     "NVTX",
+    "NCCL payloads",
     "memory",
     "GPU metrics",
     "host side",

@@ -37,6 +37,10 @@ Frames and their columns
   timestamp, pid, severity, source, text); ``host_sources`` names the host sources the export
   holds (nvtx, cuda_api, osrt, sampling, python_sampling, sched), ``host_notes`` why one of
   them was not read
+- ``nccl``: NCCL's NVTX ranges that carry a payload, decoded (ingest/nccl_calls.py): start,
+  end, pid, global_tid, call (ncclAllReduce, ncclSend, ncclCommInitRankConfig, ...), comm_id,
+  nranks, rank, bytes (NCCL's message size), peer, root, reduce_op; empty without payload
+  values (an export made without ``--include-blobs=true``)
 
 Event frames come in ``start`` order (flagged sorted when they are) as nsys writes them; rows
 no measure can use (no time, an end before the start, no process) are left out and counted in
@@ -82,6 +86,7 @@ class Trace:
     # "values" | "declared_empty" | "absent": NCCL's NVTX payload (ingest/devices.nccl_payload)
     nccl_payload: str = "absent"
     events: pl.DataFrame = field(default_factory=pl.DataFrame)
+    nccl: pl.DataFrame = field(default_factory=pl.DataFrame)
     # utc_offset_ns (session timestamp + offset = UTC ns) and host: to align several exports
     session: dict = field(default_factory=dict)
     # rows left out as unusable, by "<frame>.<reason>" (no_time, end_before_start, no_process)
@@ -124,6 +129,7 @@ class Trace:
         "py_frames",
         "sched",
         "diagnostics",
+        "nccl",
     )
     # Frames of events that belong to one process (for_pid keeps only that process's rows);
     # the others describe the machine (GPUs, metrics, processes, threads) or the capture
@@ -141,6 +147,7 @@ class Trace:
         "samples",
         "py_frames",
         "sched",
+        "nccl",
     )
 
     @property
