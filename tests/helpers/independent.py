@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import sqlite3
 import statistics
+import struct
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -217,6 +218,95 @@ def read_export(path: Path) -> dict[str, list[dict]]:
     return out
 
 
+# NCCL's payload entries (src/include/nvtx_payload_schemas.h) and how each value is stored
+NCCL_ENTRIES = {
+    "NCCL communicator ID": ("comm", "<Q"),
+    "No. of ranks": ("nranks", "<i"),
+    "Rank": ("rank", "<i"),
+    "Message size [bytes]": ("bytes", "<Q"),
+    "Peer rank": ("peer", "<i"),
+}
+
+
+@cache
+def nccl_calls(path: Path) -> list[dict]:
+    """Every NVTX event of an NCCL domain that carries a payload, decoded by hand: the blob is
+    ``u64 count``, ``count x {u64 schemaId, u64 size, u64 offset}``, then the payloads; each
+    value sits at its schema entry's offset (NULL: 0). Rows: start, end, pid, tid, call (the
+    range's name), and comm, nranks, rank, bytes, peer where the schema has them."""
+    con = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    cols = {r[1] for r in con.execute("PRAGMA table_info(NVTX_EVENTS)")}
+    if "NVTX_PAYLOAD_SCHEMA_ENTRIES" not in tables or "binaryData" not in cols:
+        return []
+    offsets: dict[int, dict[str, int]] = {}
+    for schema, name, offset in con.execute(
+        "SELECT DISTINCT schemaId, name, coalesce(offset, 0) FROM NVTX_PAYLOAD_SCHEMA_ENTRIES"
+    ):
+        if name in NCCL_ENTRIES:
+            offsets.setdefault(schema, {})[name] = offset
+    nccl_domains = set(
+        con.execute(
+            f"SELECT DISTINCT {PID.format('globalTid')}, domainId FROM NVTX_EVENTS "
+            "WHERE eventType = 75 AND text = 'NCCL'"
+        )
+    )
+    strings = dict(con.execute("SELECT id, value FROM StringIds"))
+    out = []
+    for start, end, tid, domain, text_id, blob in con.execute(
+        "SELECT start, end, globalTid, domainId, textId, CAST(binaryData AS BLOB) "
+        "FROM NVTX_EVENTS WHERE binaryData IS NOT NULL"
+    ):
+        pid = (tid >> 24) & 0xFFFFFF
+        if (pid, domain) not in nccl_domains:
+            continue
+        (count,) = struct.unpack_from("<Q", blob, 0)
+        for k in range(count):
+            schema, _, at = struct.unpack_from("<QQQ", blob, 8 + 24 * k)
+            if "NCCL communicator ID" not in offsets.get(schema, {}):
+                continue
+            row = {"start": start, "end": end, "pid": pid, "tid": tid}
+            row["call"] = strings.get(text_id, "")
+            for name, offset in offsets[schema].items():
+                key, fmt = NCCL_ENTRIES[name]
+                (row[key],) = struct.unpack_from(fmt, blob, at + offset)
+            out.append(row)
+    con.close()
+    return sorted(out, key=lambda r: r["start"])
+
+
+def grouped_peers(path: Path, pid: int, tid: int, launch: int) -> tuple[int, int, int] | None:
+    """For a launch inside ``ncclGroupEnd``: (communicator, ranks it reached, ranks of the
+    communicator), from the ncclSend/ncclRecv payloads since the group's ``ncclGroupStart``
+    on the thread; None when the launch is in no group or the group holds no send/recv."""
+    ex = read_export(path)
+    mine = [n for n in ex["nvtx"] if n["tid"] == tid]
+    end = [n for n in mine if n["text"] == "ncclGroupEnd" and n["start"] <= launch <= n["end"]]
+    if not end:
+        return None
+    begun = [
+        n["start"] for n in mine if n["text"] == "ncclGroupStart" and n["start"] <= end[0]["start"]
+    ]
+    if not begun:
+        return None
+    lo, hi = max(begun), end[0]["end"]
+    calls = nccl_calls(path)
+    p2p = [
+        c
+        for c in calls
+        if c["tid"] == tid and c["call"] in ("ncclSend", "ncclRecv") and lo <= c["start"] <= hi
+    ]
+    if not p2p or len({c["comm"] for c in p2p}) != 1:
+        return None
+    comm = p2p[0]["comm"]
+    sizes = [
+        c["nranks"] for c in calls if c["pid"] == pid and c.get("comm") == comm and "nranks" in c
+    ]
+    if not sizes:
+        return None
+    return comm, len({c["peer"] for c in p2p}), max(sizes)
+
+
 def rank_pids(path: Path) -> list[int]:
     """One rank per process that ran GPU work (kernels, graphs, copies)."""
     ex = read_export(path)
@@ -248,7 +338,7 @@ def rank_measures(
     ex = read_export(path)
     mine = {t: [r for r in rows if r.get("pid") == pid] for t, rows in ex.items()}
     lo, hi = window
-    w = Window(mine, lo, hi, max(hi - lo, 1), max(steps, 1), gpu_of(path, pid), source)
+    w = Window(mine, lo, hi, max(hi - lo, 1), max(steps, 1), gpu_of(path, pid), source, path)
     return (
         _budget(w)
         | _communication(w)
@@ -269,6 +359,7 @@ class Window:
     steps: int
     gpu: dict | None
     source: str = "none"  # how the steps were found (the report's steps.source)
+    path: Path | None = None  # the export (NCCL's payloads are read from it when needed)
 
     def __post_init__(self) -> None:
         lo, hi, rows = self.lo, self.hi, self.rows
@@ -378,7 +469,9 @@ def _communication(w: Window) -> dict:
     kernel comes from its name (taxonomy.comm_kinds); a SendRecv ("send_recv_or_all_to_all",
     "send_recv" or "other")
     takes the kind of the innermost collective NVTX range open on the launching thread at the
-    launch, PyTorch's ``nccl:*`` ranges before NCCL's own (taxonomy.nvtx_collectives)."""
+    launch, PyTorch's ``nccl:*`` ranges before NCCL's own (taxonomy.nvtx_collectives); with no
+    such range, a launch inside ``ncclGroupEnd`` whose group's sends and receives reach every
+    rank of their communicator is all-to-all, else send/recv (NCCL's payloads)."""
     tax = taxonomy()
     launch = {a["corr"]: a for a in w.rows["api"]}
     ranges: dict[int, list[tuple]] = {}
@@ -396,7 +489,11 @@ def _communication(w: Window) -> dict:
         if kind in ("send_recv_or_all_to_all", "send_recv", "other") and call:
             around = [r for r in ranges.get(call["tid"], ()) if r[0] <= call["start"] <= r[1]]
             around.sort(key=lambda r: (sources.index(r[2]), -r[0]))
-            kind = around[0][3] if around else kind
+            group = None if around else grouped_peers(w.path, k["pid"], call["tid"], call["start"])
+            if around:
+                kind = around[0][3]
+            elif group is not None:  # a group of sends and receives that reaches every rank
+                kind = "all_to_all" if group[1] >= group[2] else "send_recv"
         kinds.append(kind)
     a2a = [
         (k["start"], k["end"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import polars as pl
 
 from traceclf.measures import intervals
+from traceclf.measures.comm_calls import kernel_calls
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
 
@@ -67,10 +68,39 @@ def refine_kinds(comm: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     """NCCL runs all-to-all and P2P through one SendRecv kernel; the NVTX ranges around the
     launching call say which it was. Sources are tried strongest first (rules/kernels.yaml:
     PyTorch's ``nccl:all_to_all`` before NCCL's own ``ncclAlltoAll``); within one source the
-    ranges do not nest, so the latest one starting before the launch is the only candidate."""
+    ranges do not nest, so the latest one starting before the launch is the only candidate.
+    Where no range names it, NCCL's payloads can: a group of sends and receives that reaches
+    every rank of its communicator is an all-to-all, one that reaches fewer is send/recv.
+
+    Adds the NCCL call behind each kernel (:func:`traceclf.measures.comm_calls.kernel_calls`:
+    ``comm_id``, ``call``, ``msg_bytes``, ``peers``, ``nranks``; nulls where no payload says)."""
+    calls = kernel_calls(w.trace, comm)
+    comm = comm.join(calls, on="correlation_id", how="left")
+    by_peers = (
+        pl.when(pl.col("peers") >= pl.col("nranks"))
+        .then(pl.lit("all_to_all"))
+        .when(pl.col("peers").is_not_null() & pl.col("nranks").is_not_null())
+        .then(pl.lit("send_recv"))
+    )
+    named = _nvtx_kinds(comm, w)
+    if named is not None:
+        comm = comm.join(named, on="correlation_id", how="left")
+    else:
+        comm = comm.with_columns(nvtx_kind=pl.lit(None, pl.String))
+    return comm.with_columns(
+        comm_kind=pl.when(pl.col("comm_kind").is_in(REFINED_KINDS))
+        .then(pl.coalesce("nvtx_kind", by_peers, pl.col("comm_kind").cast(pl.String)))
+        .otherwise(pl.col("comm_kind").cast(pl.String))
+        .cast(comm.schema["comm_kind"])
+    ).drop("nvtx_kind")
+
+
+def _nvtx_kinds(comm: pl.DataFrame, w: RankWindow) -> pl.DataFrame | None:
+    """(correlation_id, nvtx_kind) of the kernels a collective NVTX range names, strongest
+    source first; None when no range names any."""
     trace = w.trace
     if comm.is_empty() or trace.nvtx.is_empty():
-        return comm
+        return None
     calls = trace.call_index  # the call that launched each kernel, by correlationId
     launches = (
         comm.select(
@@ -101,19 +131,8 @@ def refine_kinds(comm: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
             .unique("correlation_id")
         )
     if not found:
-        return comm
+        return None
     tagged = comm.select("correlation_id").unique()
     for table in found:
         tagged = tagged.join(table, on="correlation_id", how="left")
-    tagged = tagged.select("correlation_id", nvtx_kind=pl.coalesce([t.columns[1] for t in found]))
-    return (
-        comm.join(tagged, on="correlation_id", how="left")
-        .with_columns(
-            comm_kind=pl.when(
-                pl.col("comm_kind").is_in(REFINED_KINDS) & pl.col("nvtx_kind").is_not_null()
-            )
-            .then(pl.col("nvtx_kind"))
-            .otherwise(pl.col("comm_kind"))
-        )
-        .drop("nvtx_kind")
-    )
+    return tagged.select("correlation_id", nvtx_kind=pl.coalesce([t.columns[1] for t in found]))
