@@ -29,8 +29,11 @@ MAX_HOPS = 64  # longest dependency chain followed inside one gap
 BATCH = 1 << 18  # gaps attributed at once (each batch holds a few dozen arrays of this size)
 LAUNCH_STARVED, HOST_SYNC = CLASSES.index("launch_starved"), CLASSES.index("blocking_host_sync")
 STALLED, UNRESOLVED = CLASSES.index("dependency_stalled"), CLASSES.index("unresolved")
-# A piece of a gap: start, end (ns) and its class (index into CLASSES, one or one per piece).
-Piece = tuple[np.ndarray, np.ndarray, np.ndarray | int]
+# A piece of a gap: start, end (ns), its class (index into CLASSES, one or one per piece) and
+# the operation that ran then (its id, one per piece) where the piece is a producer's run, -1
+# where no operation ran (launch-starved, stalled, unresolved, a sync's return latency).
+Piece = tuple[np.ndarray, np.ndarray, np.ndarray | int, np.ndarray | int]
+NO_OP = -1
 
 
 def kind_is(ops: pl.DataFrame, kinds: tuple[str, ...]) -> np.ndarray:
@@ -212,7 +215,7 @@ def _attribute(
     pos = np.searchsorted(k_start, ge, side="left")
     found = pos < len(k_start)
     cur = np.where(found, k_op[np.minimum(pos, max(len(k_op) - 1, 0))], 0) if len(k_op) else pos
-    yield gs[~found], ge[~found], UNRESOLVED
+    yield gs[~found], ge[~found], UNRESOLVED, NO_OP
     gs, ge, cur = gs[found], ge[found], cur[found]
     launch = ops.launch[0][cur], ops.launch[1][cur]
     known = launch[1]
@@ -221,7 +224,7 @@ def _attribute(
     stalled = np.where(known, STALLED, UNRESOLVED)
     ready, has_ready = _max_valid((ops.dep[0][cur], ops.dep[1][cur]), launch)
     ready = np.where(has_ready, np.clip(ready, lo, ge), lo)
-    yield ready, ge, np.where(ops.unresolved[cur], UNRESOLVED, stalled)
+    yield ready, ge, np.where(ops.unresolved[cur], UNRESOLVED, stalled), NO_OP
     starved = gs[known], lo[known]
     seeds = [(lo, stalled, ready, ops.dep_op[cur])]
     yield from _split_host_syncs(*starved, syncs, ops, seeds)  # (adds the sync seeds)
@@ -244,12 +247,12 @@ def _split_host_syncs(
     return latency. Only the (few) intervals a call overlaps are split; the others are
     launch-starved whole."""
     if syncs is None or not len(start):
-        yield start, end, LAUNCH_STARVED
+        yield start, end, LAUNCH_STARVED, NO_OP
         return
     calls, u_start, u_end = syncs
     j = np.searchsorted(u_end, start, side="right")  # the first call stretch ending after start
     touched = (j < len(u_end)) & (u_start[np.minimum(j, len(u_end) - 1)] < end)
-    yield start[~touched], end[~touched], LAUNCH_STARVED
+    yield start[~touched], end[~touched], LAUNCH_STARVED, NO_OP
     if not touched.any():
         return
     starved = pl.DataFrame({"start": start[touched], "end": end[touched]})
@@ -257,7 +260,7 @@ def _split_host_syncs(
     tl = intervals.sweep({"ls": starved, "sync": calls}, (lo, hi))
     in_ls = tl.filter(pl.col("ls") > 0)
     free = in_ls.filter(pl.col("sync") == 0)
-    yield free["start"].to_numpy(), free["end"].to_numpy(), LAUNCH_STARVED
+    yield free["start"].to_numpy(), free["end"].to_numpy(), LAUNCH_STARVED, NO_OP
     held = intervals.union(in_ls.filter(pl.col("sync") > 0).select("start", "end"))
     # The awaited work: the last operation to finish by the time the call returned, or the
     # last one started before it if that ends within SYNC_SLACK_NS after (a pageable copy's
@@ -272,7 +275,7 @@ def _split_host_syncs(
     x_op = np.where(late, y, x_op)
     has = x_op >= 0
     x_end = np.clip(ops.end[np.maximum(x_op, 0)], h_start, h_end)
-    yield np.where(has, x_end, h_start), h_end, HOST_SYNC
+    yield np.where(has, x_end, h_start), h_end, HOST_SYNC, NO_OP
     seeds.append((h_start[has], np.full(int(has.sum()), STALLED), x_end[has], x_op[has]))
 
 
@@ -293,13 +296,13 @@ def _walk(
             (ops.dep[0][cur], ops.dep[1][cur]), (ops.launch[0][cur], ops.launch[1][cur])
         )
         ready = np.where(has, np.clip(ready, lo, run_from), lo)
-        yield run_from, t, ops.producer[cur]
-        yield ready, run_from, np.where(ops.unresolved[cur], UNRESOLVED, stalled)
+        yield run_from, t, ops.producer[cur], cur
+        yield ready, run_from, np.where(ops.unresolved[cur], UNRESOLVED, stalled), NO_OP
         nxt = ops.dep_op[cur]
         go = (ready > lo) & (nxt >= 0)
         lo, stalled, t, cur = lo[go], stalled[go], ready[go], nxt[go]
     if len(cur):  # a chain longer than max_hops: say so rather than guess
-        yield lo, t, UNRESOLVED
+        yield lo, t, UNRESOLVED, NO_OP
 
 
 def class_ns(pieces: Iterable[Piece], bounds: np.ndarray) -> np.ndarray:
@@ -308,7 +311,7 @@ def class_ns(pieces: Iterable[Piece], bounds: np.ndarray) -> np.ndarray:
     piece that spans step boundaries (rare) cut at each."""
     out = np.zeros((len(bounds) - 1, len(CLASSES)), np.int64)
     lo, hi = int(bounds[0]), int(bounds[-1])
-    for start, end, cls in pieces:
+    for start, end, cls, _ in pieces:
         start, end = np.maximum(start, lo), np.minimum(end, hi)
         keep = end > start
         start, end = start[keep], end[keep]

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import polars as pl
 
-from traceclf.measures import communication
-from traceclf.measures.window import RankWindow
-
 MAX_SHIFT = 8  # instances a rank's capture may start early or late relative to the reference
 
 INSTANCE_SCHEMA = {
@@ -38,24 +35,19 @@ def matched(ranks: list[dict]) -> tuple[dict, dict[int, float], str, float]:
     return wait_transfer(instances), refined, how, spread
 
 
-def collectives_of(w: RankWindow) -> dict[str, list]:
-    """Every collective kernel of the rank in the capture (not only the window: matching
-    across ranks needs the order from the start), as columns stream_id, kind, start, end."""
-    kernels = w.trace.kernels
-    # the patterns run once per distinct name; only communication kernels are classified
-    names = w.taxonomy.classify(kernels.select("name").unique())
-    comm_names = names.filter(pl.col("is_comm"))["name"].implode()
-    kern = w.taxonomy.classify(
-        kernels.select("name", "pid", "stream_id", "correlation_id", "start", "end").filter(
-            pl.col("name").is_in(comm_names)
-        )
-    )
-    comm = communication.refine_kinds(kern, w).sort("start")
+def collectives_of(keyed: pl.DataFrame) -> dict[str, list]:
+    """Every collective kernel of the rank in the capture (``keyed``: its communication kernels
+    with their communicators, :func:`traceclf.measures.communicators.with_keys`; not only the
+    window: matching across ranks needs the order from the start), as columns stream_id, kind,
+    start, end, and the communicator (``group``), NCCL call and message bytes of each."""
     return {
-        "stream_id": comm["stream_id"].fill_null(-1).to_list(),
-        "kind": comm["comm_kind"].cast(pl.String).to_list(),
-        "start": comm["start"].to_list(),
-        "end": comm["end"].to_list(),
+        "stream_id": keyed["stream_id"].fill_null(-1).to_list(),
+        "kind": keyed["comm_kind"].cast(pl.String).to_list(),
+        "start": keyed["start"].to_list(),
+        "end": keyed["end"].to_list(),
+        "group": keyed["group"].to_list(),
+        "call": keyed["call"].to_list(),
+        "msg_bytes": keyed["msg_bytes"].to_list(),
     }
 
 

@@ -26,14 +26,25 @@ MEASURES: dict[str, str] = {
 }
 
 
-def refined(w: RankWindow) -> pl.DataFrame:
-    """The window's communication kernels, their kinds refined (:func:`refine_kinds`)."""
-    return refine_kinds(w.kern.filter(pl.col("is_comm")), w)
+def all_comm(w: RankWindow) -> pl.DataFrame:
+    """The rank's communication kernels of the whole capture (not only the window: matching
+    across ranks needs their order from the start, and a kernel that blocks the window may
+    start before it), classified, kinds refined (:func:`refine_kinds`), in start order."""
+    kernels = w.trace.kernels
+    # the patterns run once per distinct name; only communication kernels are classified
+    names = w.taxonomy.classify(kernels.select("name").unique())
+    comm_names = names.filter(pl.col("is_comm"))["name"].implode()
+    kern = w.taxonomy.classify(
+        kernels.select("name", "pid", "stream_id", "correlation_id", "start", "end").filter(
+            pl.col("name").is_in(comm_names)
+        )
+    )
+    return refine_kinds(kern, w).sort("start")
 
 
 def by_kind(w: RankWindow, comm: pl.DataFrame) -> dict[str, dict[str, float]]:
-    """Per collective kind of ``comm`` (:func:`refined`): share of the window, exposed share,
-    kernel count, libraries."""
+    """Per collective kind of ``comm`` (the window's communication kernels, kinds refined):
+    share of the window, exposed share, kernel count, libraries."""
     out: dict[str, dict[str, float]] = {}
     for (kind,), rows in comm.group_by(["comm_kind"]):
         busy, exposed = _busy_exposed(w, rows)

@@ -79,9 +79,13 @@ BUDGET_COLUMNS = (
 )
 
 
-def measure(w: RankWindow) -> tuple[dict[str, float | int | None], list[dict]]:
-    """The critical-path measures of one rank and its per-step budget (ms per step)."""
-    ops, per_step = budget_ns(w)
+def measure(
+    w: RankWindow, comm_blocking: list[CommBlocking] | None = None
+) -> tuple[dict[str, float | int | None], list[dict]]:
+    """The critical-path measures of one rank and its per-step budget (ms per step); with
+    ``comm_blocking``, the blocking pieces whose producer is a communication kernel are
+    appended to it (:func:`budget_ns`)."""
+    ops, per_step = budget_ns(w, comm_blocking)
     total = per_step.drop("step_start").sum().row(0, named=True)
     wall = w.wall
 
@@ -108,24 +112,54 @@ def measure(w: RankWindow) -> tuple[dict[str, float | int | None], list[dict]]:
     return m, [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
 
 
-def budget_ns(w: RankWindow) -> tuple[pl.DataFrame, pl.DataFrame]:
+def budget_ns(
+    w: RankWindow, comm_blocking: list[CommBlocking] | None = None
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The rank's operations (kind, start, end, transfer, unresolved_wait), and the budget of
     every steady step in ns (:func:`step_budget`; one row for the whole window when there are
-    no steps)."""
-    ops, arrays = _rank_ops(w)
+    no steps). With ``comm_blocking``, each batch of blocking pieces whose producer is a
+    communication kernel is appended to it as (start, end, the kernel's correlationId): what
+    each communicator blocked."""
+    ops, arrays, collectives = _rank_ops(w)
     # (the window may be several spans: gaps end at a span's edge, nothing between spans counts)
     gaps = pl.concat([compute_gaps(ops, span) for span in intervals.spans_of(w.spans)])
     pieces = attribute_gaps(gaps, arrays, _host_holds(w))  # (consumed by step_budget)
+    if comm_blocking is not None:
+        pieces = _collect_comm(pieces, collectives, comm_blocking)
     steps = w.steps.steady["gpu_start"].to_list() if w.steps.count else []
     return ops, step_budget(ops, pieces, w.spans, steps)
 
 
-def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, Ops]:
+# Blocking pieces of communication producers: start, end (ns), the kernel's correlationId.
+CommBlocking = tuple[np.ndarray, np.ndarray, np.ndarray]
+BLOCKING_COMM = CLASSES.index("blocking_comm")
+
+
+def _collect_comm(
+    pieces: Iterable[Piece],
+    collectives: tuple[np.ndarray, np.ndarray],
+    into: list[CommBlocking],
+) -> Iterable[Piece]:
+    """``pieces`` as they are, appending to ``into`` those whose producer is a communication
+    kernel (``collectives``: their operation ids, sorted, and correlationIds)."""
+    ids, corr = collectives
+    for piece in pieces:
+        start, end, cls, op = piece
+        if not isinstance(op, int) and len(ids):
+            mine = (np.asarray(cls) == BLOCKING_COMM) & (end > start)
+            if mine.any():
+                at = np.searchsorted(ids, op[mine])
+                into.append((start[mine], end[mine], corr[np.minimum(at, len(ids) - 1)]))
+        yield piece
+
+
+def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, Ops, tuple[np.ndarray, np.ndarray]]:
     """The rank's GPU operations from the window's start on (a producer that matters ends
     inside the window; the compute that ends the last gap may start after it): the columns
     the budget reads (kind, start, end, transfer, unresolved_wait), and the arrays the split
     walks (:class:`~traceclf.measures.attribution.Ops`: launch call's end, dependencies).
-    Dependencies come as arrays, not columns: millions of rows are not converted twice."""
+    Dependencies come as arrays, not columns: millions of rows are not converted twice. Also
+    the ids of the communication kernels among them and their correlationIds."""
     trace, lo = w.trace, w.window[0]
     kernels = trace.kernels
     names = (
@@ -140,15 +174,18 @@ def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, Ops]:
     waits = dependencies.stream_waits(trace.syncs, calls)
     dep_end, dep_op, unresolved = dependencies.resolve_arrays(raw, waits, trace.events, rows)
     launch = _launch_ends(calls, raw)
+    corr = raw["correlation_id"].to_numpy()
     ops = raw.select("kind", "start", "end", "transfer")
     del raw
     if rows is not None:
         ops = ops[pl.Series(rows)]
         launch = launch[0][rows], launch[1][rows]
+    coll = np.flatnonzero(kind_is(ops, ("collective",)))
+    collectives = coll, corr[rows[coll] if rows is not None else coll]
     ops = ops.with_columns(unresolved_wait=pl.Series(unresolved))
     has_dep = dep_end != dependencies.NULL
     dep_end[~has_dep] = 0  # (in place: Ops reads a null as 0 and not valid)
-    return ops, Ops.of_arrays(ops, launch, (dep_end, has_dep), dep_op, unresolved)
+    return ops, Ops.of_arrays(ops, launch, (dep_end, has_dep), dep_op, unresolved), collectives
 
 
 def _launch_ends(calls: CallIndex, ops: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:

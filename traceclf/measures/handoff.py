@@ -38,6 +38,8 @@ class RankMeasures:
     step_kernels: dict = field(default_factory=dict)
     # where the GPU's idle time went on the host, by source (measures/hostsources.py)
     host_attribution: list[dict] = field(default_factory=list)
+    # per communicator: kinds, calls, bytes, exposed and blocking time (measures/communicators.py)
+    comm_groups: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,12 @@ from traceclf.measures import (
     capture,
     collectives,
     communication,
+    communicators,
     compute,
     critical_path,
     host,
     hostsources,
+    intervals,
     memory,
     phases,
     series,
@@ -45,9 +47,11 @@ def measure_rank(
 
     w = prepare(trace, steps, gpu, taxonomy or bundled())
     m = budget.measure(w)
-    path_measures, step_budget = critical_path.measure(w)
+    comm_blocking: list = []
+    path_measures, step_budget = critical_path.measure(w, comm_blocking)
     m |= path_measures
-    comm = communication.refined(w)
+    keyed = communicators.with_keys(communication.all_comm(w))
+    comm = intervals.clip(keyed, w.spans)
     comm_by_kind = communication.by_kind(w, comm)
     m |= communication.a2a(comm_by_kind)
     m |= communication.dp_tp_exposed(w, comm)
@@ -77,7 +81,8 @@ def measure_rank(
         gpu_metrics_series=series.metric_series(gpu_samples, steps.spans),
         idle_nvtx=host.idle_by_nvtx(gaps, w),
         step_budget=step_budget,
-        collectives=collectives.collectives_of(w),
+        collectives=collectives.collectives_of(keyed),
+        comm_groups=communicators.groups_of(w, keyed, comm_blocking),
         phases=phases.phase_table(w, gaps, phase_spans),
         step_lanes=series.step_lanes(w, phase_spans),
         memory_series=series.memory_series(

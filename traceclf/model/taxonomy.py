@@ -68,6 +68,11 @@ class Taxonomy(TaxonomyTables):
             expr = pl.when(cond).then(pl.lit(entry.kind)).otherwise(expr)
         return expr
 
+    def comm_dimension(self, col: str = "text") -> pl.Expr:
+        """The parallel dimension an NVTX range's name says the communication inside it
+        serves (ep, dp, tp, pp, cp; null: it says none)."""
+        return first_match(col, self.comm_dimensions, None)
+
     def host_activity(self, col: str = "text") -> pl.Expr:
         """What an NVTX range says the host was doing (compile, data, ...; null: unknown)."""
         return first_match(col, self.host_activities, None)

@@ -95,7 +95,8 @@ class GpuFamily:
 
 @dataclass(frozen=True)
 class HostLink:
-    """The link between a GPU and host memory: its name and GB/s per direction."""
+    """A GPU's link to host memory (``host_links``) or to the other GPUs of its host
+    (``peer_links``): its name and GB/s per direction."""
 
     name: str
     gbps: float
@@ -381,8 +382,8 @@ def parse_family(raw: Any, path: Path, index: int) -> GpuFamily:
     return GpuFamily(e.text("family"), _linear_pattern(e), path)
 
 
-def parse_host_link(raw: Any, path: Path, index: int) -> HostLink:
-    e = _Entry(raw, path, "host link", index, ("link", "gbps", "match"), ())
+def parse_host_link(raw: Any, path: Path, index: int, kind: str = "host link") -> HostLink:
+    e = _Entry(raw, path, kind, index, ("link", "gbps", "match"), ())
     pattern = _linear_pattern(e)
     gbps = raw["gbps"]
     if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not 0 < gbps < 1e5:

@@ -5,7 +5,9 @@ the file and the entry.
 Kinds of entries (docs/rules.md): ``rules`` (a condition on the measures, a score for one
 wall, an evidence sentence, the fix ids it proposes), ``fixes`` (what to change, when it
 applies, how to tell it is already applied), ``gpu_families`` (GPU name/chip -> family),
-``host_links``, ``scoring`` (workflow order and score thresholds), ``thresholds`` (the numbers
+``host_links``, ``peer_links`` (GPU name/chip -> the link to the other GPUs of its host),
+``communicators`` (what a communicator's collectives say about its parallel dimension, NCCL's
+bandwidth formulas), ``scoring`` (workflow order and score thresholds), ``thresholds`` (the numbers
 that decide verdicts, stragglers, abstentions and fixes), ``definitions`` (named expressions) and the ``taxonomy`` of kernels, CUDA calls and NVTX ranges (rules/kernels.yaml),
 returned as plain tables (:mod:`traceclf.model.taxonomy` makes them polars expressions).
 
@@ -26,6 +28,7 @@ from typing import Any
 
 from traceclf.rulebook import stamp
 from traceclf.rulebook.capturequality import CaptureQuality, parse_capture
+from traceclf.rulebook.communicators import CommRules, parse_communicators
 from traceclf.rulebook.entries import (
     Definition,
     Fix,
@@ -87,6 +90,10 @@ class RuleSet:
     folders: list[Path]
     taxonomy: TaxonomyTables
     host_links: list[HostLink] = field(default_factory=list)
+    # the link between a GPU and the other GPUs of its host (NVLink, PCIe), matched like
+    # host_links
+    peer_links: list[HostLink] = field(default_factory=list)
+    communicators: CommRules = field(default_factory=CommRules)
     # the measures and context names the rules were checked against (the judge's environment)
     names: frozenset[str] = frozenset()
     # every number that decides a verdict, a straggler, an abstention or a fix, by name
@@ -198,6 +205,7 @@ def _parse(
     fixes: dict[str, Fix] = {}
     families: list[GpuFamily] = []
     host_links: list[HostLink] = []
+    peer_links: list[HostLink] = []
     scoring_raw: dict[str, tuple[Any, Path]] = {}
     for files in docs:
         layer = _parse_layer(files, names)
@@ -211,6 +219,7 @@ def _parse(
         taken = {f.family for f in layer["families"]}
         families = layer["families"] + [f for f in families if f.family not in taken]
         host_links = layer["host_links"] + host_links
+        peer_links = layer["peer_links"] + peer_links
         scoring_raw |= layer["scoring"]
     scoring = parse_scoring(scoring_raw, names)
     ruleset = RuleSet(
@@ -222,6 +231,8 @@ def _parse(
         folders,
         parse_taxonomy(docs),
         host_links,
+        peer_links,
+        parse_communicators(docs),
         names=known,
         thresholds=thresholds,
         capture=parse_capture(docs, names),
@@ -237,6 +248,7 @@ def _parse_layer(files: list[tuple[Path, dict]], names: frozenset[str]) -> dict[
         "fixes": {},
         "families": [],
         "host_links": [],
+        "peer_links": [],
         "scoring": {},
     }
     for path, doc in files:
@@ -249,6 +261,10 @@ def _parse_layer(files: list[tuple[Path, dict]], names: frozenset[str]) -> dict[
             _add_unique(out["fixes"], parse_fix(raw, path, i, names), path, "fix")
         out["host_links"] += [
             parse_host_link(raw, path, i) for i, raw in enumerate(_entries(doc, "host_links", path))
+        ]
+        out["peer_links"] += [
+            parse_host_link(raw, path, i, "peer link")
+            for i, raw in enumerate(_entries(doc, "peer_links", path))
         ]
         out["families"] += [
             parse_family(raw, path, i) for i, raw in enumerate(_entries(doc, "gpu_families", path))

@@ -52,6 +52,9 @@ class TaxonomyTables:
     nvtx_collectives: tuple[NvtxCollective, ...]
     host_activities: Table
     nvtx: dict[str, str] = field(hash=False)  # step, forward, backward, optimizer
+    # NVTX range names that say which parallel dimension (ep, dp, tp, pp, cp) the
+    # communication launched inside serves
+    comm_dimensions: Table = ()
     fp8_gemm: str = ""
     cuda_api: dict[str, str] = field(default_factory=dict, hash=False)  # sync, launch, ...
     training: dict[str, str] = field(default_factory=dict, hash=False)  # backward_kernel, ...
@@ -74,6 +77,7 @@ LISTS = {
     "host_activities": "activity",
     "osrt_calls": "call_class",
     "diagnostics": "kind",
+    "comm_dimensions": "dimension",
 }
 # optional extra fields of list entries
 EXTRA_FIELDS = {"nvtx_collectives": ("domain", "source")}
@@ -141,6 +145,7 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
         ),
         host_activities=tuple((e[0], e[1]) for e in lists["host_activities"]),
         nvtx=maps["nvtx"],
+        comm_dimensions=tuple((e[0], e[1]) for e in lists["comm_dimensions"]),
         fp8_gemm=fp8,
         cuda_api=maps["cuda_api"],
         training=maps["training"],

@@ -37,6 +37,8 @@ _TOP_KEYS = (
     "definitions",
     "gpu_families",
     "host_links",
+    "peer_links",
+    "communicators",
     "scoring",
     "taxonomy",
     "thresholds",
