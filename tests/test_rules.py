@@ -291,11 +291,15 @@ def test_dispatcher_follows_the_hardware():
 
 
 def test_fixes_already_applied_are_reported_not_proposed():
-    # DeepEP kernels in the trace: no DeepEP proposal, SM tuning instead.
-    deepep = evaluate(comm_facts(H100, libraries=("deepep",)))
+    # DeepEP kernels in the trace: no DeepEP proposal, SM tuning instead, where overlap is
+    # measured to cost compute (issue 23: SM tuning needs the overlap tax measured) ...
+    deepep = evaluate(comm_facts(H100, libraries=("deepep",), overlap_tax_frac=0.03))
     assert "deepep" not in ids(deepep)
     assert "dispatcher-sm-tuning" in ids(deepep)
     assert any("DeepEP" in a for a in deepep.applied)
+    # ... and not where nothing measured it
+    unmeasured = evaluate(comm_facts(H100, libraries=("deepep",)))
+    assert "dispatcher-sm-tuning" not in ids(unmeasured)
     # A third of the compute runs under all-to-all: EP overlap is in place.
     overlapped = evaluate(comm_facts(H100, a2a_exposed_frac=0.4, exposed_comm_frac=0.4))
     assert "ep-overlap" not in ids(overlapped)

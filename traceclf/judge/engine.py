@@ -13,6 +13,7 @@ from typing import Any
 from traceclf.judge import ceiling
 from traceclf.judge.hostverdict import capture_context, capture_options, distortions, top_context
 from traceclf.judge.vocabulary import load_rules
+from traceclf.judge.vocabulary import COMMUNICATION_FACTS, load_rules
 from traceclf.rulebook.entries import WALLS, Fix, GpuFamily, Rule, Scoring
 from traceclf.rulebook.expr import Expr
 from traceclf.rulebook.layers import RuleSet
@@ -180,6 +181,7 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
         "comm_transfer_frac": cross.get("comm_transfer_frac"),
         "last_arriver_rank": cross.get("last_arriver_rank"),
     } | host_link(gpu, rs)
+    env |= facts.get("communication") or dict.fromkeys(COMMUNICATION_FACTS)
     env |= rs.thresholds
     env |= capture_context(capture)
     env |= top_context(facts.get("host_attribution") or [], metrics.get("step_time_ms"))

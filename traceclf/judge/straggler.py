@@ -67,7 +67,7 @@ def cross_rank_block(
     }
     out |= straggler(group_spreads(prints, groups, {r for g in shared + unsure for r in g}), limits)
     out["straggler_note"] = straggler_note(out, unsure, limits)
-    out |= collective_waits(ranks)
+    out |= collective_waits(ranks, shared)
     exposed = exposed_comm(ranks) if len(ranks) >= 2 else None
     out["verdict"] = verdict(out, unsure, exposed, limits)
     return out

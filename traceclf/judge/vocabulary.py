@@ -49,6 +49,21 @@ CONTEXT_NAMES: dict[str, str] = {
     "idle_top_nvtx": "the NVTX range the host was in for the most idle GPU time (null: none)",
     "idle_top_activity": "what that range was doing per the taxonomy (compile, data, mpi, ...)",
     "idle_top_nvtx_frac": "the share of the step that range covers while the GPU idles",
+    "ep_exposed_frac": "share of the step the communicators inferred to serve EP run with no "
+    "compute (null: none is)",
+    "ep_spans_hosts": "an EP communicator's ranks are on several hosts (false: all on one; null: "
+    "the export cannot say, e.g. ranks of it are not in the capture)",
+    "ep_link_bound": "an EP communicator's bus bandwidth is at least link_bound_frac of its "
+    "link's peak (null: sizes or the link's peak not in the export)",
+    "ep_busbw_gbs": "the EP communicators' bus bandwidth (GB/s, nccl-tests' formula; the largest)",
+    "ep_link_peak_gbs": "the peak per direction of the link they cross (GB/s)",
+    "late_rank": "the rank that arrives late at matched collectives for the most time per step",
+    "late_frac": "how late it arrives, per step, as a share of the step",
+    "late_host_nvtx": "the NVTX range its host was in while its GPU idled for the most of that "
+    "lateness (null: none)",
+    "late_host_nvtx_frac": "that idle time beyond the median rank's, as a share of the step",
+    "late_compute_frac": "its compute time beyond the median rank's in those stretches, as a "
+    "share of the step",
     "link_name": "the GPU's link to host memory (hardware.yaml host_links), e.g. PCIe Gen5 x16",
     "link_gbps": "that link's bandwidth per direction in GB/s (null for an unknown GPU)",
     "host_sources": 'capture: the host sources every rank has, e.g. ["nvtx", "cuda_api", '
@@ -72,6 +87,21 @@ CONTEXT_NAMES: dict[str, str] = {
 }
 
 
+# The context names the communication block gives (judge/communicators.py rule_facts).
+COMMUNICATION_FACTS = (
+    "ep_exposed_frac",
+    "ep_spans_hosts",
+    "ep_link_bound",
+    "ep_busbw_gbs",
+    "ep_link_peak_gbs",
+    "late_rank",
+    "late_frac",
+    "late_host_nvtx",
+    "late_host_nvtx_frac",
+    "late_compute_frac",
+)
+
+
 @functools.cache
 def known_names() -> frozenset[str]:
     """Every measure and context name a rule may use (importing every measure costs a cached
@@ -90,6 +120,7 @@ JUDGE_THRESHOLDS = (
     "straggler_min_skew",
     "straggler_noise_factor",
     "wait_dominates_frac",  # the cross-rank verdict (judge/straggler.py)
+    "link_bound_frac",  # a communicator near its link's peak (judge/communicators.py)
 )
 
 

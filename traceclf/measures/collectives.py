@@ -11,19 +11,24 @@ MAX_SHIFT = 8  # instances a rank's capture may start early or late relative to 
 
 INSTANCE_SCHEMA = {
     "rank": pl.Int64,
-    "ordinal": pl.Int64,
+    "ordinal": pl.String,  # the communicator, or the stream's place in order of first use
     "kind": pl.String,
     "seq": pl.Int64,
     "start": pl.Int64,
     "end": pl.Int64,
     "in_window": pl.Boolean,
+    "row": pl.Int64,  # the collective's row in the rank's list (collectives_of)
+    "call": pl.String,
+    "msg_bytes": pl.Int64,
 }
 
 
-def matched(ranks: list[dict]) -> tuple[dict, dict[int, float], str, float]:
+def matched(ranks: list[dict]) -> tuple[dict, dict[int, float], str, float, pl.DataFrame]:
     """The collectives of ``ranks`` matched across them: wait vs transfer (the keys of the
     ``cross_rank`` block it fills), each rank's clock offset (ns), how the clocks were
-    aligned, and the spread of matched collective ends (µs)."""
+    aligned, the spread of matched collective ends (µs), and the matched instances (one row
+    per rank and collective: :data:`INSTANCE_SCHEMA`, ``instance``, aligned ``a_start`` and
+    ``a_end``)."""
     coll = pl.concat([rank_collectives(r) for r in ranks])
     offsets, how = clock_offsets(ranks)
     instances = match_instances(coll, offsets)
@@ -32,7 +37,7 @@ def matched(ranks: list[dict]) -> tuple[dict, dict[int, float], str, float]:
         how = f"{how} + matched collective ends"
         instances = realign(instances, refined)
     spread = alignment_error_us(instances, ranks[0]["rank"])
-    return wait_transfer(instances), refined, how, spread
+    return wait_transfer(instances), refined, how, spread, instances
 
 
 def collectives_of(keyed: pl.DataFrame) -> dict[str, list]:
@@ -52,19 +57,32 @@ def collectives_of(keyed: pl.DataFrame) -> dict[str, list]:
 
 
 def rank_collectives(rank: dict) -> pl.DataFrame:
-    """The rank's collectives with ``ordinal`` (its communication streams numbered by first
-    use: stream ids are per process, the order in which a rank first uses its communicators
-    is not) and ``seq`` (order within ordinal and kind)."""
+    """The rank's collectives with ``ordinal``: the communicator NCCL's payloads name (its id
+    is the same on every rank), else the rank's communication stream numbered by first use
+    (stream ids are per process, the order in which a rank first uses its communicators is
+    not); ``seq``: order within ordinal and kind; ``row``: place in the rank's list."""
     cols = rank.get("collectives") or {}
+    n = len(cols.get("start", []))
+    schema = {
+        "stream_id": pl.Int64,
+        "kind": pl.String,
+        "start": pl.Int64,
+        "end": pl.Int64,
+        "group": pl.String,
+        "call": pl.String,
+        "msg_bytes": pl.Int64,
+    }
     df = pl.DataFrame(
-        {k: cols.get(k, []) for k in ("stream_id", "kind", "start", "end")},
-        schema={"stream_id": pl.Int64, "kind": pl.String, "start": pl.Int64, "end": pl.Int64},
-    )
+        {k: cols.get(k, [None] * n) for k in schema}, schema=schema
+    ).with_row_index("row")
     lo, hi = rank.get("window") or (None, None)
     first = df.group_by("stream_id").agg(first=pl.col("start").min())
-    ordinal = first.sort("first").with_columns(ordinal=pl.int_range(pl.len()).cast(pl.Int64))
+    ordinal = first.sort("first", "stream_id").with_columns(
+        stream=pl.format("stream {}", pl.int_range(pl.len()))
+    )
     return (
-        df.join(ordinal.select("stream_id", "ordinal"), on="stream_id")
+        df.join(ordinal.select("stream_id", "stream"), on="stream_id")
+        .with_columns(ordinal=pl.coalesce("group", "stream"), row=pl.col("row").cast(pl.Int64))
         .sort("start")
         .with_columns(seq=pl.int_range(pl.len()).over("ordinal", "kind").cast(pl.Int64))
         .with_columns(
@@ -209,21 +227,10 @@ def wait_transfer(matched: pl.DataFrame) -> dict:
     duration minus that; totals per kind over instances inside every participant's window,
     the counts, and the rank that arrives last most often."""
     keys = ["ordinal", "kind", "instance"]
-    with_parts = matched.filter(pl.col("instance").is_not_null()).with_columns(
-        participants=pl.len().over(keys),
-        expected=pl.col("rank").n_unique().over("ordinal", "kind"),
-    )
-    full = with_parts.filter(
-        (pl.col("participants") >= 2) & (pl.col("participants") == pl.col("expected"))
-    )
+    full = _full(matched)
     n_matched = full.select(keys).unique().height
     unmatched = matched.height - full.height
-    inside = full.filter(pl.col("in_window").all().over(keys)).with_columns(
-        dur=pl.col("end") - pl.col("start")
-    )
-    inside = inside.with_columns(proxy=pl.col("dur").min().over(keys)).with_columns(
-        wait=pl.col("dur") - pl.col("proxy")
-    )
+    inside = _timed(full)
     total = int(inside["dur"].sum())
     wait = int(inside["wait"].sum())
     by_kind = (
@@ -259,3 +266,69 @@ def wait_transfer(matched: pl.DataFrame) -> dict:
         "last_arriver_rank": int(counts["last"][0]) if len(counts) else None,
         "last_arriver_share": round(counts["len"][0] / len(last), 3) if len(counts) else None,
     }
+
+
+def _full(matched: pl.DataFrame) -> pl.DataFrame:
+    """Matched instances every rank that uses their ordinal and kind took part in (two or
+    more)."""
+    keys = ["ordinal", "kind", "instance"]
+    with_parts = matched.filter(pl.col("instance").is_not_null()).with_columns(
+        participants=pl.len().over(keys),
+        expected=pl.col("rank").n_unique().over("ordinal", "kind"),
+    )
+    return with_parts.filter(
+        (pl.col("participants") >= 2) & (pl.col("participants") == pl.col("expected"))
+    )
+
+
+def _timed(full: pl.DataFrame) -> pl.DataFrame:
+    """The instances inside every participant's window, with each rank's duration, the
+    transfer proxy (the shortest participant's duration) and its wait (duration - proxy)."""
+    keys = ["ordinal", "kind", "instance"]
+    inside = full.filter(pl.col("in_window").all().over(keys)).with_columns(
+        dur=pl.col("end") - pl.col("start")
+    )
+    return inside.with_columns(proxy=pl.col("dur").min().over(keys)).with_columns(
+        wait=pl.col("dur") - pl.col("proxy")
+    )
+
+
+def group_transfers(matched: pl.DataFrame) -> dict[str, list[dict]]:
+    """Per communicator (ordinal), kind and NCCL call, over the matched instances inside every
+    participant's window: instances, NCCL message bytes (the participants' mean per
+    instance; null when a participant's is unknown) and transfer time (the shortest
+    participant's duration, which holds no waiting for a late rank), summed."""
+    timed = _timed(_full(matched))
+    if timed.is_empty():
+        return {}
+    keys = ["ordinal", "kind", "instance"]
+    per_instance = timed.group_by(*keys).agg(
+        pl.col("call").drop_nulls().first(),
+        msg_bytes=pl.when(pl.col("msg_bytes").null_count() == 0).then(
+            pl.col("msg_bytes").mean()
+        ),
+        transfer_ns=pl.col("proxy").first(),
+    )
+    per = (
+        per_instance.group_by("ordinal", "kind", "call")
+        .agg(
+            instances=pl.len(),
+            msg_bytes=pl.when(pl.col("msg_bytes").null_count() == 0).then(
+                pl.col("msg_bytes").sum()
+            ),
+            transfer_ns=pl.col("transfer_ns").sum(),
+        )
+        .sort("ordinal", "kind", "call", nulls_last=True)
+    )
+    out: dict[str, list[dict]] = {}
+    for row in per.iter_rows(named=True):
+        out.setdefault(row["ordinal"], []).append(
+            {
+                "kind": row["kind"],
+                "call": row["call"],
+                "instances": row["instances"],
+                "msg_bytes": None if row["msg_bytes"] is None else float(row["msg_bytes"]),
+                "transfer_ns": int(row["transfer_ns"]),
+            }
+        )
+    return out

@@ -126,9 +126,12 @@ def _skew(values: list[float | None]) -> float | None:
     return round((max(vals) - min(vals)) / statistics.mean(vals), 4)
 
 
-def collective_waits(ranks: list[dict]) -> dict:
+def collective_waits(ranks: list[dict], shared: list[list[int]] | None = None) -> dict:
     """The collectives matched across ranks (the ``cross_rank`` keys they fill: counts, wait
-    and transfer shares, by kind, the rank that arrives last) and the clock alignment; nulls
+    and transfer shares, by kind, the rank that arrives last, the late arrivals and their
+    causes: :func:`traceclf.measures.arrivals.late_arrivals`, ``shared`` the ranks that
+    time-slice one GPU) and the clock alignment; with ``transfers``, per communicator and
+    kind the matched collectives' message bytes and transfer time (for its bandwidth). Nulls
     for fewer than two ranks."""
     if len(ranks) < 2:
         return {
@@ -145,10 +148,14 @@ def collective_waits(ranks: list[dict]) -> dict:
                 "alignment_error_us": None,
                 "end_spread_us": None,
             },
+            "late_arrivals": [],
+            "transfers": {},
         }
-    from traceclf.measures.collectives import matched  # (polars: only with several ranks)
+    # (polars: only with several ranks)
+    from traceclf.measures.arrivals import late_arrivals
+    from traceclf.measures.collectives import group_transfers, matched
 
-    waits, refined, how, spread = matched(ranks)
+    waits, refined, how, spread, instances = matched(ranks)
     # One export: one clock, nothing to align; the end spread is the collectives' own.
     error = 0.0 if how == "one export" else spread
     return waits | {
@@ -157,7 +164,9 @@ def collective_waits(ranks: list[dict]) -> dict:
             "offsets_us": {str(r): round(o / 1e3, 3) for r, o in refined.items()},
             "alignment_error_us": error,
             "end_spread_us": spread,
-        }
+        },
+        "late_arrivals": late_arrivals(instances, ranks, shared or []),
+        "transfers": group_transfers(instances),
     }
 
 

@@ -40,6 +40,11 @@ class RankMeasures:
     host_attribution: list[dict] = field(default_factory=list)
     # per communicator: kinds, calls, bytes, exposed and blocking time (measures/communicators.py)
     comm_groups: list[dict] = field(default_factory=list)
+    # kernel shapes slower beside communication (measures/overlap_tax.py)
+    overlap_tax: list[dict] = field(default_factory=list)
+    # the states of the window before each collective, for the late-arrival walk
+    # (measures/arrivals.py)
+    arrivals: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

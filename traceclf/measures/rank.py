@@ -6,6 +6,7 @@ re-analysis) does not import polars and every wall."""
 from __future__ import annotations
 
 from traceclf.measures import (
+    arrivals,
     budget,
     capture,
     collectives,
@@ -17,6 +18,7 @@ from traceclf.measures import (
     hostsources,
     intervals,
     memory,
+    overlap_tax,
     phases,
     series,
     step_kernels,
@@ -34,6 +36,7 @@ MEASURES: dict[str, str] = (
     | memory.MEASURES
     | host.MEASURES
     | hostsources.MEASURES
+    | overlap_tax.MEASURES
     | compute.MEASURES
 )
 
@@ -55,6 +58,8 @@ def measure_rank(
     comm_by_kind = communication.by_kind(w, comm)
     m |= communication.a2a(comm_by_kind)
     m |= communication.dp_tp_exposed(w, comm)
+    tax, tax_shapes = overlap_tax.overlap_tax(w)
+    m |= tax
     m |= memory.copies(w)
     m |= host.calls(w)
     gaps = host.idle_gaps(w)
@@ -83,6 +88,8 @@ def measure_rank(
         step_budget=step_budget,
         collectives=collectives.collectives_of(keyed),
         comm_groups=communicators.groups_of(w, keyed, comm_blocking),
+        overlap_tax=tax_shapes,
+        arrivals=arrivals.arrival_clock(w, keyed, gaps),
         phases=phases.phase_table(w, gaps, phase_spans),
         step_lanes=series.step_lanes(w, phase_spans),
         memory_series=series.memory_series(

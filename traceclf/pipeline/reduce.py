@@ -31,6 +31,8 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
     from traceclf.judge.ceiling import combined
     from traceclf.judge.engine import abstained, capture_quality, evaluate
     from traceclf.judge.hostverdict import job_attribution
+    from traceclf.judge.communicators import communication_block, rule_facts
+    from traceclf.judge.engine import abstained, evaluate
     from traceclf.judge.straggler import Limits, cross_rank_block
     from traceclf.judge.vocabulary import load_rules
 
@@ -64,6 +66,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
             d
             | {
                 "collectives": r.measures.collectives,
+                "arrivals": r.measures.arrivals,
                 "clock": asdict(r.clock) | {"gpu": r.placement.key},
                 "window": r.steps.window_ns,
             }
@@ -71,6 +74,10 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
         ],
         capture,
         Limits.of(rs),
+    )
+    transfers = cross.pop("transfers", {})
+    communication = communication_block(
+        ranks, [r.measures.metrics for r in ranks], capture, cross | {"transfers": transfers}, rs
     )
     comm_by_kind = _mean_comm(ranks)
     first = ranks[0].steps if ranks else None
@@ -99,6 +106,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
         "steps": steps,
         "idle_nvtx": _top_idle_nvtx(ranks),
         "host_attribution": job_attribution([r.measures.host_attribution for r in ranks]),
+        "communication": rule_facts(communication, cross, metrics),
     }
     capture |= capture_quality(facts, rules_dir)
     reason = abstain_reason(capture, ranks, thresholds)
@@ -123,6 +131,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
         ranks=rank_dicts,
         metrics=metrics,
         cross_rank=cross,
+        communication=communication,
         comm_by_kind=comm_by_kind,
         host_attribution=facts["host_attribution"],
         classification=verdict.classification,

@@ -32,6 +32,7 @@ ORDER = (
     "next_wall",
     "metrics",
     "cross_rank",
+    "communication",
     "comm_by_kind",
     "host_attribution",
     "ranks",
@@ -55,6 +56,9 @@ class Report:
     comm_by_kind: dict = field(default_factory=dict)
     # where the GPU's idle time went on the host, by source, for the job (measures/hostsources)
     host_attribution: list = field(default_factory=list)
+    # per communicator: ranks, dimension, exposed/blocking time, bytes, bandwidth against the
+    # link; what overlap costs compute (judge/communicators.py)
+    communication: dict = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)
     next_wall: str | None = None
     series: list[dict] = field(default_factory=list)

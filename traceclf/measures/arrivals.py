@@ -1,0 +1,299 @@
+"""Why a rank arrives late at a collective: its timeline since the previous collective it shares
+with the others, set against the group's median rank.
+
+Map step (:func:`arrival_clock`, per rank, from the trace): for each collective kernel of the
+rank, how much of the window before its start and before its end the rank spent in each state
+— compute, communication with no compute beside it, copies alone, GPU idle by the host's cause
+(docs/measures.md: launch, sync, input, host, other), idle while the host was in each of the
+NVTX ranges that hold the most idle time, and the time and launches of the compute kernels that
+take the most time. Any stretch between two instants is then a difference of two rows.
+
+Reduce step (:func:`late_arrivals`, across ranks, no trace): for each collective matched across
+ranks inside every participant's window, a rank that starts it after the group's median rank
+(the lower median of the participants' start times) is late by the difference. Both ranks'
+stretches since the previous matched collective they share are set side by side: the late
+rank's extra time in each state is a cause, and with the difference of the previous
+collective's ends the causes add up to the lateness.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from traceclf.measures import intervals
+from traceclf.measures.handoff import IDLE_CAUSES
+from traceclf.measures.intervals import Busy
+from traceclf.measures.window import RankWindow
+from traceclf.model.taxonomy import matches
+
+TOP_NAMES = 4  # NVTX ranges and compute kernels followed by name
+NCCL_DOMAIN = "NCCL"  # the NVTX domain of NCCL's own ranges (its API calls)
+MIN_NS = 1_000  # a remainder below 1 µs is rounding, not a cause
+MAX_COLLECTIVES = 100_000  # collectives of one rank clocked (more: no late-arrival walk)
+NS_PER_MS = 1e6
+
+
+def arrival_clock(w: RankWindow, keyed: pl.DataFrame, gaps: pl.DataFrame) -> dict:
+    """For each collective of ``keyed`` (the rank's communication kernels, in the order the
+    cross-rank matching lists them), ns of the window before its start and before its end in
+    each state: ``states`` names them, ``at_start``/``at_end`` hold one row of values per
+    collective; ``launches_at_start``/``_at_end``: launches of each compute kernel followed by
+    name before those instants. The states partition the window: compute, communication with
+    no compute, copies alone, GPU idle while the host was inside one of the NVTX ranges that
+    hold the most idle time (``nvtx:<name>``; a range nested in one before it in that order
+    counts for the first), and the rest of the idle time by its cause (``idle:<cause>``,
+    ``gaps``: :func:`traceclf.measures.host.idle_gaps`)."""
+    if keyed.is_empty() or keyed.height > MAX_COLLECTIVES:
+        return {}
+    layers = w.layers
+    work = layers.work
+    starts, ends = keyed["start"].to_numpy(), keyed["end"].to_numpy()
+    at: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def upto(busy: Busy) -> tuple[np.ndarray, np.ndarray]:
+        return busy.upto(starts), busy.upto(ends)
+
+    compute, kernels, busy = upto(layers.compute), upto(layers.compute_comm), upto(work)
+    at["compute"] = compute
+    at["communication"] = (kernels[0] - compute[0], kernels[1] - compute[1])
+    at["copies"] = (busy[0] - kernels[0], busy[1] - kernels[1])
+    # idle inside the followed ranges: the first i ranges' union, less the first i - 1's
+    covered, with_work = busy, work
+    followed: Busy | None = None
+    for name, ranges in _host_ranges(w):
+        with_work = with_work | ranges
+        followed = ranges if followed is None else followed | ranges
+        idle = upto(with_work)
+        at[f"nvtx:{name}"] = (idle[0] - covered[0], idle[1] - covered[1])
+        covered = idle
+    for cause in IDLE_CAUSES:  # idle by its cause, less the part inside the followed ranges
+        gap = Busy.of(gaps.filter(pl.col("cause") == cause))
+        g = upto(gap)
+        if followed is not None:  # |gap ∩ ranges| = |gap| + |ranges| - |gap ∪ ranges|
+            r, both = upto(followed), upto(gap | followed)
+            g = (both[0] - r[0], both[1] - r[1])
+        at[f"idle:{cause}"] = g
+    compute_kernels = w.kern.filter(~pl.col("is_comm").fill_null(False))
+    top_kernels = (
+        compute_kernels.group_by("short_name")
+        .agg(ns=(pl.col("end") - pl.col("start")).sum())
+        .sort("ns", "short_name", descending=[True, False])
+        .head(TOP_NAMES)["short_name"]
+        .cast(pl.String)
+        .to_list()
+    )
+    launches = {}
+    for name in top_kernels:
+        mine = compute_kernels.filter(pl.col("short_name").cast(pl.String) == name)
+        at[f"kernel:{name}"] = upto(Busy.of(mine))
+        launches[name] = np.sort(mine["start"].to_numpy())
+    names = list(at)
+    return {
+        "states": names,
+        "at_start": np.column_stack([at[k][0] for k in names]).tolist(),
+        "at_end": np.column_stack([at[k][1] for k in names]).tolist(),
+        "launches_at_start": {
+            k: np.searchsorted(v, starts, side="left").tolist() for k, v in launches.items()
+        },
+        "launches_at_end": {
+            k: np.searchsorted(v, ends, side="left").tolist() for k, v in launches.items()
+        },
+    }
+
+
+def _host_ranges(w: RankWindow) -> list[tuple[str, Busy]]:
+    """The NVTX ranges of the rank that hold the most GPU-idle time in the window, by name
+    (at most :data:`TOP_NAMES`, most idle first): ranges the host was in, not steps, the
+    forward/backward/optimizer phases or communication calls (NCCL's own ranges, PyTorch's
+    collective ranges: the taxonomy's communication activity)."""
+    nvtx, tax = w.trace.nvtx, w.taxonomy
+    if nvtx.is_empty():
+        return []
+    generic = "|".join(f"(?:{tax.nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
+    step_names = w.steps.table["name"].unique().implode() if w.steps.count else []
+    ranges = intervals.clip(
+        nvtx.filter(
+            ~pl.col("text").is_in(step_names)
+            & ~matches(nvtx["text"], generic)
+            & (pl.col("domain") != NCCL_DOMAIN)
+        )
+        .with_columns(activity=tax.host_activity())
+        .filter(pl.col("activity").fill_null("") != "communication"),
+        w.spans,
+    )
+    if ranges.is_empty():
+        return []
+    work = w.layers.work
+    found = []
+    for (name,), rows in ranges.group_by(["text"]):
+        busy = Busy.of(rows)
+        idle = (busy | work).total - work.total
+        if idle > 0:
+            found.append((idle, str(name), busy))
+    found.sort(key=lambda x: (-x[0], x[1]))
+    return [(name, busy) for _, name, busy in found[:TOP_NAMES]]
+
+
+# --------------------------------------------------------------------------- reduce step
+
+
+def late_arrivals(instances: pl.DataFrame, ranks: list[dict], shared: list[list[int]]) -> list:
+    """The ranks that start matched collectives after their group's median rank, with how
+    late per step and why (``instances``: matched collectives, one row per rank and instance:
+    rank, ordinal, kind, instance, row (the collective's row in the rank's list), a_start,
+    a_end (aligned), in_window; ``ranks``: the cross-rank dicts, with ``arrivals``
+    (:func:`arrival_clock`) and ``steps``; ``shared``: groups of ranks that time-slice one
+    GPU)."""
+    clocks = {r["rank"]: r.get("arrivals") or {} for r in ranks}
+    if instances.is_empty() or not all(c.get("states") for c in clocks.values()):
+        return []
+    keys = ["ordinal", "kind", "instance"]
+    inside = instances.filter(
+        pl.col("instance").is_not_null() & pl.col("in_window").all().over(keys)
+    ).filter(pl.len().over(keys) >= 2)
+    if inside.is_empty():
+        return []
+    # each rank's previous matched collective (of any communicator) ...
+    inside = inside.sort("rank", "a_start").with_columns(
+        [pl.col(k).shift(1).over("rank").alias(f"p_{k}") for k in keys]
+        + [
+            pl.col("row").shift(1).over("rank").alias("p_row"),
+            pl.col("a_end").shift(1).over("rank").alias("p_end"),
+        ]
+    )
+    median = (
+        inside.sort(*keys, "a_start", "rank")
+        .group_by(keys, maintain_order=True)
+        .agg(
+            m_rank=pl.col("rank").get((pl.len() - 1) // 2),
+            m_start=pl.col("a_start").get((pl.len() - 1) // 2),
+            m_row=pl.col("row").get((pl.len() - 1) // 2),
+        )
+    )
+    # ... and the median rank's row of that same collective, where it took part in it
+    theirs = inside.select(
+        m_rank="rank", **{f"p_{k}": k for k in keys}, p_row_m="row", p_end_m="a_end"
+    )
+    late = (
+        inside.join(median, on=keys)
+        .filter(pl.col("a_start") > pl.col("m_start"))
+        .with_columns(late=pl.col("a_start") - pl.col("m_start"))
+        .join(theirs, on=["m_rank", *[f"p_{k}" for k in keys]], how="left")
+    )
+    if late.is_empty():
+        return []
+    steps = {r["rank"]: max((r.get("steps") or {}).get("analysed") or 1, 1) for r in ranks}
+    mates = {r: [x for x in g if x != r] for g in shared for r in g}
+    out = []
+    for (rank,), rows in late.group_by(["rank"]):
+        n = steps.get(rank, 1)
+        item = {
+            "rank": int(rank),
+            "late_ms_per_step": round(float(rows["late"].sum()) / NS_PER_MS / n, 4),
+            "instances": rows.height,
+            "median_ranks": sorted(set(rows["m_rank"].to_list())),
+            "causes": [
+                {"cause": c, "ms_per_step": round(ns / NS_PER_MS / n, 4), "detail": d} | extra
+                for c, ns, d, extra in _causes(rows, clocks, int(rank))
+            ],
+        }
+        held = sorted(set(mates.get(int(rank), [])) & set(item["median_ranks"]))
+        if held:
+            # on a time-sliced GPU the median rank's collective kernel was already running,
+            # waiting, for the whole of the lateness: it held the GPU beside this rank's work
+            item["shared_gpu"] = {"ranks": held, "held_ms_per_step": item["late_ms_per_step"]}
+        out.append(item)
+    return sorted(out, key=lambda x: -x["late_ms_per_step"])
+
+
+def _causes(rows: pl.DataFrame, clocks: dict, rank: int) -> list[tuple[str, float, str, dict]]:
+    """The late rank's extra time per state over its median ranks' (summed over instances),
+    as (cause, ns, detail, extra keys: ``nvtx``, the range's name), largest first; the previous collective's later end on the late
+    rank as its own cause. Instances whose previous collective the median rank did not take
+    part in are left out of the causes (not of the lateness)."""
+    mine = clocks[rank]
+    states = mine["states"]
+    sums: dict[str, float] = {}
+    prior_end = walked = unwalked = 0.0
+    extra_launches: dict[str, int] = {}
+    for r in rows.iter_rows(named=True):
+        theirs = clocks.get(r["m_rank"]) or {}
+        if r["p_row"] is None or r["p_row_m"] is None or not theirs:
+            unwalked += float(r["late"])
+            continue
+        walked += float(r["late"])
+        a = _stretch(mine, int(r["p_row"]), int(r["row"]))
+        b = _stretch(theirs, int(r["p_row_m"]), int(r["m_row"]))
+        for state in set(a) | set(b):
+            sums[state] = sums.get(state, 0.0) + a.get(state, 0.0) - b.get(state, 0.0)
+        prior_end += float(r["p_end"] - r["p_end_m"])
+        for name in mine.get("launches_at_start", {}):
+            extra_launches[name] = (
+                extra_launches.get(name, 0)
+                + _launches(mine, name, int(r["p_row"]), int(r["row"]))
+                - _launches(theirs, name, int(r["p_row_m"]), int(r["m_row"]))
+            )
+    out = []
+    kernels = {s[7:]: v for s, v in sums.items() if s.startswith("kernel:") and v > 0}
+    for state in states:
+        value = sums.get(state, 0.0)
+        if state.startswith("kernel:") or value <= 0:
+            continue
+        if state == "compute":
+            out.append(("longer_compute", value, _kernel_detail(kernels, extra_launches), {}))
+        elif state == "communication":
+            out.append(
+                ("other_communication", value, "communication kernels, no compute beside", {})
+            )
+        elif state == "copies":
+            out.append(("copies", value, "memcpy/memset with no kernel running", {}))
+        elif state.startswith("nvtx:"):
+            name = state[5:]
+            detail = f"GPU idle, host in NVTX '{name}'"
+            out.append(("host_idle_nvtx", value, detail, {"nvtx": name}))
+        elif state == "idle:launch":
+            out.append(("later_launch", value, "GPU idle while the host issued CUDA calls", {}))
+        else:
+            out.append((f"idle_{state[5:]}", value, f"GPU idle ({state[5:]})", {}))
+    if prior_end > 0:
+        out.append(("previous_collective_ended_later", prior_end, "the collective before it", {}))
+    out.sort(key=lambda x: -x[1])
+    # the states partition both stretches, so what the late rank spent less time on than the
+    # median rank closes the sum: the causes add up to the lateness
+    rest = walked - sum(v for _, v, _, _ in out)
+    if abs(rest) >= MIN_NS:
+        detail = "less time than the median rank in the other states"
+        out.append(("less_elsewhere", rest, detail, {}))
+    if unwalked >= MIN_NS:
+        detail = "no matched collective before it, in the window, that both ranks took part in"
+        out.append(("not_walked", unwalked, detail, {}))
+    return out
+
+
+def _stretch(clock: dict, prev: int, this: int) -> dict[str, float]:
+    """ns in each state from the end of collective ``prev`` to the start of ``this``."""
+    states = clock["states"]
+    start, end = clock["at_start"][this], clock["at_end"][prev]
+    return {s: float(start[i] - end[i]) for i, s in enumerate(states)}
+
+
+def _launches(clock: dict, name: str, prev: int, this: int) -> int:
+    """Launches of compute kernel ``name`` starting between collective ``prev``'s end and
+    ``this``'s start."""
+    starts = clock.get("launches_at_start", {}).get(name)
+    ends = clock.get("launches_at_end", {}).get(name)
+    if starts is None or ends is None:
+        return 0
+    return int(starts[this]) - int(ends[prev])
+
+
+def _kernel_detail(kernels: dict[str, float], launches: dict[str, int]) -> str:
+    if not kernels:
+        return "compute kernels"
+    parts = []
+    for name, ns in sorted(kernels.items(), key=lambda kv: -kv[1]):
+        more = launches.get(name, 0)
+        extra = f", {more:+d} launches" if more else ""
+        parts.append(f"{name} +{ns / NS_PER_MS:.3g} ms{extra}")
+    return "; ".join(parts)
