@@ -61,7 +61,8 @@ def cli() -> None:
     type=click.Path(path_type=Path),
     metavar="DIR",
     help="Also write every table of the report into DIR, one file each: steps, ranks, kernels "
-    "(like nsys cuda_gpu_kern_sum), idle_gaps, collectives, phases, host_attribution.",
+    "(like nsys cuda_gpu_kern_sum), idle_gaps, collectives, phases, host_attribution, "
+    "communicators, late_arrivals.",
 )
 @click.option(
     "--export-format",

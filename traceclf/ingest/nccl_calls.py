@@ -70,9 +70,7 @@ def read_nccl_calls(reader: Reader) -> pl.DataFrame:
     events = (
         events.with_columns(pid=decode_pid("global_tid"))
         .join(domains, on=["pid", "domain_id"], how="semi")
-        .join(
-            reader.strings.rename({"id": "text_id", "value": "call"}), on="text_id", how="left"
-        )
+        .join(reader.strings.rename({"id": "text_id", "value": "call"}), on="text_id", how="left")
     )
     frames = []
     for layout in layouts:

@@ -12,7 +12,6 @@ from typing import Any
 
 from traceclf.judge import ceiling
 from traceclf.judge.hostverdict import capture_context, capture_options, distortions, top_context
-from traceclf.judge.vocabulary import load_rules
 from traceclf.judge.vocabulary import COMMUNICATION_FACTS, load_rules
 from traceclf.rulebook.entries import WALLS, Fix, GpuFamily, Rule, Scoring
 from traceclf.rulebook.expr import Expr

@@ -152,6 +152,6 @@ def verdict(
             f"{said}, and communication with no compute beside it is only {exposed:.1%} of the step"
         )
     return (
-        f"{said}: the collectives themselves are the cost (message sizes are not in the "
-        "export, so no bus-bandwidth figure)"
+        f"{said}: the collectives themselves are the cost (each communicator's bus bandwidth "
+        "against its link: the communication table, where the export has NCCL's message sizes)"
     )

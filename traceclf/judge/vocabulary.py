@@ -87,7 +87,7 @@ CONTEXT_NAMES: dict[str, str] = {
 }
 
 
-# The context names the communication block gives (judge/communicators.py rule_facts).
+# The context names the communication block gives (judge/comm_groups.py rule_facts).
 COMMUNICATION_FACTS = (
     "ep_exposed_frac",
     "ep_spans_hosts",
@@ -120,7 +120,7 @@ JUDGE_THRESHOLDS = (
     "straggler_min_skew",
     "straggler_noise_factor",
     "wait_dominates_frac",  # the cross-rank verdict (judge/straggler.py)
-    "link_bound_frac",  # a communicator near its link's peak (judge/communicators.py)
+    "link_bound_frac",  # a communicator near its link's peak (judge/comm_groups.py)
 )
 
 

@@ -195,7 +195,7 @@ def late_arrivals(instances: pl.DataFrame, ranks: list[dict], shared: list[list[
             "median_ranks": sorted(set(rows["m_rank"].to_list())),
             "causes": [
                 {"cause": c, "ms_per_step": round(ns / NS_PER_MS / n, 4), "detail": d} | extra
-                for c, ns, d, extra in _causes(rows, clocks, int(rank))
+                for c, ns, d, extra in _causes(rows, clocks, int(rank), n)
             ],
         }
         held = sorted(set(mates.get(int(rank), [])) & set(item["median_ranks"]))
@@ -207,7 +207,9 @@ def late_arrivals(instances: pl.DataFrame, ranks: list[dict], shared: list[list[
     return sorted(out, key=lambda x: -x["late_ms_per_step"])
 
 
-def _causes(rows: pl.DataFrame, clocks: dict, rank: int) -> list[tuple[str, float, str, dict]]:
+def _causes(
+    rows: pl.DataFrame, clocks: dict, rank: int, steps: int
+) -> list[tuple[str, float, str, dict]]:
     """The late rank's extra time per state over its median ranks' (summed over instances),
     as (cause, ns, detail, extra keys: ``nvtx``, the range's name), largest first; the previous collective's later end on the late
     rank as its own cause. Instances whose previous collective the median rank did not take
@@ -241,7 +243,9 @@ def _causes(rows: pl.DataFrame, clocks: dict, rank: int) -> list[tuple[str, floa
         if state.startswith("kernel:") or value <= 0:
             continue
         if state == "compute":
-            out.append(("longer_compute", value, _kernel_detail(kernels, extra_launches), {}))
+            out.append(
+                ("longer_compute", value, _kernel_detail(kernels, extra_launches, steps), {})
+            )
         elif state == "communication":
             out.append(
                 ("other_communication", value, "communication kernels, no compute beside", {})
@@ -288,12 +292,14 @@ def _launches(clock: dict, name: str, prev: int, this: int) -> int:
     return int(starts[this]) - int(ends[prev])
 
 
-def _kernel_detail(kernels: dict[str, float], launches: dict[str, int]) -> str:
+def _kernel_detail(kernels: dict[str, float], launches: dict[str, int], steps: int) -> str:
+    """The compute kernels that took longer on the late rank, per step: extra time and extra
+    launches (more launches: more work, not a slower GPU)."""
     if not kernels:
         return "compute kernels"
     parts = []
     for name, ns in sorted(kernels.items(), key=lambda kv: -kv[1]):
-        more = launches.get(name, 0)
-        extra = f", {more:+d} launches" if more else ""
-        parts.append(f"{name} +{ns / NS_PER_MS:.3g} ms{extra}")
-    return "; ".join(parts)
+        more = launches.get(name, 0) / steps
+        extra = f", {more:+.3g} launches" if more else ""
+        parts.append(f"{name} +{ns / NS_PER_MS / steps:.3g} ms{extra}")
+    return "per step: " + "; ".join(parts)

@@ -72,9 +72,9 @@ def rank_collectives(rank: dict) -> pl.DataFrame:
         "call": pl.String,
         "msg_bytes": pl.Int64,
     }
-    df = pl.DataFrame(
-        {k: cols.get(k, [None] * n) for k in schema}, schema=schema
-    ).with_row_index("row")
+    df = pl.DataFrame({k: cols.get(k, [None] * n) for k in schema}, schema=schema).with_row_index(
+        "row"
+    )
     lo, hi = rank.get("window") or (None, None)
     first = df.group_by("stream_id").agg(first=pl.col("start").min())
     ordinal = first.sort("first", "stream_id").with_columns(
@@ -304,9 +304,7 @@ def group_transfers(matched: pl.DataFrame) -> dict[str, list[dict]]:
     keys = ["ordinal", "kind", "instance"]
     per_instance = timed.group_by(*keys).agg(
         pl.col("call").drop_nulls().first(),
-        msg_bytes=pl.when(pl.col("msg_bytes").null_count() == 0).then(
-            pl.col("msg_bytes").mean()
-        ),
+        msg_bytes=pl.when(pl.col("msg_bytes").null_count() == 0).then(pl.col("msg_bytes").mean()),
         transfer_ns=pl.col("proxy").first(),
     )
     per = (

@@ -29,10 +29,9 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
     capture supports, then classify — or abstain (docs/judgement.md)."""
     from traceclf.judge.abstention import abstain_reason, capture_block, rank_capture
     from traceclf.judge.ceiling import combined
+    from traceclf.judge.comm_groups import communication_block, rule_facts
     from traceclf.judge.engine import abstained, capture_quality, evaluate
     from traceclf.judge.hostverdict import job_attribution
-    from traceclf.judge.communicators import communication_block, rule_facts
-    from traceclf.judge.engine import abstained, evaluate
     from traceclf.judge.straggler import Limits, cross_rank_block
     from traceclf.judge.vocabulary import load_rules
 

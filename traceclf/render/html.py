@@ -7,6 +7,7 @@ import base64
 
 from traceclf.figures.draw import figure_png, report_figures
 from traceclf.figures.style import WALL_COLORS
+from traceclf.render import comm_table
 from traceclf.render.content import (
     CAPTIONS,
     KERNEL_COLUMNS,
@@ -84,6 +85,7 @@ def html_body(report: Report) -> str:
             _capture(report),
             _facts("Timeline", nsys_rows(report)),
             _budget(report),
+            _communication(report),
             _ranks(report),
             _phases(report),
             _host_attribution(report),
@@ -220,6 +222,29 @@ def _host_attribution(report: Report) -> str | None:
         )
         parts.append(f"<p>{for_html(options_title(report))}:</p><ul>{items}</ul>")
     return "<h2>Host attribution</h2>" + "".join(parts) if parts else None
+
+
+def _communication(report: Report) -> str | None:
+    rows = comm_table.group_rows(report)
+    late = comm_table.late_rows(report)
+    overlap = comm_table.overlap_line(report)
+    if not rows and not late and overlap is None:
+        return None
+    out = f"<h2>{escape(comm_table.TITLE)}</h2>"
+    if rows:
+        cols = comm_table.GROUP_COLUMNS
+        out += f"<p>{escape(comm_table.NOTE)}.</p>"
+        out += _table(cols, rows, numeric=set(range(4, len(cols))), code_first=True)
+    notes = comm_table.group_notes(report)
+    if overlap is not None:
+        notes.append(f"Overlap tax: {overlap}")
+    if notes:
+        out += _list(notes)
+    if late:
+        out += "<h3>Late arrivals at matched collectives</h3>"
+        out += _table(comm_table.LATE_COLUMNS, late, numeric={0, 1, 3})
+        out += _list(comm_table.late_notes(report))
+    return out
 
 
 def _details(report: Report) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from urllib.parse import quote
 
+from traceclf.render import comm_table
 from traceclf.render.content import (
     CAPTIONS,
     KERNEL_COLUMNS,
@@ -67,6 +68,7 @@ def render_markdown(report: Report, figures: dict[str, str] | None = None) -> st
                 ("part", "ms per step, averaged over ranks"), budget_rows(report), bold_first=True
             ),
         ),
+        _communication(report),
         _section("Where the steady-state step goes", _ranks_table(report)),
         _phases(report),
         _host_attribution(report),
@@ -163,6 +165,30 @@ def _host_attribution(report: Report) -> str | None:
             + "\n".join(f"- {markdown_code(o)}: {_md(why)}" for o, why in options)
         )
     return _section("Host attribution", "\n\n".join(parts)) if parts else None
+
+
+def _communication(report: Report) -> str | None:
+    rows = comm_table.group_rows(report)
+    late = comm_table.late_rows(report)
+    overlap = comm_table.overlap_line(report)
+    if not rows and not late and overlap is None:
+        return None
+    parts = []
+    if rows:
+        cols = comm_table.GROUP_COLUMNS
+        align = ("left",) * 4 + ("right",) * (len(cols) - 4)
+        parts += [f"{_md(comm_table.NOTE)}.", _table(cols, rows, align=align)]
+    notes = comm_table.group_notes(report)
+    if overlap is not None:
+        notes.append(f"Overlap tax: {overlap}")
+    if notes:
+        parts.append("\n".join(f"- {_md(n)}" for n in notes))
+    if late:
+        align = ("right", "right", "left", "right", "left")
+        parts.append("**Late arrivals at matched collectives**")
+        parts.append(_table(comm_table.LATE_COLUMNS, late, align=align))
+        parts.append("\n".join(f"- {_md(n)}" for n in comm_table.late_notes(report)))
+    return _section(comm_table.TITLE, "\n\n".join(parts))
 
 
 def _figures(figures: dict[str, str]) -> str:

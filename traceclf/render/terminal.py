@@ -10,6 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from traceclf.render import comm_table
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
@@ -56,6 +57,7 @@ def render_terminal(
         _capture(report),
         _facts("Timeline", nsys_rows(report)),
         _budget(report),
+        _communication(report),
         _ranks_table(report),
         _phases(report),
         _host_attribution(report),
@@ -186,6 +188,42 @@ def _host_attribution(report: Report) -> Group | None:
         parts.append(Text(options_title(report), style="bold"))
         parts.append(hanging([("•", for_terminal(f"{o}: {why}")) for o, why in options]))
     return Group(*parts) if parts else None
+
+
+def _communication(report: Report) -> Group | None:
+    """The communicators table with the evidence for each, what overlap costs compute, and the
+    late arrivals with their causes."""
+    rows = comm_table.group_rows(report)
+    late = comm_table.late_rows(report)
+    overlap = comm_table.overlap_line(report)
+    if not rows and not late and overlap is None:
+        return None
+    parts: list[RenderableType] = []
+    if rows:
+        cols = comm_table.GROUP_COLUMNS
+        parts.append(
+            FoldedTable(
+                cols,
+                [list(map(for_terminal, row)) for row in rows],
+                title=comm_table.TITLE,
+                keys=1,
+                justify=["left", "left", "left", "left", *["right"] * (len(cols) - 4)],
+            )
+        )
+        parts.append(for_terminal(comm_table.NOTE, "dim"))
+    notes = comm_table.group_notes(report)
+    if overlap is not None:
+        notes.append(f"Overlap tax: {overlap}")
+    if notes:
+        parts.append(hanging([("•", for_terminal(note)) for note in notes], style="dim"))
+    if late:
+        # a list, not a table: each cause's detail names kernels, which no width fits
+        parts.append(for_terminal("Late arrivals at matched collectives", "italic"))
+        lines = comm_table.late_lines(report)
+        parts.append(hanging([(f"{label}:", for_terminal(text)) for label, text in lines]))
+        notes = comm_table.late_notes(report)
+        parts.append(hanging([("•", for_terminal(n)) for n in notes], style="dim"))
+    return Group(*parts)
 
 
 def _details(report: Report) -> Table:

@@ -57,7 +57,7 @@ class Report:
     # where the GPU's idle time went on the host, by source, for the job (measures/hostsources)
     host_attribution: list = field(default_factory=list)
     # per communicator: ranks, dimension, exposed/blocking time, bytes, bandwidth against the
-    # link; what overlap costs compute (judge/communicators.py)
+    # link; what overlap costs compute (judge/comm_groups.py)
     communication: dict = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)
     next_wall: str | None = None
@@ -91,7 +91,8 @@ class Report:
 
     def tables(self) -> dict:
         """The report's tables as polars frames by name (steps, ranks, kernels, idle_gaps,
-        collectives, phases: traceclf/report/frames.py), as ``--export-dir`` writes them."""
+        collectives, phases, communicators, late_arrivals: traceclf/report/frames.py), as
+        ``--export-dir`` writes them."""
         from traceclf.report.frames import report_tables
 
         return report_tables(self)

@@ -11,6 +11,8 @@ what ``--export-dir`` writes as CSV or Parquet, ``--format csv`` prints (``ranks
 | ``collectives`` | rank and collective kind | ``ranks[].comm_by_kind``, ``cross_rank.comm_by_kind`` |
 | ``phases`` | rank and NVTX phase | ``ranks[].phases`` |
 | ``host_attribution`` | rank, host source and what | ``ranks[].host_attribution`` |
+| ``communicators`` | communicator | ``communication.groups`` |
+| ``late_arrivals`` | late rank and cause | ``cross_rank.late_arrivals`` |
 """
 
 from __future__ import annotations
@@ -30,9 +32,20 @@ class Sections(Protocol):
     ranks: list[dict]
     series: list[dict]
     cross_rank: dict
+    communication: dict
 
 
-TABLES = ("steps", "ranks", "kernels", "idle_gaps", "collectives", "phases", "host_attribution")
+TABLES = (
+    "steps",
+    "ranks",
+    "kernels",
+    "idle_gaps",
+    "collectives",
+    "phases",
+    "host_attribution",
+    "communicators",
+    "late_arrivals",
+)
 STEP_PARTS = ("compute", "exposed_comm", "copy", "idle")
 
 
@@ -237,6 +250,72 @@ def host_attribution_table(report: Sections) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schema)
 
 
+COMMUNICATOR_SCHEMA = {
+    "id": pl.String,
+    "dimension": pl.String,
+    "kinds": pl.String,
+    "ranks": pl.String,
+    "nranks": pl.Int64,
+    "calls_per_step": pl.Float64,
+    "exposed_ms_per_step": pl.Float64,
+    "exposed_frac": pl.Float64,
+    "blocking_ms_per_step": pl.Float64,
+    "bytes_per_step": pl.Float64,
+    "algbw_gbs": pl.Float64,
+    "busbw_gbs": pl.Float64,
+    "link": pl.String,
+    "link_peak_gbs": pl.Float64,
+    "link_bound": pl.Boolean,
+    "spans_hosts": pl.Boolean,
+    "dimension_evidence": pl.String,
+}
+
+
+def communicators_table(report: Sections) -> pl.DataFrame:
+    """Per communicator (``communication.groups``): its dimension, kinds and ranks
+    (``;``-joined), calls, exposed and blocking ms per step (mean over its ranks), bytes per
+    step, algorithm and bus bandwidth (GB/s) against the link's peak, and the evidence for its
+    dimension (``;``-joined sentences)."""
+    rows = [
+        {
+            k: (
+                ";".join(map(str, g.get(k) or []))
+                if k in ("kinds", "ranks")
+                else "; ".join(g.get(k) or [])
+                if k == "dimension_evidence"
+                else g.get(k)
+            )
+            for k in COMMUNICATOR_SCHEMA
+        }
+        for g in (report.communication or {}).get("groups") or []
+    ]
+    return pl.DataFrame(rows, schema=COMMUNICATOR_SCHEMA)
+
+
+def late_arrivals_table(report: Sections) -> pl.DataFrame:
+    """Per rank that arrives late at matched collectives and per cause: how late per step, the
+    cause, its ms per step and what it is (``cross_rank.late_arrivals``)."""
+    rows = [
+        {
+            "rank": late["rank"],
+            "late_ms_per_step": late["late_ms_per_step"],
+            "cause": c["cause"],
+            "ms_per_step": c["ms_per_step"],
+            "detail": c.get("detail"),
+        }
+        for late in (report.cross_rank or {}).get("late_arrivals") or []
+        for c in late.get("causes") or []
+    ]
+    schema = {
+        "rank": pl.Int64,
+        "late_ms_per_step": pl.Float64,
+        "cause": pl.String,
+        "ms_per_step": pl.Float64,
+        "detail": pl.String,
+    }
+    return pl.DataFrame(rows, schema=schema)
+
+
 BUILDERS = {
     "steps": steps_table,
     "ranks": ranks_table,
@@ -245,6 +324,8 @@ BUILDERS = {
     "collectives": collectives_table,
     "phases": phases_table,
     "host_attribution": host_attribution_table,
+    "communicators": communicators_table,
+    "late_arrivals": late_arrivals_table,
 }
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from traceclf.rulebook import stamp
 from traceclf.rulebook.capturequality import CaptureQuality, parse_capture
-from traceclf.rulebook.communicators import CommRules, parse_communicators
+from traceclf.rulebook.comm_rules import CommRules, parse_communicators
 from traceclf.rulebook.entries import (
     Definition,
     Fix,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from traceclf.rulebook.communicators import DIMENSIONS, CommRules
+from traceclf.rulebook.comm_rules import DIMENSIONS, CommRules
 from traceclf.rulebook.layers import RuleSet
 
 if TYPE_CHECKING:

@@ -79,8 +79,10 @@ def _parse(key: str, value: Any, path: Path) -> Any:
     for kind, entry in value.items():
         if not isinstance(kind, str) or not kind.isidentifier():
             raise TraceError(path, f"{where}: {kind!r} is not a collective kind")
-        out[kind] = _bus(entry, f"{where}.{kind}", path) if key == "bus_factor" else _dims(
-            entry, f"{where}.{kind}", path
+        out[kind] = (
+            _bus(entry, f"{where}.{kind}", path)
+            if key == "bus_factor"
+            else _dims(entry, f"{where}.{kind}", path)
         )
     return out
 
