@@ -73,6 +73,22 @@ NOT_RECOMPUTED = {
     "comm_wait_frac": "cross-rank matching of collectives (issue 11, tests/test_cross_rank.py)",
     "comm_transfer_frac": "cross-rank matching of collectives (issue 11, tests/test_cross_rank.py)",
     "last_arriver_rank": "cross-rank matching of collectives (issue 11, tests/test_cross_rank.py)",
+    **dict.fromkeys(
+        (
+            "ep_exposed_frac",
+            "ep_spans_hosts",
+            "ep_link_bound",
+            "ep_busbw_gbs",
+            "ep_link_peak_gbs",
+        ),
+        "the communicators inferred to serve EP (issue 23): their exposure, hosts and bus "
+        "bandwidth are recomputed from the SQLite rows in tests/test_communicators.py",
+    ),
+    **dict.fromkeys(
+        ("late_rank", "late_frac", "late_host_nvtx", "late_host_nvtx_frac", "late_compute_frac"),
+        "the late-arrival walk across ranks (issue 23): the late rank's host idle in its NVTX "
+        "range is recomputed from the SQLite rows in tests/test_communicators.py",
+    ),
 }
 # Critical-path measures (issue 11: a dependency walk over streams and CUDA events, tested in
 # tests/test_critical_path_*.py) are not recomputed; each is held to an independent upper bound
@@ -292,6 +308,39 @@ def _context(rep: dict) -> dict:
         "compute_skew_frac": cross.get("compute_skew_frac"),
         "gpu_name": (rep["gpus"][0] if rep["gpus"] else {}).get("name"),
         "gpu_chip": (rep["gpus"][0] if rep["gpus"] else {}).get("chip"),
+    } | _communication_context(rep)
+
+
+def _any3(values: list) -> bool | None:
+    return True if True in values else False if values and all(v is False for v in values) else None
+
+
+def _communication_context(rep: dict) -> dict:
+    """The facts rules read from the communicators (docs/rules.md): the EP ones' exposure,
+    hosts, link and bandwidth, and the latest rank's lateness and causes, from the report."""
+    ep = [g for g in (rep.get("communication") or {}).get("groups") or [] if g["dimension"] == "ep"]
+    late = (rep["cross_rank"].get("late_arrivals") or [None])[0] or {}
+    step = rep["metrics"].get("step_time_ms")
+
+    def frac(ms):
+        return round(ms / step, 4) if ms is not None and step else None
+
+    causes = late.get("causes") or []
+    host = next((c for c in causes if c["cause"] == "host_idle_nvtx"), {})
+    compute = next((c for c in causes if c["cause"] == "longer_compute"), {})
+    busbw = [g["busbw_gbs"] for g in ep if g["busbw_gbs"] is not None]
+    peaks = [g["link_peak_gbs"] for g in ep if g["link_peak_gbs"] is not None]
+    return {
+        "ep_exposed_frac": round(sum(g["exposed_frac"] or 0 for g in ep), 4) if ep else None,
+        "ep_spans_hosts": _any3([g["spans_hosts"] for g in ep]),
+        "ep_link_bound": _any3([g["link_bound"] for g in ep]),
+        "ep_busbw_gbs": max(busbw, default=None),
+        "ep_link_peak_gbs": max(peaks, default=None),
+        "late_rank": late.get("rank"),
+        "late_frac": frac(late.get("late_ms_per_step")),
+        "late_host_nvtx": host.get("nvtx"),
+        "late_host_nvtx_frac": frac(host.get("ms_per_step")),
+        "late_compute_frac": frac(compute.get("ms_per_step")),
     }
 
 

@@ -203,6 +203,7 @@ def read_export(path: Path) -> dict[str, list[dict]]:
     con.close()
     for k in out["kernels"]:
         k["name"] = strings.get(k.pop("name_id")) or strings.get(k["short_id"]) or ""
+        k["short"] = strings.get(k["short_id"]) or k["name"]
         k["family"] = family(k["name"])
     for row in out["api"]:
         row["name"] = strings.get(row.pop("name_id"), "")
@@ -342,6 +343,7 @@ def rank_measures(
     return (
         _budget(w)
         | _communication(w)
+        | _overlap_tax(w)
         | _copies(w)
         | _host(w)
         | _kernel_mix(w)
@@ -515,6 +517,42 @@ def _communication(w: Window) -> dict:
             {first(tax["comm_libraries"], k["name"]) for k in w.comm_kernels} - {None}
         ),
     }
+
+
+def _overlap_tax(w: Window) -> dict:
+    """overlap_tax_frac (docs/measures.md, "Overlap tax"): per compute kernel shape (short
+    name, grid, block), over whole launches in the window (not cut at its edges, not graph
+    nodes), the median duration with no communication kernel of the rank in flight and the
+    median with communication covering at least half of it; where each way has 3 launches or
+    more, (median beside - median alone) x launches beside, summed, over the window (at least
+    0; None when no shape qualifies)."""
+    rows = [
+        k
+        for k in w.kern
+        if k["family"] != "communication"
+        and k["node"] is None
+        and k["start"] not in (w.lo, w.hi)
+        and k["end"] not in (w.lo, w.hi)
+    ]
+    if not rows or not w.comm:
+        return {"overlap_tax_frac": None}
+    starts = np.array([k["start"] for k in rows], np.int64)
+    ends = np.array([k["end"] for k in rows], np.int64)
+    cover = covered(w.comm, starts, ends)
+    ways: dict[tuple, dict[str, list[int]]] = {}
+    for k, c in zip(rows, cover, strict=True):
+        dur = k["end"] - k["start"]
+        way = "alone" if c == 0 else "beside" if c >= 0.5 * dur else None
+        if way:
+            ways.setdefault((k["short"], k["grid"], k["block"]), {"alone": [], "beside": []})[
+                way
+            ].append(dur)
+    taxes = [
+        (statistics.median(d["beside"]) - statistics.median(d["alone"])) * len(d["beside"])
+        for d in ways.values()
+        if len(d["alone"]) >= 3 and len(d["beside"]) >= 3
+    ]
+    return {"overlap_tax_frac": max(sum(taxes), 0) / w.wall if taxes else None}
 
 
 def _copies(w: Window) -> dict:
