@@ -14,6 +14,7 @@ called, as CUPTI does in issue order, so write a test's calls in the order the h
 from __future__ import annotations
 
 import sqlite3
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,33 @@ LAUNCH_NS = 100  # duration of a launch call on the host
 COPY_KINDS = {"HtoD": 1, "DtoH": 2, "DtoD": 8, "PtoP": 10}
 SYNC_STREAM_WAIT = 2  # CUPTI_ACTIVITY_SYNCHRONIZATION_TYPE_STREAM_WAIT_EVENT
 SYNC_STREAM = 3
+NCCL_DOMAIN = "NCCL"
+# NCCL's NVTX payload schemas as the real captures declare them (fixtures/h100_nccl_groups,
+# h100_moe_megatron_ep2: NVTX_PAYLOAD_SCHEMA_ENTRIES): schemaId -> (payloadSize, entries of
+# (idx, type, name, offset; None: 0)). Types: 18 UINT64, 22 SIZE, 5 INT, 16777236 the
+# reduction enum.
+REDUCTION_ENUM = 16777236
+NCCL_SCHEMAS = {
+    16777218: (24, [(0, 18, "NCCL communicator ID", None), (1, 5, "No. of ranks", 8),
+                    (2, 5, "Rank", 12), (3, 5, "CUDA device", 16)]),
+    16777220: (16, [(0, 18, "NCCL communicator ID", None), (1, 22, "Message size [bytes]", 8)]),
+    16777221: (24, [(0, 18, "NCCL communicator ID", None), (1, 22, "Message size [bytes]", 8),
+                    (2, REDUCTION_ENUM, "Reduction operation", 16)]),
+    16777225: (24, [(0, 18, "NCCL communicator ID", None), (1, 22, "Message size [bytes]", 8),
+                    (2, 5, "Peer rank", 16)]),
+    16777226: (24, [(0, 18, "NCCL communicator ID", None), (1, 22, "Message size [bytes]", 8),
+                    (2, 5, "Peer rank", 16)]),
+    16777232: (16, [(0, 18, "NCCL communicator ID", None), (1, 22, "Message size [bytes]", 8)]),
+}  # fmt: skip
+NCCL_CALL_SCHEMAS = {
+    "ncclCommInitRankConfig": 16777218,
+    "ncclAllGather": 16777220,
+    "ncclAllReduce": 16777221,
+    "ncclSend": 16777225,
+    "ncclRecv": 16777226,
+    "ncclAlltoAll": 16777232,
+}
+NCCL_PACK = {18: "<Q", 22: "<Q", 5: "<i", REDUCTION_ENUM: "<I"}
 
 
 def global_pid(pid: int) -> int:
@@ -170,8 +198,38 @@ class Export:
 
     def step(self, index: int, start: int, end: int, *, pid: int | None = None) -> None:
         """An NVTX push/pop range ``step N`` on the host."""
+        self.nvtx(f"step {index}", start, end, pid=pid)
+
+    def nvtx(self, text: str, start: int, end: int, *, pid: int | None = None) -> None:
+        """An NVTX push/pop range of the default domain on the host."""
         pid = self.pid if pid is None else pid
-        self._add("NVTX_EVENTS", (start, end, 59, f"step {index}", None, global_tid(pid, pid), 0))
+        self._add("NVTX_EVENTS", (start, end, 59, text, None, global_tid(pid, pid), 0, None))
+
+    # --- NCCL's NVTX ranges and payloads (as NCCL 2.28 writes them, nsys --include-blobs) ---
+    def nccl_domain(self, at: int = 0, *, pid: int | None = None) -> None:
+        """The NVTX domain NCCL creates (event type 75, domain 1, text 'NCCL')."""
+        pid = self.pid if pid is None else pid
+        self._add("NVTX_EVENTS", (at, None, 75, NCCL_DOMAIN, None, global_tid(pid, pid), 1, None))
+
+    def nccl(
+        self, call: str, start: int, end: int, values: dict | None = None, *, pid: int | None = None
+    ) -> None:
+        """An NCCL range (``ncclAllReduce``, ``ncclSend``, ``ncclGroupEnd``, ...) on the host;
+        with ``values`` (entry name -> value) a payload of NCCL's schema for ``call``, as the
+        blob nsys writes: ``u64 count``, ``{u64 schemaId, u64 size, u64 offset}``, the data."""
+        pid = self.pid if pid is None else pid
+        blob = None
+        if values is not None:
+            schema = NCCL_CALL_SCHEMAS[call]
+            size, entries = NCCL_SCHEMAS[schema]
+            data = bytearray(size)
+            for _, kind, name, offset in entries:
+                struct.pack_into(NCCL_PACK[kind], data, offset or 0, values.get(name, 0))
+            blob = struct.pack("<QQQQ", 1, schema, size, 32) + bytes(data)
+        self._add(
+            "NVTX_EVENTS",
+            (start, end, 59, None, self._sid(call), global_tid(pid, pid), 1, blob),
+        )
 
     # --- output ----------------------------------------------------------------------------
     def write(self, path: Path) -> Path:
@@ -218,8 +276,33 @@ class Export:
             for table, rows in self.rows.items():
                 marks = ", ".join("?" * len(rows[0]))
                 con.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
+            if any(r[7] is not None for r in self.rows.get("NVTX_EVENTS", [])):
+                self._payload_schemas(con)
         con.close()
         return path
+
+
+    def _payload_schemas(self, con: sqlite3.Connection) -> None:
+        """NCCL's schema rows, once per process that registered them (as nsys writes them)."""
+        pids = {r[5] >> 24 for r in self.rows["NVTX_EVENTS"] if r[7] is not None}
+        for _ in pids:
+            for schema, (size, entries) in NCCL_SCHEMAS.items():
+                con.execute(
+                    "INSERT INTO NVTX_PAYLOAD_SCHEMAS VALUES (1, ?, NULL, 1, NULL, ?, ?, NULL)",
+                    (schema, len(entries), size),
+                )
+                con.executemany(
+                    "INSERT INTO NVTX_PAYLOAD_SCHEMA_ENTRIES VALUES "
+                    "(1, ?, ?, NULL, ?, ?, NULL, NULL, ?)",
+                    [(schema, i, kind, name, offset) for i, kind, name, offset in entries],
+                )
+            con.execute(
+                "INSERT INTO NVTX_PAYLOAD_ENUMS VALUES (1, ?, 'ncclRedOp', 4)", (REDUCTION_ENUM,)
+            )
+            con.executemany(
+                "INSERT INTO NVTX_PAYLOAD_ENUM_ENTRIES VALUES (1, ?, ?, ?, ?)",
+                [(REDUCTION_ENUM, i, name, i or None) for i, name in enumerate(("Sum", "Prod"))],
+            )
 
 
 SCHEMA = (
@@ -260,5 +343,14 @@ SCHEMA = (
     " NOT NULL, streamId INTEGER NOT NULL, correlationId INTEGER, globalPid INTEGER,"
     " eventId INTEGER NOT NULL, eventSyncId INTEGER NOT NULL)",
     'CREATE TABLE NVTX_EVENTS (start INTEGER NOT NULL, "end" INTEGER, eventType INTEGER'
-    " NOT NULL, text TEXT, textId INTEGER, globalTid INTEGER, domainId INTEGER)",
+    " NOT NULL, text TEXT, textId INTEGER, globalTid INTEGER, domainId INTEGER, binaryData TEXT)",
+    "CREATE TABLE NVTX_PAYLOAD_SCHEMAS (domainId INTEGER, schemaId INTEGER, name TEXT, type"
+    " INTEGER, flags INTEGER, numEntries INTEGER, payloadSize INTEGER, alignTo INTEGER)",
+    "CREATE TABLE NVTX_PAYLOAD_SCHEMA_ENTRIES (domainId INTEGER, schemaId INTEGER, idx INTEGER,"
+    " flags INTEGER, type INTEGER, name TEXT, description TEXT, arrayOrUnionDetail INTEGER,"
+    " offset INTEGER)",
+    "CREATE TABLE NVTX_PAYLOAD_ENUMS (domainId INTEGER, schemaId INTEGER, name TEXT, size"
+    " INTEGER)",
+    "CREATE TABLE NVTX_PAYLOAD_ENUM_ENTRIES (domainId INTEGER, schemaId INTEGER, idx INTEGER,"
+    " name TEXT, value INTEGER)",
 )
