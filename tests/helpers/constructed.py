@@ -281,7 +281,6 @@ class Export:
         con.close()
         return path
 
-
     def _payload_schemas(self, con: sqlite3.Connection) -> None:
         """NCCL's schema rows, once per process that registered them (as nsys writes them)."""
         pids = {r[5] >> 24 for r in self.rows["NVTX_EVENTS"] if r[7] is not None}
@@ -349,8 +348,7 @@ SCHEMA = (
     "CREATE TABLE NVTX_PAYLOAD_SCHEMA_ENTRIES (domainId INTEGER, schemaId INTEGER, idx INTEGER,"
     " flags INTEGER, type INTEGER, name TEXT, description TEXT, arrayOrUnionDetail INTEGER,"
     " offset INTEGER)",
-    "CREATE TABLE NVTX_PAYLOAD_ENUMS (domainId INTEGER, schemaId INTEGER, name TEXT, size"
-    " INTEGER)",
+    "CREATE TABLE NVTX_PAYLOAD_ENUMS (domainId INTEGER, schemaId INTEGER, name TEXT, size INTEGER)",
     "CREATE TABLE NVTX_PAYLOAD_ENUM_ENTRIES (domainId INTEGER, schemaId INTEGER, idx INTEGER,"
     " name TEXT, value INTEGER)",
 )

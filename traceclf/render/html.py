@@ -230,10 +230,10 @@ def _communication(report: Report) -> str | None:
     overlap = comm_table.overlap_line(report)
     if not rows and not late and overlap is None:
         return None
-    out = f"<h2>{escape(comm_table.TITLE)}</h2>"
+    out = f"<h2>{for_html(comm_table.TITLE)}</h2>"
     if rows:
         cols = comm_table.GROUP_COLUMNS
-        out += f"<p>{escape(comm_table.NOTE)}.</p>"
+        out += f"<p>{for_html(comm_table.NOTE)}.</p>"
         out += _table(cols, rows, numeric=set(range(4, len(cols))), code_first=True)
     notes = comm_table.group_notes(report)
     if overlap is not None:
