@@ -30,7 +30,7 @@ from traceclf.model.taxonomy import matches
 TOP_NAMES = 4  # NVTX ranges and compute kernels followed by name
 NCCL_DOMAIN = "NCCL"  # the NVTX domain of NCCL's own ranges (its API calls)
 MIN_NS = 1_000  # a remainder below 1 µs is rounding, not a cause
-MAX_COLLECTIVES = 100_000  # collectives of one rank clocked (more: no late-arrival walk)
+MAX_COLLECTIVES = 100_000  # collectives of the window clocked (more: no late-arrival walk)
 NS_PER_MS = 1e6
 
 
@@ -44,11 +44,19 @@ def arrival_clock(w: RankWindow, keyed: pl.DataFrame, gaps: pl.DataFrame) -> dic
     hold the most idle time (``nvtx:<name>``; a range nested in one before it in that order
     counts for the first), and the rest of the idle time by its cause (``idle:<cause>``,
     ``gaps``: :func:`traceclf.measures.host.idle_gaps`)."""
-    if keyed.is_empty() or keyed.height > MAX_COLLECTIVES:
+    if keyed.is_empty():
         return {}
     layers = w.layers
     work = layers.work
-    starts, ends = keyed["start"].to_numpy(), keyed["end"].to_numpy()
+    # only the collectives from the one before the window to the last starting in it are
+    # walked: their rows, first_row on
+    lo, hi = w.window
+    all_starts = keyed["start"].to_numpy()
+    first = max(int(np.searchsorted(all_starts, lo, side="left")) - 1, 0)
+    last = int(np.searchsorted(all_starts, hi, side="left"))
+    if last <= first or last - first > MAX_COLLECTIVES:
+        return {}
+    starts, ends = all_starts[first:last], keyed["end"].to_numpy()[first:last]
     at: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def upto(busy: Busy) -> tuple[np.ndarray, np.ndarray]:
@@ -91,6 +99,7 @@ def arrival_clock(w: RankWindow, keyed: pl.DataFrame, gaps: pl.DataFrame) -> dic
     names = list(at)
     return {
         "states": names,
+        "first_row": first,
         "at_start": np.column_stack([at[k][0] for k in names]).tolist(),
         "at_end": np.column_stack([at[k][1] for k in names]).tolist(),
         "launches_at_start": {
@@ -125,14 +134,20 @@ def _host_ranges(w: RankWindow) -> list[tuple[str, Busy]]:
     if ranges.is_empty():
         return []
     work = w.layers.work
-    found = []
-    for (name,), rows in ranges.group_by(["text"]):
-        busy = Busy.of(rows)
-        idle = (busy | work).total - work.total
-        if idle > 0:
-            found.append((idle, str(name), busy))
-    found.sort(key=lambda x: (-x[0], x[1]))
-    return [(name, busy) for _, name, busy in found[:TOP_NAMES]]
+    # ranked by the idle time inside each range, summed per name (one pass over the ranges:
+    # PyTorch's emit_nvtx writes thousands of names), then each of the first names' union
+    start, end = ranges["start"].to_numpy(), ranges["end"].to_numpy()
+    idle = (end - start) - work.covered(start, end)
+    top = (
+        ranges.select("text", idle=pl.Series(idle))
+        .group_by("text")
+        .agg(pl.col("idle").sum())
+        .filter(pl.col("idle") > 0)
+        .sort("idle", "text", descending=[True, False])
+        .head(TOP_NAMES)["text"]
+        .to_list()
+    )
+    return [(str(name), Busy.of(ranges.filter(pl.col("text") == name))) for name in top]
 
 
 # --------------------------------------------------------------------------- reduce step
@@ -221,12 +236,14 @@ def _causes(
     extra_launches: dict[str, int] = {}
     for r in rows.iter_rows(named=True):
         theirs = clocks.get(r["m_rank"]) or {}
-        if r["p_row"] is None or r["p_row_m"] is None or not theirs:
+        a = b = None
+        if r["p_row"] is not None and r["p_row_m"] is not None and theirs:
+            a = _stretch(mine, int(r["p_row"]), int(r["row"]))
+            b = _stretch(theirs, int(r["p_row_m"]), int(r["m_row"]))
+        if a is None or b is None:
             unwalked += float(r["late"])
             continue
         walked += float(r["late"])
-        a = _stretch(mine, int(r["p_row"]), int(r["row"]))
-        b = _stretch(theirs, int(r["p_row_m"]), int(r["m_row"]))
         for state in set(a) | set(b):
             sums[state] = sums.get(state, 0.0) + a.get(state, 0.0) - b.get(state, 0.0)
         prior_end += float(r["p_end"] - r["p_end_m"])
@@ -275,11 +292,15 @@ def _causes(
     return out
 
 
-def _stretch(clock: dict, prev: int, this: int) -> dict[str, float]:
-    """ns in each state from the end of collective ``prev`` to the start of ``this``."""
-    states = clock["states"]
-    start, end = clock["at_start"][this], clock["at_end"][prev]
-    return {s: float(start[i] - end[i]) for i, s in enumerate(states)}
+def _stretch(clock: dict, prev: int, this: int) -> dict[str, float] | None:
+    """ns in each state from the end of collective ``prev`` to the start of ``this`` (rows of
+    the rank's list); None when the clock does not hold them."""
+    first = clock.get("first_row", 0)
+    n = len(clock["at_start"])
+    if not (0 <= prev - first < n and 0 <= this - first < n):
+        return None
+    start, end = clock["at_start"][this - first], clock["at_end"][prev - first]
+    return {s: float(start[i] - end[i]) for i, s in enumerate(clock["states"])}
 
 
 def _launches(clock: dict, name: str, prev: int, this: int) -> int:
@@ -289,7 +310,8 @@ def _launches(clock: dict, name: str, prev: int, this: int) -> int:
     ends = clock.get("launches_at_end", {}).get(name)
     if starts is None or ends is None:
         return 0
-    return int(starts[this]) - int(ends[prev])
+    first = clock.get("first_row", 0)
+    return int(starts[this - first]) - int(ends[prev - first])
 
 
 def _kernel_detail(kernels: dict[str, float], launches: dict[str, int], steps: int) -> str:
