@@ -520,8 +520,8 @@ def _communication(w: Window) -> dict:
 
 
 def _overlap_tax(w: Window) -> dict:
-    """overlap_tax_frac (docs/measures.md, "Overlap tax"): per compute kernel shape (short
-    name, grid, block), over whole launches in the window (not cut at its edges, not graph
+    """overlap_tax_frac (docs/measures.md, "Overlap tax"): per compute kernel shape (name,
+    grid, block), over whole launches in the window (not cut at its edges, not graph
     nodes), the median duration with no communication kernel of the rank in flight and the
     median with communication covering at least half of it; where each way has 3 launches or
     more, (median beside - median alone) x launches beside, summed, over the window (at least
@@ -544,7 +544,7 @@ def _overlap_tax(w: Window) -> dict:
         dur = k["end"] - k["start"]
         way = "alone" if c == 0 else "beside" if c >= 0.5 * dur else None
         if way:
-            ways.setdefault((k["short"], k["grid"], k["block"]), {"alone": [], "beside": []})[
+            ways.setdefault((k["name"], k["grid"], k["block"]), {"alone": [], "beside": []})[
                 way
             ].append(dur)
     taxes = [

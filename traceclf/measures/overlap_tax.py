@@ -2,7 +2,7 @@
 a communication kernel run slower beside it (NCCL's kernels take SMs and memory bandwidth), so
 overlapped communication is not free.
 
-A kernel shape is its name and launch shape (grid and block); a launch runs *alone* when no
+A kernel shape is its (full, demangled) name and launch shape (grid and block); a launch runs *alone* when no
 communication kernel of the rank is in flight at any time of it, *beside* one when
 communication covers at least half of it. For every shape with at least
 :data:`MIN_LAUNCHES` launches each way in the window, the tax is (median duration beside -
@@ -43,18 +43,19 @@ def overlap_tax(w: RankWindow) -> tuple[dict[str, float | None], list[dict]]:
     cover = w.layers.comm.covered(start, end)
     dur = end - start
     runs = kern.select(
-        "short_name", "grid_blocks", "block_threads", dur=pl.Series(dur)
+        "name", "short_name", "grid_blocks", "block_threads", dur=pl.Series(dur)
     ).with_columns(
         way=pl.when(pl.Series(cover) == 0)
         .then(pl.lit("alone"))
         .when(pl.Series(cover) >= BESIDE_COVER * pl.col("dur"))
         .then(pl.lit("beside"))
     )
-    shape = ["short_name", "grid_blocks", "block_threads"]
+    shape = ["name", "grid_blocks", "block_threads"]
     per = (
         runs.drop_nulls("way")
         .group_by(*shape)
         .agg(
+            pl.col("short_name").first(),
             n_alone=(pl.col("way") == "alone").sum(),
             n_beside=(pl.col("way") == "beside").sum(),
             alone=pl.col("dur").filter(pl.col("way") == "alone").median(),
