@@ -42,7 +42,8 @@ def communication_block(
     rs: RuleSet,
 ) -> dict:
     """``communication``: ``payload`` (capture.nccl_payload), ``sizes_note`` (what would add
-    the message sizes, when the export lacks them), ``groups`` and ``overlap_tax``."""
+    the message sizes, when the export has communication but not them), ``groups`` and
+    ``overlap_tax``."""
     payload = capture.get("nccl_payload") or "absent"
     shared = [set(g) for g in cross.get("shared_gpu") or []]
     transfers = cross.get("transfers") or {}
@@ -58,7 +59,8 @@ def communication_block(
     groups.sort(key=lambda g: -(g["exposed_ms_per_step"] or 0))
     return {
         "payload": payload,
-        "sizes_note": None if payload == "values" else PAYLOAD_NOTES.get(payload),
+        # (said only where there is communication to size)
+        "sizes_note": None if payload == "values" or not groups else PAYLOAD_NOTES.get(payload),
         "groups": groups,
         "overlap_tax": _overlap_tax(ranks, metrics, shared),
     }
