@@ -364,6 +364,22 @@ def test_without_payload_values_the_report_says_how_to_get_them() -> None:
     assert EXPORT_OPTIONS == "blobs"  # (traceclf's own exports ask for them: test_nsys_rep)
 
 
+def test_a_stream_with_kinds_of_two_dimensions_stays_unknown() -> None:
+    """Without payload values a communicator is its stream. With steps taken from the kernel
+    pattern, h100_comm_ep2's window holds the warm-up all-reduce beside the all-to-all on one
+    stream: no dimension runs both, so the NVTX 'moe_*' names cannot make it EP."""
+    code, out, err = run_cli(
+        "analyze", NO_VALUES, "-f", "json", "--no-cache", "-q", "--step-range", "^no such$"
+    )
+    assert code == 0, err
+    groups = json.loads(out)["communication"]["groups"]
+    mixed = [g for g in groups if {"all_reduce", "all_to_all"} <= set(g["kinds"])]
+    assert mixed
+    for g in mixed:
+        assert g["dimension"] == "unknown"
+        assert g["dimension_evidence"][-1].endswith("kinds allow none")
+
+
 # ----------------------------------------------------------------- every format
 
 

@@ -173,9 +173,8 @@ def infer_dimension(
         said = set(named)
         if len(said) == 1 and said <= left:
             return next(iter(said)), evidence
-        evidence.append(
-            f"the clues disagree: NVTX names {_or(sorted(said))}, kinds allow {_or(sorted(left))}"
-        )
+        allow = f"kinds allow {_or(sorted(left))}" if left else "kinds allow none"
+        evidence.append(f"the clues disagree: NVTX names {_or(sorted(said))}, {allow}")
         return "unknown", evidence
     if len(left) == 1:
         return next(iter(left)), evidence
@@ -188,6 +187,8 @@ def infer_dimension(
 
 def _or(dims: list[str] | tuple[str, ...]) -> str:
     names = [d.upper() for d in dims]
+    if not names:
+        return "none"
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
