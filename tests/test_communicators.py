@@ -364,6 +364,20 @@ def test_without_payload_values_the_report_says_how_to_get_them() -> None:
     assert EXPORT_OPTIONS == "blobs"  # (traceclf's own exports ask for them: test_nsys_rep)
 
 
+def test_payload_schemas_of_another_library_are_not_nccls() -> None:
+    """The slow-loader capture declares nsys's Python-sampling payload schemas and no NCCL
+    one: its capture block says NCCL's payload is absent, not "declared but empty"."""
+    path = FIXTURES / "h100_host_slow_loader.sqlite"
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        schemas = db.execute("SELECT count(*) FROM NVTX_PAYLOAD_SCHEMAS").fetchone()[0]
+        names = {r[0] for r in db.execute("SELECT name FROM NVTX_PAYLOAD_SCHEMA_ENTRIES")}
+    assert schemas > 0 and "NCCL communicator ID" not in names
+    rep = report(path)
+    assert rep["capture"]["nccl_payload"] == "absent"
+    assert rep["communication"]["sizes_note"] is None
+    assert report(NO_VALUES)["capture"]["nccl_payload"] == "declared_empty"
+
+
 def test_a_stream_with_kinds_of_two_dimensions_stays_unknown() -> None:
     """Without payload values a communicator is its stream. With steps taken from the kernel
     pattern, h100_comm_ep2's window holds the warm-up all-reduce beside the all-to-all on one

@@ -197,7 +197,20 @@ def nccl_payload(reader: Reader, raw_nvtx: pl.DataFrame | None) -> str:
         # (SQLite's LIKE 'nccl%' of earlier releases: case-blind for ASCII)
         if text.to_series().str.starts_with("nccl").any():
             return "values"
-    return "declared_empty" if reader.info.has("NVTX_PAYLOAD_SCHEMAS") else "absent"
+    return _declared(reader)
+
+
+def _declared(reader: Reader) -> str:
+    """``"declared_empty"`` when NCCL's own payload schema is declared (an entry named as
+    ingest/nccl_calls.py's first: other libraries, e.g. nsys's Python sampling, declare
+    schemas of their own), else ``"absent"``."""
+    if "name" not in reader.info.columns.get("NVTX_PAYLOAD_SCHEMA_ENTRIES", ()):
+        return "absent"
+    hit = reader.sql(
+        "SELECT count(*) AS n FROM NVTX_PAYLOAD_SCHEMA_ENTRIES "
+        "WHERE CAST(name AS BLOB) = CAST('NCCL communicator ID' AS BLOB)"
+    )
+    return "declared_empty" if int(hit["n"][0]) else "absent"
 
 
 def _nccl_payload_scan(reader: Reader) -> str:
@@ -213,7 +226,7 @@ def _nccl_payload_scan(reader: Reader) -> str:
         )
         if int(hit["n"][0]):
             return "values"
-    return "declared_empty" if reader.info.has("NVTX_PAYLOAD_SCHEMAS") else "absent"
+    return _declared(reader)
 
 
 def read_device_map(reader: Reader) -> pl.DataFrame:
