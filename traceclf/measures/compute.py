@@ -53,6 +53,14 @@ MEASURES: dict[str, str] = {
     "(null without one): dozens mean a per-tensor, unfused optimizer",
     "fp8_gemm_frac": "share of GEMM time in FP8 GEMM kernels (e4m3/e5m2/fp8/mxfp8 in the name)",
     "small_grid_gemm_frac": "share of GEMM time in GEMMs whose grid has fewer blocks than SMs",
+    "small_grid_gemm_ms": "ms per step in GEMMs whose grid has fewer blocks than SMs (graph-level "
+    "tracing: the eager iteration's, per replay)",
+    "small_grid_gemm_fill": "the SMs those GEMMs fill: time-weighted mean of grid blocks / SMs "
+    "(what a grouped GEMM over all of them would leave idle is 1 minus this)",
+    "fusable_chain_ms": "ms per step a fusion of elementwise/normalisation kernel chains can "
+    "remove: per stream, each run of 2 or more consecutive elementwise or reduction kernels "
+    "(outside the optimizer) counts its time less its longest kernel, the one pass a fused "
+    "kernel keeps (graph-level tracing: the eager iteration's, per replay)",
     "sm_active_mean": "mean 'SMs Active' GPU metric in the window (0-1)",
     "sm_issue_mean": "mean 'SM Issue' GPU metric in the window (0-1)",
     "tensor_active_mean": "mean 'Tensor Active' GPU metric in the window (0-1)",
@@ -86,7 +94,42 @@ def kernel_mix(w: RankWindow) -> tuple[dict[str, float | bool | None], str]:
     out["kernel_stats_outside_window"] = hidden
     out["graph_internal_gap_frac"] = graph_internal_gap_frac(w)
     out |= _gemm_measures(shape_kernels, w, per_step)
+    out["fusable_chain_ms"] = fusable_chain_ms(shape_kernels, per_step)
     return out, source
+
+
+# Families whose consecutive kernels a fusion merges into one pass over memory.
+CHAIN_FAMILIES = ("elementwise", "reduction")
+
+
+def fusable_chain_ms(kern: pl.DataFrame, per_step: float) -> float:
+    """ms per step that fusing chains of consecutive elementwise/normalisation kernels can
+    remove (per stream, in start order; any other kernel, or one of the optimizer, ends a
+    chain). A fused kernel still reads the chain's inputs and writes its outputs: at least the
+    traffic of the chain's longest member, so each chain of two or more keeps that one and
+    loses the rest: sum - max."""
+    if kern.is_empty():
+        return 0.0
+    optimizer = pl.col("in_optimizer") if "in_optimizer" in kern.columns else pl.lit(False)
+    link = pl.col("family").cast(pl.String).is_in(CHAIN_FAMILIES) & ~optimizer
+    runs = (
+        kern.select("stream_id", "start", link=link, dur=pl.col("end") - pl.col("start"))
+        .sort("stream_id", "start")
+        .with_columns(
+            run=(
+                (pl.col("link") != pl.col("link").shift(1))
+                | (pl.col("stream_id") != pl.col("stream_id").shift(1))
+            )
+            .fill_null(True)
+            .cum_sum()
+        )
+        .filter("link")
+        .group_by("run")
+        .agg(n=pl.len(), total=pl.col("dur").sum(), longest=pl.col("dur").max())
+        .filter(pl.col("n") >= 2)
+    )
+    removable = int((runs["total"] - runs["longest"]).sum()) if len(runs) else 0
+    return removable / 1e6 / per_step
 
 
 def warmup_kernels(w: RankWindow) -> tuple[pl.DataFrame, float, str]:
@@ -213,6 +256,14 @@ def families(taxonomy: Taxonomy) -> tuple[str, ...]:
     return (*FAMILY_NAMES, *dict.fromkeys(extra))
 
 
+GEMM_SHARES = (
+    "fp8_gemm_frac",
+    "small_grid_gemm_frac",
+    "small_grid_gemm_ms",
+    "small_grid_gemm_fill",
+)
+
+
 def _gemm_measures(kern: pl.DataFrame, w: RankWindow, per_step: float) -> dict[str, float | None]:
     """FP8 share of GEMM time (FP8 already in use?), small-grid share of GEMM time, and how
     often one small GEMM shape repeats per step (many tiny per-expert GEMMs that a grouped GEMM
@@ -229,13 +280,23 @@ def _gemm_measures(kern: pl.DataFrame, w: RankWindow, per_step: float) -> dict[s
         "small_gemm_repeats_per_step": (repeats or 0) / per_step if sm_count else None,
     }
     if not total:
-        return {"fp8_gemm_frac": None, "small_grid_gemm_frac": None} | counts
+        return dict.fromkeys(GEMM_SHARES) | counts
     fp8_filter = pl.col("name").cast(pl.String).str.contains(w.taxonomy.fp8_gemm)
     fp8 = int(gemm.filter(fp8_filter)["dur"].sum())
-    small = int(gemm.filter(pl.col("grid_blocks") < sm_count)["dur"].sum()) if sm_count else None
+    if not sm_count:
+        return dict.fromkeys(GEMM_SHARES) | {"fp8_gemm_frac": fp8 / total} | counts
+    small = int(small_gemms["dur"].sum())
+    # (a small grid fills grid/SMs of the GPU; weighted by time, as the idle SMs cost time)
+    fill = (
+        (small_gemms["grid_blocks"] / sm_count * small_gemms["dur"]).sum() / small
+        if small
+        else None
+    )
     return {
         "fp8_gemm_frac": fp8 / total,
-        "small_grid_gemm_frac": small / total if small is not None else None,
+        "small_grid_gemm_frac": small / total,
+        "small_grid_gemm_ms": small / 1e6 / per_step,
+        "small_grid_gemm_fill": float(fill) if fill is not None else None,
     } | counts
 
 

@@ -24,6 +24,9 @@ MEASURES: dict[str, str] = {
     "idle_launch_frac": "idle time while the host was issuing CUDA calls (launch-bound)",
     "idle_sync_frac": "idle time right after a synchronising call returned, or filled by "
     "cudaMalloc/cudaFree (which synchronise the device) (sync-bound)",
+    "idle_after_wait_frac": "the part of idle_sync_frac in gaps where a call that only waits "
+    "(cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize; taxonomy cuda_api "
+    "wait) returned: what removing needless syncs wins back (blocking copies left out)",
     "idle_input_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them and evidence "
     "of data loading: an NVTX data range over the gap, the gap ends with a host->device copy "
     "of >= 1 MiB (the next batch), or the launching thread's samples in the gap show "
@@ -79,15 +82,33 @@ def calls(w: RankWindow) -> dict[str, float | None]:
     }
 
 
-def idle(gaps: pl.DataFrame, w: RankWindow) -> dict[str, float]:
+def idle(gaps: pl.DataFrame, w: RankWindow) -> dict[str, float | None]:
     """Share of the window idle for each cause (gaps from :func:`idle_gaps`)."""
     # (one column summed per cause: no copy of the millions of gaps' rows)
     ns = gaps.select(
         **{cause: pl.col("dur").filter(pl.col("cause") == cause).sum() for cause in IDLE_CAUSES}
     ).row(0, named=True)
-    out = {f"idle_{cause}_frac": float(ns[cause]) / w.wall for cause in IDLE_CAUSES}
+    out: dict[str, float | None] = {
+        f"idle_{cause}_frac": float(ns[cause]) / w.wall for cause in IDLE_CAUSES
+    }
     out["idle_host_nvtx_frac"] = float(gaps["nvtx_ns"].sum()) / w.wall
+    out["idle_after_wait_frac"] = _after_wait(gaps, w)
     return out
+
+
+def _after_wait(gaps: pl.DataFrame, w: RankWindow) -> float | None:
+    """Share of the window idle in "sync" gaps in which a call that only waits returned (a
+    cudaDeviceSynchronize after every kernel); null when the CUDA API was not traced. The call
+    returns inside the gap, no slack: one that returned while the GPU still ran something (a
+    blocking copy issued right after it) did not leave the GPU idle, the copy did."""
+    if not w.host_traced:
+        return None
+    sync = gaps.filter(pl.col("cause") == "sync")
+    if sync.is_empty():
+        return 0.0
+    ends = np.sort(w.api.filter(pl.col("is_wait").fill_null(False))["end"].to_numpy())
+    hit = _returned_in(ends, sync["start"].to_numpy(), sync["end"].to_numpy(), slack=0)
+    return float(sync["dur"].filter(pl.Series(hit)).sum()) / w.wall
 
 
 def idle_gaps(w: RankWindow) -> pl.DataFrame:
@@ -200,13 +221,17 @@ def _after_sync(
     # drained the queue. Every such gap counts: with kernels of a few µs the next gap starts
     # within the slack too, and must not take the sync away from the gap it returned in.
     sync_end = np.sort(calls.filter(pl.col("is_sync").fill_null(False))["end"].to_numpy())
-    # first sync returning since then (the slack moved onto the few syncs, not every gap)
-    nxt = intervals.rank_sorted(sync_end + SYNC_SLACK_NS, gstart, side="left")
-    after_sync = nxt < len(sync_end)
-    after_sync[after_sync] = sync_end[nxt[after_sync]] <= gend[after_sync]
-    del nxt
-    after_sync |= filled
-    return pl.Series(after_sync)
+    return pl.Series(_returned_in(sync_end, gstart, gend, SYNC_SLACK_NS) | filled)
+
+
+def _returned_in(ends: np.ndarray, gstart: np.ndarray, gend: np.ndarray, slack: int) -> np.ndarray:
+    """Per gap: whether one of the calls ending at ``ends`` (sorted) returned inside it or at
+    most ``slack`` ns before it started."""
+    # first call returning since then (the slack moved onto the few calls, not every gap)
+    nxt = intervals.rank_sorted(ends + slack, gstart, side="left")
+    returned = nxt < len(ends)
+    returned[returned] = ends[nxt[returned]] <= gend[returned]
+    return returned
 
 
 def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:

@@ -60,7 +60,7 @@ class RankWindow:
     graphs: pl.DataFrame  # graph-level traced graph executions
     graph_spans: pl.DataFrame  # one interval per graph replay, either tracing mode
     copies: pl.DataFrame
-    api: pl.DataFrame  # CUDA calls while the GPU runs the window, is_sync/launch/alloc flags
+    api: pl.DataFrame  # CUDA calls while the GPU runs the window, is_sync/wait/launch/alloc flags
     flagged: pl.DataFrame  # every CUDA call of the rank, row for row, flagged (classify_api)
     layers: Layers  # what each layer of GPU work covers
     state: dict[str, int]  # ns of the window in each state (Layers.state_times)
@@ -199,12 +199,14 @@ def _optimizer_family(kern: pl.DataFrame) -> pl.DataFrame:
 
 
 def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
-    """Flag sync, launch and allocation calls (regexes once per distinct API name)."""
+    """Flag sync (and of those, wait-only), launch and allocation calls (regexes once per
+    distinct API name)."""
     names = (
         api.select("name")
         .unique()
         .with_columns(
             is_sync=taxonomy.is_api("sync"),
+            is_wait=taxonomy.is_api("wait"),
             is_launch=taxonomy.is_api("launch"),
             is_alloc=taxonomy.is_api("alloc"),
         )
