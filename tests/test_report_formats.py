@@ -17,7 +17,7 @@ from traceclf.figures import draw as figures
 from traceclf.render import render
 from traceclf.render.html import render_html
 from traceclf.render.markdown import render_markdown
-from traceclf.report.contract import WALLS, Report
+from traceclf.report.contract import Report
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,12 @@ def test_markdown_has_verdict_evidence_and_provenance(name: str, request) -> Non
     cls = report.classification
     assert f"**{report.bound.upper()}-bound**" in md
     assert f"confidence {_confidence_word(cls['confidence'])}: {cls['confidence']:.2f}" in md
-    for wall in WALLS:
-        assert f"| {cls['scores'].get(wall, 0):.2f} |" in md
+    # one "how sure" figure, explained by its factors, and no rule-score table competing
+    # with it (issue 22: the scores were a second and third figure on other scales)
+    verdict = md.split("## Verdict", 1)[1].split("## Capture", 1)[0]
+    assert verdict.count("confidence") == 1 and "rule score" not in md
+    basis = cls["confidence_basis"]
+    assert f"= {basis['explained']:.2f} of the step explained × {basis['reliability']:.2f}" in md
     assert "## Where the steady-state step goes" in md
     assert f"| {report.ranks[0]['rank']} | {report.ranks[0]['pid']} |" in md
     provenance = md.split("## Provenance", 1)[1]

@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from traceclf.judge import ceiling
+from traceclf.judge.confidence import confidence as window_confidence
 from traceclf.judge.hostverdict import capture_context, capture_options, distortions, top_context
 from traceclf.judge.vocabulary import COMMUNICATION_FACTS, load_rules
 from traceclf.rulebook.entries import WALLS, Fix, GpuFamily, Rule, Scoring
 from traceclf.rulebook.expr import Expr
+from traceclf.rulebook.fixparts import Precondition
 from traceclf.rulebook.layers import RuleSet
 
 
@@ -41,12 +43,9 @@ def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
     hits = _fire(rs, env)
     scores = {w: _combine(h.score for h in hits if h.rule.wall == w) for w in WALLS}
     bound = _bound(scores, rs.scoring)
-    confidence = _confidence(bound, env, facts.get("steps") or {}, rs.scoring)
-    if distortions(rs, env):  # the capture may have changed the verdict (capture.warnings)
-        weight = rs.capture.distorted_weight
-        confidence["reliability"] = round(confidence["reliability"] * weight, 3)
-        confidence["value"] = round(confidence["explained"] * confidence["reliability"], 3)
-        confidence["capture_distortion"] = weight
+    # the capture may have changed the verdict (capture.warnings): a factor of reliability
+    distorted = rs.capture.distorted_weight if distortions(rs, env) else None
+    confidence = window_confidence(bound, env, facts.get("steps") or {}, rs.scoring, distorted)
     # Walls reported with evidence and fixes: the bound and any other wall that matters.
     shown = [w for w in rs.scoring.workflow if w == bound or scores[w] >= rs.scoring.meaningful]
     return Verdict(
@@ -82,30 +81,6 @@ def abstained(reason: str) -> Verdict:
     )
 
 
-def _confidence(bound: str, env: dict[str, Any], steps: dict, scoring: Scoring) -> dict:
-    """How much of the step the bound's evidence explains (its time share) times how far the
-    window can be trusted (step anchor, number of steady steps, their spread)."""
-    share = scoring.time_share[bound].value(env)
-    explained = min(max(float(share), 0.0), 1.0) if isinstance(share, (int, float)) else 0.0
-    source = steps.get("source") or "none"
-    used = steps.get("used") or 0
-    cv = steps.get("cv") or 0.0
-    reliability = (
-        scoring.step_source_weight.get(source, scoring.step_source_weight.get("none", 0.5))
-        * min(1.0, used / scoring.full_confidence_steps)
-        / (1.0 + cv)
-    )
-    if source == "none":  # the whole capture is the window: no step to count
-        reliability = scoring.step_source_weight.get("none", 0.5) / (1.0 + cv)
-    if steps.get("anchors_agree") is False:  # a second anchor implies another step time
-        reliability *= scoring.step_source_weight.get("disagreeing_anchors", 0.5)
-    return {
-        "value": round(explained * reliability, 3),
-        "explained": round(explained, 3),
-        "reliability": round(reliability, 3),
-    }
-
-
 def _classification(
     hits: list[_Hit],
     scores: dict[str, float],
@@ -130,7 +105,7 @@ def _classification(
         "confidence": confidence["value"],
         "confidence_basis": {
             k: confidence[k]
-            for k in ("explained", "reliability", "capture_distortion")
+            for k in ("explained", "reliability", "factors", "capture_distortion")
             if k in confidence
         },
         "scores": {w: round(scores[w], 3) for w in WALLS},
@@ -157,6 +132,7 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
         "gpu_sm_count": gpu.get("sm_count"),
         "gpu_memory_bytes": gpu.get("memory_bytes"),
         "rank_count": facts.get("rank_count") or len(facts.get("ranks") or []) or 1,
+        "host_count": _count_known(facts.get("hosts") or []),
         "uses_cuda_graphs": bool(metrics.get("uses_cuda_graphs")),
         "comm_libraries": sorted({lib for k in kinds.values() for lib in k.get("libraries") or []}),
         "comm_kinds": sorted(kinds),
@@ -187,6 +163,11 @@ def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:
     for name, definition in rs.definitions.items():  # in order: each may use the ones before
         env[name] = definition.expr.value(env)
     return env
+
+
+def _count_known(values: list[str | None]) -> int | None:
+    """Distinct values, or null when one of them is unknown (or there are none)."""
+    return len(set(values)) if values and None not in values else None
 
 
 def host_link(gpu: dict, rs: RuleSet) -> dict[str, Any]:
@@ -256,16 +237,25 @@ def _next_wall(
 
 def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any]) -> list[dict]:
     """Fixes of the reported walls, each placed where its strongest workflow-first rule puts it;
-    fixes whose hardware requirement fails or that the trace shows applied are left out."""
+    then fixes worth doing beside the bound (below); fixes whose hardware requirement fails or
+    that the trace shows applied are left out. A fix with a premise the capture contradicts
+    comes after the others of its wall."""
     hits = sorted(hits, key=lambda h: (rs.scoring.workflow.index(h.rule.wall), -h.score, h.order))
     found: dict[str, dict] = {}
-    for h in hits:
-        if h.rule.wall not in shown:
-            continue
-        for fix_id in h.rule.fixes:
-            entry = found.setdefault(fix_id, {"wall": h.rule.wall, "score": h.score, "rules": []})
-            entry["score"] = max(entry["score"], h.score)
-            entry["rules"].append(h.rule.id)
+    for beside in (False, True):
+        for h in hits:
+            if (h.rule.wall in shown) == beside:
+                continue
+            if beside and h.score < rs.scoring.noteworthy:
+                continue
+            for fix_id in h.rule.fixes:
+                if beside and fix_id in found and not found[fix_id]["beside"]:
+                    continue
+                entry = found.setdefault(
+                    fix_id, {"wall": h.rule.wall, "score": h.score, "rules": [], "beside": beside}
+                )
+                entry["score"] = max(entry["score"], h.score)
+                entry["rules"].append(h.rule.id)
     framework = rs.scoring.framework_advice_when.holds(env)
     out = []
     for fix_id, entry in found.items():
@@ -274,16 +264,42 @@ def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any
             continue
         if not framework and fix.generic is None:
             continue  # framework advice only, and this is not a framework's loop
-        out.append(_fix_object(fix, entry, env, framework, rs))
-    # By workflow wall, then by what each can recover (stable: rule order breaks ties).
-    out.sort(key=lambda f: (rs.scoring.workflow.index(f["wall"]), ceiling.order_key(f)))
-    return _prerequisites_first(out, rs)
+        obj = _fix_object(fix, entry, env, framework, rs)
+        if entry["beside"] and not _worth_doing(obj, env, rs):
+            continue
+        out.append(obj)
+    # Beside the bound last; by workflow wall, then what the trace contradicts last, then by
+    # what each can recover (stable: rule order breaks ties).
+    out.sort(
+        key=lambda f: (
+            f.get("beside_bound", False),
+            rs.scoring.workflow.index(f["wall"]),
+            bool(f["contradicted_premises"]),
+            ceiling.order_key(f),
+        )
+    )
+    ordered = _prerequisites_first(out, rs)
+    ceiling.mark_shared(ordered)
+    return ordered
+
+
+def _worth_doing(fix: dict, env: dict[str, Any], rs: RuleSet) -> bool:
+    """A fix of a wall that is neither the bound nor scores ``meaningful`` is still worth doing
+    when its evidence is noteworthy (checked by the caller) and its ceiling, in ms of the step,
+    wins back at least ``worth_doing_frac`` of it: a sync after every kernel in a compute-bound
+    code costs 6% of the step, though the host wall scores low."""
+    c = fix.get("ceiling") or {}
+    step = env.get("step_time_ms")
+    if c.get("unit") != "step" or c.get("recoverable_ms") is None or not step:
+        return False
+    return c["recoverable_ms"] >= rs.thresholds["worth_doing_frac"] * step
 
 
 def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs: RuleSet) -> dict:
     config = fix.config if framework else fix.generic
     held = [(when, lines) for when, lines in fix.config_when if framework and when.holds(env)]
     extra = [lines for _, lines in held]
+    contradicted = [(p, _contradiction(p, env)) for p in fix.premises]
     obj = {
         "id": fix.id,
         "wall": entry["wall"],
@@ -291,18 +307,34 @@ def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs:
         "why": fix.why.render(env),
         "config": "\n".join([config or "", *extra]).strip("\n"),
         "advice": "framework" if framework else "generic",
-        "preconditions": list(fix.preconditions),
+        "preconditions": [p.text for p, shows in contradicted if shows is None],
+        "contradicted_premises": [
+            {"premise": p.text, "trace_shows": shows[0], "facts": shows[1]}
+            for p, shows in contradicted
+            if shows is not None
+        ],
         "pitfalls": list(fix.pitfalls),
         "evidence": _evidence(fix, entry["rules"], env, rs, [when for when, _ in held]),
         "rule_ids": list(dict.fromkeys(entry["rules"])),
         "score": round(entry["score"], 3),
         "ceiling": ceiling.ceiling(fix, env),
     }
+    if entry["beside"]:
+        obj["beside_bound"] = True
     if fix.verify is not None:
         obj["verify"] = fix.verify.render(env)
     if fix.pytorch and framework:
         obj["pytorch"] = " ".join(fix.pytorch.split())
     return obj
+
+
+def _contradiction(premise: Precondition, env: dict[str, Any]) -> tuple[str, dict] | None:
+    """What the trace shows against a premise (the sentence and the facts it rests on), or
+    None when it shows nothing against it: then the user checks it."""
+    for when, shows in premise.contradicted:
+        if when.holds(env):
+            return shows.render(env), {n: env[n] for n in sorted(when.names | shows.names)}
+    return None
 
 
 def _evidence(

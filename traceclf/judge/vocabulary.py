@@ -23,6 +23,8 @@ CONTEXT_NAMES: dict[str, str] = {
     "gpu_sm_count": "streaming multiprocessors of the GPU",
     "gpu_memory_bytes": "device memory capacity in bytes",
     "rank_count": "ranks analysed together",
+    "host_count": "hosts the ranks ran on (distinct hostnames; null when an export does not "
+    "name its host)",
     "uses_cuda_graphs": "CUDA-graph executions in the steady state on any rank",
     "comm_libraries": 'communication libraries seen, e.g. ["nccl"], ["deepep", "nccl"]',
     "comm_kinds": 'collective kinds seen, e.g. ["all_to_all", "all_reduce"]',
@@ -121,6 +123,7 @@ JUDGE_THRESHOLDS = (
     "straggler_noise_factor",
     "wait_dominates_frac",  # the cross-rank verdict (judge/straggler.py)
     "link_bound_frac",  # a communicator near its link's peak (judge/comm_groups.py)
+    "worth_doing_frac",  # a fix beside the bound (judge/engine.py)
 )
 
 

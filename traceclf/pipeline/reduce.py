@@ -99,6 +99,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
         "ranks": rank_dicts,
         "gpu": gpus[0] if gpus else None,
         "rank_count": len(ranks),
+        "hosts": [r.clock.host for r in ranks],
         "comm_by_kind": comm_by_kind,
         "cross_rank": cross,
         "capture": capture,

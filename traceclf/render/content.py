@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from traceclf.render.ceilings import ceiling_rows, combined_row
 from traceclf.render.hostlines import host_capture_rows
 from traceclf.render.text import anchor_label, sampled
 from traceclf.report.contract import Report
 from traceclf.support.escape import visible
-from traceclf.support.units import fmt_bytes, fmt_ms, gain, pct
+from traceclf.support.units import fmt_bytes, fmt_ms, pct
 
 RANK_COLUMNS = (
     "rank",
@@ -55,8 +56,8 @@ def verdict_title(report: Report) -> str:
 
 
 def verdict_line(report: Report) -> str:
-    """The headline under the title: what the bound takes and how sure that is, or why
-    traceclf abstained."""
+    """The headline under the title: what the bound takes and how sure that is, in one figure
+    with its factors (docs/judgement.md, "Confidence"), or why traceclf abstained."""
     cls = report.classification
     if report.abstained:
         return f"traceclf abstains: {cls.get('abstain_reason') or 'the trace cannot support a verdict'}"
@@ -64,14 +65,40 @@ def verdict_line(report: Report) -> str:
     word = next((w for floor, w in CONFIDENCE_WORDS if (confidence or 0) >= floor), "low")
     basis = cls.get("confidence_basis") or {}
     why = (
-        f" (the bound explains {pct(basis.get('explained'))} of the step; window reliability "
-        f"{basis.get('reliability', 0):.2f})"
+        f" = {basis.get('explained', 0):.2f} of the step explained × "
+        f"{basis.get('reliability', 0):.2f} window reliability{_factors(report)}"
         if basis
         else ""
     )
     headline = cls.get("headline") or ""
     conf = f"confidence {word}: {confidence:.2f}{why}" if confidence is not None else ""
     return "; ".join(p for p in (headline, conf) if p)
+
+
+def _factors(report: Report) -> str:
+    """The factors that lower the window's reliability, in words: ' (recurring-kernel steps
+    ×0.80, spread 7.0% ×0.93)', or '' when none does."""
+    basis = report.classification.get("confidence_basis") or {}
+    factors = basis.get("factors") or {}
+    steps = report.steps or {}
+    words = {
+        "anchor": f"steps from {ANCHOR_WORDS.get(steps.get('source'), steps.get('source'))}",
+        "steps": f"{steps.get('used', 0)} steady steps",
+        "spread": f"step spread {pct(steps.get('cv'))}",
+        "second_anchor": "a second anchor disagrees",
+        "capture_distortion": "the capture may have changed the verdict",
+    }
+    parts = [f"{words.get(k, k)} ×{v:.2f}" for k, v in factors.items() if v < 1]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+ANCHOR_WORDS = {
+    "nvtx": "NVTX ranges",
+    "graph": "graph launches",
+    "pattern": "a recurring kernel",
+    "mixed": "different anchors per rank",
+    "none": "nowhere (the whole capture)",
+}
 
 
 LOOPS = {
@@ -309,16 +336,9 @@ def budget_rows(report: Report) -> list[tuple[str, str]]:
                 + (f" · {cross['verdict']}" if cross.get("verdict") else ""),
             )
         )
-    together = getattr(report, "combined_ceiling", None) or {}
-    if together.get("recoverable_ms") is not None:
-        rows.append(
-            (
-                "Ceiling, all fixes",
-                f"{fmt_ms(together['recoverable_ms'])} per step, throughput "
-                f"{gain(together.get('throughput_gain'))} at most (disjoint classes only: "
-                f"{', '.join(together.get('from') or [])})",
-            )
-        )
+    together = combined_row(report)
+    if together is not None:
+        rows.append(together)
     return rows
 
 
@@ -449,6 +469,21 @@ def config_caption(fix: dict) -> str | None:
     return None
 
 
+# What each list of a fix is, as its heading says it (every format).
+PRECONDITIONS_NOTE = "check these first: the trace cannot show them"
+CONTRADICTED_NOTE = "what the trace contradicts"
+
+
+def beside_bound_line(fix: dict) -> str | None:
+    """Why a fix of a wall that does not bound the run is listed at all."""
+    if not fix.get("beside_bound"):
+        return None
+    return (
+        f"Also worth doing: the {fix.get('wall')} wall is not the bound, but the evidence is "
+        "noteworthy and this ceiling wins back a measurable share of the step."
+    )
+
+
 def fix_facts(fix: dict) -> list[tuple[str, str]]:
     """What a fix rests on and what it can win, as (label, text) rows: the same change in plain
     PyTorch, the measured facts that triggered it, its gain ceiling, and what the next capture
@@ -459,16 +494,7 @@ def fix_facts(fix: dict) -> list[tuple[str, str]]:
     evidence = fix.get("evidence") or {}
     if evidence:
         rows.append(("Because", ", ".join(f"{k} {_fact(v)}" for k, v in evidence.items())))
-    ceiling = fix.get("ceiling") or {}
-    if ceiling.get("recoverable_ms") is not None:
-        rows.append(
-            (
-                "At most",
-                f"{fmt_ms(ceiling['recoverable_ms'])} per step back, throughput "
-                f"{gain(ceiling.get('throughput_gain'))} (ceiling, not a forecast; from "
-                f"{ceiling.get('from') or '–'})",
-            )
-        )
+    rows += ceiling_rows(fix)
     if fix.get("verify"):
         rows.append(("Verify", f"in the next capture: {fix['verify']}"))
     return rows

@@ -8,10 +8,14 @@ import base64
 from traceclf.figures.draw import figure_png, report_figures
 from traceclf.figures.style import WALL_COLORS
 from traceclf.render import comm_table
+from traceclf.render.ceilings import contradicted_lines
 from traceclf.render.content import (
     CAPTIONS,
+    CONTRADICTED_NOTE,
     KERNEL_COLUMNS,
+    PRECONDITIONS_NOTE,
     RANK_COLUMNS,
+    beside_bound_line,
     budget_rows,
     capture_rows,
     config_caption,
@@ -35,7 +39,7 @@ from traceclf.render.hostlines import (
 from traceclf.render.markdown import config_language
 from traceclf.render.text import input_names, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
-from traceclf.report.contract import WALLS, Report
+from traceclf.report.contract import Report
 from traceclf.support.escape import for_html
 
 # Every rule is scoped to the report's root element, so the same style serves the standalone
@@ -48,9 +52,6 @@ STYLE = """
 solid #ddd; padding-bottom: .2em; } .R .sub { color: #666; margin-top: 0; }
 .R .verdict { border-left: 6px solid var(--wall); background: #fafafa; padding: .6em 1.2em; }
 .R .verdict h2 { border: 0; margin: .2em 0 .6em; color: var(--wall); }
-.R .scores { display: grid; grid-template-columns: 9em 1fr 3em; gap: .25em .8em;
-             align-items: center; max-width: 560px; }
-.R .bar { height: .8em; border-radius: 2px; }
 .R table { border-collapse: collapse; margin: .6em 0; font-size: .92em; }
 .R th, .R td { padding: .25em .7em; border-bottom: 1px solid #e4e4e4; text-align: left;
                vertical-align: top; } .R th { background: #f4f4f4; }
@@ -128,23 +129,10 @@ def _header(report: Report) -> str:
 
 def _verdict(report: Report) -> str:
     cls = report.classification
-    scores = cls.get("scores", {})
-    top = max(scores.values(), default=0) or 1
-    rows = "".join(
-        f'<span style="color:{WALL_COLORS[w]}">{"<b>" + w + "</b>" if w == report.bound else w}'
-        f'</span><div class="bar" style="width:{100 * scores.get(w, 0) / top:.0f}%;'
-        f'background:{WALL_COLORS[w]}"></div><span>{scores.get(w, 0):.2f}</span>'
-        for w in WALLS
-    )
     parts = [
         f"<h2>{for_html(verdict_title(report))}</h2>",
         f"<p><b>{for_html(verdict_line(report))}</b></p>",
     ]
-    if not report.abstained:
-        parts.append(
-            '<p class="sub">rule scores: how strongly the evidence points at each wall '
-            "(not shares of time)</p>" + f'<div class="scores">{rows}</div>'
-        )
     if cls.get("evidence"):
         parts.append("<h3>Evidence</h3>" + _list(cls["evidence"]))
     if report.applied:
@@ -276,6 +264,8 @@ def _fix(i: int, fix: dict) -> str:
         f"<h3>{i}. {for_html(fix.get('title') or fix['id'])}"
         f'<span class="tag">{for_html(fix["id"])} · {for_html(wall)}</span></h3>'
     ]
+    if beside_bound_line(fix):
+        parts.append(f"<p><i>{for_html(beside_bound_line(fix))}</i></p>")
     if fix.get("why"):
         parts.append(f"<p>{for_html(fix['why'].strip())}</p>")
     if fix.get("config"):
@@ -290,9 +280,14 @@ def _fix(i: int, fix: dict) -> str:
     if facts:
         items = "".join(f"<dt>{for_html(k)}</dt><dd>{for_html(v)}</dd>" for k, v in facts)
         parts.append(f"<dl>{items}</dl>")
-    for label, key in (("Preconditions", "preconditions"), ("Pitfalls", "pitfalls")):
-        if fix.get(key):
-            parts.append(f"<p><b>{label}</b></p>" + _list(fix[key]))
+    for label, note, items in (
+        ("Preconditions", PRECONDITIONS_NOTE, fix.get("preconditions") or []),
+        ("Premises", CONTRADICTED_NOTE, contradicted_lines(fix)),
+        ("Pitfalls", "", fix.get("pitfalls") or []),
+    ):
+        if items:
+            head = f"<b>{label}</b>" + (f" ({for_html(note)})" if note else "")
+            parts.append(f"<p>{head}</p>" + _list(items))
     return (
         f'<section class="fix" style="--wall:{_wall_color(wall)}">' + "".join(parts) + "</section>"
     )

@@ -11,10 +11,14 @@ import re
 from urllib.parse import quote
 
 from traceclf.render import comm_table
+from traceclf.render.ceilings import contradicted_lines
 from traceclf.render.content import (
     CAPTIONS,
+    CONTRADICTED_NOTE,
     KERNEL_COLUMNS,
+    PRECONDITIONS_NOTE,
     RANK_COLUMNS,
+    beside_bound_line,
     budget_rows,
     capture_rows,
     config_caption,
@@ -37,7 +41,7 @@ from traceclf.render.hostlines import (
 )
 from traceclf.render.text import input_names, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
-from traceclf.report.contract import WALLS, Report
+from traceclf.report.contract import Report
 from traceclf.support.escape import for_markdown, markdown_code, markdown_fence
 
 
@@ -87,10 +91,6 @@ def render_markdown(report: Report, figures: dict[str, str] | None = None) -> st
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
-def score_bar(score: float, top: float, width: int = 20) -> str:
-    return "█" * round(width * score / top) if score > 0 and top > 0 else "·"
-
-
 # Markdown assembly ---------------------------------------------------------------------------
 
 
@@ -103,26 +103,9 @@ def _title(report: Report) -> str:
 
 def _verdict(report: Report) -> str:
     cls = report.classification
-    scores = cls.get("scores", {})
-    top = max(scores.values(), default=0)
     lines = [f"## Verdict: **{_md(verdict_title(report))}**", "", _prose(verdict_line(report))]
     if report.abstained:
         return "\n".join(lines)
-    lines += [
-        "",
-        _table(
-            ("wall", "rule score (strength of evidence, not a share of time)", ""),
-            [
-                (
-                    Markdown(f"**{w}**") if w == report.bound else w,
-                    f"{scores.get(w, 0):.2f}",
-                    score_bar(scores.get(w, 0), top),
-                )
-                for w in WALLS
-            ],
-            align=("left", "right", "left"),
-        ),
-    ]
     evidence = cls.get("evidence", [])
     if evidence:
         lines += ["", "**Evidence**", ""] + [f"- {_prose(e)}" for e in evidence]
@@ -222,6 +205,8 @@ def _fix(i: int, fix: dict) -> str:
         "",
         f"{markdown_code(fix['id'])} · {_md(fix.get('wall', ''))} wall",
     ]
+    if beside_bound_line(fix):
+        lines += ["", f"*{_prose(beside_bound_line(fix))}*"]
     if fix.get("why"):
         lines += ["", _prose(fix["why"].strip())]
     if fix.get("config"):
@@ -232,10 +217,13 @@ def _fix(i: int, fix: dict) -> str:
     facts = fix_facts(fix)
     if facts:
         lines += [""] + [f"- **{label}:** {_prose(text)}" for label, text in facts]
-    for label, key in (("Preconditions", "preconditions"), ("Pitfalls", "pitfalls")):
-        items = fix.get(key) or []
+    for label, items in (
+        (f"**Preconditions** ({PRECONDITIONS_NOTE})", fix.get("preconditions") or []),
+        (f"**Premises** ({CONTRADICTED_NOTE})", contradicted_lines(fix)),
+        ("**Pitfalls**", fix.get("pitfalls") or []),
+    ):
         if items:
-            lines += ["", f"**{label}**", ""] + [f"- {_prose(item)}" for item in items]
+            lines += ["", label, ""] + [f"- {_prose(item)}" for item in items]
     return "\n".join(lines)
 
 

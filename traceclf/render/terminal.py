@@ -11,9 +11,11 @@ from rich.table import Table
 from rich.text import Text
 
 from traceclf.render import comm_table
+from traceclf.render.ceilings import contradicted_lines
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
+    beside_bound_line,
     budget_rows,
     capture_rows,
     config_caption,
@@ -37,10 +39,9 @@ from traceclf.render.hostlines import (
 )
 from traceclf.render.text import provenance, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
-from traceclf.report.contract import WALLS, Report
+from traceclf.report.contract import Report
 from traceclf.support.escape import for_terminal, visible
 
-SCORE_NOTE = "rule scores: how strongly the evidence points at each wall (not shares of time)"
 WALL_STYLE = {"memory": "magenta", "communication": "cyan", "host": "yellow", "compute": "green"}
 
 
@@ -89,17 +90,6 @@ def _verdict(report: Report) -> Panel:
     cls = report.classification
     bound = cls.get("bound")
     style = WALL_STYLE.get(bound, "white")
-    scores = cls.get("scores", {})
-    top = max(scores.values(), default=0) or 1
-    bars = Table.grid(padding=(0, 1))
-    for wall in WALLS:
-        score = scores.get(wall, 0.0)
-        bar = "█" * round(20 * score / top) if score > 0 else "·"
-        bars.add_row(
-            Text(wall, style=WALL_STYLE[wall]),
-            Text(bar, style=WALL_STYLE[wall]),
-            Text(f"{score:.2f}", style="dim"),
-        )
     evidence = hanging([("•", for_terminal(line)) for line in cls.get("evidence", [])])
     tail = Text()
     if report.applied:
@@ -112,12 +102,7 @@ def _verdict(report: Report) -> Panel:
     title = for_terminal(f" {verdict_title(report)} ", f"bold {style}")
     headline = for_terminal(verdict_line(report), "bold" if report.abstained else "")
     headline.append("\n")
-    scale = Text(SCORE_NOTE, style="dim")
-    body = (
-        [headline]
-        if report.abstained
-        else [headline, scale, bars, Text(""), evidence, Text(""), tail]
-    )
+    body = [headline] if report.abstained else [headline, evidence, Text(""), tail]
     return Panel(Group(*body), title=title, title_align="left", border_style=style)
 
 
@@ -271,6 +256,8 @@ def _fixes(report: Report) -> Group:
         head.add_column()
         head.add_row(Text(f"{i}.", style="bold"), title)
         parts.append(head)
+        if beside_bound_line(fix):
+            parts.append(_indented(for_terminal(beside_bound_line(fix), "italic")))
         if fix.get("why"):
             parts.append(_indented(for_terminal(fix["why"].strip())))
         if fix.get("config"):
@@ -283,8 +270,12 @@ def _fixes(report: Report) -> Group:
             for label, text in fix_facts(fix)
         ] + [
             (label, for_terminal(item))
-            for label, key in (("needs:", "preconditions"), ("watch out:", "pitfalls"))
-            for item in fix.get(key) or []
+            for label, items in (
+                ("check first:", fix.get("preconditions") or []),
+                ("contradicted:", contradicted_lines(fix)),
+                ("watch out:", fix.get("pitfalls") or []),
+            )
+            for item in items
         ]
         if labelled:
             parts.append(_indented(hanging(labelled, "dim")))

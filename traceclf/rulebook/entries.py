@@ -12,6 +12,7 @@ from typing import Any
 
 from traceclf.rulebook import stamp
 from traceclf.rulebook.expr import Expr, ExprError, Template
+from traceclf.rulebook.fixparts import Precondition, Recovers, parse_preconditions, parse_recovers
 from traceclf.support.errors import TraceError
 from traceclf.support.regex import regex_problem
 
@@ -32,23 +33,13 @@ class Rule:
 
 
 @dataclass(frozen=True)
-class Recovers:
-    """What a fix can win back: ``frac`` (an expression: a share of the step) of the interval
-    classes ``classes`` (e.g. ``compute-absent/blocking/comm``; classes whose paths do not
-    nest are disjoint, so their ceilings may be added)."""
-
-    frac: Expr
-    classes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
 class Fix:
     id: str
     wall: str
     title: str
     why: Template
     config: str
-    preconditions: tuple[str, ...]
+    premises: tuple[Precondition, ...]  # preconditions, some of which a capture can contradict
     pitfalls: tuple[str, ...]
     pytorch: str | None
     requires: Expr | None
@@ -60,6 +51,11 @@ class Fix:
     verify: Template | None = None  # what the next capture shows once the fix works
     config_when: tuple[tuple[Expr, str], ...] = ()  # config lines added when the expr holds
     recovers: Recovers | None = None
+
+    @property
+    def preconditions(self) -> tuple[str, ...]:
+        """What must hold before applying the fix, as sentences."""
+        return tuple(p.text for p in self.premises)
 
 
 @dataclass(frozen=True)
@@ -219,6 +215,21 @@ class _Entry:
             self.fail(f"{key!r} must be a list of text")
         return tuple(value)
 
+    def names_of(self, key: str) -> tuple[str, ...]:
+        """A list of names rules may use (measures, context names, thresholds, definitions)."""
+        names = self.texts(key)
+        try:
+            check_names(frozenset(names), self.names)
+        except ExprError as e:
+            self.fail(f"{key!r}: {e}")
+        return names
+
+    def part(self, raw: Any, required: tuple[str, ...], optional: tuple[str, ...]) -> _Entry:
+        """A mapping nested in this entry, parsed with the same names, failing under its label."""
+        sub = _Entry(raw, self.path, self.kind, 0, required, optional, self.names)
+        sub.label = self.label
+        return sub
+
     def wall(self) -> str:
         wall = self.raw.get("wall")
         if wall not in WALLS:
@@ -307,7 +318,7 @@ def parse_fix(raw: Any, path: Path, index: int, names: frozenset[str]) -> Fix:
         title=" ".join(e.text("title").split()),
         why=e.template("why"),
         config=e.text("config").strip("\n"),
-        preconditions=tuple(" ".join(p.split()) for p in e.texts("preconditions")),
+        premises=parse_preconditions(e),
         pitfalls=tuple(" ".join(p.split()) for p in e.texts("pitfalls")),
         pytorch=e.text("pytorch"),
         requires=e.expr("requires"),
@@ -318,7 +329,7 @@ def parse_fix(raw: Any, path: Path, index: int, names: frozenset[str]) -> Fix:
         generic=_text_block(e, "generic"),
         verify=e.template("verify"),
         config_when=_config_when(e),
-        recovers=_recovers(e),
+        recovers=parse_recovers(e),
     )
 
 
@@ -346,20 +357,6 @@ def _config_when(e: _Entry) -> tuple[tuple[Expr, str], ...]:
             e.fail(f"'config_when': {err}")
         out.append((expr, item["config"].strip("\n")))
     return tuple(out)
-
-
-def _recovers(e: _Entry) -> Recovers | None:
-    raw = e.raw.get("recovers")
-    if raw is None:
-        return None
-    if not isinstance(raw, dict) or set(raw) != {"frac", "from"}:
-        e.fail("'recovers' must be a mapping with 'frac' (expression) and 'from' (class)")
-    sub = _Entry(raw, e.path, e.kind, 0, ("frac", "from"), (), e.names)
-    sub.label = e.label
-    classes = sub.texts("from")
-    if not classes or not all(c.strip() for c in classes):
-        e.fail("'recovers': 'from' must name at least one interval class")
-    return Recovers(frac=sub.expr("frac"), classes=classes)
 
 
 def _linear_pattern(e: _Entry) -> LinearPattern:

@@ -34,7 +34,7 @@ def fmt_bytes(v: float | None) -> str:
 
 
 def gain(value: float | None) -> str:
-    """A throughput gain ceiling: '+12%', or '×40' once it passes doubling."""
+    """A throughput gain ceiling: '+12%', or '×40' once it passes doubling ('-5.0%': a loss)."""
     if value is None:
         return "–"
-    return f"×{1 + value:.3g}" if value >= 1 else f"+{pct(value)}"
+    return f"×{1 + value:.3g}" if value >= 1 else f"{'+' * (value >= 0)}{pct(value)}"
