@@ -312,7 +312,8 @@ def _complete_fix_ids(_ctx, _param, incomplete: str) -> list[str]:
 @click.argument("fix_id", shell_complete=_complete_fix_ids)
 @rules_option
 def explain(fix_id: str, rules_dir: Path | None) -> None:
-    """Print one fix in full: why, the config to paste, preconditions and pitfalls.
+    """Print one fix in full: why, the config to paste, preconditions, pitfalls and the gain
+    ceiling with what it assumes.
     FIX_ID is case-insensitive (`traceclf rules` lists them)."""
     from traceclf.render.rules import explain_fix
 

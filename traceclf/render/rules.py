@@ -9,6 +9,7 @@ from typing import Any
 
 from traceclf.judge.engine import by_workflow
 from traceclf.judge.vocabulary import load_rules
+from traceclf.rulebook.entries import Fix
 from traceclf.rulebook.expr import Template
 from traceclf.support.errors import TraceError
 from traceclf.support.escape import for_terminal, visible
@@ -63,7 +64,8 @@ def list_rules(rules_dir: Path | None = None) -> None:
 
 
 def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
-    """Print one fix in full: why, config to paste, preconditions, pitfalls, what proposes it."""
+    """Print one fix in full: why, config to paste, preconditions, pitfalls, its gain ceiling
+    and what it assumes, what proposes it."""
     from rich.console import Group
     from rich.panel import Panel
     from rich.text import Text
@@ -87,6 +89,8 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
             ]
     extra = [
         ("Plain PyTorch", fix.pytorch and " ".join(fix.pytorch.split())),
+        ("Gain ceiling", _ceiling(fix)),
+        ("It assumes", fix.recovers and template_without_trace(fix.recovers.assumes)),
         ("Proposed only when", fix.requires and fix.requires.source),
         ("Detected as applied when", fix.applied_when and fix.applied_when.source),
         ("Proposed by rules", ", ".join(proposers)),
@@ -96,6 +100,32 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
             parts += [Text(""), Text.assemble((f"{label}: ", "bold"), for_terminal(value))]
     title = for_terminal(f"{fix.title}  [{fix.id} · {fix.wall}]")  # Text: never markup
     _console().print(Panel(Group(*parts), title=title, title_align="left"))
+
+
+def _ceiling(fix: Fix) -> str | None:
+    """What a fix's ceiling is made of, before any trace fills in the numbers."""
+    r = fix.recovers
+    if r is None:
+        return None
+    what = {
+        "step": f"{r.frac.source if r.frac else '?'} of the step",
+        "sample": f"samples per second × {r.gain.source if r.gain else '?'}",
+        "gpu": f"{r.frac.source if r.frac else '?'} of the step, per GPU × "
+        f"{r.gain.source if r.gain else '?'}",
+    }[r.unit]
+    parts = [f"{what}, from {' + '.join(r.classes)}"]
+    if r.floor_ms is not None:
+        parts.append(f"the step no shorter than {r.floor_ms.source} ms")
+    if r.multiplier is not None:
+        never = r.multiplier.source.strip() == "False"
+        parts.append(
+            "no throughput multiplier"
+            if never
+            else f"a throughput multiplier only when {r.multiplier.source}"
+        )
+    if r.bound_by:
+        parts.append(f"bounded by {', '.join(r.bound_by)}")
+    return "; ".join(parts)
 
 
 def explain_kernels(names: list[str], rules_dir: Path | None = None) -> None:
