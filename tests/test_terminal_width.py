@@ -91,12 +91,13 @@ def test_wrapped_lines_keep_their_hanging_indent(name: str, reports: dict[str, R
         if line.strip():
             # only a fix's number starts at column 0; its why, config and notes are indented
             assert re.match(r"\d+\. |   ", line), line
-    for label in ("needs:", "watch out:"):
+    labels = ("check first:", "contradicted:", "watch out:")  # (preconditions were "needs:")
+    for label in labels:
         lines = [i for i, line in enumerate(fixes) if line.lstrip().startswith(label)]
         for i in lines:
             column = fixes[i].index(label) + len("watch out:") + 1
             nxt = fixes[i + 1] if i + 1 < len(fixes) else ""
-            if nxt.strip() and not re.match(r"\s*(needs:|watch out:|\d+\. )", nxt):
+            if nxt.strip() and not re.match(rf"\s*({'|'.join(labels)}|\d+\. )", nxt):
                 assert len(nxt) - len(nxt.lstrip()) >= column, (fixes[i], nxt)
     panel = text.split("What to change", 1)[0]
     bullets = [i for i, line in enumerate(panel.splitlines()) if line.startswith("│ • ")]
