@@ -587,3 +587,44 @@ def test_thresholds_behind_ceilings_are_rule_data():
     for f in rs.fixes.values():
         if f.recovers is not None:
             assert f.recovers.assumes is not None and f.recovers.unit in ("step", "sample", "gpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Invariants every reviewed report keeps (tests/snapshots: the reports of every fixture)
+
+SNAPSHOTS = sorted((Path(__file__).parent / "snapshots").glob("*.json"))
+# The measured share of the step each class of time can be at most.
+CLASS_LIMIT = {"compute-absent": "compute_absent_frac", "compute-busy": "compute_frac"}
+
+
+@pytest.mark.parametrize("snapshot", SNAPSHOTS, ids=lambda p: p.stem)
+def test_ceilings_keep_their_invariants(snapshot: Path):
+    import json
+
+    r = json.loads(snapshot.read_text())
+    step = r["metrics"].get("step_time_ms")
+    ceilings = {f["id"]: f["ceiling"] for f in r["fixes"] if f.get("ceiling")}
+    for fix_id, c in ceilings.items():
+        ms = c["recoverable_ms"]
+        if c["unit"] == "sample":
+            assert ms is None and c["step_after_ms"] >= step - 1e-3, fix_id
+            continue
+        if ms is None:
+            continue
+        assert 0 <= ms <= step + 1e-3 and c["step_after_ms"] == pytest.approx(step - ms, abs=2e-3)
+        if c["floor_ms"] is not None:
+            assert c["step_after_ms"] >= c["floor_ms"] - 2e-3, fix_id
+        tops = {cls.split("/")[0] for cls in c["from"].split(" + ")}
+        assert ms <= sum(r["metrics"][CLASS_LIMIT[t]] for t in tops) * step + 1e-3, fix_id
+        if c["unit"] == "step" and c["throughput_gain"] is not None:
+            assert c["throughput_gain"] == pytest.approx(step / (step - ms) - 1, abs=2e-3)
+        for other in c["shares_with"]:  # sharing is mutual
+            assert fix_id in ceilings[other]["shares_with"]
+    together = r["combined_ceiling"]
+    if together.get("recoverable_ms") is not None:
+        assert together["recoverable_ms"] <= step
+        taken = [ceilings[f] for f in together["fixes"]]
+        assert all(c["unit"] == "step" for c in taken)
+        assert together["recoverable_ms"] <= sum(c["recoverable_ms"] for c in taken) + 1e-3
+        for a in together["fixes"]:  # never two fixes that share time
+            assert not set(ceilings[a]["shares_with"]) & set(together["fixes"])
