@@ -293,22 +293,26 @@ def _context(rep: dict) -> dict:
         default={},
     )
     capture, steps, cross = rep["capture"], rep["steps"], rep["cross_rank"]
-    return _host_top(rep) | {
-        "training_loop": capture.get("training_loop") or "unknown",
-        "moe_evidence": bool(capture.get("moe_evidence")),
-        "ranks_share_gpu": bool(capture.get("ranks_share_gpu")),
-        "graph_trace_mode": capture.get("graph_trace_mode") or "none",
-        "steps_used": steps.get("used") or 0,
-        "step_source": steps.get("source") or "none",
-        "idle_top_nvtx": top.get("name"),
-        "idle_top_activity": top.get("activity"),
-        "idle_top_nvtx_frac": top.get("frac") or 0.0,
-        "straggler_rank": cross.get("straggler_rank"),
-        "step_time_skew_frac": cross.get("step_time_skew_frac"),
-        "compute_skew_frac": cross.get("compute_skew_frac"),
-        "gpu_name": (rep["gpus"][0] if rep["gpus"] else {}).get("name"),
-        "gpu_chip": (rep["gpus"][0] if rep["gpus"] else {}).get("chip"),
-    } | _communication_context(rep)
+    return (
+        _host_top(rep)
+        | {
+            "training_loop": capture.get("training_loop") or "unknown",
+            "moe_evidence": bool(capture.get("moe_evidence")),
+            "ranks_share_gpu": bool(capture.get("ranks_share_gpu")),
+            "graph_trace_mode": capture.get("graph_trace_mode") or "none",
+            "steps_used": steps.get("used") or 0,
+            "step_source": steps.get("source") or "none",
+            "idle_top_nvtx": top.get("name"),
+            "idle_top_activity": top.get("activity"),
+            "idle_top_nvtx_frac": top.get("frac") or 0.0,
+            "straggler_rank": cross.get("straggler_rank"),
+            "step_time_skew_frac": cross.get("step_time_skew_frac"),
+            "compute_skew_frac": cross.get("compute_skew_frac"),
+            "gpu_name": (rep["gpus"][0] if rep["gpus"] else {}).get("name"),
+            "gpu_chip": (rep["gpus"][0] if rep["gpus"] else {}).get("chip"),
+        }
+        | _communication_context(rep)
+    )
 
 
 def _any3(values: list) -> bool | None:
