@@ -25,9 +25,10 @@ def test_nvtx_steps_are_found_by_name(name, label, count):
         assert steps.source == "nvtx"
         assert steps.label == label
         assert steps.count == count
-        # the first step pays for warm-up and is never in the steady state
+        # the first step pays for warm-up and is never in the steady state; a step after it
+        # that still grows the allocator is warm-up too (input_stall's batch 1: issue 22)
         assert not steps.table["steady"][0]
-        assert steps.used >= count - 2
+        assert steps.used >= count - 3
 
 
 def test_steps_are_projected_onto_the_gpu():
@@ -126,12 +127,16 @@ def test_both_ranks_of_a_two_rank_report_have_steps():
 @pytest.mark.parametrize(
     ("ratio", "agree"),
     [(1.0, True), (1.08, True), (0.93, True), (2.03, True), (0.334, True), (4.1, True),
-     (1.5, False), (0.7, False), (2.6, False), (0.0, False)],
+     (1.5, False), (0.7, False), (2.6, False), (0.0, False),
+     # issue 22: a kernel recurring hundreds of times per step is near some whole multiple
+     # whatever the step; it is no second anchor (None), never one that "agrees"
+     (0.0019, None), (0.0101, None), (40.4, None), (1 / 7.9, None)],
 )  # fmt: skip
 def test_two_anchors_agree_when_their_step_times_match_or_are_whole_multiples(ratio, agree):
     from traceclf.steps.find import anchors_agree
+    from traceclf.steps.settings import bundled_settings
 
-    assert anchors_agree(ratio) is agree
+    assert anchors_agree(ratio, bundled_settings()) is agree
 
 
 def test_a_second_anchor_cross_checks_the_step_on_real_traces():

@@ -12,6 +12,7 @@ durations, as ``--all-steps`` does, and to know each analysed run's GPU span bef
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 
 import numpy as np
 import polars as pl
@@ -56,11 +57,16 @@ class Projector:
 
     def reference(self) -> float:
         """Median duration of steps sampled evenly after the first."""
+        return self.sampled_median(self.duration)
+
+    def sampled_median(self, value: Callable[[int], float | None]) -> float:
+        """Median of ``value(i)`` over steps sampled evenly after the first (unknown values
+        left out; 0 when none is known)."""
         n = len(self.starts)
         picks = sorted(
             {round(1 + i * (n - 2) / max(self.SAMPLE - 1, 1)) for i in range(self.SAMPLE)}
         )
-        known = [d for d in (self.duration(i) for i in picks if 0 < i < n) if d is not None]
+        known = [v for v in (value(i) for i in picks if 0 < i < n) if v is not None]
         return float(np.median(known)) if known else 0.0
 
     def duration(self, i: int) -> float | None:
@@ -79,6 +85,23 @@ class Projector:
             f"AND {self.reader.pid_sql('api')} = {self.pid} AND typeof(correlationId) = 'integer'"
         ).fetchone()
         return None if row[0] is None else (int(row[0]), int(row[1]))
+
+    def allocations(self, i: int, name_ids: list[int]) -> int | None:
+        """Calls of the rank inside step ``i``'s range whose name is one of ``name_ids`` (the
+        allocator's: warm-up while they still grow it); None without usable calls."""
+        if self.api is None:
+            return None
+        if not name_ids:
+            return 0
+        lo, hi = self.starts[i], self.ends[i]
+        after, upto = self.api.bounds(lo, hi)
+        ids = ",".join(str(int(n)) for n in name_ids)
+        (count,) = self.con.execute(
+            f"SELECT count(*) FROM {self.api.table} WHERE rowid > {after} AND rowid <= {upto} "
+            f"AND start BETWEEN {lo} AND {hi} AND {self.reader.pid_sql('api')} = {self.pid} "
+            f"AND nameId IN ({ids})"
+        ).fetchone()
+        return int(count)
 
     def gpu_start(self, i: int) -> int | None:
         if i not in self._starts:

@@ -166,12 +166,13 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     from traceclf.steps.find import find_steps
     from traceclf.support.progress import LoadProgress
 
-    taxonomy = _taxonomy(opts)
+    taxonomy, settings = _taxonomy(opts), _step_settings(opts)
     with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
         read = load_for_analysis(
             path,
             taxonomy,
             opts.step_regex,
+            settings=settings,
             all_steps=opts.all_steps,
             budget=opts.row_budget,
             use_cache=opts.use_cache,
@@ -196,7 +197,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     ranks = []
     for pid in pids:
         rank_trace = trace.for_pid(pid)
-        steps = find_steps(rank_trace, opts.step_regex, taxonomy, plans.get(pid))
+        steps = find_steps(rank_trace, opts.step_regex, taxonomy, plans.get(pid), settings)
         gpu = trace.gpu_of(pid)
         ranks.append(
             RankResult(
@@ -255,6 +256,12 @@ def _taxonomy(opts: AnalysisOptions):
     return Taxonomy.of(rule_set(opts).taxonomy)
 
 
+def _step_settings(opts: AnalysisOptions):
+    from traceclf.steps.settings import StepSettings
+
+    return StepSettings.of(rule_set(opts).thresholds)
+
+
 def rule_set(opts: AnalysisOptions):
     """The rules of these options: bundled, with ``opts.rules_dir`` merged over them."""
     from traceclf.judge.vocabulary import load_rules
@@ -279,8 +286,9 @@ def _analysis_fingerprint() -> str:
 
 
 def _result_variant(opts: AnalysisOptions) -> str:
-    """Options and rules that shape the result: the step regex, the taxonomy, which steps."""
-    taxonomy = repr(_taxonomy(opts))
+    """Options and rules that shape the result: the step regex, the taxonomy, the step
+    thresholds, which steps."""
+    taxonomy = f"{_taxonomy(opts)!r}:{_step_settings(opts)!r}"
     steps = "all" if opts.all_steps else f"window:{opts.row_budget or ''}"
     return hashlib.sha256(
         f"{_analysis_fingerprint()}:{opts.step_regex or ''}:{taxonomy}:{steps}".encode()

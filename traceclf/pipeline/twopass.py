@@ -30,11 +30,12 @@ from traceclf.ingest.reader import Reader
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.schema import inspect_export
 from traceclf.ingest.tables import EVENT_TABLES
-from traceclf.model.taxonomy import Taxonomy
+from traceclf.model.taxonomy import Taxonomy, matches
 from traceclf.model.trace import Trace
 from traceclf.steps.find import graph_launch_steps, range_label, recurring_kernel, step_ranges
 from traceclf.steps.plan import StepPlan, plan_steps
-from traceclf.steps.steady import steady_bounds
+from traceclf.steps.settings import StepSettings, bundled_settings
+from traceclf.steps.steady import Allocations, steady_bounds
 
 # Event rows (kernels, CUDA calls, copies, syncs, graph executions) analysed per export by
 # default: about 0.5 GB of memory and a second of reading on two cores.
@@ -65,6 +66,7 @@ def load_for_analysis(
     taxonomy: Taxonomy,
     step_regex: str | None = None,
     *,
+    settings: StepSettings | None = None,
     all_steps: bool = False,
     budget: int | None = None,
     use_cache: bool = True,
@@ -77,7 +79,9 @@ def load_for_analysis(
     is served by the result cache, so a cold run never pays for writing a model it will not
     read again. Step sampling reads only the analysed steps' rows: no model cache."""
     if not all_steps:
-        return load_sampled(path, taxonomy, step_regex, budget or ROW_BUDGET, progress)
+        return load_sampled(
+            path, taxonomy, step_regex, budget or ROW_BUDGET, progress, settings=settings
+        )
     from traceclf.ingest import cache, results
 
     key = results.identity(path) if use_cache else None
@@ -94,8 +98,10 @@ def load_sampled(
     step_regex: str | None = None,
     budget: int = ROW_BUDGET,
     progress: Callable[[str], None] | None = None,
+    settings: StepSettings | None = None,
 ) -> SampledRead:
-    """Read ``path`` for step sampling (see the module's description)."""
+    """Read ``path`` for step sampling (see the module's description); ``settings`` (default:
+    the bundled thresholds) decide warm-up and regularity as :func:`find_steps` does."""
     path = Path(path)
     reader = Reader(inspect_export(path, check_pages=False))
     step = progress or (lambda _msg: None)
@@ -109,7 +115,9 @@ def load_sampled(
         if sum(i.rows for i in indexes.values()) <= budget:
             return SampledRead(load_trace(path, progress=progress), {})
         step("steps")
-        planner = _Planner(reader, con, indexes, taxonomy, step_regex, budget)
+        planner = _Planner(
+            reader, con, indexes, taxonomy, step_regex, budget, settings or bundled_settings()
+        )
         plans = planner.plans()
         if plans is None:  # some rank's steps cannot be found cheaply: read it all
             return SampledRead(load_trace(path, progress=progress), {})
@@ -120,9 +128,10 @@ def load_sampled(
 class _Planner:
     """Pass 1: the steps of every rank, and which of them to analyse."""
 
-    def __init__(self, reader, con, indexes, taxonomy, step_regex, budget) -> None:
+    def __init__(self, reader, con, indexes, taxonomy, step_regex, budget, settings) -> None:
         self.reader, self.con, self.indexes = reader, con, indexes
         self.taxonomy, self.step_regex, self.budget = taxonomy, step_regex, budget
+        self.settings: StepSettings = settings
         self.nvtx_raw = reader.read("nvtx")
         self.spans: list[tuple[Span, Span]] = []  # (GPU rows, CUDA calls) to read per run
 
@@ -140,11 +149,31 @@ class _Planner:
                 projector = Projector(self.con, self.reader, self.indexes, pid, table)
                 if not projector.usable:  # calls or GPU rows not in start order
                     return None
-                steady = steady_bounds(len(table), projector.duration, projector.reference())
-            plan = plan_steps(table, source, label, exact, self._analysable(table), steady)
+                steady = steady_bounds(
+                    len(table),
+                    projector.duration,
+                    projector.reference(),
+                    self.settings,
+                    self._allocations(projector),
+                )
+            plan = plan_steps(
+                table, source, label, exact, self._analysable(table), self.settings, steady
+            )
             plans[pid] = plan
             self.spans += _read_spans(plan, projector)
         return plans or None
+
+    def _allocations(self, projector: Projector) -> Allocations:
+        """Allocator calls per NVTX step, each counted on its own when asked (warm-up while
+        the caching allocator still grows: :func:`steady_bounds`)."""
+        strings = self.reader.strings
+        ids = strings.filter(matches(strings["value"], self.taxonomy.cuda_api["alloc"]))["id"]
+        names = ids.to_list()
+
+        def count(i: int) -> int | None:
+            return projector.allocations(i, names)
+
+        return Allocations(count, projector.sampled_median(count))
 
     def _rank_pids(self) -> list[int]:
         """Processes with GPU work, from the rows at the sampled rowids of the GPU tables
@@ -200,7 +229,8 @@ class _Planner:
             lo, hi = max(index.first - 1, middle - rows // 2), min(index.last, middle + rows // 2)
             probe = self.reader.read("kernels", where=where, rowids=[(lo, hi)])
             best = recurring_kernel(
-                probe.select(name="name_id", start="start", end="end").sort("start")
+                probe.select(name="name_id", start="start", end="end").sort("start"),
+                self.settings,
             )
             if best is None and (rows >= PROBE_MAX_ROWS or rows >= index.rows):
                 return None
@@ -350,12 +380,16 @@ def _read_spans(plan: StepPlan, projector: Projector | None) -> list[tuple[Span,
     else:
         step_ns = max(int(table["duration"].median() or 0), 1)  # type: ignore[arg-type]
     out = []
+    last = max(starts)
     for a, b in plan.runs:
-        following = b + 1 if b + 1 in starts else None
+        # the step after the run; the last step (never steady: it has no step time) is read
+        # whole, to the end, like the rest of the capture after it: the compute that ends the
+        # window's last idle gap may lie anywhere past it
+        following = b + 1 if b + 1 in starts and b + 1 != last else None
         margin = step_ns // 4  # kernels still running at the start; the work that ends the
         # window's last idle gap (the critical path looks for it past the end)
         if projector is None:
-            hi = (starts[following] if following is not None else ends[b]) + margin
+            hi = (starts[following] if following is not None else ends[last]) + margin
             out.append(((starts[a] - margin, hi), (starts[a] - step_ns, hi)))
             continue
         first = projector.gpu_start(a) or starts[a]

@@ -195,6 +195,22 @@ def bundled_taxonomy() -> TaxonomyTables:
 _TAXONOMIES: dict[tuple, TaxonomyTables] = {}
 
 
+def bundled_thresholds() -> dict[str, int | float]:
+    """The thresholds of the bundled rule files alone (API users who pass none): no rule is
+    parsed, so no measure need be known."""
+    files = yaml_files(bundled_rules_dir())
+    key = tuple((str(p), *_identity(p)) for p in files)
+    if key not in _THRESHOLDS:
+        _THRESHOLDS.clear()
+        _THRESHOLDS[key] = parse_thresholds(
+            [[(path, read_yaml(path)) for path in files]], frozenset()
+        )
+    return _THRESHOLDS[key]
+
+
+_THRESHOLDS: dict[tuple, dict[str, int | float]] = {}
+
+
 def _parse(
     folders: list[Path], docs: list[list[tuple[Path, dict]]], known: frozenset[str]
 ) -> RuleSet:

@@ -11,8 +11,8 @@ Sources, in order of preference:
 - ``none``: the whole GPU span is one window.
 
 Step time is the distance between the GPU starts of consecutive steps, so host time between
-steps counts. Warm-up steps at the start, a cut-off last step and outliers are dropped from the
-statistics; the window spans the kept steps.
+steps counts. Warm-up steps at the start, the last step (no step time) and outliers are
+dropped from the statistics; the window spans the kept steps.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
+import numpy as np
 import polars as pl
 
 from traceclf.model.taxonomy import Taxonomy, matches
 from traceclf.model.trace import Trace, outermost
 from traceclf.steps.plan import StepPlan, planned_steps
+from traceclf.steps.settings import StepSettings, bundled_settings
 from traceclf.steps.steady import Steps, choose_window, empty_steps_table
 from traceclf.support.errors import TraceError, TraceWarning
 from traceclf.support.regex import regex_problem
@@ -35,23 +37,26 @@ def find_steps(
     step_regex: str | None = None,
     taxonomy: Taxonomy | None = None,
     plan: StepPlan | None = None,
+    settings: StepSettings | None = None,
 ) -> Steps:
     """Steps of a single-rank trace (see :meth:`Trace.for_pid`); ``taxonomy`` (default: the
-    bundled one) names step ranges and graph launches. With a ``plan`` (step sampling: the
+    bundled one) names step ranges and graph launches, ``settings`` (default: the bundled
+    thresholds) decide warm-up, outliers and regularity. With a ``plan`` (step sampling: the
     steps found in the first pass and those chosen for analysis) only the chosen steps are
     projected onto the GPU, from the rows ``trace`` holds for them."""
     from traceclf.model.taxonomy import bundled
 
+    settings = settings or bundled_settings()
     if plan is not None:
-        return planned_steps(trace, plan)
+        return planned_steps(trace, plan, settings)
     taxonomy = taxonomy or bundled()
     finders = (_nvtx_steps, _graph_steps, _pattern_steps)
     for i, finder in enumerate(finders):
-        found = finder(trace, step_regex, taxonomy)
+        found = finder(trace, step_regex, taxonomy, settings)
         if found is not None and len(found[0]) >= 1:
             table, source, label = found
-            steps = choose_window(table, source, label, trace)
-            second = cross_check(steps, trace, taxonomy, finders[i + 1 :])
+            steps = choose_window(table, source, label, trace, settings)
+            second = cross_check(steps, trace, taxonomy, finders[i + 1 :], settings)
             return replace(steps, second=second)
     lo, hi = trace.span
     return Steps("none", empty_steps_table(), (lo, hi), "")
@@ -67,7 +72,7 @@ def step_ranges(nvtx: pl.DataFrame, pattern: str) -> pl.DataFrame | None:
     return outermost(ranges).with_columns(index=pl.int_range(pl.len()).cast(pl.Int64))
 
 
-def _nvtx_steps(trace: Trace, step_regex: str | None, taxonomy: Taxonomy):
+def _nvtx_steps(trace: Trace, step_regex: str | None, taxonomy: Taxonomy, _settings=None):
     pattern = step_regex or taxonomy.nvtx["step"]
     check_step_regex(pattern)
     ranges = step_ranges(trace.nvtx, pattern)
@@ -81,7 +86,20 @@ def _nvtx_steps(trace: Trace, step_regex: str | None, taxonomy: Taxonomy):
         .filter(pl.col("gpu_start").is_not_null())
         .sort("index")
     )
-    return table, "nvtx", label
+    return table.with_columns(allocs=alloc_calls(trace, table, taxonomy)), "nvtx", label
+
+
+def alloc_calls(trace: Trace, ranges: pl.DataFrame, taxonomy: Taxonomy) -> pl.Series:
+    """Allocator calls (cudaMalloc/cudaFree: taxonomy ``cuda_api.alloc``) of the process made
+    inside each NVTX step range (cpu_start, cpu_end), on any thread; null without the CUDA
+    API trace."""
+    if trace.api.is_empty():
+        return pl.repeat(None, len(ranges), dtype=pl.Int64, eager=True)
+    starts = np.sort(trace.api.filter(taxonomy.is_api("alloc"))["start"].to_numpy())
+    inside = np.searchsorted(starts, ranges["cpu_end"].to_numpy(), side="right") - np.searchsorted(
+        starts, ranges["cpu_start"].to_numpy(), side="left"
+    )
+    return pl.Series(inside, dtype=pl.Int64)
 
 
 def check_step_regex(pattern: str | None) -> None:
@@ -103,7 +121,7 @@ def range_label(names: pl.Series) -> str:
     return str(stripped.mode()[0]) if len(stripped) else ""
 
 
-def _graph_steps(trace: Trace, _regex: str | None, taxonomy: Taxonomy):
+def _graph_steps(trace: Trace, _regex: str | None, taxonomy: Taxonomy, _settings=None):
     launches = trace.api.filter(matches(trace.api["name"], taxonomy.cuda_api["graph_launch"]))
     if len(launches) < 2:
         return None
@@ -148,11 +166,11 @@ def graph_launch_steps(per_launch: pl.DataFrame, start: str, end: str) -> pl.Dat
     )
 
 
-def _pattern_steps(trace: Trace, _regex: str | None, _taxonomy: Taxonomy):
+def _pattern_steps(trace: Trace, _regex: str | None, _taxonomy: Taxonomy, settings: StepSettings):
     """Steps from the kernel that recurs most regularly: the steady state of a training loop
     repeats the same sequence, so one kernel of it recurs at the step period."""
     kernels = trace.kernels.select("name", "start", "end").sort("start")
-    best = recurring_kernel(kernels)
+    best = recurring_kernel(kernels, settings)
     if best is None:
         return None
     starts = kernels.filter(pl.col("name") == best)["start"]
@@ -164,9 +182,15 @@ def _pattern_steps(trace: Trace, _regex: str | None, _taxonomy: Taxonomy):
     return table, "pattern", str(best)
 
 
-def recurring_kernel(kernels: pl.DataFrame):
+def recurring_kernel(kernels: pl.DataFrame, settings: StepSettings):
     """The ``name`` (any dtype) of the kernel that recurs most regularly in ``kernels``
-    (name, start, end; sorted by start) with the longest period, or None."""
+    (name, start, end; sorted by start) with the longest period, or None.
+
+    Regular: the spread of the later half of its gaps (warm-up is irregular) is at most
+    ``recurring_kernel_max_spread``; with ``recurring_kernel_robust_periods`` gaps or more, the
+    robust spread, 1.4826 x their median absolute deviation over their median (the CV of
+    normally spread gaps, which one host stall among them does not move: a steady loop that
+    one stall interrupts is still one), else their CV."""
     if len(kernels) < 6:
         return None
     candidates = (
@@ -177,14 +201,23 @@ def recurring_kernel(kernels: pl.DataFrame):
     )
     if candidates.is_empty():
         return None
-    # Judge regularity on the later half of the occurrences (warm-up is irregular).
+    gap = pl.col("gaps")
     candidates = (
-        candidates.with_columns(tail=pl.col("gaps").list.slice(pl.col("gaps").list.len() // 2))
-        .with_columns(
-            cv=pl.col("tail").list.std() / pl.col("tail").list.mean(),
-            period=pl.col("tail").list.median(),
+        candidates.with_columns(gaps=gap.list.slice(gap.list.len() // 2))
+        .explode("gaps")
+        .group_by("name", "n")
+        .agg(
+            period=gap.median(),
+            robust=MAD_TO_SD * (gap - gap.median()).abs().median() / gap.median(),
+            cv=gap.std() / gap.mean(),
+            periods=pl.len(),
         )
-        .filter(pl.col("cv") < 0.1)
+        .with_columns(
+            spread=pl.when(pl.col("periods") >= settings.recurring_kernel_robust_periods)
+            .then("robust")
+            .otherwise("cv")
+        )
+        .filter((pl.col("period") > 0) & (pl.col("spread") <= settings.recurring_kernel_max_spread))
     )
     if candidates.is_empty():
         return None
@@ -192,46 +225,56 @@ def recurring_kernel(kernels: pl.DataFrame):
     return candidates.sort(["period", "n"], descending=[True, False])["name"][0]
 
 
-# Two anchors agree when their step times match within this, or one is a whole multiple of the
-# other within COMMENSURATE (a kernel that recurs once per layer, or once every other step).
-AGREE = 0.1
-COMMENSURATE = 0.05
+# A normal distribution's standard deviation is 1.4826 times its median absolute deviation.
+MAD_TO_SD = 1.4826
 
 
-def cross_check(steps: Steps, trace: Trace, taxonomy: Taxonomy, finders) -> dict | None:
+def cross_check(
+    steps: Steps, trace: Trace, taxonomy: Taxonomy, finders, settings: StepSettings
+) -> dict | None:
     """The step time the next anchor that finds steps implies, beside this one's, and whether
     the two agree (NVIDIA's method: "cross-check with a second anchor when possible; state the
-    ambiguity when candidate anchors imply materially different step times")."""
+    ambiguity when candidate anchors imply materially different step times"); ``comparable``
+    is false when it recurs so much more (or less) often that any ratio would be near a whole
+    multiple: then it is no second anchor, and neither agrees nor disagrees."""
     first = steps.durations()
     if not len(first):
         return None
     for finder in finders:
-        found = finder(trace, None, taxonomy)
+        found = finder(trace, None, taxonomy, settings)
         if found is None or len(found[0]) < 3:
             continue
         table, source, label = found
-        other = choose_window(table, source, label, trace).durations()
+        other = choose_window(table, source, label, trace, settings).durations()
         if not len(other):
             continue
         ratio = float(other.median()) / float(first.median())
+        agrees = anchors_agree(ratio, settings)
         return {
             "source": source,
             "label": label,
             "median_ms": round(float(other.median()) / 1e6, 4),
             "ratio": round(ratio, 4),
-            "agrees": anchors_agree(ratio),
+            "agrees": agrees,
+            "comparable": agrees is not None,
         }
     return None
 
 
-def anchors_agree(ratio: float) -> bool:
+def anchors_agree(ratio: float, settings: StepSettings) -> bool | None:
     """Whether a second anchor's step time (``ratio`` times the first's) agrees: the same
-    within AGREE, or a whole multiple (2x, 1/3x, ...) within COMMENSURATE."""
+    within ``anchor_same_frac``, or a whole multiple (2x, 1/3x, ...) up to
+    ``anchor_max_multiple`` within ``anchor_multiple_frac`` of it. None beyond that multiple:
+    with a tolerance that grows with the multiple, any ratio is near one, so it says nothing."""
     if ratio <= 0:
         return False
     multiple = max(ratio, 1 / ratio)
+    if abs(ratio - 1) <= settings.anchor_same_frac:
+        return True
     whole = round(multiple)
-    return abs(ratio - 1) <= AGREE or (whole >= 2 and abs(multiple - whole) <= COMMENSURATE * whole)
+    if multiple > settings.anchor_max_multiple + 0.5:
+        return None
+    return whole >= 2 and abs(multiple - whole) <= settings.anchor_multiple_frac * whole
 
 
 def warn_unmatched_step_regex(

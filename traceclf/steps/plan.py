@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from traceclf.model.trace import Trace
+from traceclf.steps.settings import StepSettings
 from traceclf.steps.steady import Steps, flag_outliers, steady_range, with_durations
 
 # Analysed steps come in at most this many runs of consecutive steps, spread evenly over the
@@ -51,6 +52,7 @@ def plan_steps(
     label: str,
     exact: bool,
     analysable: int,
+    settings: StepSettings,
     steady: tuple[int, int] | None = None,
 ) -> StepPlan:
     """Choose the steps to analyse: every steady step when ``analysable`` (how many the row
@@ -59,7 +61,7 @@ def plan_steps(
     (GPU times when ``exact``, else CPU times, and then ``steady``, the first and last
     position of the steady state, decided on GPU durations: :func:`steady_bounds`)."""
     table = with_durations(table.rename({"start": "gpu_start", "end": "gpu_end"}))
-    first, last = steady or steady_range(table["duration"].to_list())
+    first, last = steady or steady_range(table["duration"].to_list(), settings)
     table = table.with_columns(
         steady=pl.int_range(pl.len()).is_between(first, last),
         position=pl.int_range(pl.len()),
@@ -91,7 +93,7 @@ def plan_steps(
     )
 
 
-def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
+def planned_steps(trace: Trace, plan: StepPlan, settings: StepSettings) -> Steps:
     """Steps of a sampled trace: the plan's steps, with GPU times and exact durations for
     those of its runs (NVTX ranges projected through the CUDA calls the trace holds)."""
     table = plan.table
@@ -107,7 +109,7 @@ def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
         ).sort("index")
         measured.append(
             run.filter(pl.col("index") <= b).select(
-                "index", "gpu_start", "gpu_end", "duration", "step_end", run=pl.lit(a)
+                "index", "gpu_start", "gpu_end", "duration", "step_end", "complete", run=pl.lit(a)
             )
         )
     exact = pl.concat(measured) if measured else None
@@ -119,6 +121,7 @@ def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
                 "gpu_end": pl.Int64,
                 "duration": pl.Int64,
                 "step_end": pl.Int64,
+                "complete": pl.Boolean,
                 "run": pl.Int64,
             }
         )
@@ -133,10 +136,11 @@ def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
         .with_columns(
             duration=pl.coalesce("duration_gpu", "duration"),
             analysed=pl.col("steady") & pl.col("gpu_start").is_not_null(),
+            complete=pl.col("complete").fill_null(False),
         )
         .sort("index")
     )
-    steps = flag_outliers(steps, pl.col("analysed"))
+    steps = flag_outliers(steps, pl.col("analysed"), settings)
     spans = _merge_spans(
         [
             (int(rows["gpu_start"].min()), int(rows["step_end"].max()))  # type: ignore[arg-type]
@@ -154,6 +158,7 @@ def planned_steps(trace: Trace, plan: StepPlan) -> Steps:
             "gpu_start",
             "gpu_end",
             "duration",
+            "complete",
             "steady",
             "outlier",
             "analysed",

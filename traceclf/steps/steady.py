@@ -1,6 +1,7 @@
 """Steps of one rank and the steady state among them: each step's duration (to the next
-step's start, so host time between steps counts), warm-up steps at the start, a cut-off last
-step and outliers left out of the statistics, and the steady-state window the measures cover.
+step's start, so host time between steps counts), warm-up steps at the start, the last step
+(no step time) and outliers left out of the statistics, and the steady-state window the
+measures cover.
 """
 
 from __future__ import annotations
@@ -11,18 +12,17 @@ from dataclasses import dataclass
 import polars as pl
 
 from traceclf.model.trace import Trace
-
-WARMUP_FACTOR = 1.5  # a leading step slower than this times the median is warm-up
-OUTLIER_FACTOR = 2.0  # a step outside [median/f, median*f] is left out of the statistics
+from traceclf.steps.settings import StepSettings
 
 
 @dataclass(frozen=True)
 class Steps:
     """The steps of one rank and the part of them the measures cover.
 
-    ``table`` has every step found (index, name, gpu_start, gpu_end, duration, steady,
-    outlier, analysed, and cpu_start/cpu_end: the NVTX range of a step found on the host,
-    null for steps found on the GPU). By default (step sampling) a long capture is analysed on a sample of its
+    ``table`` has every step found (index, name, gpu_start, gpu_end, duration, complete,
+    steady, outlier, analysed, and cpu_start/cpu_end: the NVTX range of a step found on the
+    host, null for steps found on the GPU). A step is ``complete`` when the next step's start
+    ends it: the last one's duration is only its own GPU span, no step time. By default (step sampling) a long capture is analysed on a sample of its
     steady steps, in runs spread evenly over the steady state: ``analysed`` marks them, and
     ``spans`` are the GPU time spans they cover (the measures' window; ``window`` is their
     hull). With every steady step analysed, ``spans`` is the one span ``window``.
@@ -41,6 +41,8 @@ class Steps:
             object.__setattr__(self, "spans", (self.window,))
         if "analysed" not in self.table.columns:
             object.__setattr__(self, "table", self.table.with_columns(analysed=pl.col("steady")))
+        if "complete" not in self.table.columns:
+            object.__setattr__(self, "table", self.table.with_columns(complete=pl.lit(True)))
         missing = [c for c in ("cpu_start", "cpu_end") if c not in self.table.columns]
         if missing:
             nulls = [pl.lit(None, pl.Int64).alias(c) for c in missing]
@@ -58,7 +60,7 @@ class Steps:
 
     @property
     def used(self) -> int:
-        """Steady-state steps found (warm-up and a cut-off last step left out)."""
+        """Steady-state steps found (warm-up and the last step left out)."""
         return int(self.table["steady"].sum()) if self.count else 0
 
     @property
@@ -72,8 +74,9 @@ class Steps:
         return max(sum(hi - lo for lo, hi in self.spans), 1)
 
     def durations(self) -> pl.Series:
-        """Durations (ns) of the analysed steady, non-outlier steps."""
-        return self.steady.filter(~pl.col("outlier"))["duration"]
+        """Durations (ns) of the analysed steady, non-outlier, complete steps: the step times
+        every statistic is taken over."""
+        return self.steady.filter(~pl.col("outlier") & pl.col("complete"))["duration"]
 
 
 def empty_steps_table() -> pl.DataFrame:
@@ -84,6 +87,7 @@ def empty_steps_table() -> pl.DataFrame:
             "gpu_start": pl.Int64,
             "gpu_end": pl.Int64,
             "duration": pl.Int64,
+            "complete": pl.Boolean,
             "steady": pl.Boolean,
             "outlier": pl.Boolean,
             "analysed": pl.Boolean,
@@ -95,7 +99,8 @@ def empty_steps_table() -> pl.DataFrame:
 
 def with_durations(table: pl.DataFrame) -> pl.DataFrame:
     """``table`` (gpu_start, gpu_end) sorted, with each step's duration (to the next step's
-    start, so host time between steps counts; the last one: its own GPU span) and step_end."""
+    start, so host time between steps counts; the last one: its own GPU span), step_end and
+    whether the next step's start ends it (``complete``)."""
     return (
         table.sort("gpu_start")
         .with_columns(next_start=pl.col("gpu_start").shift(-1))
@@ -103,61 +108,96 @@ def with_durations(table: pl.DataFrame) -> pl.DataFrame:
             duration=pl.coalesce("next_start", pl.max_horizontal("gpu_end", pl.lit(0)))
             - pl.col("gpu_start"),
             step_end=pl.coalesce("next_start", "gpu_end"),
+            complete=pl.col("next_start").is_not_null(),
         )
     )
 
 
-def steady_range(durations: list[int]) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Allocations:
+    """Allocator calls (cudaMalloc/cudaFree) per step, where the steps' own calls are known
+    (NVTX steps): ``count(i)`` for step i (None: unknown), ``typical`` for the median step."""
+
+    count: Callable[[int], int | None]
+    typical: float
+
+
+def steady_range(
+    durations: list[int], settings: StepSettings, allocs: list[int | None] | None = None
+) -> tuple[int, int]:
     """First and last position of the steady state among steps of these durations: warm-up
-    steps at the start and a cut-off last step left out."""
+    steps at the start (``allocs``: allocator calls per step, when known) and the last step
+    left out."""
     reference = _median(durations[1:]) if len(durations) >= 3 else 0.0
-    return steady_bounds(len(durations), durations.__getitem__, reference)
+    growth = (
+        Allocations(allocs.__getitem__, _median([a for a in allocs[1:] if a is not None]))
+        if allocs and len(allocs) >= 3
+        else None
+    )
+    return steady_bounds(len(durations), durations.__getitem__, reference, settings, growth)
 
 
 def steady_bounds(
-    n: int, duration: Callable[[int], float | None], reference: float
+    n: int,
+    duration: Callable[[int], float | None],
+    reference: float,
+    settings: StepSettings,
+    allocs: Allocations | None = None,
 ) -> tuple[int, int]:
     """:func:`steady_range` of ``n`` steps whose durations ``duration(i)`` gives (None:
     unknown) against ``reference`` (the median step): step sampling asks only for the few
-    durations the decision needs, each measured on its own."""
+    durations the decision needs, each measured on its own.
+
+    Warm-up: the first step, then leading steps slower than ``warmup_step_factor`` times the
+    median, or that still call the allocator while the median step makes no such call (the
+    caching allocator still growing). The last step is never steady: nothing after it says
+    when it ended (its duration is only its own GPU span; a recurring kernel's last period
+    runs to the end of the GPU work), so it has no step time, and the window holds complete
+    steps only: its time over the steps is the mean step time."""
+    factor = settings.warmup_step_factor
 
     def slower(i: int, than: float) -> bool:
         d = duration(i)
         return d is not None and d > than
 
+    def growing(i: int) -> bool:
+        return allocs is not None and allocs.typical == 0 and (allocs.count(i) or 0) > 0
+
     first, last = 0, n - 1
-    if n == 2 and slower(0, WARMUP_FACTOR * (duration(1) or 0)):
+    if n == 2 and slower(0, factor * (duration(1) or 0)):
         first = 1  # of two steps, a much slower first one is warm-up
     if n >= 3:
         first = 1  # the first step always pays for compilation, autotuning, allocation
-        while first < last and slower(first, WARMUP_FACTOR * reference):
+        while first < last - 1 and (slower(first, factor * reference) or growing(first)):
             first += 1
-        # the last step has no successor: its duration is only its own GPU span
-        tail = duration(last)
-        if last > first and tail is not None and tail * WARMUP_FACTOR < reference:
-            last -= 1
+    if last > first:
+        last -= 1  # (with one step left, that step, for want of a complete one)
     return first, last
 
 
-def flag_outliers(table: pl.DataFrame, among: pl.Expr) -> pl.DataFrame:
+def flag_outliers(table: pl.DataFrame, among: pl.Expr, settings: StepSettings) -> pl.DataFrame:
     """``outlier``: a step of ``among`` whose duration is far from their median."""
+    factor = settings.outlier_step_factor
     median = _median(table.filter(among)["duration"].to_list()) or 1
     return table.with_columns(
         outlier=among
-        & (
-            (pl.col("duration") > OUTLIER_FACTOR * median)
-            | (pl.col("duration") < median / OUTLIER_FACTOR)
-        ),
+        & ((pl.col("duration") > factor * median) | (pl.col("duration") < median / factor)),
     )
 
 
-def choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) -> Steps:
+def choose_window(
+    table: pl.DataFrame, source: str, label: str, trace: Trace, settings: StepSettings
+) -> Steps:
+    """The steady state among the steps of ``table`` (with an ``allocs`` column: allocator
+    calls per step, where the steps' own calls are known) and the window it spans."""
     capture_end = trace.span[1]
     table = with_durations(table)
-    first, last = steady_range(table["duration"].to_list())
+    allocs = table["allocs"].to_list() if "allocs" in table.columns else None
+    first, last = steady_range(table["duration"].to_list(), settings, allocs)
     table = flag_outliers(
         table.with_columns(steady=pl.int_range(pl.len()).is_between(first, last)),
         pl.col("steady"),
+        settings,
     )
     window = (int(table["gpu_start"][first]), int(table["step_end"][last]))
     if window[1] <= window[0]:
@@ -166,7 +206,15 @@ def choose_window(table: pl.DataFrame, source: str, label: str, trace: Trace) ->
     return Steps(
         source,
         table.select(
-            "index", "name", "gpu_start", "gpu_end", "duration", "steady", "outlier", *cpu
+            "index",
+            "name",
+            "gpu_start",
+            "gpu_end",
+            "duration",
+            "complete",
+            "steady",
+            "outlier",
+            *cpu,
         ),
         window,
         label,
