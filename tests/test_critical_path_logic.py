@@ -33,7 +33,13 @@ def budget(x: Export, tmp_path: Path, window: tuple[int, int]) -> dict[str, int]
 
 def classes(b: dict[str, int]) -> dict[str, int]:
     """The non-zero classes of compute-absent time (blocking by producer, not its total)."""
-    names = ("launch_starved", *critical_path.BLOCKING, "dependency_stalled", "residual")
+    names = (
+        "launch_starved",
+        *critical_path.BLOCKING,
+        "dependency_stalled",
+        "graph_internal",
+        "residual",
+    )
     return {n: b[n] for n in names if b[n]}
 
 
@@ -148,18 +154,25 @@ def test_graph_launch_is_one_operation_and_its_inside_is_unresolved(tmp_path):
     assert b["in_graph"] == 11_000  # what the trace cannot resolve
 
 
-def test_node_traced_graph_gaps_inside_a_replay_are_not_split(tmp_path):
+def test_node_traced_graph_gaps_inside_a_replay_are_graph_internal(tmp_path):
     # --cuda-graph-trace=node: two nodes of one replay share the launch's correlationId; the
-    # 2000 ns between them has no launch or dependency in the trace, so it is not split
+    # 2000 ns between them has no launch or dependency in the trace, so it is not split by
+    # the walk, but no kernel runs then: compute-absent, of its own class (issue 22: it was
+    # counted as compute, as if the replay's span were kernels running)
     x = Export()
     x.kernel("gemm", 1_000, 2_000, launch_at=100)
     launch = x.graph_launch(5_000)
     x.kernel("gemm", 6_000, 7_000, corr=launch, graph_node=1)
     x.kernel("gemm", 9_000, 10_000, corr=launch, graph_node=2)
     b = budget(x, tmp_path, (1_000, 10_000))
-    assert b["compute_absent"] == 4_000  # 2000-6000, before the replay; not 7000-9000
-    assert classes(b) == {"launch_starved": 3_100, "dependency_stalled": 900}
-    assert b["in_graph"] == 4_000
+    assert b["compute_absent"] == 6_000  # 2000-6000 before the replay, 7000-9000 inside it
+    assert classes(b) == {
+        "launch_starved": 3_100,
+        "dependency_stalled": 900,
+        "graph_internal": 2_000,
+    }
+    assert b["compute_busy"] == b["device_busy"] == 3_000  # the kernels, not the replay's span
+    assert b["in_graph"] == 0  # node-level tracing shows what runs inside: nothing unresolved
 
 
 def test_what_cannot_be_resolved_is_the_residual(tmp_path):

@@ -60,12 +60,15 @@ def test_two_ranks_on_one_gpu_are_matched_and_no_straggler_is_claimed(name):
     assert "time-slice one GPU" in cr["verdict"] and "no straggler" in cr["verdict"]
     assert cr["rank_groups"] == [[0, 1]] and cr["representatives"] == [0, 1]
     assert cr["clock"]["aligned_by"] == "one export" and cr["clock"]["alignment_error_us"] == 0
-    assert cr["comm_wait_frac"] + cr["comm_transfer_frac"] == pytest.approx(1, abs=1e-3)
+    # issue 22: on one GPU, when a collective ends is the other process's doing, not waiting:
+    # no wait or transfer share (they once read "wait 7.5%, transfer 92%"), and a note says why
+    assert cr["comm_wait_frac"] is None and cr["comm_transfer_frac"] is None
+    assert "time-slice one GPU" in cr["wait_transfer_note"]
     kinds = cr["comm_by_kind"]
     assert set(kinds) == {"all_to_all"}  # NCCL's NVTX ranges: the SendRecv kernels are all-to-all
     a2a = kinds["all_to_all"]
-    assert a2a["wait_ms"] + a2a["transfer_ms"] == pytest.approx(a2a["comm_ms"], rel=1e-3)
-    assert cr["last_arriver_rank"] in (0, 1)
+    assert a2a["comm_ms"] > 0 and a2a["wait_ms"] is None and a2a["transfer_ms"] is None
+    assert cr["last_arriver_rank"] is None
     assert not any(r["id"] == "comm-straggler-rank" for r in r["classification"]["rules"])
     lines = dict(budget_rows(Report.from_dict(r)))
     assert "time-slice one GPU" in lines["Across ranks"]

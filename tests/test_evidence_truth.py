@@ -119,30 +119,19 @@ def report(path: Path) -> dict:
     return json.loads(result.stdout)
 
 
-def step_stats(steps: dict) -> dict:
-    """Step time statistics from the report's own step table (the step finder's output is this
-    suite's input): steady steps, minus outliers outside [median/2, 2 x median]."""
-    steady = [d for d, s in zip(steps["durations_ms"], steps["steady"], strict=True) if s]
-    if not steady:
-        return {}
-    median = statistics.median(steady)
-    kept = [d for d in steady if median / 2 <= d <= 2 * median]
-    return {
-        "step_time_ms": statistics.fmean(kept),
-        "step_time_median_ms": statistics.median(kept),
-        "step_time_cv": statistics.stdev(kept) / statistics.fmean(kept) if len(kept) > 1 else None,
-    }
-
-
 @cache
 def recomputed(path: Path) -> tuple[dict, ...]:
-    """The independent measures of each rank of the report, over that rank's window."""
+    """The independent measures of each rank of the report, over that rank's window (its step
+    statistics too: recomputed from the steps' GPU starts, complete steps only)."""
     out = []
     for rank in report(path)["ranks"]:
         steps = rank["steps"]
         window = tuple(steps["window_ns"])
-        mine = ind.rank_measures(path, rank["pid"], window, steps["used"], steps["source"])
-        out.append(mine | step_stats(steps))
+        out.append(
+            ind.rank_measures(
+                path, rank["pid"], window, steps["used"], steps["source"], steps["label"]
+            )
+        )
     return tuple(out)
 
 
@@ -504,6 +493,7 @@ def test_critical_path_split(path: Path) -> None:
             "launch_starved_frac",
             "blocking_frac",
             "dependency_stalled_frac",
+            "graph_internal_frac",
             "attribution_residual_frac",
         )
         if abs(sum(m[c] for c in split) - mine["compute_absent_frac"]) > FRACTION_TOL:
@@ -546,8 +536,11 @@ def test_evidence_sentences(path: Path) -> None:
     assert cls["evidence"] == expected
     templates = [r["evidence"] for r in rules]
     if cls["bound"]:
-        assert cls["headline"] == render(scoring["headline"][cls["bound"]], reported)
-        templates.append(scoring["headline"][cls["bound"]])
+        headline = scoring["headline"][cls["bound"]]
+        if cls["bound"] == "compute" and (reported.get("graph_unresolved_frac") or 0) > 0:
+            headline = scoring["headline"]["compute_graph_level"]  # replays hide their kernels
+        assert cls["headline"] == render(headline, reported)
+        templates.append(headline)
     _assert_fields_true(templates, reported, independent, known_wrong(path))
 
 
@@ -629,11 +622,13 @@ TWIN_TOL = 0.03  # two runs of one program: kernel-time shares agree within 3 po
 )
 def test_graph_level_mix_is_the_replays_mix(families: tuple[str, ...]) -> None:
     """Issue 10, item 7: with graph-level tracing the mix comes from eager iterations that match
-    the step; the node-traced twin shows the replays' own mix (optimizer ~38-40%)."""
+    the step; the node-traced twin shows the replays' own mix. The optimizer is 64%: the
+    per-tensor div_ kernels between its foreach kernels are its own (issue 22: by name alone it
+    read 38-40%, and the elementwise share took the rest)."""
     (graph,) = recomputed(FIXTURES / "h100_host_cudagraph.sqlite")
     (node,) = recomputed(FIXTURES / "h100_host_cudagraph_nodetrace.sqlite")
     assert graph["kernel_stats_outside_window"] and not node["kernel_stats_outside_window"]
-    assert 0.38 <= node["optimizer_time_frac"] <= 0.40
+    assert 0.63 <= node["optimizer_time_frac"] <= 0.66
     share = {
         m: sum(r[f"{f}_time_frac"] for f in families) for m, r in (("graph", graph), ("node", node))
     }
@@ -650,18 +645,25 @@ def external(name: str) -> Path:
     return path
 
 
-def raw(path: Path, sql: str) -> list[tuple]:
+def raw(path: Path, sql: str, *args: object) -> list[tuple]:
     con = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
     try:
-        return con.execute(sql).fetchall()
+        return con.execute(sql, args).fetchall()
     finally:
         con.close()
+
+
+_OCCURRENCES = (
+    "SELECT k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.demangledName "
+    "WHERE s.value = ? ORDER BY k.start"
+)
 
 
 def test_cloverleaf_syncs_after_every_launch() -> None:
     """1312 kernel launches, each followed on its thread by a cudaDeviceSynchronize before the
     next launch; the GPU idles ~7.5% of the window right after a sync; the allocator calls in
-    the window last 0.14 ms of 251 ms, so no allocator fix."""
+    the window last at most 0.14 ms (of 251 ms with the cut-off last period, which issue 22
+    drops: 195 ms of 3 complete periods), so no allocator fix."""
     path = external("cloverleaf_a100")
     calls = raw(
         path,
@@ -684,7 +686,11 @@ def test_cloverleaf_syncs_after_every_launch() -> None:
         "idle_sync_frac", rep["ranks"][0]["metrics"]["idle_sync_frac"], mine["idle_sync_frac"]
     )
     lo, hi = rep["ranks"][0]["steps"]["window_ns"]
-    assert (hi - lo) / 1e6 == pytest.approx(251.3, abs=0.1)
+    # the window: the 3 complete periods after the first (5 occurrences of the kernel)
+    label = rep["steps"]["label"]
+    (starts,) = zip(*raw(path, _OCCURRENCES, label), strict=True)
+    assert len(starts) == 5 and (lo, hi) == (starts[1], starts[4])
+    assert (hi - lo) / 1e6 == pytest.approx(195.1, abs=0.1)
     alloc_ms = (
         sum(
             min(e, hi) - max(s, lo)
@@ -693,7 +699,7 @@ def test_cloverleaf_syncs_after_every_launch() -> None:
         )
         / 1e6
     )
-    assert alloc_ms == pytest.approx(0.14, abs=0.005)
+    assert alloc_ms <= 0.14
     assert mine["alloc_idle_frac"] * (hi - lo) / 1e6 <= alloc_ms
     assert "keep-allocator-cache" not in {f["id"] for f in rep["fixes"]}
 
@@ -715,24 +721,41 @@ def test_nvfuser_abstains_with_the_facts() -> None:
 
 
 def test_nvfuser_idle_is_nvrtc() -> None:
-    """NVTX ``executor_utils::Nvrtc::CompileProgram`` covers 313 ms of GPU-idle time, and the
-    report names it (the abstain reason and the rank's idle_nvtx)."""
+    """The host compiled: nvFuser's NVTX compile ranges (``KernelExecutor::compileFusion`` and
+    the passes nested in it, down to ``executor_utils::Nvrtc::CompileProgram``) cover 347 ms of
+    GPU-idle time, and the report names it (the abstain reason and the rank's idle_nvtx):
+    the outermost range and the innermost. Issue 22: the innermost range alone (313 ms) left
+    compile time under the outer passes uncounted."""
     path = external("nvfuser_matmul_test_h100")
     ex = ind.read_export(path)
     work = ind.spans(ex["kernels"] + ex["memcpy"] + ex["memset"])
-    compile_ranges = [
+    compiling = re.compile(
+        next(e["match"] for e in _host_activities() if e["activity"] == "compile")
+    )
+    compile_ranges = [(n["start"], n["end"]) for n in ex["nvtx"] if compiling.search(n["text"])]
+    lo, hi = min(s for s, _ in work), max(e for _, e in work)
+    inside = [(max(s, lo), min(e, hi)) for s, e in compile_ranges if e > lo and s < hi]
+    idle_in_range = ind.length(inside, work) - ind.length(work)
+    assert idle_in_range / 1e6 == pytest.approx(346.7, abs=0.1)
+    innermost = [
         (n["start"], n["end"])
         for n in ex["nvtx"]
         if n["text"] == "executor_utils::Nvrtc::CompileProgram"
     ]
-    idle_in_range = ind.length(compile_ranges, work) - ind.length(work)
-    assert idle_in_range / 1e6 == pytest.approx(313, abs=1)
+    assert (ind.length(innermost, work) - ind.length(work)) / 1e6 == pytest.approx(313, abs=1)
     rep = report(path)
     assert f"{idle_in_range / 1e6:.0f} ms" in rep["classification"]["abstain_reason"]
     assert "executor_utils::Nvrtc::CompileProgram" in rep["classification"]["abstain_reason"]
     top = rep["ranks"][0]["idle_nvtx"][0]
-    assert top["name"] == "executor_utils::Nvrtc::CompileProgram" and top["activity"] == "compile"
+    assert top["name"] == "KernelExecutor::compileFusion" and top["activity"] == "compile"
+    assert top["detail"] == "executor_utils::Nvrtc::CompileProgram"
     assert top["ms_per_step"] == pytest.approx(idle_in_range / 1e6, rel=RELATIVE_TOL)
+
+
+def _host_activities() -> list[dict]:
+    return yaml.safe_load((REPO / "rules" / "kernels.yaml").read_text())["taxonomy"][
+        "host_activities"
+    ]
 
 
 def test_ulysses_sendrecv_is_all_to_all() -> None:

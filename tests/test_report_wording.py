@@ -11,7 +11,8 @@ import pytest
 from realtraces import trace_path
 
 import traceclf
-from traceclf.render.content import capture_rows, detail_rows, no_fixes_line
+from traceclf.render.capture_text import capture_rows
+from traceclf.render.content import detail_rows, no_fixes_line
 from traceclf.report.contract import Report
 
 

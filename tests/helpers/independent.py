@@ -12,6 +12,7 @@ All interval arithmetic rests on one primitive, the union of intervals (a sweep)
 
 from __future__ import annotations
 
+import itertools
 import re
 import sqlite3
 import statistics
@@ -31,7 +32,7 @@ SYNC_SLACK_NS = 20_000  # "a synchronising call returned at the gap's start (wit
 BIG_COPY_BYTES = 1 << 20  # next batch ("host->device copy of >= 1 MiB") and GB/s copies
 SMALL_D2H_BYTES = 1024  # "device->host copies of <= 1 KiB"
 WARMUP_PAUSE_REPLAYS, WARMUP_PAUSE_MIN_NS = 4, 20 * MS  # kernel_stats_outside_window
-IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
+IDLE_CAUSES = ("launch", "sync", "input", "host", "graph", "other")
 # docs/measures.md, dp_tp_exposed_frac: the collective kinds of data and tensor parallelism
 DP_TP_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 # GPU-metric rows as nsys names them on different GPUs
@@ -147,7 +148,8 @@ PID = "(({} >> 24) & 16777215)"  # pid: bits 24..47 of globalPid / globalTid
 QUERIES = {
     "kernels": "SELECT start, end, {pid} AS pid, deviceId AS device, correlationId AS corr, "
     "demangledName AS name_id, shortName AS short_id, gridX*gridY*gridZ AS grid, "
-    "blockX*blockY*blockZ AS block, {node} AS node FROM CUPTI_ACTIVITY_KIND_KERNEL",
+    "blockX*blockY*blockZ AS block, {node} AS node, streamId AS stream "
+    "FROM CUPTI_ACTIVITY_KIND_KERNEL",
     "graphs": "SELECT start, end, {pid} AS pid, correlationId AS corr "
     "FROM CUPTI_ACTIVITY_KIND_GRAPH_TRACE",
     "memcpy": "SELECT start, end, {pid} AS pid, correlationId AS corr, bytes, copyKind, "
@@ -159,8 +161,8 @@ QUERIES = {
     "nvtx": "SELECT start, end, {tpid} AS pid, globalTid AS tid, text, textId AS name_id "
     "FROM NVTX_EVENTS WHERE end IS NOT NULL AND eventType IN ({ranges})",
     "overhead": "SELECT start, end, {tpid} AS pid FROM PROFILER_OVERHEAD",
-    "memory": "SELECT start, {pid} AS pid, deviceId AS device, bytes, memoryOperationType AS op "
-    "FROM CUDA_GPU_MEMORY_USAGE_EVENTS ORDER BY start",
+    "memory": "SELECT start, {pid} AS pid, deviceId AS device, bytes, memoryOperationType AS op, "
+    "{mem_kind} AS kind FROM CUDA_GPU_MEMORY_USAGE_EVENTS ORDER BY start, rowid",
     "gpus": "SELECT id, name, chipName AS chip, smCount AS sm_count, totalMemory AS "
     "memory_bytes FROM TARGET_INFO_GPU",
     "device_map": "SELECT gpuId AS gpu, cudaId AS device, pid FROM TARGET_INFO_CUDA_DEVICE",
@@ -179,11 +181,13 @@ def read_export(path: Path) -> dict[str, list[dict]]:
         return dict(con.execute(f"SELECT id, name FROM {table}")) if table in tables else {}
 
     kernel_cols = {r[1] for r in con.execute("PRAGMA table_info(CUPTI_ACTIVITY_KIND_KERNEL)")}
+    memory_cols = {r[1] for r in con.execute("PRAGMA table_info(CUDA_GPU_MEMORY_USAGE_EVENTS)")}
     event_types = {v: k for k, v in enum("ENUM_NSYS_EVENT_TYPE").items()}
     fields = {
         "pid": PID.format("globalPid"),
         "tpid": PID.format("globalTid"),
         "node": "graphNodeId" if "graphNodeId" in kernel_cols else "NULL",
+        "mem_kind": "memKind" if "memKind" in memory_cols else "NULL",
         "ranges": ", ".join(  # push/pop and start/end ranges
             str(event_types.get(t, d))
             for t, d in (("NvtxPushPopRange", 59), ("NvtxStartEndRange", 60))
@@ -209,6 +213,10 @@ def read_export(path: Path) -> dict[str, list[dict]]:
         row["name"] = strings.get(row.pop("name_id"), "")
     for row in out["nvtx"]:
         row["text"] = row["text"] or strings.get(row.pop("name_id"), "") or ""
+    for r in out["memory"]:
+        kind = mem_kinds.get(r["kind"], "")  # CUDA_MEMOPR_MEMORY_KIND_PINNED, ...
+        r["pinned"] = kind.endswith("_PINNED")
+        r["host"] = r["pinned"] or kind.endswith("_PAGEABLE")
     for c in out["memcpy"]:
         kind = copy_kinds.get(c["copyKind"], "")  # CUDA_MEMCPY_KIND_HTOD, ..._UVM_HTOD, ...
         c["h2d"], c["d2h"] = kind.endswith("_HTOD"), kind.endswith("_DTOH")
@@ -331,15 +339,22 @@ def gpu_of(path: Path, pid: int) -> dict | None:
 
 
 def rank_measures(
-    path: Path, pid: int, window: tuple[int, int], steps: int, source: str = "none"
+    path: Path,
+    pid: int,
+    window: tuple[int, int],
+    steps: int,
+    source: str = "none",
+    label: str = "",
 ) -> dict:
     """The measures of rank ``pid`` over ``[lo, hi)`` holding ``steps`` steady steps (the
     report's ``steps.used``), found by ``source`` (``steps.source``: nvtx, graph, pattern,
-    none): fractions of the window, counts and bytes per step."""
+    none; ``label``: the recurring kernel of pattern steps): fractions of the window, counts
+    and bytes per step, and the step time statistics over the window's complete steps."""
     ex = read_export(path)
     mine = {t: [r for r in rows if r.get("pid") == pid] for t, rows in ex.items()}
     lo, hi = window
     w = Window(mine, lo, hi, max(hi - lo, 1), max(steps, 1), gpu_of(path, pid), source, path)
+    table = step_table(w, label)
     return (
         _budget(w)
         | _communication(w)
@@ -349,6 +364,8 @@ def rank_measures(
         | _kernel_mix(w)
         | _memory_peak(w)
         | _gpu_metrics(ex["metrics"], window)
+        | step_stats(w, table)
+        | _pauses(w, table)
     )
 
 
@@ -376,9 +393,12 @@ class Window:
                 nodes[k["corr"]] = (min(s, k["start"]), max(e, k["end"]))
         self.graph_rows = spans(clip(rows["graphs"], lo, hi))
         node_spans = clip([{"start": s, "end": e} for s, e in nodes.values()], lo, hi)
-        self.graphs = self.graph_rows + spans(node_spans)
+        self.node_replays = spans(node_spans)
+        self.graphs = self.graph_rows + self.node_replays
+        # compute: kernels running, and graph-level replays (which hide theirs: an upper
+        # bound); a node-traced replay is its kernels, the gaps between them idle (issue 22)
         self.compute = [(k["start"], k["end"]) for k in self.kern if k["family"] != "communication"]
-        self.compute += self.graphs
+        self.compute += self.graph_rows
         self.comm = spans(self.comm_kernels)
         self.memcpy = clip(rows["memcpy"], lo, hi)
         self.copies = spans(self.memcpy) + spans(clip(rows["memset"], lo, hi))
@@ -387,13 +407,139 @@ class Window:
         self.launched_at = {a["corr"]: a["start"] for a in rows["api"]}
         self.step_calls = _step_calls(self)
         # docs/measures.md: what an optimizer NVTX range launched is the optimizer's, whatever
-        # its name (communication stays communication)
+        # its name (communication stays communication), and so is what runs inside an
+        # optimizer's run of kernels
         for k in _launched_in(self, _nvtx(self, taxonomy()["nvtx"]["optimizer"])):
             if k["family"] != "communication":
                 k["family"] = "optimizer"
+        optimizer_runs(self.kern)
 
     def per_step(self, n: float) -> float:
         return n / self.steps
+
+
+# A GEMM, attention or communication kernel ends an optimizer's run (docs/measures.md)
+RUN_BREAKS = ("gemm", "attention", "communication")
+
+
+def optimizer_runs(kernels: list[dict]) -> None:
+    """docs/measures.md: every kernel between the first and the last optimizer-named kernel of
+    a stretch no GEMM, attention or communication kernel breaks — in one node-traced graph
+    replay (one correlationId), or on one stream — is the optimizer's (family set in place)."""
+    groups: dict[tuple, list[dict]] = {}
+    for k in sorted(kernels, key=lambda k: k["start"]):
+        key = ("replay", k["corr"]) if k.get("node") is not None else ("stream", k.get("stream"))
+        groups.setdefault(key, []).append(k)
+    for seq in groups.values():
+        run: list[dict] = []
+        for k in [*seq, None]:
+            if k is None or k["family"] in RUN_BREAKS:
+                named = [i for i, r in enumerate(run) if r["family"] == "optimizer"]
+                for r in run[named[0] : named[-1] + 1] if named else ():
+                    r["family"] = "optimizer"
+                run = []
+            else:
+                run.append(k)
+
+
+def step_table(w: Window, label: str = "") -> list[dict]:
+    """Every step of the rank in start order: its GPU start and, for an NVTX step, its range
+    on the host (``cpu``). NVTX steps: the outermost ranges matching the taxonomy's step
+    pattern, each starting where the first GPU work launched by a call inside it (any
+    thread) starts; graph steps: each CUDA-graph launch (its first row); pattern steps: each
+    occurrence of the recurring kernel named ``label``."""
+    work = [r for t in ("kernels", "graphs", "memcpy", "memset") for r in w.rows[t]]
+    if w.source == "nvtx":
+        step = taxonomy()["nvtx"]["step"]
+        ranges, reach = [], -1
+        for n in sorted(w.rows["nvtx"], key=lambda n: n["start"]):
+            if step.search(n["text"]) and n["start"] >= reach:  # outermost step ranges
+                ranges.append((n["start"], n["end"]))
+            if step.search(n["text"]):
+                reach = max(reach, n["end"])
+        firsts = np.array([s for s, _ in ranges], np.int64)
+        owner = {}
+        for a in w.rows["api"]:
+            i = int(np.searchsorted(firsts, a["start"], side="right")) - 1
+            if i >= 0 and a["start"] <= ranges[i][1]:
+                owner[a["corr"]] = i
+        start: dict[int, int] = {}
+        for r in work:
+            i = owner.get(r["corr"])
+            if i is not None:
+                start[i] = min(start.get(i, r["start"]), r["start"])
+        rows = [{"start": t, "cpu": ranges[i]} for i, t in start.items()]
+    elif w.source == "graph":
+        launch: dict[int, int] = {}
+        graph_work = w.rows["graphs"] + [k for k in w.rows["kernels"] if k["node"] is not None]
+        for r in graph_work:
+            launch[r["corr"]] = min(launch.get(r["corr"], r["start"]), r["start"])
+        rows = [{"start": t, "cpu": None} for t in launch.values()]
+    elif w.source == "pattern":
+        rows = [{"start": k["start"], "cpu": None} for k in w.rows["kernels"] if k["name"] == label]
+    else:
+        rows = []
+    return sorted(rows, key=lambda r: r["start"])
+
+
+def step_stats(w: Window, table: list[dict]) -> dict:
+    """docs/measures.md: the statistics of the window's steady steps that are complete (the
+    next step's start ends them: the last step of the capture has no step time) and within
+    [median / 2, 2 x median] of them: mean, median and sample CV."""
+    starts = [r["start"] for r in table]
+    # (complete: each has a successor)
+    steady = [b - a for a, b in itertools.pairwise(starts) if w.lo <= a < w.hi]
+    if not steady:
+        return {}
+    median = statistics.median(steady)
+    kept = [d for d in steady if median / 2 <= d <= 2 * median]
+    return {
+        "step_time_ms": statistics.fmean(kept) / MS,
+        "step_time_median_ms": statistics.median(kept) / MS,
+        "step_time_cv": statistics.stdev(kept) / statistics.fmean(kept) if len(kept) > 1 else None,
+    }
+
+
+def _pauses(w: Window, table: list[dict]) -> dict:
+    """docs/measures.md, "Host pauses": in each steady NVTX step range, the stretches of 1 ms
+    or more with no CUDA call on any thread of the process that no NVTX range of a known host
+    activity covers half of; per step, the longest, and how much of the spread of the complete
+    steps' times they account for: 1 - var(step - pauses) / var(step)."""
+    out = dict.fromkeys(("host_pause_ms", "host_pause_max_ms", "step_spread_pause_frac"))
+    if not table:
+        return out
+    steady = [
+        (r, nxt["start"] - r["start"] if nxt else None)
+        for r, nxt in zip(table, [*table[1:], None], strict=True)
+        if w.lo <= r["start"] < w.hi and r["cpu"]
+    ]
+    if w.source != "nvtx" or not steady or not w.rows["api"]:
+        return out
+    calls = merged(spans(w.rows["api"]))
+    tax = taxonomy()
+    named = merged(
+        [(n["start"], n["end"]) for n in w.rows["nvtx"] if first(tax["host_activities"], n["text"])]
+    )
+    per_step, longest = [], 0
+    for r, _ in steady:
+        lo, hi = r["cpu"]
+        inside = calls[(calls[:, 1] > lo) & (calls[:, 0] < hi)]
+        edges = np.concatenate([[lo], np.minimum(inside[:, 1], hi)])
+        nexts = np.concatenate([np.maximum(inside[:, 0], lo), [hi]])
+        gap = (nexts - edges >= MS) & (covered(named, edges, nexts) * 2 < nexts - edges)
+        per_step.append(int((nexts - edges)[gap].sum()))
+        longest = max([longest, *(nexts - edges)[gap]])
+    out["host_pause_ms"] = statistics.fmean(per_step) / MS
+    out["host_pause_max_ms"] = longest / MS
+    complete = [(d, p) for (_, d), p in zip(steady, per_step, strict=True) if d is not None]
+    if len(complete) >= 3:
+        median = statistics.median(d for d, _ in complete)
+        kept = [(d, p) for d, p in complete if median / 2 <= d <= 2 * median]
+        var = statistics.pvariance([d for d, _ in kept])
+        if var:
+            rest = statistics.pvariance([d - p for d, p in kept])
+            out["step_spread_pause_frac"] = max(0.0, 1 - rest / var)
+    return out
 
 
 def _step_calls(w: Window) -> list[dict]:
@@ -450,7 +596,7 @@ def _budget(w: Window) -> dict:
         "compute_absent_frac": 1 - comp / w.wall,
         "occupied_not_computing_frac": (w.busy - comp) / w.wall,
         "non_transfer_busy_frac": length(w.compute, local) / w.wall,
-        "graph_unresolved_frac": length(w.graphs) / w.wall,
+        "graph_unresolved_frac": length(w.graph_rows) / w.wall,
         "copy_alone_frac": (length(w.copies, w.compute) - comp) / w.wall,
         "gpu_busy_frac": w.busy / w.wall,
         "gpu_idle_frac": 1 - w.busy / w.wall,
@@ -618,9 +764,11 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     one cause: other when profiler overhead covers half of it; input / host when it lasts
     >= 1 ms and CUDA calls cover less than half of it (input with evidence of data loading:
     an NVTX data range over half of it, or it ends where a host->device copy of >= 1 MiB
-    starts); sync when a synchronising call returned inside it or at most 20 µs before it, or
-    allocator calls (which synchronise the device) cover at least half of it; launch when the
-    host started CUDA calls in it; other otherwise."""
+    starts, where such gaps recur in at least half of the steps and no NVTX range of another
+    host activity covers half of it); graph inside a node-traced replay; sync when a
+    synchronising call returned inside it or at most 20 µs before it, or allocator calls
+    (which synchronise the device) cover at least half of it; launch when the host started
+    CUDA calls in it; other otherwise."""
     busy = merged(w.compute, w.comm, w.copies)
     s = np.concatenate([[w.lo], busy[:, 1]])
     e = np.concatenate([busy[:, 0], [w.hi]])
@@ -638,19 +786,24 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     long = (dur >= LONG_GAP_NS) & (covered(spans(w.api), s, e) * 2 < dur)
     tax = taxonomy()
     phases = [tax["nvtx"][k] for k in ("step", "forward", "backward", "optimizer")]
-    data = [
-        (n["start"], n["end"])
-        for n in w.rows["nvtx"]
-        if first(tax["host_activities"], n["text"]) == "data"
+    named = [  # ranges of a known host activity, in start order
+        (n["start"], n["end"], activity)
+        for n in sorted(w.rows["nvtx"], key=lambda n: n["start"])
+        if (activity := first(tax["host_activities"], n["text"]))
         and not any(p.search(n["text"]) for p in phases)
     ]
     batches = [c["start"] for c in w.rows["memcpy"] if c["h2d"] and c["bytes"] >= BIG_COPY_BYTES]
-    loading = np.isin(e, batches)
+    batch = long & np.isin(e, batches)
+    recurs = w.source != "none" and batch.sum() >= 0.5 * w.steps
+    loading = np.zeros(len(s), bool)
     for j in np.flatnonzero(long):
-        loading[j] |= any(min(b, e[j]) - max(a, s[j]) >= dur[j] / 2 for a, b in data)
+        # the innermost range of a known activity over half of the gap says what the host did
+        over = [act for a, b, act in named if min(b, e[j]) - max(a, s[j]) >= dur[j] / 2]
+        loading[j] = over[-1] == "data" if over else bool(batch[j] and recurs)
+    in_graph = covered(w.node_replays, s, e) > 0
     cause = np.select(
-        [profiler, long & loading, long, after_sync, n_calls > 0],
-        ["other", "input", "host", "sync", "launch"],
+        [profiler, in_graph, long & loading, long, after_sync, n_calls > 0],
+        ["other", "graph", "input", "host", "sync", "launch"],
         "other",
     )
     return {f"idle_{c}_frac": int(dur[cause == c].sum()) / w.wall for c in IDLE_CAUSES}
@@ -667,7 +820,11 @@ def _kernel_mix(w: Window) -> dict:
     total = sum(dur)
     out = {
         "kernels_per_step": w.per_step(len(w.kern)),
-        "graph_frac": length(w.graphs) / w.busy if w.busy else 0.0,
+        # busy time inside replays: |replays| + |busy| - |replays ∪ busy|
+        "graph_frac": (length(w.graphs) + w.busy - length(w.graphs, w.compute, w.comm, w.copies))
+        / w.busy
+        if w.busy
+        else 0.0,
         "uses_cuda_graphs": bool(w.graphs),
         "kernel_stats_outside_window": hidden,
         "graph_internal_gap_frac": _graph_internal_gaps(w),
@@ -675,7 +832,7 @@ def _kernel_mix(w: Window) -> dict:
         "small_grid_kernel_frac": sum(k["grid"] < sm_count for k in shape) / len(shape)
         if sm_count and shape
         else None,
-        "optimizer_kernels_per_step": _optimizer_kernels(w),
+        "optimizer_kernels_per_step": _optimizer_kernels(w, shape, per_step),
         "recompute_frac": _recompute(w),
     }
     for fam in [f for f, _ in taxonomy()["families"]] + ["other"]:
@@ -712,7 +869,7 @@ def _warmup(w: Window) -> tuple[list[dict], float | None]:
     if begin is None:
         return [], None
     eager = sorted(
-        (k for k in w.rows["kernels"] if w.launched_at.get(k["corr"], begin) < begin),
+        (dict(k) for k in w.rows["kernels"] if w.launched_at.get(k["corr"], begin) < begin),
         key=lambda k: k["start"],
     )
     end = min(a["start"] for a in api if a["start"] > begin and "StreamEndCapture" in a["name"])
@@ -733,8 +890,11 @@ def _warmup(w: Window) -> tuple[list[dict], float | None]:
         reach = max(reach, k["end"])
     burst_kernels = eager[burst:]
     if len(burst_kernels) > len(captured):
-        return burst_kernels[-len(captured) :], 1.0
-    return burst_kernels, len(burst_kernels) / len(captured)
+        burst_kernels, iterations = burst_kernels[-len(captured) :], 1.0
+    else:
+        iterations = len(burst_kernels) / len(captured)
+    optimizer_runs(burst_kernels)  # (the eager iteration's optimizer, as the replays')
+    return burst_kernels, iterations
 
 
 def _graph_internal_gaps(w: Window) -> float | None:
@@ -762,10 +922,13 @@ def _nvtx(w: Window, pattern: re.Pattern) -> list[tuple[int, int]]:
     return [(n["start"], n["end"]) for n in w.rows["nvtx"] if pattern.search(n["text"])]
 
 
-def _optimizer_kernels(w: Window) -> float | None:
-    """Kernels per step launched inside an optimizer NVTX range (null without one)."""
-    ranges = _nvtx(w, taxonomy()["nvtx"]["optimizer"])
-    return w.per_step(len(_launched_in(w, ranges))) if ranges else None
+def _optimizer_kernels(w: Window, shape: list[dict], per_step: float | None) -> float | None:
+    """Optimizer kernels per step (by name, NVTX range or run) of the kernels the mix comes
+    from; null when neither an optimizer NVTX range nor an optimizer kernel shows."""
+    n = sum(k["family"] == "optimizer" for k in shape)
+    if not n and not _nvtx(w, taxonomy()["nvtx"]["optimizer"]):
+        return None
+    return n / per_step if per_step else None
 
 
 def _recompute(w: Window) -> float | None:
@@ -790,19 +953,28 @@ def _recompute(w: Window) -> float | None:
 
 def _memory_peak(w: Window) -> dict:
     """Peak allocated bytes over the capture (allocations minus frees in time order, per
-    device), and that over the GPU's totalMemory."""
+    device) of the device's own memory, and that over the GPU's totalMemory; the memory events
+    also record host buffers (ENUM_CUDA_MEM_KIND 0 pageable, 1 pinned), whose peak is apart."""
+    device = _level_peak([r for r in w.rows["memory"] if not r["host"]])
+    capacity = (w.gpu or {}).get("memory_bytes")
+    return {
+        "peak_memory_bytes": device,
+        "peak_memory_frac": device / capacity if device is not None and capacity else None,
+        "pinned_host_peak_bytes": (_level_peak([r for r in w.rows["memory"] if r["pinned"]]) or 0)
+        if w.rows["memory"]
+        else None,
+    }
+
+
+def _level_peak(rows: list[dict]) -> int | None:
     level: dict[int, int] = {}
     peak = None
-    for r in w.rows["memory"]:
+    for r in rows:
         level[r["device"]] = level.get(r["device"], 0) + (
             r["bytes"] if r["op"] == 0 else -r["bytes"]
         )
         peak = max(peak or 0, level[r["device"]])
-    capacity = (w.gpu or {}).get("memory_bytes")
-    return {
-        "peak_memory_bytes": peak,
-        "peak_memory_frac": peak / capacity if peak is not None and capacity else None,
-    }
+    return peak
 
 
 def _gpu_metrics(rows: list[dict], window: tuple[int, int]) -> dict:

@@ -193,6 +193,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
             _c("device_id", "deviceId", dtype=pl.Int32),
             _c("bytes", required=True),
             _c("op", "memoryOperationType", required=True, dtype=pl.Int32),
+            _c("mem_kind", "memKind", dtype=pl.Int32),
         ),
     ),
     "overhead": (

@@ -153,18 +153,20 @@ def _why_no_steps(ranks: list[RankResult]) -> str:
 
 
 def _host_story(ranks: list[RankResult]) -> str:
-    """'; 313 ms of host time is NVTX 'X'' from the rank whose idle NVTX range is longest."""
+    """'; 347 ms of the idle GPU time the host was in NVTX 'X' → 'Y' (compile)' from the rank
+    whose idle NVTX range is longest (Y: the innermost range of X's activity)."""
     best = None
     for r in ranks:
         for row in r.measures.idle_nvtx[:1]:
             ms = row["ms_per_step"] * max(r.steps.used or 1, 1)
             if best is None or ms > best[0]:
-                best = (ms, row["name"], row.get("activity"))
+                best = (ms, row["name"], row.get("detail"), row.get("activity"))
     if best is None:
         return ""
-    ms, name, activity = best
+    ms, name, detail, activity = best
+    inner = f" → '{detail}'" if detail else ""
     what = f" ({activity})" if activity else ""
-    return f"; {_ms(ms)} of the idle GPU time the host was in NVTX '{name}'{what}"
+    return f"; {_ms(ms)} of the idle GPU time the host was in NVTX '{name}'{inner}{what}"
 
 
 def _ms(ms: float) -> str:
@@ -177,9 +179,12 @@ def _loop(facts: list[dict]) -> str:
 
 
 def _anchor(steps: StepSummary | None) -> dict:
-    return (
-        {"source": steps.source, "label": steps.label} if steps else {"source": "none", "label": ""}
-    )
+    """How steps were found; ``unit`` "period" for a recurring kernel's period: nothing marks
+    a step, and the period may be one step, several, or one layer of one."""
+    if not steps:
+        return {"source": "none", "label": "", "unit": "step"}
+    unit = "period" if steps.source == "pattern" else "step"
+    return {"source": steps.source, "label": steps.label, "unit": unit}
 
 
 def _warmup(steps: StepSummary | None) -> int:

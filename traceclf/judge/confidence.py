@@ -26,6 +26,9 @@ def confidence(
       without steps),
     - ``spread``: 1 / (1 + the coefficient of variation of the step times),
     - ``second_anchor``: ``disagreeing_anchors`` when a second anchor implies another step,
+    - ``graph_replays``: 1 − (1 − ``graph_level_replays``) × the share of the step inside
+      graph-level traced CUDA-graph replays, whose kernels the trace hides
+      (``graph_unresolved_frac``),
     - ``capture_distortion``: ``capture.distorted_weight`` when the capture itself may have
       changed the verdict (profiler overhead, lost data); then also a key of its own."""
     weight = scoring.step_source_weight
@@ -44,6 +47,9 @@ def confidence(
         "second_anchor": (
             weight.get("disagreeing_anchors", 0.5) if steps.get("anchors_agree") is False else 1.0
         ),
+        "graph_replays": 1.0
+        - (1.0 - weight.get("graph_level_replays", 1.0))
+        * float(env.get("graph_unresolved_frac") or 0.0),
     }
     if capture_distortion is not None:
         factors["capture_distortion"] = capture_distortion

@@ -101,7 +101,7 @@ def _classification(
         evidence.insert(0, rs.scoring.balanced_evidence.render(env))
     return {
         "bound": bound,
-        "headline": rs.scoring.headline[bound].render(env),
+        "headline": _headline(bound, rs.scoring, env),
         "confidence": confidence["value"],
         "confidence_basis": {
             k: confidence[k]
@@ -112,6 +112,16 @@ def _classification(
         "evidence": [e for e in evidence if e],
         "rules": [{"id": h.rule.id, "wall": h.rule.wall, "score": round(h.score, 3)} for h in hits],
     }
+
+
+def _headline(bound: str, scoring: Scoring, env: dict[str, Any]) -> str:
+    """How much of the step the bound takes; for compute, when graph-level traced replays
+    hide their kernels, a sentence that says compute is only an upper bound."""
+    if bound == "compute" and (env.get("graph_unresolved_frac") or 0) > 0:
+        variant = scoring.headline.get("compute_graph_level")
+        if variant is not None:
+            return variant.render(env)
+    return scoring.headline[bound].render(env)
 
 
 def build_env(facts: dict, rs: RuleSet) -> dict[str, Any]:

@@ -70,7 +70,30 @@ def cross_rank_block(
     out |= collective_waits(ranks, shared)
     exposed = exposed_comm(ranks) if len(ranks) >= 2 else None
     out["verdict"] = verdict(out, unsure, exposed, limits)
-    return out
+    return out | unmeasured_waits(out, shared + unsure)
+
+
+def unmeasured_waits(cr: dict, slicing: list[list[int]]) -> dict:
+    """Ranks that time-slice one GPU (or may) end a collective when the GPU serves them, so
+    their end-time differences measure the other process, not waiting: no wait, transfer or
+    last arriver for them, and ``wait_transfer_note`` says why."""
+    if not slicing:
+        return {"wait_transfer_note": None}
+    groups = "; ".join(", ".join(map(str, g)) for g in slicing)
+    return {
+        "comm_wait_frac": None,
+        "comm_transfer_frac": None,
+        "last_arriver_rank": None,
+        "last_arriver_share": None,
+        "comm_by_kind": {
+            kind: v | {"wait_ms": None, "transfer_ms": None}
+            for kind, v in (cr.get("comm_by_kind") or {}).items()
+        },
+        "wait_transfer_note": (
+            f"not measurable: ranks {groups} time-slice one GPU (or may), so when a collective "
+            "ends measures the other process, not waiting"
+        ),
+    }
 
 
 def straggler(spreads: list[dict], limits: Limits) -> dict:

@@ -21,7 +21,13 @@ from traceclf.measures.dependencies import COMPUTE_KINDS, KIND
 from traceclf.measures.host import SYNC_SLACK_NS
 
 # Producer class of a blocking interval, from the kind of the operation that ran then.
-PRODUCER_CLASS = {"collective": "comm", "copy": "copy", "compute": "compute", "graph": "compute"}
+PRODUCER_CLASS = {
+    "collective": "comm",
+    "copy": "copy",
+    "compute": "compute",
+    "graph": "compute",
+    "nodes": "compute",
+}
 BLOCKING = ("blocking_comm", "blocking_copy", "blocking_compute", "blocking_host_sync")
 # Classes of compute-absent time: they partition it.
 CLASSES = ("launch_starved", *BLOCKING, "dependency_stalled", "unresolved")

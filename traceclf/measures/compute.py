@@ -7,7 +7,13 @@ import polars as pl
 
 from traceclf.ingest.devices import METRIC_NAMES
 from traceclf.measures import intervals
-from traceclf.measures.window import RankWindow, optimizer_ranges
+from traceclf.measures.intervals import Busy
+from traceclf.measures.window import (
+    RankWindow,
+    optimizer_family,
+    optimizer_ranges,
+    optimizer_runs,
+)
 from traceclf.model.taxonomy import Taxonomy, matches, theoretical_occupancy
 
 # Kernel families in the order the report lists their shares; a family a user's taxonomy adds
@@ -30,7 +36,11 @@ END_CAPTURE_API = "^(cudaStreamEndCapture|cuStreamEndCapture)"
 WARMUP_PAUSE_REPLAYS = 4
 WARMUP_PAUSE_MIN_NS = 20_000_000
 # (measures/window.py: prepare)
-FAMILY_NOTES = {"optimizer": " (by name, or launched inside an optimizer NVTX range)"}
+FAMILY_NOTES = {
+    "optimizer": " (by name, launched inside an optimizer NVTX range, or inside an optimizer's "
+    "run: between the first and last optimizer-named kernel of a stretch no GEMM, attention or "
+    "communication kernel breaks, in one graph replay or on one stream)"
+}
 MEASURES: dict[str, str] = {
     "kernels_per_step": "kernel rows per step (kernels inside graph-level traced graphs "
     "are not rows)",
@@ -49,8 +59,10 @@ MEASURES: dict[str, str] = {
     "gemm_kernels_per_step": "GEMM kernel launches per step",
     "small_gemm_repeats_per_step": "launches per step of the most repeated GEMM shape (name and "
     "grid) whose grid has fewer blocks than SMs: a loop over experts repeats one small GEMM",
-    "optimizer_kernels_per_step": "kernels per step launched inside an optimizer NVTX range "
-    "(null without one): dozens mean a per-tensor, unfused optimizer",
+    "optimizer_kernels_per_step": "optimizer kernels per step (by name, launched inside an "
+    "optimizer NVTX range, or inside an optimizer's run; graph-level tracing: the eager "
+    "iteration's): dozens mean a per-tensor, unfused optimizer (null when neither an optimizer "
+    "NVTX range nor an optimizer kernel shows)",
     "fp8_gemm_frac": "share of GEMM time in FP8 GEMM kernels (e4m3/e5m2/fp8/mxfp8 in the name)",
     "small_grid_gemm_frac": "share of GEMM time in GEMMs whose grid has fewer blocks than SMs",
     "small_grid_gemm_ms": "ms per step in GEMMs whose grid has fewer blocks than SMs (graph-level "
@@ -95,6 +107,7 @@ def kernel_mix(w: RankWindow) -> tuple[dict[str, float | bool | None], str]:
     out["graph_internal_gap_frac"] = graph_internal_gap_frac(w)
     out |= _gemm_measures(shape_kernels, w, per_step)
     out["fusable_chain_ms"] = fusable_chain_ms(shape_kernels, per_step)
+    out["optimizer_kernels_per_step"] = _optimizer_kernels(shape_kernels, w, per_step)
     return out, source
 
 
@@ -166,7 +179,7 @@ def warmup_kernels(w: RankWindow) -> tuple[pl.DataFrame, float, str]:
     else:
         span = int(burst["end"].max() - burst["start"].min())
         iterations = max(span / replay_ns, 1.0) if replay_ns else 1.0
-    kern = w.taxonomy.classify(burst.drop("api_start"))
+    kern = optimizer_family(optimizer_runs(w.taxonomy.classify(burst.drop("api_start"))))
     return kern, iterations, f"{what} ({len(kern)} kernels)"
 
 
@@ -224,7 +237,8 @@ def _kernel_measures(
         occ=theoretical_occupancy(gpu),
     )
     total = int(kern["dur"].sum())
-    graph_time = intervals.total(w.graph_spans)
+    # (busy time inside replays: with node-level tracing the gaps between nodes are idle)
+    graph_time = w.layers.work.overlap(Busy.of(w.graph_spans))
     out: dict[str, float | bool | None] = {
         "kernels_per_step": len(kern) / w.n_steps,
         "graph_launches_per_step": len(w.graphs) / w.n_steps if len(w.graphs) else 0.0,
@@ -300,12 +314,15 @@ def _gemm_measures(kern: pl.DataFrame, w: RankWindow, per_step: float) -> dict[s
     } | counts
 
 
-def optimizer_kernels_per_step(w: RankWindow) -> float | None:
-    """Kernels of the window launched inside an optimizer NVTX range: a per-tensor optimizer
-    step shows as many small elementwise kernels, which only the range identifies."""
-    if optimizer_ranges(w.trace, w.taxonomy).is_empty():
+def _optimizer_kernels(kern: pl.DataFrame, w: RankWindow, per_step: float) -> float | None:
+    """Optimizer kernels per step (by name, launched inside an optimizer NVTX range, or inside
+    an optimizer's run: measures/window.py), from the kernels the mix comes from: a per-tensor
+    optimizer step shows as dozens of small kernels. Null when neither an optimizer NVTX range
+    nor an optimizer kernel shows: nothing says whether there is an optimizer."""
+    n = int((kern["family"] == "optimizer").sum()) if len(kern) else 0
+    if not n and optimizer_ranges(w.trace, w.taxonomy).is_empty():
         return None
-    return int(w.kern["in_optimizer"].sum()) / w.n_steps
+    return n / per_step if per_step else None
 
 
 def gpu_metric_means(metrics: pl.DataFrame, window: intervals.Spans) -> dict[str, float | None]:

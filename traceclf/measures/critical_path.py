@@ -13,7 +13,7 @@ docs/measures.md ("Critical path") defines every class.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import polars as pl
@@ -29,6 +29,8 @@ from traceclf.measures.attribution import (
     kind_is,
 )
 from traceclf.measures.dependencies import COMPUTE_KINDS
+from traceclf.measures.handoff import IDLE_CAUSES
+from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
 from traceclf.model.correlation import CallIndex
 from traceclf.model.taxonomy import by_name
@@ -54,9 +56,22 @@ MEASURES: dict[str, str] = {
     "resolved dependencies done, yet it did not run (queueing, another process on the GPU, a "
     "dependency the export does not show)",
     "attribution_residual_frac": "compute-absent time the split cannot attribute (no compute "
-    "follows, CUDA API not traced, chain too long): compute_absent_frac minus the three classes",
-    "graph_unresolved_frac": "time inside CUDA-graph replays: their kernels' launches and "
-    "dependencies are not in the trace, so gaps inside them cannot be split (counted as compute)",
+    "follows, CUDA API not traced, chain too long): compute_absent_frac minus the three classes "
+    "and graph_internal_frac",
+    **{
+        f"launch_starved_{cause}_frac": f"launch-starved time in GPU-idle gaps of cause {cause} "
+        "(host.py idle_gaps): what the host did while the next kernel was not yet issued"
+        for cause in IDLE_CAUSES
+    },
+    "launch_starved_busy_frac": "launch-starved time while copies or communication kept the GPU "
+    "busy (not idle): launch_starved_frac is the sum of this and launch_starved_<cause>_frac",
+    "graph_internal_frac": "compute-absent time inside node-traced CUDA-graph replays, between "
+    "their kernels: device-side scheduling and dependencies between graph nodes, which the "
+    "trace does not show per node (0 without node-level graph tracing)",
+    "graph_unresolved_frac": "time inside graph-level traced CUDA-graph replays: the trace hides "
+    "their kernels, so what runs inside them is unknown, and they are counted as compute (an "
+    "upper bound: compute_frac is at most this much too high; 0 with node-level tracing, which "
+    "shows the kernels)",
     "event_waits_unresolved": "cudaStreamWaitEvent calls in the window whose event record "
     "cannot be found by eventSyncId (older exports have none; the reused event handle is "
     "never used instead)",
@@ -75,17 +90,21 @@ BUDGET_COLUMNS = (
     *BLOCKING,
     "dependency_stalled",
     "residual",
+    "graph_internal",
     "in_graph",
 )
 
 
 def measure(
-    w: RankWindow, comm_blocking: list[CommBlocking] | None = None
+    w: RankWindow,
+    comm_blocking: list[CommBlocking] | None = None,
+    starved: list[tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> tuple[dict[str, float | int | None], list[dict]]:
     """The critical-path measures of one rank and its per-step budget (ms per step); with
     ``comm_blocking``, the blocking pieces whose producer is a communication kernel are
-    appended to it (:func:`budget_ns`)."""
-    ops, per_step = budget_ns(w, comm_blocking)
+    appended to it (:func:`budget_ns`); ``starved`` (a list) receives the launch-starved
+    pieces (:func:`starved_by_cause`)."""
+    ops, per_step = budget_ns(w, comm_blocking, starved)
     total = per_step.drop("step_start").sum().row(0, named=True)
     wall = w.wall
 
@@ -103,6 +122,7 @@ def measure(
         **{f"{cls}_frac": frac(cls) for cls in BLOCKING},
         "dependency_stalled_frac": frac("dependency_stalled"),
         "attribution_residual_frac": frac("residual"),
+        "graph_internal_frac": frac("graph_internal"),
         "graph_unresolved_frac": frac("in_graph"),
         "event_waits_unresolved": unresolved,
     }
@@ -113,21 +133,70 @@ def measure(
 
 
 def budget_ns(
-    w: RankWindow, comm_blocking: list[CommBlocking] | None = None
+    w: RankWindow,
+    comm_blocking: list[CommBlocking] | None = None,
+    starved: list[tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The rank's operations (kind, start, end, transfer, unresolved_wait), and the budget of
     every steady step in ns (:func:`step_budget`; one row for the whole window when there are
     no steps). With ``comm_blocking``, each batch of blocking pieces whose producer is a
     communication kernel is appended to it as (start, end, the kernel's correlationId): what
-    each communicator blocked."""
+    each communicator blocked; the launch-starved pieces go to ``starved`` when given."""
     ops, arrays, collectives = _rank_ops(w)
     # (the window may be several spans: gaps end at a span's edge, nothing between spans counts)
     gaps = pl.concat([compute_gaps(ops, span) for span in intervals.spans_of(w.spans)])
     pieces = attribute_gaps(gaps, arrays, _host_holds(w))  # (consumed by step_budget)
     if comm_blocking is not None:
         pieces = _collect_comm(pieces, collectives, comm_blocking)
+    if starved is not None:
+        pieces = _keeping(pieces, CLASSES.index("launch_starved"), starved)
     steps = w.steps.steady["gpu_start"].to_list() if w.steps.count else []
-    return ops, step_budget(ops, pieces, w.spans, steps)
+    nodes = w.kern.filter(pl.col("graph_node_id").is_not_null())
+    node_kernels = (  # (a node-traced replay's op is its span; compute is its kernels)
+        Busy.of(nodes.filter(~pl.col("is_comm")).select("start", "end")),
+        Busy.of(nodes.filter(pl.col("is_comm")).select("start", "end")),
+    )
+    return ops, step_budget(ops, pieces, w.spans, steps, node_kernels)
+
+
+def _keeping(
+    pieces: Iterable[Piece], cls: int, kept: list[tuple[np.ndarray, np.ndarray]]
+) -> Iterator[Piece]:
+    """``pieces``, passed on as they come, the (start, end) of those of class ``cls`` also
+    added to ``kept``."""
+    for piece in pieces:
+        start, end, classes, _ = piece
+        mine = np.broadcast_to(np.asarray(classes) == cls, start.shape)
+        if mine.any():
+            kept.append((start[mine], end[mine]))
+        yield piece
+
+
+def starved_by_cause(
+    starved: list[tuple[np.ndarray, np.ndarray]], gaps: pl.DataFrame, w: RankWindow
+) -> dict[str, float | None]:
+    """Launch-starved time by what the GPU and the host did meanwhile: the idle cause of the
+    idle gap it falls in (``launch_starved_<cause>_frac``: after a sync returned, while the
+    host launched, ...), or ``launch_starved_busy_frac`` while copies or communication kept
+    the GPU busy. Two views of one time: the critical path says the next kernel was not yet
+    issued, the idle cause what the host was doing instead. They sum to launch_starved_frac."""
+    if not w.host_traced:  # (launch-starved itself is unknown then)
+        return dict.fromkeys(
+            [*(f"launch_starved_{c}_frac" for c in IDLE_CAUSES), "launch_starved_busy_frac"]
+        )
+    causes = gaps["cause"].cast(pl.String).to_numpy()
+    gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
+    start = np.concatenate([p[0] for p in starved] or [np.empty(0, np.int64)])
+    end = np.concatenate([p[1] for p in starved] or [np.empty(0, np.int64)])
+    pieces = Busy.of_arrays(start, end)
+    out = {}
+    for cause in IDLE_CAUSES:
+        mine = causes == cause
+        out[f"launch_starved_{cause}_frac"] = (
+            int(pieces.covered(gstart[mine], gend[mine]).sum()) / w.wall
+        )
+    busy = pieces.total - int(pieces.covered(gstart, gend).sum())
+    return out | {"launch_starved_busy_frac": busy / w.wall}
 
 
 # Blocking pieces of communication producers: start, end (ns), the kernel's correlationId.
@@ -241,16 +310,24 @@ def compute_gaps(ops: pl.DataFrame, window: tuple[int, int]) -> pl.DataFrame:
 
 
 def step_budget(
-    ops: pl.DataFrame, pieces: Iterable[Piece], window: intervals.Spans, step_starts: list[int]
+    ops: pl.DataFrame,
+    pieces: Iterable[Piece],
+    window: intervals.Spans,
+    step_starts: list[int],
+    node_kernels: tuple[Busy, Busy] | None = None,
 ) -> pl.DataFrame:
     """Per step (from each of ``step_starts``; one row for the window without steps), ns of
     the columns of BUDGET_COLUMNS: the iteration; device busy (kernels, graph replays, copies,
     memsets); non-transfer busy (without communication kernels and host<->device or peer
-    copies); compute busy (compute kernels and graph replays); compute-absent (iteration -
-    compute busy); occupied-not-computing (device busy - compute busy); exposed communication
-    and copies (the upper bounds of blocking); compute-absent split into the classes of
-    :func:`attribute_gaps`; the residual (compute-absent minus launch-starved, blocking and
-    dependency-stalled: measured, not absorbed); time inside graph replays.
+    copies); compute busy (compute kernels and graph-level traced replays); compute-absent
+    (iteration - compute busy); occupied-not-computing (device busy - compute busy); exposed
+    communication and copies (the upper bounds of blocking); compute-absent split into the
+    classes of :func:`attribute_gaps`; the gaps inside node-traced replays (graph_internal);
+    the residual (compute-absent minus launch-starved, blocking, dependency-stalled and
+    graph_internal: measured, not absorbed); time inside graph-level traced replays.
+
+    A node-traced replay ("nodes" op) is one operation for the walk, but busy only while its
+    kernels run: ``node_kernels`` (compute, communication) stand in for its span.
 
     Each is the length of a union of kinds of work within the step's part of the window, read
     off the union's running length (:class:`traceclf.measures.intervals.Busy`)."""
@@ -260,19 +337,24 @@ def step_budget(
     bounds = np.array([*starts, hull[1]], dtype=np.int64)
     start, end = ops["start"].to_numpy(), ops["end"].to_numpy()
     transfer = ops["transfer"].to_numpy()
-    compute = kind_is(ops, COMPUTE_KINDS)
+    nodes = kind_is(ops, ("nodes",))
+    compute = kind_is(ops, COMPUTE_KINDS) & ~nodes
     comm = kind_is(ops, ("collective",))
     local = kind_is(ops, ("copy",)) & ~transfer
-    unions = {
-        "compute": compute,
-        "compute_comm": compute | comm,
-        "compute_local": compute | local,
-        "device": np.ones(len(start), bool),
-        "graph": kind_is(ops, ("graph",)),
+    empty = Busy(np.empty(0, np.int64), np.empty(0, np.int64))
+    node_compute, node_comm = node_kernels or (empty, empty)
+    node_any = node_compute | node_comm
+    unions = {  # (mask of ops, node kernels that join them)
+        "compute": (compute, node_compute),
+        "compute_comm": (compute | comm, node_any),
+        "compute_local": (compute | local, node_compute),
+        "device": (~nodes, node_any),
+        "graph": (kind_is(ops, ("graph",)), empty),
+        "compute_replays": (compute | nodes, node_compute),
     }
     length = {
-        name: intervals.Busy.lengths(start, end, mask, bounds, spans)
-        for name, mask in unions.items()
+        name: _union_lengths(start, end, mask, extra, bounds, spans)
+        for name, (mask, extra) in unions.items()
     }
     iteration = intervals.within_spans(bounds, spans)
     per = pl.DataFrame(
@@ -285,6 +367,7 @@ def step_budget(
             "exposed_comm": length["compute_comm"] - length["compute"],
             "exposed_copy": length["device"] - length["compute_comm"],
             "in_graph": length["graph"],
+            "graph_internal": length["compute_replays"] - length["compute"],
         }
         | dict(zip(CLASSES, class_ns(pieces, bounds).T, strict=True))
     ).filter(pl.col("iteration") > 0)
@@ -299,6 +382,24 @@ def step_budget(
             - pl.col("launch_starved")
             - pl.col("blocking")
             - pl.col("dependency_stalled")
+            - pl.col("graph_internal")
         )
         .select("step_start", *BUDGET_COLUMNS)
     )
+
+
+def _union_lengths(
+    start: np.ndarray,
+    end: np.ndarray,
+    mask: np.ndarray,
+    extra: Busy,
+    bounds: np.ndarray,
+    spans: list[tuple[int, int]],
+) -> np.ndarray:
+    """ns per part of the union of the operations ``mask`` selects and ``extra``."""
+    if not extra.total:
+        return Busy.lengths(start, end, mask, bounds, spans)
+    busy = extra
+    for rs, re in intervals.runs(start, end, mask):
+        busy = busy | Busy(rs, re)
+    return busy.within(bounds, spans)

@@ -4,9 +4,10 @@ CUDA events, work on other streams (NVIDIA's "device dependency edges", mechanis
 Frames (integer ns on the session timeline):
 - ``ops`` (:func:`gpu_ops`): one row per GPU operation, sorted by (start, end); an operation's
   id (``op_id``, ``dep_op``) is its row index. Columns: pid, device_id, stream_id,
-  correlation_id, start, end, kind (:data:`KIND`: "compute", "graph", "collective", "copy"),
-  transfer (a host<->device or peer copy). A node-traced CUDA-graph replay is one op: its nodes
-  share the launch's correlationId and the trace shows no dependency between them.
+  correlation_id, start, end, kind (:data:`KIND`: "compute", "graph", "nodes", "collective",
+  "copy"), transfer (a host<->device or peer copy). A node-traced CUDA-graph replay is one op
+  ("nodes": the span of its kernels): its nodes share the launch's correlationId and the trace
+  shows no dependency between them.
 - ``waits``: cudaStreamWaitEvent records (``Trace.syncs``): pid, device_id, stream_id (the
   waiting stream), correlation_id, event_sync_id.
 - ``records``: cudaEventRecord records (``Trace.events``): pid, device_id, stream_id (the
@@ -24,8 +25,9 @@ import polars as pl
 
 from traceclf.model.correlation import CallIndex
 
-COMPUTE_KINDS = ("compute", "graph")
-KIND = pl.Enum(["compute", "graph", "collective", "copy"])
+# ("graph": a graph-level traced replay; "nodes": the span of a node-traced replay's kernels)
+COMPUTE_KINDS = ("compute", "graph", "nodes")
+KIND = pl.Enum(["compute", "graph", "nodes", "collective", "copy"])
 TRANSFER_DIRECTIONS = ("HtoD", "DtoH", "PtoP", "UVM_HtoD", "UVM_DtoH")
 MAX_RELAY_HOPS = 8  # event waits relayed through this many streams are followed
 NO_EVENT = 0xFFFFFFFF  # eventId / eventSyncId of a sync record that names no event
@@ -90,7 +92,7 @@ def gpu_ops(
             pl.col("start").min(),
             pl.col("end").max(),
         )
-        .select(*cols, kind=pl.lit("graph", KIND), transfer=pl.lit(False))
+        .select(*cols, kind=pl.lit("nodes", KIND), transfer=pl.lit(False))
     )
     replays = (
         graphs.lazy()

@@ -12,7 +12,8 @@ from traceclf.support.records import from_json
 
 # What the host was doing while the GPU idled (measures/host.py: idle_gaps), in the order every
 # table and report lists them: the ``idle_<cause>_frac`` measures, the phase table's columns.
-IDLE_CAUSES = ("launch", "sync", "input", "host", "other")
+# ("graph": between the kernels of a node-traced CUDA-graph replay, which the host launched whole)
+IDLE_CAUSES = ("launch", "sync", "input", "host", "graph", "other")
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ import polars as pl
 from traceclf.measures import intervals
 from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.measures.hostframes import loading_gaps
+from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import matches
+from traceclf.model.trace import outermost
 
 MEASURES: dict[str, str] = {
     "sync_calls_per_step": "cudaStream/Device/EventSynchronize and blocking cudaMemcpy per step "
@@ -35,6 +37,9 @@ MEASURES: dict[str, str] = {
     "evidence of data loading: the host is busy elsewhere (see idle_nvtx for what NVTX says)",
     "idle_host_nvtx_frac": "the part of idle_input_frac + idle_host_frac that an NVTX range "
     "(other than steps and forward/backward/optimizer phases) on the process covers",
+    "idle_graph_frac": "idle time inside node-traced CUDA-graph replays, between their kernels "
+    "(device-side scheduling and dependencies between graph nodes: the host launched the whole "
+    "graph; 0 without node-level graph tracing)",
     "idle_other_frac": "remaining idle time (host work between launches, profiler flushes, "
     "unattributed)",
     "alloc_idle_frac": "GPU idle time while the host is inside cudaMalloc/cudaFree (what the "
@@ -52,6 +57,9 @@ CAUSE = pl.Enum(IDLE_CAUSES)  # (millions of gaps: a byte each, not a string)
 INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
 SYNC_SLACK_NS = 20_000  # a sync returns this soon after the GPU drains
 BATCH_COPY_BYTES = 1 << 20  # a host->device copy this big after a gap is the next batch
+# ... when such gaps recur: in at least this share of the steady steps (one upload before the
+# loop, a checkpoint restore, is setup, not an input pipeline)
+BATCH_RECUR_SHARE = 0.5
 TOP_NVTX = 5
 CALL_BLOCK = 1 << 20  # CUDA calls per block of the host-coverage count
 NVTX_COUNTERS = r",?\s*\b(seq|op_id|id|step)\s*=\s*\d+"
@@ -113,8 +121,10 @@ def _after_wait(gaps: pl.DataFrame, w: RankWindow) -> float | None:
 
 def idle_gaps(w: RankWindow) -> pl.DataFrame:
     """Idle stretches of the GPU with their host-side cause (docs/measures.md) and, for the
-    long ones, the NVTX range the host was in (``nvtx``, ``activity``, ``nvtx_ns``); every cause
-    is "other" when the CUDA API was not traced, since the causes are read from it."""
+    long ones, the NVTX range the host was in (``nvtx``, ``activity``, ``nvtx_ns``). A gap
+    inside a node-traced CUDA-graph replay is the graph's ("graph": the host had launched all
+    of it); every other cause is "other" when the CUDA API was not traced, since the causes
+    are read from it."""
     calls = w.api if w.host_traced else None
     layers = w.layers
     idle_start, idle_end = layers.work.gaps(intervals.spans_of(w.spans))
@@ -132,9 +142,13 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     }
     if gaps.is_empty():
         return pl.DataFrame(schema=schema)
+    # (gaps are maximal and a replay's span ends on its kernels: a gap is inside one or none)
+    in_graph = pl.Series(
+        w.node_replays.covered(gaps["start"].to_numpy(), gaps["end"].to_numpy()) > 0
+    )
     if calls is None:
         return gaps.with_columns(
-            cause=pl.lit("other", CAUSE),
+            cause=pl.when(in_graph).then(pl.lit("graph", CAUSE)).otherwise(pl.lit("other", CAUSE)),
             nvtx=pl.lit(None, pl.String),
             activity=pl.lit(None, pl.String),
             nvtx_ns=pl.lit(0, pl.Int64),
@@ -160,12 +174,15 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     long = np.flatnonzero(gaps["long"].to_numpy())
     loading = np.zeros(gaps.height, bool)
     loading[long] = loading_gaps(w, gstart[long], gend[long])
-    data = (
-        (pl.col("activity") == "data").fill_null(False) | pl.col("batch_copy") | pl.Series(loading)
-    )
+    # a big copy after the gap is the next batch only where batches recur, and a named host
+    # activity (compile, checkpoint, ...) over the gap says what the host did instead
+    batch = pl.col("batch_copy") & pl.col("activity").is_null() & _recurs(gaps, w)
+    data = (pl.col("activity") == "data").fill_null(False) | batch | pl.Series(loading)
     return gaps.with_columns(
         cause=pl.when(pl.col("profiler_flush"))
         .then(pl.lit("other", CAUSE))  # a profiler flush, not the host's doing
+        .when(in_graph)
+        .then(pl.lit("graph", CAUSE))
         .when(pl.col("long") & data)
         .then(pl.lit("input", CAUSE))
         .when(pl.col("long"))
@@ -176,6 +193,19 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
         .then(pl.lit("launch", CAUSE))
         .otherwise(pl.lit("other", CAUSE))
     ).select(list(schema))
+
+
+def _recurs(gaps: pl.DataFrame, w: RankWindow) -> bool:
+    """Whether gaps that end with a big host->device copy recur: in at least BATCH_RECUR_SHARE
+    of the steady steps (by the step their end falls in). Without steps nothing recurs."""
+    if w.steps.source == "none" or not w.steps.count:
+        return False
+    ends = gaps.filter("batch_copy")["end"].to_numpy()
+    starts = np.sort(w.steps.steady["gpu_start"].to_numpy())
+    if not len(ends) or not len(starts):
+        return False
+    step = np.searchsorted(starts, ends, side="right") - 1
+    return len(np.unique(step[step >= 0])) >= BATCH_RECUR_SHARE * w.n_steps
 
 
 def _host_cover(
@@ -234,6 +264,18 @@ def _returned_in(ends: np.ndarray, gstart: np.ndarray, gend: np.ndarray, slack: 
     return returned
 
 
+def _host_ranges(w: RankWindow) -> pl.DataFrame:
+    """The process's NVTX ranges (text, start, end) that can say what the host was doing:
+    step ranges and forward/backward/optimizer phases say nothing ("in step 7")."""
+    nvtx = w.taxonomy.nvtx
+    generic = "|".join(f"(?:{nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
+    step_names = w.steps.table["name"].unique().implode()
+    ranges = w.trace.nvtx
+    return ranges.filter(
+        ~pl.col("text").is_in(step_names) & ~matches(ranges["text"], generic)
+    ).select("text", "start", "end")
+
+
 def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     """For each long gap: the innermost NVTX range of the process that covers at least half
     of it (``nvtx``, its ``activity`` from the taxonomy, the ns it covers), and whether the gap
@@ -269,13 +311,8 @@ def nvtx_cover(long: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
 
     Step ranges and forward/backward/optimizer phases are skipped: that the host is "in step
     7" says nothing about what it is doing."""
-    nvtx, tax = w.taxonomy.nvtx, w.taxonomy
-    generic = "|".join(f"(?:{nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
-    step_names = w.steps.table["name"].unique().implode()
-    nvtx_ranges = w.trace.nvtx
-    ranges = nvtx_ranges.filter(
-        ~pl.col("text").is_in(step_names) & ~matches(nvtx_ranges["text"], generic)
-    ).select("text", r_start="start", r_end="end")
+    tax = w.taxonomy
+    ranges = _host_ranges(w).select("text", r_start="start", r_end="end")
     schema = {
         "start": pl.Int64,
         "nvtx": pl.String,
@@ -313,28 +350,79 @@ def nvtx_cover(long: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
 
 def idle_by_nvtx(gaps: pl.DataFrame, w: RankWindow) -> list[dict]:
     """The NVTX ranges the host was in during long idle gaps, most idle time first: what the
-    report names instead of guessing "input" (``name``, ``activity``, ``frac`` of the window,
-    ``ms_per_step``, ``gaps``)."""
-    # PyTorch's ranges carry per-call counters ("aten::addmm, seq = 47595, op_id = 999269"):
-    # one name per operator, not per call
-    named = gaps.filter(pl.col("nvtx").is_not_null()).with_columns(
-        nvtx=pl.col("nvtx").str.replace_all(NVTX_COUNTERS, "").str.strip_chars(" ,")
-    )
-    if named.is_empty():
+    report names instead of guessing "input" (``name``, ``detail``, ``activity``, ``frac`` of
+    the window, ``ms_per_step``, ``gaps``).
+
+    For each host activity (compile, checkpoint, ...): the idle time under any of its ranges
+    at any depth (a compiler's passes nest and do not each cover half of a gap), named by its
+    outermost range with the most of it, its innermost (``detail``) the one that covers each
+    gap most often. Ranges of no known activity: the innermost range covering at least half of
+    a gap, by name."""
+    long = gaps.filter(pl.col("cause").is_in(["input", "host"]))
+    if long.is_empty():
         return []
-    top = (
-        named.group_by("nvtx", "activity")
-        .agg(ns=pl.col("nvtx_ns").sum(), gaps=pl.len())
-        .sort(["ns", "nvtx"], descending=[True, False])
-        .head(TOP_NVTX)
-    )
+    rows = _by_activity(long, w) + _by_name(long.filter(pl.col("activity").is_null()))
+    top = sorted(rows, key=lambda r: (-r["ns"], r["name"]))[:TOP_NVTX]
     return [
         {
-            "name": row["nvtx"],
+            "name": row["name"],
+            "detail": row["detail"],
             "activity": row["activity"],
             "frac": round(row["ns"] / w.wall, 6),
             "ms_per_step": round(row["ns"] / 1e6 / w.n_steps, 4),
             "gaps": row["gaps"],
         }
-        for row in top.iter_rows(named=True)
+        for row in top
     ]
+
+
+def _by_activity(long: pl.DataFrame, w: RankWindow) -> list[dict]:
+    """Per host activity, the long gaps' time under the union of its NVTX ranges."""
+    ranges = _host_ranges(w)
+    texts = ranges.select("text").unique().with_columns(activity=w.taxonomy.host_activity())
+    ranges = ranges.join(texts.drop_nulls("activity"), on="text")
+    gstart, gend = long["start"].to_numpy(), long["end"].to_numpy()
+    idle = Busy.of_arrays(gstart, gend)
+    rows = []
+    for (activity,), group in ranges.group_by("activity"):
+        under = Busy.of(group.select("start", "end")).covered(gstart, gend)
+        if not under.sum():
+            continue
+        outer = outermost(group.select("start", "end", "text"))
+        named = outer.with_columns(
+            ns=pl.Series(idle.covered(outer["start"].to_numpy(), outer["end"].to_numpy())),
+            name=_plain("text"),
+        )
+        name = named.group_by("name").agg(pl.col("ns").sum()).sort(["ns", "name"])["name"][-1]
+        inner = long.filter(pl.col("activity") == activity).with_columns(name=_plain("nvtx"))
+        innermost = inner.group_by("name").agg(pl.len(), pl.col("nvtx_ns").sum())
+        detail = innermost.sort(["len", "nvtx_ns", "name"])["name"][-1] if len(innermost) else None
+        rows.append(
+            {
+                "name": name,
+                "detail": detail if detail != name else None,
+                "activity": activity,
+                "ns": int(under.sum()),
+                "gaps": int((under > 0).sum()),
+            }
+        )
+    return rows
+
+
+def _by_name(named: pl.DataFrame) -> list[dict]:
+    """Per NVTX name (of no known activity), the long gaps' time its range covers when it is
+    the innermost covering at least half of the gap."""
+    named = named.filter(pl.col("nvtx").is_not_null()).with_columns(name=_plain("nvtx"))
+    if named.is_empty():
+        return []
+    per = named.group_by("name").agg(ns=pl.col("nvtx_ns").sum(), gaps=pl.len())
+    return [
+        {"name": r["name"], "detail": None, "activity": None, "ns": r["ns"], "gaps": r["gaps"]}
+        for r in per.iter_rows(named=True)
+    ]
+
+
+def _plain(col: str) -> pl.Expr:
+    # PyTorch's ranges carry per-call counters ("aten::addmm, seq = 47595, op_id = 999269"):
+    # one name per operator, not per call
+    return pl.col(col).str.replace_all(NVTX_COUNTERS, "").str.strip_chars(" ,")

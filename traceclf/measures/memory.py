@@ -8,6 +8,7 @@ import polars as pl
 from traceclf.measures import intervals
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import matches
+from traceclf.model.trace import HOST_MEMORY_KINDS, PINNED_MEMORY_KIND
 
 MEASURES: dict[str, str] = {
     "offload_copy_frac": "union of host<->device copy time",
@@ -27,8 +28,12 @@ MEASURES: dict[str, str] = {
     "recompute_frac": "share of forward GEMM/attention kernels re-run in backward (needs "
     "forward/backward NVTX ranges; null otherwise)",
     "peak_memory_bytes": "peak device memory allocated over the whole capture, not only the "
-    "window (CUDA_GPU_MEMORY_USAGE_EVENTS)",
+    "window (CUDA_GPU_MEMORY_USAGE_EVENTS of the device's own memory kinds: pinned and "
+    "pageable host buffers left out)",
     "peak_memory_frac": "peak_memory_bytes over the GPU's capacity",
+    "pinned_host_peak_bytes": "peak of pinned host memory the memory events record (cudaHostAlloc, "
+    "pin_memory buffers): host memory, not counted in peak_memory_bytes (null without memory "
+    "events)",
 }
 SMALL_D2H_BYTES = 1024
 BANDWIDTH_MIN_BYTES = 1 << 20  # smaller copies are latency-bound: their rate says nothing
@@ -99,11 +104,30 @@ def recompute_frac(w: RankWindow) -> float | None:
 
 def peak(w: RankWindow) -> dict[str, float | None]:
     """Peak of allocated device memory (allocation events over the whole capture, since memory
-    allocated during warm-up is still held in the steady state)."""
+    allocated during warm-up is still held in the steady state), and apart from it the peak of
+    pinned host memory: the events record both, and host buffers (activations offloaded to
+    pinned memory) do not fill the GPU."""
     mem = w.trace.memory
     capacity = (w.gpu or {}).get("memory_bytes")
     if mem.is_empty():
-        return {"peak_memory_bytes": None, "peak_memory_frac": None}
+        return dict.fromkeys(("peak_memory_bytes", "peak_memory_frac", "pinned_host_peak_bytes"))
+    top = _peak(device_memory(mem))
+    return {
+        "peak_memory_bytes": top,
+        "peak_memory_frac": top / capacity if capacity else None,
+        "pinned_host_peak_bytes": _peak(mem.filter(pl.col("mem_kind") == PINNED_MEMORY_KIND)),
+    }
+
+
+def device_memory(mem: pl.DataFrame) -> pl.DataFrame:
+    """The memory events of the GPU's own memory: every kind but host memory (an export
+    without memory kinds: all of them)."""
+    return mem.filter(~pl.col("mem_kind").is_in(HOST_MEMORY_KINDS).fill_null(False))
+
+
+def _peak(mem: pl.DataFrame) -> int:
+    """The highest level of allocated bytes (allocations minus frees in time order, per
+    device); 0 without events."""
     top = (
         mem.sort("start")
         .with_columns(
@@ -112,5 +136,4 @@ def peak(w: RankWindow) -> dict[str, float | None]:
         .with_columns(level=pl.col("delta").cum_sum().over("device_id"))["level"]
         .max()
     )
-    top = int(top or 0)
-    return {"peak_memory_bytes": top, "peak_memory_frac": top / capacity if capacity else None}
+    return int(top or 0)  # type: ignore[arg-type]

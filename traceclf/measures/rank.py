@@ -19,6 +19,7 @@ from traceclf.measures import (
     intervals,
     memory,
     overlap_tax,
+    pauses,
     phases,
     series,
     step_kernels,
@@ -37,6 +38,7 @@ MEASURES: dict[str, str] = (
     | host.MEASURES
     | hostsources.MEASURES
     | overlap_tax.MEASURES
+    | pauses.MEASURES
     | compute.MEASURES
 )
 
@@ -51,7 +53,8 @@ def measure_rank(
     w = prepare(trace, steps, gpu, taxonomy or bundled())
     m = budget.measure(w)
     comm_blocking: list = []
-    path_measures, step_budget = critical_path.measure(w, comm_blocking)
+    starved: list = []
+    path_measures, step_budget = critical_path.measure(w, comm_blocking, starved)
     m |= path_measures
     keyed = communicators.with_keys(communication.all_comm(w))
     comm = intervals.clip(keyed, w.spans)
@@ -66,10 +69,11 @@ def measure_rank(
     m |= host.idle(gaps, w)
     attribution = hostsources.attribute(w, gaps)
     m |= attribution.measures
+    m |= critical_path.starved_by_cause(starved, gaps, w)
+    m |= pauses.pauses(w)
     mix, mix_source = compute.kernel_mix(w)
     m |= mix
     m["recompute_frac"] = memory.recompute_frac(w)
-    m["optimizer_kernels_per_step"] = compute.optimizer_kernels_per_step(w)
     m |= memory.peak(w)
     gpu_samples = trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
     m |= compute.gpu_metric_means(gpu_samples, steps.spans)

@@ -21,8 +21,10 @@ from traceclf.steps.steady import Steps
 @dataclass(frozen=True)
 class Layers:
     """The window's GPU work as unions of intervals (clipped to the window's spans): compute
-    (kernels other than communication, and graph replays), communication kernels, copies and
-    memsets, profiler overhead; and the unions that states are read from."""
+    (kernels other than communication, and graph-level traced replays, whose kernels the trace
+    hides), communication kernels, copies and memsets, profiler overhead; and the unions that
+    states are read from. A node-traced replay is its kernels: the gaps between them are
+    idle, not compute."""
 
     compute: Busy
     comm: Busy
@@ -59,6 +61,7 @@ class RankWindow:
     kern: pl.DataFrame
     graphs: pl.DataFrame  # graph-level traced graph executions
     graph_spans: pl.DataFrame  # one interval per graph replay, either tracing mode
+    node_replays: Busy  # the spans of node-traced replays (the device-side gaps lie inside)
     copies: pl.DataFrame
     api: pl.DataFrame  # CUDA calls while the GPU runs the window, is_sync/wait/launch/alloc flags
     flagged: pl.DataFrame  # every CUDA call of the rank, row for row, flagged (classify_api)
@@ -67,13 +70,13 @@ class RankWindow:
 
     @functools.cached_property
     def compute(self) -> pl.DataFrame:
-        """Intervals of compute kernels and graph replays."""
+        """Intervals of compute kernels and graph-level traced replays."""
         return pl.concat(
             [
                 self.kern.select("start", "end", "is_comm")
                 .filter(~pl.col("is_comm"))
                 .drop("is_comm"),
-                self.graph_spans.select("start", "end"),
+                self.graphs.select("start", "end"),
             ]
         )
 
@@ -125,11 +128,12 @@ class RankWindow:
 
 def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) -> RankWindow:
     window = steps.spans
-    kern = _optimizer_family(
-        taxonomy.classify(intervals.clip(_flag_optimizer(trace, taxonomy), window))
+    kern = optimizer_family(
+        optimizer_runs(taxonomy.classify(intervals.clip(_flag_optimizer(trace, taxonomy), window)))
     )
     graphs = intervals.clip(trace.graphs, window)
     graph_spans = intervals.clip(trace.graph_executions, window)
+    node_replays = Busy.of(intervals.clip(trace.node_replays, window))
     copies = intervals.clip(trace.copies, window)
     # flagged once for both: the window's calls and the steps' calls (millions of rows each)
     flagged = classify_api(trace.api.select("start", "end", "name", "correlation_id"), taxonomy)
@@ -145,7 +149,7 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
             if compute.all()
             else Busy.of_arrays(starts[compute], ends[compute])
         )
-        | Busy.of(graph_spans),
+        | Busy.of(graphs),  # (node-traced replays: their kernels are rows of ``kern``)
         comm=Busy.of_arrays(starts[is_comm], ends[is_comm]),
         copy=Busy.of(copies),
         profiler=Busy.of(intervals.clip(trace.overhead, window)),
@@ -158,6 +162,7 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
         kern,
         graphs,
         graph_spans,
+        node_replays,
         copies,
         api,
         flagged,
@@ -173,8 +178,9 @@ def optimizer_ranges(trace: Trace, taxonomy: Taxonomy) -> pl.DataFrame:
 
 def _flag_optimizer(trace: Trace, taxonomy: Taxonomy) -> pl.DataFrame:
     """The rank's kernels with ``in_optimizer``: launched inside an optimizer NVTX range. A
-    per-tensor optimizer runs as plain elementwise kernels, which only the range tells apart
-    from the model's own; without such a range the column is a constant false."""
+    per-tensor optimizer runs as plain elementwise kernels, which only the range (or where
+    they run: :func:`optimizer_runs`) tells apart from the model's own; without such a range
+    the column is a constant false."""
     ranges = optimizer_ranges(trace, taxonomy)
     if ranges.is_empty() or trace.kernels.is_empty():
         return trace.kernels.with_columns(in_optimizer=pl.lit(False))
@@ -183,7 +189,44 @@ def _flag_optimizer(trace: Trace, taxonomy: Taxonomy) -> pl.DataFrame:
     )
 
 
-def _optimizer_family(kern: pl.DataFrame) -> pl.DataFrame:
+# Kernels that end an optimizer's run: the model's own work (GEMMs, attention) and
+# communication never run inside the optimizer step's sequence of elementwise kernels.
+RUN_BREAKS = ("gemm", "attention", "communication")
+
+
+def optimizer_runs(kern: pl.DataFrame) -> pl.DataFrame:
+    """``kern`` (classified, in start order) with ``in_optimizer`` also set on every kernel of
+    an optimizer's run: between the first and the last optimizer-named kernel of a stretch
+    that no GEMM, attention or communication kernel breaks, in one CUDA-graph replay
+    (node-level tracing: its kernels share the launch's correlationId) or on one stream.
+
+    A foreach Adam step interleaves its multi_tensor_apply kernels with per-tensor kernels
+    named like any elementwise kernel (``div_`` between the foreach kernels of a captured
+    step): without an optimizer NVTX range, only where they run says whose they are."""
+    if kern.is_empty():
+        return kern.with_columns(in_optimizer=pl.lit(False))
+    family = pl.col("family").cast(pl.String)
+    node = pl.col("graph_node_id").is_not_null()
+    group = [  # a replay's kernels, or a stream's (a replay may run on several streams)
+        pl.when(node).then(pl.col("correlation_id")).alias("_replay"),
+        pl.when(~node).then(pl.col("stream_id")).alias("_stream"),
+    ]
+    flags = (
+        kern.select(*group, _break=family.is_in(RUN_BREAKS), _named=family == "optimizer")
+        .with_row_index("_row")
+        .with_columns(_run=pl.col("_break").cum_sum().over("_replay", "_stream"))
+        .with_columns(
+            _first=pl.col("_row").filter("_named").min().over("_replay", "_stream", "_run"),
+            _last=pl.col("_row").filter("_named").max().over("_replay", "_stream", "_run"),
+        )
+        .select(~pl.col("_break") & pl.col("_row").is_between("_first", "_last").fill_null(False))
+        .to_series()
+    )
+    flagged = pl.col("in_optimizer") | flags if "in_optimizer" in kern.columns else flags
+    return kern.with_columns(in_optimizer=flagged)
+
+
+def optimizer_family(kern: pl.DataFrame) -> pl.DataFrame:
     """Kernels the optimizer step launched are of the optimizer family whatever their names
     (communication stays communication: a distributed optimizer's all-gather is exchanged,
     not computed), so that the optimizer's time and the other families' never overlap."""

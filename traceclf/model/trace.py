@@ -24,7 +24,9 @@ Frames and their columns
 - ``nvtx``: ranges only: start, end, text, domain, pid, tid, global_tid
 - ``gpu_metrics``: timestamp, source, metric ("sm_active", "sm_issue", "tensor_active": the
   nsys metric under whatever name this GPU gives it), value (%)
-- ``memory``: allocation events: start, pid, device_id, bytes, op (0 alloc, 1 free)
+- ``memory``: allocation events: start, pid, device_id, bytes, op (0 alloc, 1 free), mem_kind
+  (nsys's ENUM_CUDA_MEM_KIND: 0 pageable, 1 pinned host memory, 2 device, ...; null in exports
+  without it)
 - ``gpus``: one row per GPU of TARGET_INFO_GPU; ``processes``: pid, process_name
 - ``threads``: global_tid, pid, tid, thread_name (ThreadNames)
 - the host side beyond CUDA calls (ingest/hosttables.py), on the threads that made CUDA calls:
@@ -62,6 +64,11 @@ if TYPE_CHECKING:  # (a cached result's re-analysis imports this module, not num
     import numpy as np
 
 LAUNCH_BLOCK = 1 << 20  # rows of GPU work per block when their launches are placed in ranges
+# Memory kinds of host memory (ENUM_CUDA_MEM_KIND: pageable, pinned): cudaHostAlloc'd buffers
+# that CUDA_GPU_MEMORY_USAGE_EVENTS records beside the device's own. Every other kind (device,
+# array, managed, device static, managed static, unknown) counts as the GPU's memory.
+HOST_MEMORY_KINDS = (0, 1)
+PINNED_MEMORY_KIND = 1
 
 
 @dataclass(frozen=True)
@@ -153,17 +160,23 @@ class Trace:
     @property
     def graph_executions(self) -> pl.DataFrame:
         """One interval per CUDA-graph replay, whichever way the graph was traced: the
-        GRAPH_TRACE rows (graph-level tracing), or the span of the node kernels that share
-        one launch's correlationId (``--cuda-graph-trace=node``). Gaps between nodes of a
-        replay are device-side scheduling, not idle time, so both modes give the same busy time.
-        """
+        GRAPH_TRACE rows (graph-level tracing), or :attr:`node_replays`. Both modes show the
+        device occupied by a replay; only node-level tracing shows when its kernels run (the
+        gaps between them are idle, docs/measures.md)."""
         cols = ["start", "end", "pid", "correlation_id"]
-        nodes = (
+        return pl.concat([self.graphs.select(cols), self.node_replays.select(cols)])
+
+    @property
+    def node_replays(self) -> pl.DataFrame:
+        """One interval per replay traced with ``--cuda-graph-trace=node``: the span of the node
+        kernels that share one launch's correlationId (start, end, pid, correlation_id)."""
+        return (
             self.kernels.filter(pl.col("graph_node_id").is_not_null())
             .group_by("pid", "correlation_id")
             .agg(pl.col("start").min(), pl.col("end").max())
+            .select("start", "end", "pid", "correlation_id")
+            .sort("start")
         )
-        return pl.concat([self.graphs.select(cols), nodes.select(cols)])
 
     @property
     def rank_pids(self) -> list[int]:

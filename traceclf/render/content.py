@@ -7,8 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceclf.render.ceilings import ceiling_rows, combined_row
-from traceclf.render.hostlines import host_capture_rows
-from traceclf.render.text import anchor_label, sampled
+from traceclf.render.text import sampled, window_text
 from traceclf.report.contract import Report
 from traceclf.support.escape import visible
 from traceclf.support.units import fmt_bytes, fmt_ms, pct
@@ -21,10 +20,11 @@ RANK_COLUMNS = (
     "compute",
     "exposed comm",
     "copies",
-    "idle: launch",
+    "idle: launching",
     "sync",
     "input",
     "host",
+    "graph",
     "other",
 )
 KERNEL_COLUMNS = ("kernel", "family", "count", "median", "share of step")
@@ -86,6 +86,7 @@ def _factors(report: Report) -> str:
         "steps": f"{steps.get('used', 0)} steady steps",
         "spread": f"step spread {pct(steps.get('cv'))}",
         "second_anchor": "a second anchor disagrees",
+        "graph_replays": "kernels hidden inside graph-level traced replays",
         "capture_distortion": "the capture may have changed the verdict",
     }
     parts = [f"{words.get(k, k)} ×{v:.2f}" for k, v in factors.items() if v < 1]
@@ -101,21 +102,6 @@ ANCHOR_WORDS = {
 }
 
 
-LOOPS = {
-    "training": "a training loop",
-    "forward_only": "forward passes only (no backward, no optimizer)",
-    "not_a_loop": "not a repeating loop",
-    "unknown": "a repeating loop, not a deep-learning framework's (framework fixes off)",
-}
-
-
-def _over_ranks(c: dict) -> str:
-    """' summed over 2 ranks' when several ranks' GPU work is added (it can then exceed the
-    captured span), else ''."""
-    n = c.get("ranks") or 0
-    return f" summed over {n} ranks" if n > 1 else ""
-
-
 def no_fixes_line(report: Report) -> str:
     """What the fixes section says when it lists none."""
     if report.abstained:
@@ -124,71 +110,6 @@ def no_fixes_line(report: Report) -> str:
         "No fix proposed: none of the findings above is both large enough to act on and "
         "backed by the evidence a fix needs."
     )
-
-
-def capture_rows(report: Report) -> list[tuple[str, str]]:
-    """What the trace can support, shown before any number that depends on it."""
-    c = report.capture or {}
-    if not c:
-        return []
-    s = report.steps
-    anchor = c.get("step_anchor") or {}
-    label = anchor_label(anchor.get("source"), anchor.get("label"))
-    steps = (
-        f"{c.get('steps_used', 0)} steady of {c.get('steps_found', 0)} found, from "
-        f"{anchor.get('source', 'none')}{label}{sampled(s)}; "
-        f"{c.get('warmup_dropped', 0)} warm-up dropped; "
-        f"window {_window(report)}, {pct(c.get('window_share_of_capture'))} of the capture"
-        if c.get("steps_found")
-        else "no repeating step found: the whole capture is one window"
-    )
-    if s.get("cv") is not None and c.get("steps_found"):
-        steps += f"; step spread (CV) {pct(s['cv'])}"
-    second = c.get("second_anchor")
-    if second:
-        other = f"{second['source']}{anchor_label(second['source'], second.get('label'))}"
-        steps += f"; a second anchor ({other}, {fmt_ms(second.get('median_ms'))}) " + (
-            "agrees" if second.get("agrees") else "DISAGREES: the step time is ambiguous"
-        )
-    evidence = c.get("training_evidence") or {}
-    loop = LOOPS.get(c.get("training_loop"), c.get("training_loop") or "unknown")
-    loop += (
-        f" — {evidence.get('backward_kernels', 0)} backward kernels, "
-        f"{evidence.get('autograd_launches', 0)} launches from autograd threads, "
-        f"{evidence.get('backward_ranges', 0)} backward NVTX ranges, "
-        f"{evidence.get('optimizer_kernels', 0)} optimizer kernels, "
-        f"{evidence.get('optimizer_ranges', 0)} optimizer NVTX ranges"
-    )
-    gpus = {
-        "shared": "ranks share one GPU (they time-slice it: no straggler is named)",
-        "own": "one GPU per rank",
-        "unknown": "ranks report the same device; whether it is one GPU is unknown",
-    }.get(c.get("gpu_assignment"), "–")
-    graphs = {"graph": "graph-level (kernels inside graphs hidden)", "node": "node-level"}.get(
-        c.get("graph_trace_mode"), "no CUDA graphs"
-    )
-    if c.get("graph_trace_mode") == "graph":
-        graphs += f"; kernel mix from {c.get('kernel_mix_source')}"
-    unusable = c.get("unusable_rows") or {}
-    rows = [
-        ("Inputs", f"{c.get('inputs', 0)} file(s), {c.get('ranks', 0)} rank(s): {gpus}"),
-        ("Work", f"{c.get('kernels', 0):,} kernels, {fmt_ms(c.get('gpu_work_ms'))} of GPU work"
-         f"{_over_ranks(c)} in {fmt_ms(c.get('capture_ms'))} captured"),
-        ("Steps", steps),
-        ("Loop", loop),
-        ("CUDA graphs", graphs),
-        ("GPU metrics", "present" if c.get("gpu_metrics") else "absent"),
-        ("NCCL payload", {"values": "message sizes recorded",
-                          "declared_empty": "declared but empty (no message sizes)",
-                          "absent": "absent"}.get(c.get("nccl_payload"), "–")),
-    ]  # fmt: skip
-    if any(unusable.values()):
-        rows.append(("Unusable rows", ", ".join(f"{k} {v:,}" for k, v in unusable.items() if v)))
-    repaired = {k: v for k, v in (c.get("repaired_strings") or {}).items() if v}
-    if repaired:
-        counts = ", ".join(f"{k} {v:,}" for k, v in repaired.items())
-        rows.append(("Repaired strings", f"{counts} (not UTF-8: bad bytes shown as \ufffd)"))
-    return rows + host_capture_rows(report)
 
 
 def rank_rows(report: Report) -> list[list[str]]:
@@ -202,6 +123,7 @@ def rank_rows(report: Report) -> list[list[str]]:
         "idle_sync_frac",
         "idle_input_frac",
         "idle_host_frac",
+        "idle_graph_frac",
         "idle_other_frac",
     )
     return [
@@ -253,7 +175,7 @@ def detail_rows(report: Report) -> list[tuple[str, str]]:
             f"{num(m.get('pageable_copies_per_step'))} pageable copies/step, "
             f"{num(m.get('alloc_calls_per_step'))} cudaMalloc/Free per step, "
             f"recompute {pct(m.get('recompute_frac'))}, "
-            f"peak memory {pct(m.get('peak_memory_frac'))} of capacity",
+            f"peak device memory {pct(m.get('peak_memory_frac'))} of capacity",
         )
     )
     rows.append(("Compute", _compute_line(m)))
@@ -275,11 +197,35 @@ def _host_line(report: Report) -> str:
         return f"no NVTX range covers the GPU's long idle gaps ({pct(long_gaps)} of the step)"
     parts = [
         f"NVTX '{_short(row['name'], 50)}'"
+        + (f" → '{_short(row['detail'], 50)}'" if row.get("detail") else "")
         + (f" ({row['activity']})" if row.get("activity") else "")
         + f" {pct(row['frac'])} of the step"
         for row in rows[:3]
     ]
     return "GPU idle while the host was in " + "; ".join(parts)
+
+
+# What the host did while compute was launch-starved (the idle cause of the gap it fell in)
+STARVED_PARTS = (
+    ("sync", "after a sync returned"),
+    ("launch", "while the host launched"),
+    ("input", "waiting for input"),
+    ("host", "host busy elsewhere"),
+    ("graph", "inside graph replays"),
+    ("other", "other idle"),
+    ("busy", "copies or communication running"),
+)
+
+
+def _starved_parts(ms, m: dict) -> str:
+    """' (2.2 ms after a sync returned, ...)': launch-starved time by what the host did,
+    in the idle table's vocabulary, the parts that are not zero."""
+    parts = [
+        f"{ms(f'launch_starved_{key}_frac')} {words}"
+        for key, words in STARVED_PARTS
+        if m.get(f"launch_starved_{key}_frac")
+    ]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def budget_rows(report: Report) -> list[tuple[str, str]]:
@@ -303,11 +249,17 @@ def budget_rows(report: Report) -> list[tuple[str, str]]:
         ),
         (
             "Compute-absent",
-            f"launch-starved {ms('launch_starved_frac')} · blocking {ms('blocking_frac')} "
+            f"launch-starved {ms('launch_starved_frac')}{_starved_parts(ms, m)} · "
+            f"blocking {ms('blocking_frac')} "
             f"(communication {ms('blocking_comm_frac')}, copies {ms('blocking_copy_frac')}, "
             f"compute {ms('blocking_compute_frac')}, host sync {ms('blocking_host_sync_frac')})"
-            f" · dependency-stalled {ms('dependency_stalled_frac')} · unresolved "
-            f"{ms('attribution_residual_frac')}",
+            f" · dependency-stalled {ms('dependency_stalled_frac')}"
+            + (
+                f" · between the kernels of graph replays {ms('graph_internal_frac')}"
+                if m.get("graph_internal_frac")
+                else ""
+            )
+            + f" · unresolved {ms('attribution_residual_frac')}",
         ),
         (
             "Blocking vs exposed",
@@ -319,19 +271,23 @@ def budget_rows(report: Report) -> list[tuple[str, str]]:
         rows.append(
             (
                 "CUDA graphs",
-                f"{pct(m['graph_unresolved_frac'])} of the step inside graph replays: their "
-                "launches and dependencies are not in the trace, gaps inside are not split",
+                f"{pct(m['graph_unresolved_frac'])} of the step inside graph-level traced "
+                "replays: the trace hides their kernels, so what runs inside them is unknown "
+                "(counted as compute: an upper bound; --cuda-graph-trace=node shows them)",
             )
         )
     cross = report.cross_rank or {}
     if len(report.ranks) > 1:
         wait = cross.get("comm_wait_frac")
+        waits = cross.get("wait_transfer_note") or (
+            f"wait {pct(wait)}, transfer {pct(cross.get('comm_transfer_frac'))}"
+        )
         rows.append(
             (
                 "Across ranks",
                 f"{cross.get('collectives_matched', 0)} collectives matched, "
-                f"{cross.get('collectives_unmatched', 0)} unmatched · wait {pct(wait)}, "
-                f"transfer {pct(cross.get('comm_transfer_frac'))} · groups "
+                f"{cross.get('collectives_unmatched', 0)} unmatched · wait vs transfer: {waits}"
+                " · groups "
                 f"{cross.get('rank_groups')}, representatives {cross.get('representatives')}"
                 + (f" · {cross['verdict']}" if cross.get("verdict") else ""),
             )
@@ -370,7 +326,7 @@ def provenance_rows(report: Report) -> list[tuple[str, str]]:
         ),
         ("GPU", "; ".join(_gpu(g) for g in report.gpus) or "unknown"),
         ("Steps", _steps_source(report)),
-        ("Steady-state window", _window(report)),
+        ("Steady-state window", window_text(report)),
         ("traceclf", report.traceclf_version or "?"),
     ]
     if grouping_line(report):
@@ -432,18 +388,12 @@ def _steps_source(report: Report) -> str:
         return "none found: the whole GPU span is one window"
     label = f' "{s["label"]}"' if s.get("label") else ""
     spread = f", spread (CV) {pct(s['cv'])}" if s.get("cv") is not None else ""
+    noun = "periods of a recurring kernel" if s["source"] == "pattern" else "steps"
     return (
-        f"from {s['source']}{label}: {s['used']} of {s['count']} steps used (warm-up and "
-        f"outliers dropped){sampled(s)}; mean {fmt_ms(s.get('mean_ms'))}, median "
+        f"from {s['source']}{label}: {s['used']} of {s['count']} {noun} used (warm-up, the last "
+        f"one and outliers dropped){sampled(s)}; mean {fmt_ms(s.get('mean_ms'))}, median "
         f"{fmt_ms(s.get('median_ms'))}{spread}"
     )
-
-
-def _window(report: Report) -> str:
-    lo, hi = (report.steps.get("window_ns") or [0, 0])[:2]
-    if hi <= lo:
-        return "–"
-    return f"{lo / 1e9:.3f} s – {hi / 1e9:.3f} s of the capture ({fmt_ms((hi - lo) / 1e6)})"
 
 
 def _gpu(g: dict) -> str:

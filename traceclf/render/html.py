@@ -8,6 +8,7 @@ import base64
 from traceclf.figures.draw import figure_png, report_figures
 from traceclf.figures.style import WALL_COLORS
 from traceclf.render import comm_table
+from traceclf.render.capture_text import capture_rows
 from traceclf.render.ceilings import contradicted_lines
 from traceclf.render.content import (
     CAPTIONS,
@@ -17,7 +18,6 @@ from traceclf.render.content import (
     RANK_COLUMNS,
     beside_bound_line,
     budget_rows,
-    capture_rows,
     config_caption,
     detail_rows,
     fix_facts,

@@ -11,6 +11,7 @@ import re
 from urllib.parse import quote
 
 from traceclf.render import comm_table
+from traceclf.render.capture_text import capture_rows
 from traceclf.render.ceilings import contradicted_lines
 from traceclf.render.content import (
     CAPTIONS,
@@ -20,7 +21,6 @@ from traceclf.render.content import (
     RANK_COLUMNS,
     beside_bound_line,
     budget_rows,
-    capture_rows,
     config_caption,
     detail_rows,
     fix_facts,

@@ -11,13 +11,13 @@ from rich.table import Table
 from rich.text import Text
 
 from traceclf.render import comm_table
+from traceclf.render.capture_text import capture_rows
 from traceclf.render.ceilings import contradicted_lines
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
     beside_bound_line,
     budget_rows,
-    capture_rows,
     config_caption,
     detail_rows,
     fix_facts,

@@ -60,11 +60,27 @@ def steps_line(report: Report) -> str:
     label = anchor_label(s.get("source"), s.get("label"))
     cv = f", spread {pct(s['cv'])}" if s.get("cv") is not None else ""
     lo, hi = s.get("window_ns", [0, 0])
-    return (
-        f"Steady state: {s['used']} of {s['count']} steps (from {s['source']}{label})"
-        f"{sampled(s)}, step {fmt_ms(s.get('median_ms'))} median{cv}, window "
-        f"{fmt_ms((hi - lo) / 1e6)}"
+    period = s.get("source") == "pattern"
+    line = (
+        f"Steady state: {s['used']} of {s['count']} "
+        f"{'periods of a recurring kernel' if period else 'steps'} (from {s['source']}{label})"
+        f"{sampled(s)}, {'period' if period else 'step'} {fmt_ms(s.get('median_ms'))} "
+        f"median{cv}, window {fmt_ms((hi - lo) / 1e6)}"
     )
+    return line + (period_note(report) if period else "")
+
+
+def period_note(report: Report) -> str:
+    """What a recurring kernel's period is not: nothing marks a step, so "step" in the report
+    means the period; a window with no training loop holds no training step at all."""
+    loop = (report.capture or {}).get("training_loop")
+    note = (
+        ". No NVTX step range or CUDA graph marks a step: the period may be one step, several, "
+        'or one layer of one (the report\'s "step" is this period)'
+    )
+    if loop in ("forward_only", "unknown", "not_a_loop"):
+        note += "; this window holds no training step (no backward pass, no optimizer)"
+    return note
 
 
 def sampled(steps: dict) -> str:
@@ -77,3 +93,11 @@ def sampled(steps: dict) -> str:
 
 def input_names(report: Report) -> str:
     return ", ".join(Path(i["path"]).name for i in report.inputs)
+
+
+def window_text(report: Report) -> str:
+    """'0.624 s – 0.819 s of the capture (195 ms)': the steady-state window (rank 0's)."""
+    lo, hi = (report.steps.get("window_ns") or [0, 0])[:2]
+    if hi <= lo:
+        return "–"
+    return f"{lo / 1e9:.3f} s – {hi / 1e9:.3f} s of the capture ({fmt_ms((hi - lo) / 1e6)})"

@@ -20,10 +20,11 @@ PHASE_COLUMNS = (
     "exposed comm",
     "copies",
     "idle",
-    "idle: launch",
+    "idle: launching",
     "sync",
     "input",
     "host",
+    "graph",
     "other",
     "steps",
 )

@@ -1,0 +1,61 @@
+"""Host pauses: stretches of a step's host time with no CUDA call on any thread of the process
+(garbage collection stops every Python thread), and how much of the spread of step times they
+account for. What tells host jitter with a cause (a pause) from a spread that is the
+host's own launch work."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from traceclf.measures.intervals import Busy
+from traceclf.measures.window import RankWindow
+
+MEASURES: dict[str, str] = {
+    "host_pause_ms": "ms per steady step the host spent in pauses: stretches of the step's NVTX "
+    "range of 1 ms or more with no CUDA call on any thread of the process and no NVTX range "
+    "of a known host activity (data loading, compile, ...) over half of them (null without "
+    "NVTX step ranges or the CUDA API trace)",
+    "host_pause_max_ms": "the longest such pause in any steady step (null as host_pause_ms)",
+    "step_spread_pause_frac": "how much of the spread of the steady step times the host "
+    "pauses account for: 1 - var(step time - its pauses) / var(step time), at least 0 (pauses "
+    "that make the slow steps slow: near 1; a spread in the host's own launch work: near 0; "
+    "null with fewer than 3 steps, or as host_pause_ms)",
+}
+PAUSE_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
+
+
+def pauses(w: RankWindow) -> dict[str, float | None]:
+    """The host pause measures of the analysed steady steps found on the host (NVTX)."""
+    out: dict[str, float | None] = dict.fromkeys(MEASURES)
+    steps = w.steps.steady.filter(
+        pl.col("cpu_start").is_not_null() & (pl.col("cpu_end") > pl.col("cpu_start"))
+    ).sort("cpu_start")
+    if not w.host_traced or w.steps.source != "nvtx" or steps.is_empty():
+        return out
+    lo, hi = steps["cpu_start"].to_numpy(), steps["cpu_end"].to_numpy()
+    calls = Busy.of(w.trace.api.select("start", "end"))
+    start, end = calls.gaps(list(zip(lo.tolist(), hi.tolist(), strict=True)))
+    named = Busy.of(_activity_ranges(w)).covered(start, end)
+    pause = (end - start >= PAUSE_NS) & (named * 2 < end - start)
+    start, end = start[pause], end[pause]
+    step = np.searchsorted(lo, start, side="right") - 1  # (nested ranges are outermost)
+    per_step = np.bincount(step, weights=end - start, minlength=len(steps))
+    out["host_pause_ms"] = float(per_step.mean()) / 1e6
+    out["host_pause_max_ms"] = float((end - start).max()) / 1e6 if len(start) else 0.0
+    # the step times the statistics use (complete, not outliers)
+    used = steps["complete"].to_numpy() & ~steps["outlier"].to_numpy()
+    durations = steps["duration"].to_numpy().astype(np.float64)[used]
+    if len(durations) >= 3 and durations.var() > 0:
+        rest = durations - per_step[used]  # the step time without its pauses
+        out["step_spread_pause_frac"] = max(0.0, 1 - float(rest.var() / durations.var()))
+    return out
+
+
+def _activity_ranges(w: RankWindow) -> pl.DataFrame:
+    """The process's NVTX ranges of a known host activity (taxonomy ``host_activities``):
+    a stretch they cover is that activity, not a pause."""
+    nvtx = w.trace.nvtx
+    texts = nvtx.select("text").unique().with_columns(activity=w.taxonomy.host_activity())
+    named = texts.filter(pl.col("activity").is_not_null())["text"].implode()
+    return nvtx.filter(pl.col("text").is_in(named)).select("start", "end")

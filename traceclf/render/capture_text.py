@@ -1,0 +1,102 @@
+"""The capture block as rows of text (every format shows them right after the verdict): what
+the traces can support — inputs and GPUs, steps and how they were found, the loop, CUDA-graph
+tracing, GPU metrics, NCCL payload, rows the loader could not use, strings it repaired, and the
+host side (render/hostlines.py)."""
+
+from __future__ import annotations
+
+from traceclf.render.hostlines import host_capture_rows
+from traceclf.render.text import anchor_label, sampled, window_text
+from traceclf.report.contract import Report
+from traceclf.support.units import fmt_ms, pct
+
+LOOPS = {
+    "training": "a training loop",
+    "forward_only": "forward passes only (no backward, no optimizer)",
+    "not_a_loop": "not a repeating loop",
+    "unknown": "a repeating loop, not a deep-learning framework's (framework fixes off)",
+}
+
+
+def _over_ranks(c: dict) -> str:
+    """' summed over 2 ranks' when several ranks' GPU work is added (it can then exceed the
+    captured span), else ''."""
+    n = c.get("ranks") or 0
+    return f" summed over {n} ranks" if n > 1 else ""
+
+
+def _second_anchor(second: dict, other: str) -> str:
+    """Whether the second anchor's step time agrees; one that recurs many times per step (or
+    once in many steps) is near a whole multiple whatever the step: it checks nothing."""
+    every = fmt_ms(second.get("median_ms"))
+    if second.get("comparable") is False:
+        ratio = second.get("ratio") or 0
+        often = f"{1 / ratio:.0f} times per step" if 0 < ratio < 1 else f"once in {ratio:.0f} steps"
+        return f"no second anchor: {other} recurs every {every} ({often}), no check of the step"
+    return f"a second anchor ({other}, {every}) " + (
+        "agrees" if second.get("agrees") else "DISAGREES: the step time is ambiguous"
+    )
+
+
+def capture_rows(report: Report) -> list[tuple[str, str]]:
+    """What the trace can support, shown before any number that depends on it."""
+    c = report.capture or {}
+    if not c:
+        return []
+    s = report.steps
+    anchor = c.get("step_anchor") or {}
+    label = anchor_label(anchor.get("source"), anchor.get("label"))
+    noun = " periods" if anchor.get("unit") == "period" else ""
+    steps = (
+        f"{c.get('steps_used', 0)} steady{noun} of {c.get('steps_found', 0)} found, from "
+        f"{anchor.get('source', 'none')}{label}{sampled(s)}; "
+        f"{c.get('warmup_dropped', 0)} warm-up dropped; "
+        f"window {window_text(report)}, {pct(c.get('window_share_of_capture'))} of the capture"
+        if c.get("steps_found")
+        else "no repeating step found: the whole capture is one window"
+    )
+    if s.get("cv") is not None and c.get("steps_found"):
+        steps += f"; step spread (CV) {pct(s['cv'])}"
+    second = c.get("second_anchor")
+    if second:
+        other = f"{second['source']}{anchor_label(second['source'], second.get('label'))}"
+        steps += "; " + _second_anchor(second, other)
+    evidence = c.get("training_evidence") or {}
+    loop = LOOPS.get(c.get("training_loop"), c.get("training_loop") or "unknown")
+    loop += (
+        f" — {evidence.get('backward_kernels', 0)} backward kernels, "
+        f"{evidence.get('autograd_launches', 0)} launches from autograd threads, "
+        f"{evidence.get('backward_ranges', 0)} backward NVTX ranges, "
+        f"{evidence.get('optimizer_kernels', 0)} optimizer kernels, "
+        f"{evidence.get('optimizer_ranges', 0)} optimizer NVTX ranges"
+    )
+    gpus = {
+        "shared": "ranks share one GPU (they time-slice it: no straggler is named)",
+        "own": "one GPU per rank",
+        "unknown": "ranks report the same device; whether it is one GPU is unknown",
+    }.get(c.get("gpu_assignment"), "–")
+    graphs = {"graph": "graph-level (kernels inside graphs hidden)", "node": "node-level"}.get(
+        c.get("graph_trace_mode"), "no CUDA graphs"
+    )
+    if c.get("graph_trace_mode") == "graph":
+        graphs += f"; kernel mix from {c.get('kernel_mix_source')}"
+    unusable = c.get("unusable_rows") or {}
+    rows = [
+        ("Inputs", f"{c.get('inputs', 0)} file(s), {c.get('ranks', 0)} rank(s): {gpus}"),
+        ("Work", f"{c.get('kernels', 0):,} kernels, {fmt_ms(c.get('gpu_work_ms'))} of GPU work"
+         f"{_over_ranks(c)} in {fmt_ms(c.get('capture_ms'))} captured"),
+        ("Steps", steps),
+        ("Loop", loop),
+        ("CUDA graphs", graphs),
+        ("GPU metrics", "present" if c.get("gpu_metrics") else "absent"),
+        ("NCCL payload", {"values": "message sizes recorded",
+                          "declared_empty": "declared but empty (no message sizes)",
+                          "absent": "absent"}.get(c.get("nccl_payload"), "–")),
+    ]  # fmt: skip
+    if any(unusable.values()):
+        rows.append(("Unusable rows", ", ".join(f"{k} {v:,}" for k, v in unusable.items() if v)))
+    repaired = {k: v for k, v in (c.get("repaired_strings") or {}).items() if v}
+    if repaired:
+        counts = ", ".join(f"{k} {v:,}" for k, v in repaired.items())
+        rows.append(("Repaired strings", f"{counts} (not UTF-8: bad bytes shown as \ufffd)"))
+    return rows + host_capture_rows(report)
