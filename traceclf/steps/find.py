@@ -190,7 +190,11 @@ def recurring_kernel(kernels: pl.DataFrame, settings: StepSettings):
     ``recurring_kernel_max_spread``; with ``recurring_kernel_robust_periods`` gaps or more, the
     robust spread, 1.4826 x their median absolute deviation over their median (the CV of
     normally spread gaps, which one host stall among them does not move: a steady loop that
-    one stall interrupts is still one), else their CV."""
+    one stall interrupts is still one), else their CV. And its periods tile the time: their
+    mean is at most ``recurring_kernel_max_mean_ratio`` times their median. A kernel launched
+    in a burst once per step (a per-tensor optimizer kernel, 12 launches 0.2 ms apart, then a
+    200 ms gap) has a small robust spread too, but its median period covers a sliver of the
+    time: it marks no step."""
     if len(kernels) < 6:
         return None
     candidates = (
@@ -210,6 +214,7 @@ def recurring_kernel(kernels: pl.DataFrame, settings: StepSettings):
             period=gap.median(),
             robust=MAD_TO_SD * (gap - gap.median()).abs().median() / gap.median(),
             cv=gap.std() / gap.mean(),
+            mean=gap.mean(),
             periods=pl.len(),
         )
         .with_columns(
@@ -217,7 +222,11 @@ def recurring_kernel(kernels: pl.DataFrame, settings: StepSettings):
             .then("robust")
             .otherwise("cv")
         )
-        .filter((pl.col("period") > 0) & (pl.col("spread") <= settings.recurring_kernel_max_spread))
+        .filter(
+            (pl.col("period") > 0)
+            & (pl.col("spread") <= settings.recurring_kernel_max_spread)
+            & (pl.col("mean") <= settings.recurring_kernel_max_mean_ratio * pl.col("period"))
+        )
     )
     if candidates.is_empty():
         return None

@@ -75,8 +75,11 @@ class Steps:
 
     def durations(self) -> pl.Series:
         """Durations (ns) of the analysed steady, non-outlier, complete steps: the step times
-        every statistic is taken over."""
-        return self.steady.filter(~pl.col("outlier") & pl.col("complete"))["duration"]
+        every statistic is taken over. With no complete steady step (two steps, the first
+        warm-up), the last one's own GPU span, for want of a step time."""
+        usable = self.steady.filter(~pl.col("outlier"))
+        complete = usable.filter(pl.col("complete"))
+        return (complete if len(complete) else usable)["duration"]
 
 
 def empty_steps_table() -> pl.DataFrame:
