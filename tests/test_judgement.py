@@ -188,7 +188,11 @@ def test_cudagraph_run_acts_on_its_optimizer_not_on_batched_gemms():
     # the warm-up mix of the graph-level trace matches what the node-level twin shows in graphs
     g, n = graph["metrics"], node["metrics"]
     assert g["optimizer_time_frac"] == pytest.approx(n["optimizer_time_frac"], abs=0.03)
-    assert 0.35 <= n["optimizer_time_frac"] <= 0.42  # foreach Adam, ~38-40% (README)
+    # foreach Adam with its per-tensor div_ kernels between the foreach kernels: 64% (issue 22;
+    # by kernel name alone 38-40%, and kernel-fusion ranked first on the graph-level twin);
+    # recomputed from the rows in tests/test_measured_claims.py
+    assert 0.63 <= n["optimizer_time_frac"] <= 0.66
+    assert graph["fixes"][0]["id"] == node["fixes"][0]["id"] == "fused-optimizer"
     assert node["metrics"]["graph_internal_gap_frac"] == pytest.approx(0.038, abs=0.01)
 
 
@@ -244,13 +248,13 @@ def test_every_fix_shows_its_evidence_ceiling_and_how_to_verify_it():
 def test_fusion_config_shows_moe_and_backward_lines_only_with_their_evidence():
     """Ulysses (forward only, no MoE routing kernels, all-to-all for sequence parallelism):
     no MoE router/permute fusion and no gradient-accumulation fusion (a backward-pass GEMM
-    fusion). The CUDA-graph MoE training run (routing kernels, backward) keeps both."""
+    fusion). The Megatron MoE training run (routing kernels, backward) keeps both."""
     uly = next(
         f for f in report("ulysses_2gpu_forward_window")["fixes"] if f["id"] == "kernel-fusion"
     )
     assert "moe_" not in uly["config"] and "gradient_accumulation_fusion" not in uly["config"]
     assert "bias_activation_fusion" in uly["config"]
-    moe = report("h100_host_cudagraph")
+    moe = report("h100_moe_megatron_ep2")
     fusion = next(f for f in moe["fixes"] if f["id"] == "kernel-fusion")
     assert moe["capture"]["training_loop"] == "training"
     assert moe["capture"]["moe_evidence"] is True  # router / top-k / permute kernels
