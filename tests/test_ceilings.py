@@ -269,7 +269,7 @@ def test_input_pipeline_is_bounded_by_the_workers():
 
 def test_allocator_cache_is_bounded_by_the_allocator_idle():
     """h100_memory_offload: keep-allocator-cache wins back the GPU idle while cudaMalloc/cudaFree
-    run (4.17 ms per step), not every host stall (10.5 ms)."""
+    run (4.5 ms per step over complete steps), not every host stall (10.5 ms)."""
     r = report("h100_memory_offload")
     lo, hi, n = window(r)
     con = connect("h100_memory_offload")
@@ -284,7 +284,7 @@ def test_allocator_cache_is_bounded_by_the_allocator_idle():
     )
     c = ceiling_of(r, "keep-allocator-cache")
     assert c["recoverable_ms"] == pytest.approx(idle_in_alloc / n / 1e6, rel=0.01)
-    assert 4.0 < c["recoverable_ms"] < 4.4
+    assert 4.0 < c["recoverable_ms"] < 4.7  # 4.5 ms over complete steps
     assert c["bound_by"]["alloc_idle_frac"] == pytest.approx(r.metrics["alloc_idle_frac"], abs=1e-4)
 
 

@@ -24,6 +24,7 @@ from traceclf.compare.kernel_diff import kernel_diff
 from traceclf.compare.regression import compare_reports, comparison_settings
 from traceclf.compare.side import Side
 from traceclf.render.compared import comparison_markdown
+from traceclf.render.compared_inside import signed_ms
 from traceclf.report.contract import Report
 from traceclf.support.errors import TraceError
 
@@ -119,9 +120,10 @@ def test_terminal_fits_the_width_and_keeps_every_number(
     flat = " ".join(out.split())
     r = compare_reports(report(EP), report(EP_OVERLAP)).breakdown.reconciliation
     assert "Step change" in flat and "unexplained" in flat
-    assert f"{r.step_change_ms * 1000:.3g} µs" in flat  # -692 µs
-    # what "material" means, with the numbers used: 1% of the baseline's 115 ms step
-    assert "a change of at least 1.15 ms per step (1.0% of the baseline step)" in flat
+    assert f"Step change {signed_ms(r.step_change_ms)} =" in flat  # -2.76 ms
+    # what "material" means, with the numbers used: 1% of the baseline's 116 ms step
+    step = report(EP).steps["mean_ms"]
+    assert f"a change of at least {step / 100:.3g} ms per step (1.0% of the baseline step)" in flat
 
 
 def test_markdown_for_the_ticket(saved: dict[str, Path]) -> None:
@@ -129,8 +131,8 @@ def test_markdown_for_the_ticket(saved: dict[str, Path]) -> None:
     assert code == 0, err
     for heading in ("## What changed inside the step", "**Kernels that changed", "**Phases**"):
         assert heading in out
-    assert "| CUDA graph 1 | 0 ms | 4.5 ms | +4.5 ms | 0 → 1 | new\\* |" in out
-    assert "Step change -205 ms = kernels -19.9 ms + idle -185 ms" in out
+    assert "| CUDA graph 1 | 0 ms | 4.51 ms | +4.51 ms | 0 → 1 | new\\* |" in out
+    assert "Step change -194 ms = kernels -19.9 ms + idle -173 ms" in out
 
 
 def test_html_has_a_waterfall_of_the_step_change(saved: dict[str, Path], tmp_path: Path) -> None:
