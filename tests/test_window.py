@@ -26,6 +26,7 @@ from conftest import FIXTURES
 from traceclf.ingest import reader, rowindex
 from traceclf.ingest.load import load_trace
 from traceclf.ingest.rowindex import RowIndex
+from traceclf.ingest.schema import inspect_export
 from traceclf.model.taxonomy import bundled
 from traceclf.pipeline import twopass
 from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
@@ -175,17 +176,65 @@ def test_shuffled_rows_are_seen_and_read_by_filtered_scan(tmp_path: Path) -> Non
     assert fractions(analysed(path, budget)) == fractions(analysed(original, budget))
 
 
-def test_shuffled_calls_fall_back_to_reading_everything(tmp_path: Path) -> None:
+def test_shuffled_calls_are_read_by_filtered_scan(tmp_path: Path) -> None:
     """Constructed: CUDA calls in random order, so NVTX steps cannot be projected by rowid
-    range; the export is read whole and the result is --all-steps'."""
+    range before reading: warm-up is decided on the steps' CPU durations, the calls are read
+    by a filtered scan on time (never the whole capture), and the verdict and fractions are
+    still --all-steps'."""
     path = copy_of(tmp_path, "h100_comm_ep2")
     reorder(path, "CUPTI_ACTIVITY_KIND_RUNTIME", "random()")
     budget = event_rows(path) // 2
     read = twopass.load_sampled(path, bundled(), budget=budget)
-    assert read.plans == {} and read.trace.read_spans is None
-    assert (
-        analysed(path, budget).metrics == analysed(FIXTURES / "h100_comm_ep2.sqlite", None).metrics
+    assert read.plans and read.trace.read_path == "filtered_scan"
+    assert read.trace.api.height < load_trace(path).api.height
+    window, everything = analysed(path, budget), analysed(FIXTURES / "h100_comm_ep2.sqlite", None)
+    assert window.capture["read_path"] == "filtered_scan"
+    assert window.classification["bound"] == everything.classification["bound"]
+    for name, value in fractions(everything).items():
+        if value is not None:
+            assert fractions(window)[name] == pytest.approx(value, abs=0.05), name
+
+
+def swap_blocks(path: Path, table: str, rows: int) -> None:
+    """Rewrite ``table`` with each pair of blocks of ``rows`` rows in reverse order (block 1,
+    block 0, block 3, block 2, ...), as nsys writes when it flushes buffers out of order."""
+    block = f"((rowid - 1) / {rows})"
+    reorder(path, table, f"{block} + 1 - 2 * ({block} % 2), rowid")
+
+
+def test_tables_out_of_order_in_blocks_are_read_in_pieces(tmp_path: Path, monkeypatch) -> None:
+    """Constructed: CUDA calls and kernels written in swapped blocks. One scan finds each
+    table's ordered pieces; the steps are projected and read by rowid ranges within them,
+    so the analysis is that of the export in order."""
+    monkeypatch.setattr(rowindex, "MIN_PIECE_ROWS", 100)
+    name = "h100_comm_ep2"
+    path = copy_of(tmp_path, name)
+    swap_blocks(path, "CUPTI_ACTIVITY_KIND_RUNTIME", 1000)
+    swap_blocks(path, "CUPTI_ACTIVITY_KIND_KERNEL", 300)
+    with rowindex.connect(path) as con:
+        index = RowIndex.build(con, "CUPTI_ACTIVITY_KIND_RUNTIME")
+        assert not index.ordered
+        pieces = rowindex.scan_pieces(con, index, reader.Reader(inspect_export(path)).sql)
+        assert pieces is not None and len(pieces.pieces) > 5
+        starts = con.execute("SELECT rowid, start FROM CUPTI_ACTIVITY_KIND_RUNTIME").fetchall()
+        ids, times = np.array(starts).T
+        for lo, hi in np.quantile(times, [[0.1, 0.2], [0.33, 0.34], [0.5, 0.9]]).astype(int):
+            ranges = pieces.ranges(int(lo), int(hi))
+            got = np.zeros(len(ids), dtype=bool)
+            for after, upto in ranges:
+                got |= (ids > after) & (ids <= upto)
+            assert np.array_equal(got, (times >= lo) & (times <= hi))
+    budget = event_rows(path) // 2
+    read = twopass.load_sampled(path, bundled(), budget=budget)
+    assert read.plans and read.trace.read_path == "ordered_pieces"
+    assert read.trace.kernels["start"].is_sorted() and read.trace.api["start"].is_sorted()
+    original = FIXTURES / f"{name}.sqlite"
+    assert twopass.load_sampled(original, bundled(), budget=budget).trace.read_path == (
+        "rowid_ranges"
     )
+    window = analysed(path, budget)
+    assert window.capture["read_path"] == "ordered_pieces"
+    assert window.metrics == analysed(original, budget).metrics
 
 
 def test_rows_out_of_order_between_samples_are_caught_after_reading(tmp_path: Path) -> None:

@@ -47,11 +47,17 @@ class Projector:
         self.ends = table["end"].to_list()
         api = indexes.get("api")
         self.api = api if api is not None and api.ordered else None
-        self.gpu = [
-            (indexes[t], reader.pid_sql(t))
-            for t in ("kernels", "graphs", "memcpy", "memset")
-            if t in indexes and indexes[t].ordered
-        ]
+        # each ordered run of rows of each GPU table (one, the table, when it is in order),
+        # in order of their first start
+        self.gpu = sorted(
+            (
+                (piece, reader.pid_sql(t))
+                for t in ("kernels", "graphs", "memcpy", "memset")
+                if t in indexes and indexes[t].ordered
+                for piece in indexes[t].pieces
+            ),
+            key=lambda pair: int(pair[0].times[0]),
+        )
         self.usable = self.api is not None and bool(self.gpu)
         self._starts: dict[int, int | None] = {}
 
@@ -78,10 +84,13 @@ class Projector:
     def _calls(self, i: int) -> tuple[int, int] | None:
         assert self.api is not None
         lo, hi = self.starts[i], self.ends[i]
-        after, upto = self.api.bounds(lo, hi)
+        ranges = self.api.ranges(lo, hi)
+        if not ranges:
+            return None
+        rowids = " OR ".join(f"(rowid > {a} AND rowid <= {b})" for a, b in ranges)
         row = self.con.execute(
             f"SELECT min(correlationId), max(correlationId) FROM {self.api.table} "
-            f"WHERE rowid > {after} AND rowid <= {upto} AND start BETWEEN {lo} AND {hi} "
+            f"WHERE ({rowids}) AND start BETWEEN {lo} AND {hi} "
             f"AND {self.reader.pid_sql('api')} = {self.pid} AND typeof(correlationId) = 'integer'"
         ).fetchone()
         return None if row[0] is None else (int(row[0]), int(row[1]))
@@ -94,10 +103,13 @@ class Projector:
         if not name_ids:
             return 0
         lo, hi = self.starts[i], self.ends[i]
-        after, upto = self.api.bounds(lo, hi)
+        ranges = self.api.ranges(lo, hi)  # (one per ordered piece of the table it meets)
+        if not ranges:
+            return 0
+        rowids = " OR ".join(f"(rowid > {a} AND rowid <= {b})" for a, b in ranges)
         ids = ",".join(str(int(n)) for n in name_ids)
         (count,) = self.con.execute(
-            f"SELECT count(*) FROM {self.api.table} WHERE rowid > {after} AND rowid <= {upto} "
+            f"SELECT count(*) FROM {self.api.table} WHERE ({rowids}) "
             f"AND start BETWEEN {lo} AND {hi} AND {self.reader.pid_sql('api')} = {self.pid} "
             f"AND nameId IN ({ids})"
         ).fetchone()
@@ -114,6 +126,8 @@ class Projector:
             return None
         best = None
         for index, pid in self.gpu:
+            if best is not None and int(index.times[0]) > best:
+                break  # the pieces after start later than the work found
             rowid = index.first_from(self.starts[i]) - 1  # no work starts before its call
             stop = index.first_from(best + 1) - 1 if best is not None else None
             block, scanned = self.BLOCK, 0
@@ -141,7 +155,8 @@ class Projector:
         for index, pid in self.gpu:
             (found,) = self.con.execute(
                 f'SELECT max("end") FROM {index.table} WHERE rowid > '
-                f"{index.first_from(self.starts[i]) - 1} AND {pid} = {self.pid} "
+                f"{index.first_from(self.starts[i]) - 1} AND rowid <= {index.last} "
+                f"AND {pid} = {self.pid} "
                 "AND typeof(\"end\") = 'integer' "
                 f"AND correlationId BETWEEN {calls[0]} AND {calls[1]}"
             ).fetchone()

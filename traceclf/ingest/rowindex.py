@@ -3,13 +3,17 @@
 nsys writes the rows of each event table in ``start`` order, so a binary search over rowids —
 a few dozen B-tree lookups per boundary — turns a time range into a rowid range that SQLite
 reads directly. The order is not taken on trust: a few hundred rows sampled evenly must be in
-time order (``ordered``), else the caller reads that table with a filtered scan; the rows read
-by rowid range are checked again once read (:mod:`traceclf.pipeline.twopass`).
+time order (``ordered``), and the rows read by rowid range are checked again once read
+(:mod:`traceclf.pipeline.twopass`). A table that is not in start order is scanned once, two
+columns a block at a time, for the runs of rows that are (:class:`Pieces`: nsys writes out of
+order by whole buffers); a time range is then a rowid range in each piece it meets. A table
+shuffled finer than :data:`MAX_PIECES` pieces is read by a filtered scan on time instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -136,6 +140,15 @@ class RowIndex:
         """Rowid range ``(after, upto]`` holding the rows whose time is in ``[lo, hi]``."""
         return self.first_from(lo) - 1, self.first_from(hi + 1) - 1
 
+    def ranges(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """:meth:`bounds` as a list (what :class:`Pieces` answers)."""
+        return [self.bounds(lo, hi)]
+
+    @property
+    def pieces(self) -> tuple[RowIndex, ...]:
+        """The table's ordered runs of rows: the whole table."""
+        return (self,)
+
     def count(self, lo: int, hi: int) -> int:
         """Rows with time in ``[lo, hi]``, estimated from the samples alone."""
         if hi < lo:
@@ -171,3 +184,116 @@ def subtract(ranges: list[tuple[int, int]], done: list[tuple[int, int]]) -> list
         if cursor < upto:
             out.append((cursor, upto))
     return out
+
+
+# Rows read per query of the order scan (:func:`scan_pieces`): bounded memory on any export.
+SCAN_ROWS = 1 << 21
+# More ordered pieces than this, or pieces of fewer rows than MIN_PIECE_ROWS on average, and
+# rowid ranges stop paying (a query per piece a span meets): the table is read by a filtered
+# scan on time instead.
+MAX_PIECES = 4096
+MIN_PIECE_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A table whose rows are not in start order, as the runs of rows that are (``pieces``,
+    each a :class:`RowIndex` over its own rowids, in order of their first time), from one scan
+    of its ``start`` column (:func:`scan_pieces`). Answers what a :class:`RowIndex` answers,
+    a time range as several rowid ranges: one per piece it meets."""
+
+    con: sqlite3.Connection = field(repr=False)
+    table: str
+    pieces: tuple[RowIndex, ...]
+    ordered: bool = True  # rowid ranges may stand for time ranges (piece by piece)
+
+    @property
+    def first(self) -> int:
+        return min(p.first for p in self.pieces)
+
+    @property
+    def last(self) -> int:
+        return max(p.last for p in self.pieces)
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.pieces)
+
+    @property
+    def rowids(self) -> np.ndarray:
+        return np.concatenate([p.rowids for p in self.pieces])
+
+    @property
+    def times(self) -> np.ndarray:
+        return np.concatenate([p.times for p in self.pieces])
+
+    def ranges(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Rowid ranges ``(after, upto]`` holding the rows whose time is in ``[lo, hi]``."""
+        return merge(
+            [
+                p.bounds(lo, hi)
+                for p in self.pieces
+                if int(p.times[0]) <= hi and int(p.times[-1]) >= lo
+            ]
+        )
+
+    def count(self, lo: int, hi: int) -> int:
+        return sum(p.count(lo, hi) for p in self.pieces)
+
+
+def scan_pieces(
+    con: sqlite3.Connection, index: RowIndex, read, samples: int = SAMPLES
+) -> Pieces | None:
+    """The ordered pieces of ``index``'s table (not in start order), from its rowids and start
+    times read ``SCAN_ROWS`` at a time through ``read`` (SQL → polars), or None when there are
+    more than :data:`MAX_PIECES` (the rows are shuffled, not written in out-of-order blocks).
+    Memory: one block's two columns, and the samples of each piece."""
+    import polars as pl
+
+    table, column = index.table, index.column
+    pieces: list[tuple[np.ndarray, np.ndarray]] = []  # (rowids, times) of each piece
+    run_ids: list[np.ndarray] = []
+    run_times: list[np.ndarray] = []
+    last_time = None
+    for after in range(index.first - 1, index.last, SCAN_ROWS):
+        block = read(
+            f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE rowid > {after} '
+            f"AND rowid <= {after + SCAN_ROWS} AND typeof(\"{column}\") = 'integer'"
+        )
+        if block.is_empty():
+            continue
+        block = block.sort("r")
+        ids = block["r"].cast(pl.Int64).to_numpy()
+        times = block["t"].cast(pl.Int64).to_numpy()
+        breaks = np.flatnonzero(np.diff(times) < 0) + 1
+        if last_time is not None and times[0] < last_time:
+            breaks = np.concatenate([[0], breaks])
+        if len(pieces) + len(breaks) > MAX_PIECES:
+            return None
+        bounds = [0, *breaks.tolist(), len(ids)]
+        continues = not (len(breaks) and breaks[0] == 0)
+        for a, b in itertools.pairwise(bounds):
+            if a == 0 and continues:  # the run of the block before goes on
+                run_ids.append(ids[a:b])
+                run_times.append(times[a:b])
+                continue
+            if run_ids:
+                pieces.append(_sampled(np.concatenate(run_ids), np.concatenate(run_times), samples))
+            run_ids, run_times = [ids[a:b]], [times[a:b]]
+        last_time = int(times[-1])
+    if run_ids:
+        pieces.append(_sampled(np.concatenate(run_ids), np.concatenate(run_times), samples))
+    rows = sum(int(r[-1] - r[0]) + 1 for r, _t in pieces)  # (from the first and last rowid)
+    if not pieces or rows < MIN_PIECE_ROWS * len(pieces):
+        return None
+    made = [RowIndex(con, table, column, r, t, True) for r, t in pieces]
+    made.sort(key=lambda p: int(p.times[0]))
+    return Pieces(con, table, tuple(made))
+
+
+def _sampled(ids: np.ndarray, times: np.ndarray, samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``samples`` evenly spaced rows of a piece, its first and last included."""
+    if len(ids) <= samples:
+        return ids.copy(), times.copy()
+    at = np.unique(np.linspace(0, len(ids) - 1, num=samples).round().astype(np.int64))
+    return ids[at].copy(), times[at].copy()

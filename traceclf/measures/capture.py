@@ -34,6 +34,7 @@ def capture_facts(w: RankWindow) -> dict:
         "kernels": trace.capture_rows.get("kernels", len(kernels)),
         "graph_replays": len(trace.graph_executions),
         "window_share_of_capture": round(min(w.wall / capture_ns, 1.0), 4),
+        "read_path": trace.read_path,
         "graph_trace_mode": graph_trace_mode(w),
         "gpu_metrics": not trace.metrics_of_gpu((w.gpu or {}).get("gpu_id")).is_empty(),
         "nccl_payload": trace.nccl_payload,

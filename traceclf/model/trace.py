@@ -106,6 +106,9 @@ class Trace:
     # of each event table (what the frames cannot say, holding only the analysed steps)
     capture_span: tuple[int, int] | None = None
     capture_rows: dict[str, int] = field(default_factory=dict)
+    # how the event frames were read: "whole" (the whole capture), or the analysed steps by
+    # "rowid_ranges", "ordered_pieces" or "filtered_scan" (:mod:`traceclf.pipeline.twopass`)
+    read_path: str = "whole"
     osrt: pl.DataFrame = field(default_factory=pl.DataFrame)
     samples: pl.DataFrame = field(default_factory=pl.DataFrame)
     callchains: pl.DataFrame = field(default_factory=pl.DataFrame)

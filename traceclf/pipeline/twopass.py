@@ -16,7 +16,7 @@ An export whose event tables fit in the budget is read whole, as ``--all-steps``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import polars as pl
@@ -47,6 +47,9 @@ PROBE_MAX_ROWS = 3_200_000
 # A table this small costs less to read whole than to reason about.
 SMALL_ROWS = 100_000
 GPU_SIDE = ("kernels", "graphs", "memcpy", "memset", "syncs")
+# Steps of GPU rows read past an NVTX run's CPU end when its GPU start cannot be projected
+# before reading (calls or GPU rows shuffled): how far the GPU may lag the host.
+CPU_LAG = 4
 # Values read back from SQL are used as numbers: rows whose end is not an integer are skipped.
 INTEGER_END = "typeof(\"end\") = 'integer'"
 Span = tuple[int, int]
@@ -115,6 +118,7 @@ def load_sampled(
         if sum(i.rows for i in indexes.values()) <= budget:
             return SampledRead(load_trace(path, progress=progress), {})
         step("steps")
+        indexes = _in_pieces(reader, con, indexes)
         planner = _Planner(
             reader, con, indexes, taxonomy, step_regex, budget, settings or bundled_settings()
         )
@@ -122,7 +126,35 @@ def load_sampled(
         if plans is None:  # some rank's steps cannot be found cheaply: read it all
             return SampledRead(load_trace(path, progress=progress), {})
         trace = _read_plans(reader, con, indexes, planner, budget, progress)
-    return SampledRead(trace, plans)
+    return SampledRead(replace(trace, read_path=_read_path(indexes)), plans)
+
+
+def _in_pieces(
+    reader: Reader, con, indexes: dict[str, RowIndex]
+) -> dict[str, RowIndex | rowindex.Pieces]:
+    """``indexes`` with each table that is not in start order scanned for its ordered pieces
+    (:func:`traceclf.ingest.rowindex.scan_pieces`); a table shuffled finer stays unordered
+    (read by a filtered scan on time)."""
+
+    def read(queries: list[str]) -> pl.DataFrame:
+        return reader.sql(queries, rowindex.SCAN_ROWS)
+
+    out: dict[str, RowIndex | rowindex.Pieces] = {}
+    for logical, index in indexes.items():
+        pieces = None if index.ordered else rowindex.scan_pieces(con, index, read)
+        out[logical] = pieces if pieces is not None else index
+    return out
+
+
+def _read_path(indexes: dict) -> str:
+    """How the analysed steps were read (the report's ``capture.read_path``): by rowid ranges
+    (every event table in start order), by rowid ranges within the ordered pieces of tables
+    that are not, or by a filtered scan on time (a table shuffled finer than that)."""
+    if any(not index.ordered for index in indexes.values()):
+        return "filtered_scan"
+    if any(len(index.pieces) > 1 for index in indexes.values()):
+        return "ordered_pieces"
+    return "rowid_ranges"
 
 
 class _Planner:
@@ -147,15 +179,20 @@ class _Planner:
             steady, projector = None, None
             if not exact:  # CPU ranges: decide warm-up and cut-off on GPU durations
                 projector = Projector(self.con, self.reader, self.indexes, pid, table)
-                if not projector.usable:  # calls or GPU rows not in start order
-                    return None
-                steady = steady_bounds(
-                    len(table),
-                    projector.duration,
-                    projector.reference(),
-                    self.settings,
-                    self._allocations(projector),
-                )
+                if not projector.usable:
+                    if not self._traced():  # no CUDA calls or no GPU rows: read it all
+                        return None
+                    # calls or GPU rows shuffled (read by a filtered scan): warm-up and
+                    # cut-off are decided on the CPU durations of the steps
+                    projector = None
+                else:
+                    steady = steady_bounds(
+                        len(table),
+                        projector.duration,
+                        projector.reference(),
+                        self.settings,
+                        self._allocations(projector),
+                    )
             plan = plan_steps(
                 table, source, label, exact, self._analysable(table), self.settings, steady
             )
@@ -174,6 +211,11 @@ class _Planner:
             return projector.allocations(i, names)
 
         return Allocations(count, projector.sampled_median(count))
+
+    def _traced(self) -> bool:
+        """Whether the export has CUDA calls and GPU rows (to project NVTX steps with)."""
+        gpu = ("kernels", "graphs", "memcpy", "memset")
+        return "api" in self.indexes and any(t in self.indexes for t in gpu)
 
     def _rank_pids(self) -> list[int]:
         """Processes with GPU work, from the rows at the sampled rowids of the GPU tables
@@ -325,7 +367,7 @@ class _Pass2:
                 continue
             table.spans += spans
             if table.index is not None and table.index.ordered:
-                wanted = rowindex.merge([table.index.bounds(lo, hi) for lo, hi in spans])
+                wanted = rowindex.merge([r for lo, hi in spans for r in table.index.ranges(lo, hi)])
                 todo = rowindex.subtract(wanted, table.done)
                 if todo:
                     table.frames.append(self.reader.read(logical, rowids=todo, rowid=True))
@@ -349,9 +391,10 @@ class _Pass2:
         if df.is_empty():
             return self.reader.empty(logical)
         spans = _merge(table.spans)
-        if table.by_rowid and not df["start"].is_sorted():
+        pieces = table.index is not None and len(table.index.pieces) > 1
+        if table.by_rowid and not pieces and not df["start"].is_sorted():
             df = self.reader.read(logical, spans, rowid=True)
-        elif not table.by_rowid:
+        elif not table.by_rowid or pieces:
             df = df.sort("start")
         keep = pl.lit(False)
         for lo, hi in spans:  # ends included: the row starting at ``hi`` ends the window
@@ -388,6 +431,12 @@ def _read_spans(plan: StepPlan, projector: Projector | None) -> list[tuple[Span,
         following = b + 1 if b + 1 in starts and b + 1 != last else None
         margin = step_ns // 4  # kernels still running at the start; the work that ends the
         # window's last idle gap (the critical path looks for it past the end)
+        if projector is None and not plan.exact:
+            # CPU times not projected (calls or GPU rows read by a filtered scan): the GPU
+            # runs the steps' work later than their ranges, by up to a few steps
+            hi = ends[following if following is not None else b]
+            out.append(((starts[a] - margin, hi + CPU_LAG * step_ns), (starts[a], hi)))
+            continue
         if projector is None:
             hi = (starts[following] if following is not None else ends[last]) + margin
             out.append(((starts[a] - margin, hi), (starts[a] - step_ns, hi)))
@@ -469,12 +518,13 @@ def _capture(
         if index is None:
             continue
         first = int(index.times.min())
-        (last,) = index.con.execute(
-            f'SELECT max("end") FROM {index.table} WHERE rowid > {index.last - Projector.BLOCK} '
-            f"AND {INTEGER_END}"
-        ).fetchone()
+        for piece in index.pieces:  # the last rows of each ordered run hold its last end
+            (last,) = index.con.execute(
+                f'SELECT max("end") FROM {index.table} WHERE rowid > '
+                f"{piece.last - Projector.BLOCK} AND rowid <= {piece.last} AND {INTEGER_END}"
+            ).fetchone()
+            hi = int(last or 0) if hi is None else max(hi, int(last or 0))
         lo = first if lo is None else min(lo, first)
-        hi = int(last or 0) if hi is None else max(hi, int(last or 0))
     span = (lo, hi) if lo is not None and hi is not None else None
     return span, {logical: index.rows for logical, index in indexes.items()}
 
