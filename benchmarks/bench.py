@@ -36,7 +36,12 @@ DEFAULT_SOURCES = (
 )
 UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 PER_RUN_TIMEOUT_S = 900
-DEFAULT_INPUTS = "kernel-dense:500MB,kernel-dense:1GB,kernel-dense:2GB,gpu-metrics:1GB"
+DEFAULT_INPUTS = (
+    "kernel-dense:1GB,out-of-order:1GB,ep-comm:1GB,cuda-graph:1GB,gpu-metrics:1GB,"
+    "kernel-dense:2GB,kernel-dense:4GB"
+)
+# Inputs past this size are timed in the default mode only (and without the read-only floor).
+ALL_STEPS_MAX_BYTES = 1.5e9
 DEFAULT_RANKS = "8x128MB"
 # nsys-ai takes minutes per GB and writes into its input: by default only inputs up to this.
 NSYS_AI_MAX_BYTES = 600 << 20
@@ -57,11 +62,26 @@ REPLICATED = {
 }
 # What each kind of input replicates. "gpu-metrics": everything, so GPU_METRICS (sampled at
 # 1 kHz) is most of the file. "kernel-dense": everything but GPU metrics, so kernel and CUDA
-# API rows are most of it, as in a large MoE run (the source's own metrics stay, once).
+# API rows are most of it, as in a large MoE run (the source's own metrics stay, once). The
+# other kinds replicate another shared trace the same way: "ep-comm" two expert-parallel ranks
+# in one file (NCCL all-to-all), "cuda-graph" a step captured in one CUDA graph (graph-level
+# tracing); "out-of-order" is kernel-dense's twin with every pair of copies written in reverse
+# order, so no event table is in start order (as when nsys flushes buffers out of order).
+NO_METRICS = tuple(t for t in REPLICATED if t != "GPU_METRICS")
 KINDS = {
     "gpu-metrics": tuple(REPLICATED),
-    "kernel-dense": tuple(t for t in REPLICATED if t != "GPU_METRICS"),
+    "kernel-dense": NO_METRICS,
+    "ep-comm": NO_METRICS,
+    "cuda-graph": NO_METRICS,
+    "out-of-order": NO_METRICS,
 }
+# The shared trace each kind grows (host-launch for kernel-dense and its kin: --source).
+KIND_SOURCES = {
+    "ep-comm": "h100_comm_ep2.sqlite",
+    "cuda-graph": "h100_host_cudagraph.sqlite",
+}
+# Kinds whose copies are written in pairs in reverse order (copy 2, copy 1, copy 4, copy 3...).
+SWAPPED = {"out-of-order"}
 TIME_COLUMNS = ("start", "end", "timestamp", "rawTimestamp")
 # The tables traceclf's loader reads: their rows are the "events" of events/second.
 LOADED = tuple(t for t in REPLICATED if t != "OSRT_API")
@@ -129,15 +149,34 @@ def count_events(con: sqlite3.Connection) -> int:
     )
 
 
+def source_of(kind: str, host_launch: Path) -> Path:
+    """The shared trace a kind of input grows: ``host_launch`` (``--source``), or the kind's
+    own from fixtures/ or /work/shared/traces."""
+    name = KIND_SOURCES.get(kind)
+    if name is None:
+        return host_launch
+    for folder in (ROOT / "fixtures", Path("/work/shared/traces")):
+        if (folder / name).exists():
+            return folder / name
+    raise SystemExit(f"no source trace {name} for {kind} inputs")
+
+
 def build_input(
-    source: Path, target: int, label: str, rebuild: bool, kind: str = "gpu-metrics"
+    source: Path,
+    target: int,
+    label: str,
+    rebuild: bool,
+    kind: str = "gpu-metrics",
+    copies_wanted: int | None = None,
 ) -> tuple[Path, dict]:
-    """A copy of ``source`` grown to at least ``target`` bytes by replicated event rows.
+    """A copy of ``source`` grown to at least ``target`` bytes by replicated event rows
+    (exactly ``copies_wanted`` copies when given: an out-of-order twin).
 
     Copy k shifts every time column by k x the event span and every correlationId by
     k x (max correlationId + 1), so API calls still pair with their GPU work and copies follow
     one another on the timeline like later steps of the same run. ``kind`` says which tables
-    are replicated (:data:`KINDS`). Rows stay in ``start`` order, as nsys writes them.
+    are replicated (:data:`KINDS`). Rows stay in ``start`` order, as nsys writes them, except
+    for the kinds of :data:`SWAPPED`, whose copies are written two at a time, the later first.
     """
     prefix = "" if kind == "gpu-metrics" else f"{kind}-"
     dest = OUT / f"{prefix}{source.stem}-{label}.sqlite"
@@ -160,12 +199,23 @@ def build_input(
         for t in tables
     ]
     started, copies = time.perf_counter(), 1
-    while tmp.stat().st_size < target:
+    swapped = kind in SWAPPED
+
+    def more() -> bool:
+        if copies_wanted is not None:
+            return copies < copies_wanted
+        return tmp.stat().st_size < target
+
+    while more():
         con.execute("BEGIN")
-        for statement in statements:
-            con.execute(statement, {"dt": copies * span, "dc": copies * corr})
+        batch = [copies]
+        if swapped and (copies_wanted is None or copies + 1 < copies_wanted):
+            batch = [copies + 1, copies]  # the later copy first: out of start order
+        for k in batch:
+            for statement in statements:
+                con.execute(statement, {"dt": k * span, "dc": k * corr})
         con.execute("COMMIT")
-        copies += 1
+        copies += len(batch)
         print(
             f"  {dest.name}: {copies} copies, {tmp.stat().st_size / 1e6:.0f} MB",
             end="\r",
@@ -179,6 +229,9 @@ def build_input(
     meta = {
         "kind": kind,
         "copies": copies,
+        "pids": con.execute(
+            "SELECT count(DISTINCT globalPid) FROM CUPTI_ACTIVITY_KIND_KERNEL"
+        ).fetchone()[0],
         "events": count_events(con),
         "kernels": con.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchone()[0],
         "api": con.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_RUNTIME").fetchone()[0],
@@ -537,6 +590,8 @@ def describe(meta: dict) -> str:
         else f"{meta['events']:,} events"
     )
     ranks = f"{meta['ranks']} ranks, " if meta.get("ranks") else ""
+    if (meta.get("pids") or 1) > 1:
+        ranks += f"{meta['pids']} processes, "
     return f"{meta.get('kind', 'gpu-metrics')}, {ranks}{rows}"
 
 
@@ -961,13 +1016,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         if kind not in KINDS:
             raise SystemExit(f"unknown input kind {kind!r} (one of {', '.join(KINDS)})")
         label = label.strip().upper()
-        path, meta = build_input(source, parse_size(label), label, args.rebuild, kind)
+        copies = None
+        if kind in SWAPPED:  # the ordered twin's copies, so that both hold the same rows
+            _twin, twin_meta = build_input(
+                source, parse_size(label), label, args.rebuild, "kernel-dense"
+            )
+            copies = twin_meta["copies"]
+        path, meta = build_input(
+            source_of(kind, source), parse_size(label), label, args.rebuild, kind, copies
+        )
         built.append(path)
         print(f"{path.name}: {meta['bytes'] / 1e6:,.0f} MB, {describe(meta)}", file=sys.stderr)
-        floor = floor_run(path)
-        floors[path.name] = floor
-        analysis.append((path.name, meta, floor))
-        analysis += [(path.name, meta, run) for run in cli_runs(path, all_steps)]
+        # --all-steps reads the whole capture: past ALL_STEPS_MAX_BYTES it needs more memory
+        # than the targets allow, and the default mode is what the big inputs are for
+        whole = all_steps and meta["bytes"] <= ALL_STEPS_MAX_BYTES
+        if whole:
+            floor = floor_run(path)
+            floors[path.name] = floor
+            analysis.append((path.name, meta, floor))
+        analysis += [(path.name, meta, run) for run in cli_runs(path, whole)]
         if args.loader:
             loader += [(path.name, meta, run) for run in loader_runs(path)]
         small = meta["bytes"] <= NSYS_AI_MAX_BYTES and not nsys_ai_done

@@ -202,11 +202,10 @@ def swap_blocks(path: Path, table: str, rows: int) -> None:
     reorder(path, table, f"{block} + 1 - 2 * ({block} % 2), rowid")
 
 
-def test_tables_out_of_order_in_blocks_are_read_in_pieces(tmp_path: Path, monkeypatch) -> None:
+def test_tables_out_of_order_in_blocks_are_read_in_pieces(tmp_path: Path) -> None:
     """Constructed: CUDA calls and kernels written in swapped blocks. One scan finds each
     table's ordered pieces; the steps are projected and read by rowid ranges within them,
     so the analysis is that of the export in order."""
-    monkeypatch.setattr(rowindex, "MIN_PIECE_ROWS", 100)
     name = "h100_comm_ep2"
     path = copy_of(tmp_path, name)
     swap_blocks(path, "CUPTI_ACTIVITY_KIND_RUNTIME", 1000)

@@ -48,16 +48,13 @@ class Projector:
         api = indexes.get("api")
         self.api = api if api is not None and api.ordered else None
         # each ordered run of rows of each GPU table (one, the table, when it is in order),
-        # in order of their first start
-        self.gpu = sorted(
-            (
-                (piece, reader.pid_sql(t))
-                for t in ("kernels", "graphs", "memcpy", "memset")
-                if t in indexes and indexes[t].ordered
-                for piece in indexes[t].pieces
-            ),
-            key=lambda pair: int(pair[0].times[0]),
-        )
+        # kernels first (where a step's first work is found, the other tables' search stops)
+        self.gpu = [
+            (piece, reader.pid_sql(t))
+            for t in ("kernels", "graphs", "memcpy", "memset")
+            if t in indexes and indexes[t].ordered
+            for piece in indexes[t].pieces
+        ]
         self.usable = self.api is not None and bool(self.gpu)
         self._starts: dict[int, int | None] = {}
 
@@ -127,7 +124,7 @@ class Projector:
         best = None
         for index, pid in self.gpu:
             if best is not None and int(index.times[0]) > best:
-                break  # the pieces after start later than the work found
+                continue  # a piece that starts later than the work found
             rowid = index.first_from(self.starts[i]) - 1  # no work starts before its call
             stop = index.first_from(best + 1) - 1 if best is not None else None
             block, scanned = self.BLOCK, 0

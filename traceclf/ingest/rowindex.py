@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from traceclf.ingest.schema import connect_readonly
+from traceclf.support.cpus import cpu_share
 from traceclf.support.errors import TraceError
 
 # Evenly spaced samples per table: the order check, row-count estimates, and the brackets that
@@ -188,11 +189,14 @@ def subtract(ranges: list[tuple[int, int]], done: list[tuple[int, int]]) -> list
 
 # Rows read per query of the order scan (:func:`scan_pieces`): bounded memory on any export.
 SCAN_ROWS = 1 << 21
-# More ordered pieces than this, or pieces of fewer rows than MIN_PIECE_ROWS on average, and
-# rowid ranges stop paying (a query per piece a span meets): the table is read by a filtered
-# scan on time instead.
+# More ordered pieces than MAX_PIECES, or than one per MIN_PIECE_ROWS rows (and over
+# FEW_PIECES), and rowid ranges stop paying (a query per piece a span meets): the table is
+# read by a filtered scan on time instead.
 MAX_PIECES = 4096
 MIN_PIECE_ROWS = 4096
+FEW_PIECES = 64
+# Rows of an ordered piece kept while scanning (for its samples): one in this many.
+SCAN_STRIDE = 1024
 
 
 @dataclass(frozen=True)
@@ -245,9 +249,10 @@ def scan_pieces(
     con: sqlite3.Connection, index: RowIndex, read, samples: int = SAMPLES
 ) -> Pieces | None:
     """The ordered pieces of ``index``'s table (not in start order), from its rowids and start
-    times read ``SCAN_ROWS`` at a time through ``read`` (SQL → polars), or None when there are
-    more than :data:`MAX_PIECES` (the rows are shuffled, not written in out-of-order blocks).
-    Memory: one block's two columns, and the samples of each piece."""
+    times read ``SCAN_ROWS`` at a time through ``read`` (queries, rows per query → one polars
+    frame: :meth:`traceclf.ingest.reader.Reader.sql`), or None when there are
+    too many (:data:`MAX_PIECES`: the rows are shuffled, not written in out-of-order blocks).
+    Memory: one block's two columns, and one row in :data:`SCAN_STRIDE` of each piece."""
     import polars as pl
 
     table, column = index.table, index.column
@@ -255,10 +260,16 @@ def scan_pieces(
     run_ids: list[np.ndarray] = []
     run_times: list[np.ndarray] = []
     last_time = None
+    parts = cpu_share()  # each block read on the cores in as many rowid ranges
     for after in range(index.first - 1, index.last, SCAN_ROWS):
+        cuts = [after + SCAN_ROWS * i // parts for i in range(parts + 1)]
         block = read(
-            f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE rowid > {after} '
-            f"AND rowid <= {after + SCAN_ROWS} AND typeof(\"{column}\") = 'integer'"
+            [
+                f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE rowid > {a} '
+                f"AND rowid <= {b} AND typeof(\"{column}\") = 'integer'"
+                for a, b in itertools.pairwise(cuts)
+            ],
+            min(SCAN_ROWS // parts + 1, index.rows),
         )
         if block.is_empty():
             continue
@@ -273,18 +284,17 @@ def scan_pieces(
         bounds = [0, *breaks.tolist(), len(ids)]
         continues = not (len(breaks) and breaks[0] == 0)
         for a, b in itertools.pairwise(bounds):
-            if a == 0 and continues:  # the run of the block before goes on
-                run_ids.append(ids[a:b])
-                run_times.append(times[a:b])
-                continue
-            if run_ids:
+            # a run's rows kept: one in SCAN_STRIDE, its first and its last
+            at = np.unique(np.r_[np.arange(a, b, SCAN_STRIDE), b - 1])
+            if not (a == 0 and continues) and run_ids:  # a new run: the one before ends
                 pieces.append(_sampled(np.concatenate(run_ids), np.concatenate(run_times), samples))
-            run_ids, run_times = [ids[a:b]], [times[a:b]]
+                run_ids, run_times = [], []
+            run_ids.append(ids[at])
+            run_times.append(times[at])
         last_time = int(times[-1])
     if run_ids:
         pieces.append(_sampled(np.concatenate(run_ids), np.concatenate(run_times), samples))
-    rows = sum(int(r[-1] - r[0]) + 1 for r, _t in pieces)  # (from the first and last rowid)
-    if not pieces or rows < MIN_PIECE_ROWS * len(pieces):
+    if not pieces or len(pieces) > max(FEW_PIECES, index.rows // MIN_PIECE_ROWS):
         return None
     made = [RowIndex(con, table, column, r, t, True) for r, t in pieces]
     made.sort(key=lambda p: int(p.times[0]))

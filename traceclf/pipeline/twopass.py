@@ -136,12 +136,9 @@ def _in_pieces(
     (:func:`traceclf.ingest.rowindex.scan_pieces`); a table shuffled finer stays unordered
     (read by a filtered scan on time)."""
 
-    def read(queries: list[str]) -> pl.DataFrame:
-        return reader.sql(queries, rowindex.SCAN_ROWS)
-
     out: dict[str, RowIndex | rowindex.Pieces] = {}
     for logical, index in indexes.items():
-        pieces = None if index.ordered else rowindex.scan_pieces(con, index, read)
+        pieces = None if index.ordered else rowindex.scan_pieces(con, index, reader.sql)
         out[logical] = pieces if pieces is not None else index
     return out
 
