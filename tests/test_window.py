@@ -310,3 +310,25 @@ def test_unusable_rows_are_counted_and_left_out(tmp_path: Path) -> None:
     assert trace.kernels.height == kernels_total - 5
     report = analyze_inputs([str(path)], AnalysisOptions(use_cache=False, quiet=True))
     assert report.inputs[0]["unusable_rows"] == trace.unusable_rows
+
+
+def test_host_tables_of_the_window_are_read_by_rowid_ranges() -> None:
+    """The OS runtime calls, samples and scheduling of the analysed steps are read by rowid
+    ranges (the steps and as long again before each), not by a scan of the whole table: the
+    same rows as the filtered scan on the slow-loader capture, shuffled tables included."""
+    from traceclf.ingest.hosttables import read_host_side
+    from traceclf.ingest.reader import Reader
+
+    path = FIXTURES / "h100_host_slow_loader.sqlite"
+    read = twopass.load_sampled(path, bundled(), budget=event_rows(path) // 3)
+    assert read.plans and read.trace.read_spans
+    scanned = read_host_side(
+        Reader(inspect_export(path)),
+        read.trace.api["global_tid"].unique().to_list(),
+        read.trace.read_spans,
+        has_nvtx_ranges=True,
+    )
+    for name in ("osrt", "samples", "sched"):
+        got, want = getattr(read.trace, name), getattr(scanned, name)
+        assert not want.is_empty(), name
+        assert got.equals(want), name

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
+from traceclf.ingest import rowindex
 from traceclf.ingest.payloads import PayloadSchemas, decode, read_payload_events
 from traceclf.ingest.reader import decode_pid, overlap_clause
 from traceclf.ingest.tables import TABLES
@@ -119,9 +120,12 @@ def read_host_side(
     threads: Sequence[int],
     spans: Span | Sequence[Span] | None,
     has_nvtx_ranges: bool,
+    windowed: bool = False,
 ) -> HostSide:
     """What the export holds of the host side, for the CUDA-calling ``threads`` (global thread
-    ids) in the time ``spans`` (None: the whole capture)."""
+    ids) in the time ``spans`` (None: the whole capture). ``windowed``: ``spans`` are the
+    analysed steps' of a long capture, whose rows are read by rowid ranges
+    (:func:`_window_rows`), not by a scan of the whole table."""
     info = reader.info
     present = {
         "nvtx": has_nvtx_ranges,
@@ -143,17 +147,17 @@ def read_host_side(
     strings = reader.strings
     empty = empty_host_side()
     osrt = (
-        _read_capped(reader, "osrt", where, spans, notes, strings)
+        _read_capped(reader, "osrt", where, spans, notes, strings, windowed)
         if present["osrt"]
         else empty.osrt
     )
     samples = (
-        _read_capped(reader, "samples", where, spans, notes, strings)
+        _read_capped(reader, "samples", where, spans, notes, strings, windowed)
         if present["sampling"]
         else empty.samples
     )
     sched = (
-        _read_capped(reader, "sched", where, spans, notes, strings)
+        _read_capped(reader, "sched", where, spans, notes, strings, windowed)
         if present["sched"]
         else empty.sched
     )
@@ -192,6 +196,7 @@ def _read_capped(
     spans: Span | Sequence[Span] | None,
     notes: dict[str, str],
     strings: pl.DataFrame,
+    windowed: bool = False,
 ) -> pl.DataFrame:
     """One host table's rows on the CUDA threads in ``spans``, typed; empty (with a note)
     when there are more than :data:`HOST_ROW_CAP` of them."""
@@ -218,13 +223,21 @@ def _read_capped(
     if spans is not None:
         end = '"end"' if "end" in columns else "start"
         clauses.append(overlap_clause(spans, end))
-    (rows,) = reader.sql(
-        f"SELECT count(*) AS n FROM {table} WHERE {' AND '.join(f'({c})' for c in clauses)}"
-    ).row(0)
+    ranges = _window_rows(reader, table, spans) if windowed and spans is not None else None
+    if ranges is None:  # the whole capture, or a shuffled table: counted before read
+        (rows,) = reader.sql(
+            f"SELECT count(*) AS n FROM {table} WHERE {' AND '.join(f'({c})' for c in clauses)}"
+        ).row(0)
+    else:  # the rows of the analysed steps: few by construction, counted once read
+        raw = reader.read(logical, spans, where, rowids=ranges) if ranges else None
+        rows = 0 if raw is None else raw.height
     if int(rows) > HOST_ROW_CAP:
         notes[source] = f"not read: {int(rows):,} rows on the CUDA threads (over {HOST_ROW_CAP:,})"
         return pl.DataFrame(schema=schema)
-    raw = reader.read(logical, spans, where)
+    if ranges is None:
+        raw = reader.read(logical, spans, where)
+    elif raw is None:
+        return pl.DataFrame(schema=schema)
     if logical == "osrt":
         return raw.with_columns(name=_named(strings, "name_id")).select(list(schema)).sort("start")
     if logical == "sched":
@@ -239,6 +252,31 @@ def _read_capped(
             .cast(pl.Categorical),
         ).sort("start")
     return raw.select(list(schema)).sort("start")
+
+
+def _window_rows(
+    reader: Reader, table: str | None, spans: Span | Sequence[Span]
+) -> list[tuple[int, int]] | None:
+    """Rowid ranges of ``table`` holding the rows that start in each of ``spans`` or in as
+    long again before it (a call that began earlier and still runs in the span: a run of
+    steps looks back at least one step), found by binary search on ``start`` as for the event
+    tables (:mod:`traceclf.ingest.rowindex`); None when the table is shuffled (read by a
+    filtered scan)."""
+    if table is None:
+        return []
+    listed = [spans] if isinstance(spans[0], int) else list(spans)  # type: ignore[list-item]
+    with rowindex.connect(reader.info.path) as con:
+        index = rowindex.RowIndex.build(con, table)
+        if index is None:
+            return []
+        if not index.ordered:
+            index = rowindex.scan_pieces(con, index, reader.sql)  # type: ignore[assignment]
+            if index is None:
+                return None
+        last = int(index.times.max())  # (a span may reach past the capture's end)
+        return rowindex.merge(
+            [r for lo, hi in listed for r in index.ranges(2 * lo - min(hi, last), hi)]  # type: ignore[misc]
+        )
 
 
 def _named(strings: pl.DataFrame, col: str) -> pl.Expr:
