@@ -6,8 +6,10 @@ CUDA-graph executions, else the kernel that recurs most regularly in a slice of 
 table — and chooses the steady steps to analyse: all of them when the row budget allows,
 else runs of consecutive steps spread evenly over the steady state
 (:func:`traceclf.steps.plan.plan_steps`). Pass 2 reads only those steps' rows, by rowid ranges found
-by binary search on ``start`` (:mod:`traceclf.ingest.rowindex`); a table whose rows are not in
-``start`` order is read with a filtered scan instead. NVTX ranges and memory events are read
+by binary search on ``start`` (:mod:`traceclf.ingest.rowindex`). A table whose rows are not in
+``start`` order is scanned once for its ordered pieces and read by rowid ranges within them; one
+shuffled finer is read with a filtered scan on time (and NVTX steps' warm-up is then decided on
+their CPU durations): ``Trace.read_path`` says which. NVTX ranges and memory events are read
 whole: warm-up detection and the peak of allocated memory need the whole capture.
 
 An export whose event tables fit in the budget is read whole, as ``--all-steps`` does.
