@@ -234,6 +234,11 @@ def test_tables_out_of_order_in_blocks_are_read_in_pieces(tmp_path: Path) -> Non
     window = analysed(path, budget)
     assert window.capture["read_path"] == "ordered_pieces"
     assert window.metrics == analysed(original, budget).metrics
+    with sqlite3.connect(path) as con:  # a time of another type: that row is no time
+        con.execute("UPDATE CUPTI_ACTIVITY_KIND_RUNTIME SET start = 'x' WHERE rowid = 5")
+    assert twopass.load_sampled(path, bundled(), budget=budget).trace.read_path == (
+        "ordered_pieces"
+    )
 
 
 def test_rows_out_of_order_between_samples_are_caught_after_reading(tmp_path: Path) -> None:

@@ -263,14 +263,15 @@ def scan_pieces(
     parts = cpu_share()  # each block read on the cores in as many rowid ranges
     for after in range(index.first - 1, index.last, SCAN_ROWS):
         cuts = [after + SCAN_ROWS * i // parts for i in range(parts + 1)]
-        block = read(
-            [
-                f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE rowid > {a} '
-                f"AND rowid <= {b} AND typeof(\"{column}\") = 'integer'"
-                for a, b in itertools.pairwise(cuts)
-            ],
-            min(SCAN_ROWS // parts + 1, index.rows),
-        )
+        rows = min(SCAN_ROWS // parts + 1, index.rows)
+        queries = [
+            f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE rowid > {a} AND rowid <= {b}'
+            for a, b in itertools.pairwise(cuts)
+        ]
+        try:
+            block = read(queries, rows).drop_nulls()
+        except TraceError:  # a value of another type (no time): those rows are left out
+            block = read([f"{q} AND typeof(\"{column}\") = 'integer'" for q in queries], rows)
         if block.is_empty():
             continue
         block = block.sort("r")
