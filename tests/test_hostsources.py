@@ -468,6 +468,34 @@ def test_claim_splits_pieces_by_labelled_intervals():
     ]
 
 
+def test_claim_in_blocks_is_claim_at_once(monkeypatch):
+    """Constructed: many pieces and overlapping labelled intervals, claimed at once and in
+    blocks of a few (piece, interval run) pairs (what bounds the memory of a long capture's
+    millions of calls): the same parts, labels and rest."""
+    import numpy as np
+
+    from traceclf.measures import intervals
+
+    rng = np.random.default_rng(7)
+    edges = np.sort(rng.choice(100_000, 2_000, replace=False))
+    pieces = (edges[0::2], edges[1::2], np.arange(1_000))
+    lo = rng.integers(0, 100_000, 3_000)
+    hi = lo + rng.integers(1, 300, 3_000)
+    label = rng.integers(0, 5, 3_000)
+    whole = intervals.claim(pieces, lo, hi, label)
+    monkeypatch.setattr(intervals, "CLAIM_PAIRS", 7)
+    blocked = intervals.claim(pieces, lo, hi, label)
+    for got, want in ((blocked[0], whole[0]), (blocked[2], whole[2])):
+        assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert np.array_equal(blocked[1], whole[1])
+    plain = intervals.claim(pieces, lo, hi)
+    monkeypatch.setattr(intervals, "CLAIM_PAIRS", 1 << 21)
+    assert all(
+        np.array_equal(g, w)
+        for g, w in zip(plain[2], intervals.claim(pieces, lo, hi)[2], strict=True)
+    )
+
+
 def test_a_host_table_of_another_layout_is_left_out_not_fatal(tmp_path: Path):
     """Copy of the slow loader whose OSRT_API lacks its globalTid column (as an export of
     another nsys version might): OS runtime calls are left out, with a note; the rest stands."""

@@ -16,6 +16,7 @@ between the spans is not part of it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -184,22 +185,62 @@ def claim(
     # starting before it ends (runs and pieces are both disjoint and sorted)
     first = np.searchsorted(cover_hi, start, side="right")
     n = np.maximum(np.searchsorted(cover_lo, end, side="left") - first, 0)
+    labels = None
+    if label is not None:
+        # cut at every interval's bounds too: each part is then covered by the same intervals
+        # all along, and the one reaching furthest among those started by its start covers it
+        bounds = np.sort(np.concatenate([lo, hi]))
+        bounds = bounds[np.concatenate([[True], bounds[1:] != bounds[:-1]])]
+        reach = np.maximum.accumulate(hi)
+        furthest = np.maximum.accumulate(np.where(hi == reach, np.arange(len(hi)), 0))
+        labels = (bounds, lo, label[order][furthest])
+    # pieces in blocks of about CLAIM_PAIRS (piece, run) pairs: memory bounded by a block's
+    # arrays, not by every pair of a capture's millions of calls at once
+    total = np.cumsum(n)
+    cuts = np.searchsorted(total, np.arange(CLAIM_PAIRS, int(total[-1]), CLAIM_PAIRS))
+    edges = np.unique(np.concatenate([[0], cuts + 1, [len(start)]]).clip(0, len(start)))
+    blocks = [
+        _claim_block(
+            (start[i:j], end[i:j], owner[i:j]), first[i:j], n[i:j], cover_lo, cover_hi, labels
+        )
+        for i, j in itertools.pairwise(edges.tolist())
+        if j > i
+    ]
+    if len(blocks) == 1:
+        return blocks[0]
+    cut = tuple(np.concatenate([b[0][k] for b in blocks]) for k in range(3))
+    rest = tuple(np.concatenate([b[2][k] for b in blocks]) for k in range(3))
+    return cut, np.concatenate([b[1] for b in blocks]), rest  # type: ignore[return-value]
+
+
+# (piece, run) pairs that :func:`claim` visits at once
+CLAIM_PAIRS = 1 << 21
+
+
+def _claim_block(
+    pieces: Pieces,
+    first: np.ndarray,
+    n: np.ndarray,
+    cover_lo: np.ndarray,
+    cover_hi: np.ndarray,
+    labels: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+) -> tuple[Pieces, np.ndarray, Pieces]:
+    """:func:`claim` of a block of pieces: ``first`` and ``n`` the runs each overlaps;
+    ``labels``: the sorted distinct bounds of the intervals, their sorted starts, and the
+    label of the interval reaching furthest from each start."""
+    start, end, owner = pieces
     piece = np.repeat(np.arange(len(start)), n)
     run = np.arange(len(piece)) - np.repeat(np.cumsum(n) - n, n) + np.repeat(first, n)
     a = np.maximum(start[piece], cover_lo[run])
     b = np.minimum(end[piece], cover_hi[run])
     cut = (a, b, owner[piece])
     rest = _outside(pieces, n, a, b)
-    if label is None:
+    if labels is None:
         return cut, np.empty(0, np.int64), rest
-    # cut at every interval's bounds too: each part is then covered by the same intervals all
-    # along, and the one reaching furthest among those started by its start covers all of it
-    bounds = np.sort(np.concatenate([lo, hi]))
-    cut = _split_at(cut, bounds[np.concatenate([[True], bounds[1:] != bounds[:-1]])])
-    reach = np.maximum.accumulate(hi)
-    furthest = np.maximum.accumulate(np.where(hi == reach, np.arange(len(hi)), 0))
+    bounds, lo, furthest_label = labels
+    cut = _split_at(cut, bounds)
     at = np.searchsorted(lo, cut[0], side="right") - 1
-    return cut, label[order][furthest[at]], rest
+    return cut, furthest_label[at], rest
 
 
 def _outside(pieces: Pieces, n: np.ndarray, a: np.ndarray, b: np.ndarray) -> Pieces:
