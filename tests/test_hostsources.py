@@ -447,7 +447,7 @@ def test_claim_splits_pieces_by_labelled_intervals():
     in order; a piece no interval touches is kept whole."""
     import numpy as np
 
-    from traceclf.measures.intervals import claim
+    from traceclf.measures.claims import claim
 
     pieces = (np.array([0, 100, 300]), np.array([50, 200, 400]), np.array([7, 8, 9]))
     lo, hi = np.array([150, 10, 120, 500]), np.array([160, 20, 180, 600])
@@ -474,7 +474,7 @@ def test_claim_in_blocks_is_claim_at_once(monkeypatch):
     millions of calls): the same parts, labels and rest."""
     import numpy as np
 
-    from traceclf.measures import intervals
+    from traceclf.measures import claims as intervals
 
     rng = np.random.default_rng(7)
     edges = np.sort(rng.choice(100_000, 2_000, replace=False))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from traceclf.measures import intervals
+from traceclf.measures.claims import Pieces, claim, merged
 from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.measures.host import NVTX_COUNTERS, nvtx_cover
 from traceclf.measures.hostframes import (
@@ -80,7 +80,7 @@ class _Claims:
     pieces of the gaps still to claim (disjoint, sorted, each with its gap). Sums, not
     pieces: a launch-bound window's millions of gaps are never a frame of strings."""
 
-    pieces: intervals.Pieces
+    pieces: Pieces
     cause: np.ndarray  # each gap's idle cause (its code in IDLE_CAUSES)
     parts: list[pl.DataFrame] = field(default_factory=list)
 
@@ -96,7 +96,7 @@ class _Claims:
         ``label`` the name ``what[label[i]]`` of each interval); the names that got any."""
         if not len(lo) or not len(self.pieces[0]):
             return set()
-        cut, labels, self.pieces = intervals.claim(self.pieces, lo, hi, label)
+        cut, labels, self.pieces = claim(self.pieces, lo, hi, label)
         if not len(cut[0]):
             return set()
         names = [what] if label is None else what
@@ -142,7 +142,7 @@ class _Claims:
 
     def join(self, part: _Claims) -> None:
         self.parts += part.parts
-        self.pieces = intervals.merged(self.pieces, part.pieces)
+        self.pieces = merged(self.pieces, part.pieces)
 
 
 @dataclass
@@ -372,7 +372,7 @@ def _sampled(
 def _native_beside(
     w: RankWindow,
     hits: pl.DataFrame,
-    pieces: intervals.Pieces,
+    pieces: Pieces,
     threads: np.ndarray,
 ) -> dict[str, list[dict]]:
     """Per top Python frame: the hottest native functions of the CPU samples (taken in the
