@@ -308,3 +308,27 @@ def _sampled(ids: np.ndarray, times: np.ndarray, samples: int) -> tuple[np.ndarr
         return ids.copy(), times.copy()
     at = np.unique(np.linspace(0, len(ids) - 1, num=samples).round().astype(np.int64))
     return ids[at].copy(), times[at].copy()
+
+
+def in_pieces(
+    con: sqlite3.Connection, indexes: dict[str, RowIndex], read
+) -> dict[str, RowIndex | Pieces]:
+    """``indexes`` with each table that is not in start order scanned for its ordered pieces
+    (:func:`scan_pieces`, through ``read``); a table shuffled finer stays unordered (read by a
+    filtered scan on time)."""
+    out: dict[str, RowIndex | Pieces] = {}
+    for logical, index in indexes.items():
+        pieces = None if index.ordered else scan_pieces(con, index, read)
+        out[logical] = pieces if pieces is not None else index
+    return out
+
+
+def read_path(indexes: dict) -> str:
+    """How the analysed steps were read (the report's ``capture.read_path``): by rowid ranges
+    (every event table in start order), by rowid ranges within the ordered pieces of tables
+    that are not, or by a filtered scan on time (a table shuffled finer than that)."""
+    if any(not index.ordered for index in indexes.values()):
+        return "filtered_scan"
+    if any(len(index.pieces) > 1 for index in indexes.values()):
+        return "ordered_pieces"
+    return "rowid_ranges"

@@ -120,7 +120,7 @@ def load_sampled(
         if sum(i.rows for i in indexes.values()) <= budget:
             return SampledRead(load_trace(path, progress=progress), {})
         step("steps")
-        indexes = _in_pieces(reader, con, indexes)
+        indexes = rowindex.in_pieces(con, indexes, reader.sql)
         planner = _Planner(
             reader, con, indexes, taxonomy, step_regex, budget, settings or bundled_settings()
         )
@@ -128,32 +128,7 @@ def load_sampled(
         if plans is None:  # some rank's steps cannot be found cheaply: read it all
             return SampledRead(load_trace(path, progress=progress), {})
         trace = _read_plans(reader, con, indexes, planner, budget, progress)
-    return SampledRead(replace(trace, read_path=_read_path(indexes)), plans)
-
-
-def _in_pieces(
-    reader: Reader, con, indexes: dict[str, RowIndex]
-) -> dict[str, RowIndex | rowindex.Pieces]:
-    """``indexes`` with each table that is not in start order scanned for its ordered pieces
-    (:func:`traceclf.ingest.rowindex.scan_pieces`); a table shuffled finer stays unordered
-    (read by a filtered scan on time)."""
-
-    out: dict[str, RowIndex | rowindex.Pieces] = {}
-    for logical, index in indexes.items():
-        pieces = None if index.ordered else rowindex.scan_pieces(con, index, reader.sql)
-        out[logical] = pieces if pieces is not None else index
-    return out
-
-
-def _read_path(indexes: dict) -> str:
-    """How the analysed steps were read (the report's ``capture.read_path``): by rowid ranges
-    (every event table in start order), by rowid ranges within the ordered pieces of tables
-    that are not, or by a filtered scan on time (a table shuffled finer than that)."""
-    if any(not index.ordered for index in indexes.values()):
-        return "filtered_scan"
-    if any(len(index.pieces) > 1 for index in indexes.values()):
-        return "ordered_pieces"
-    return "rowid_ranges"
+    return SampledRead(replace(trace, read_path=rowindex.read_path(indexes)), plans)
 
 
 class _Planner:
