@@ -14,6 +14,7 @@ from realtraces import trace_path
 
 import traceclf
 from traceclf.figures import draw as figures
+from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.render import render
 from traceclf.render.html import render_html
 from traceclf.render.markdown import render_markdown
@@ -228,6 +229,25 @@ def test_step_timeline_bars_add_up_to_the_steps(comm_report: Report) -> None:
     for row in rows:
         total = sum(row[k] for k in ("compute", "exposed_comm", "copy", "idle")) / 1e6
         assert tops[row["index"]] == pytest.approx(total, rel=1e-6)
+
+
+def test_idle_gap_figure_counts_every_cause() -> None:
+    """nvFuser's unit test idles 472 ms with the host compiling (cause "host"): the figure's
+    bars and title hold it, and its legend names every cause inside the figure."""
+    report = traceclf.analyze(trace_path("nvfuser_matmul_test_h100"), use_cache=False)
+    hist = report.series[0]["idle_gaps"]
+    assert sum(hist["host_ns"]) / 1e6 == pytest.approx(472.1, abs=0.1)
+    total_ms = sum(sum(hist[f"{cause}_ns"]) for cause in IDLE_CAUSES) / 1e6
+    fig = figures.idle_gaps(report.series)
+    assert f": {total_ms:.3g} ms in the window" in fig.get_suptitle()
+    assert sum(p.get_height() for p in fig.axes[0].patches) == pytest.approx(total_ms)
+    legend = fig.legends[0]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == [label for _cause, label, _colour in figures.IDLE_CAUSE_STYLE]
+    assert [cause for cause, _l, _c in figures.IDLE_CAUSE_STYLE] == list(IDLE_CAUSES)
+    fig.canvas.draw()  # the legend laid out: inside the figure, not cut at its edges
+    box, page = legend.get_window_extent(), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1
 
 
 def test_figure_functions_refuse_empty_data() -> None:

@@ -20,6 +20,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from traceclf.figures.style import MAX_RANK_PANELS, WALL_COLORS, WIDTH_IN, figure_title, light_grid
+from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.support.units import pct
 
 STEP_PARTS = (  # step_breakdown key, legend label, colour
@@ -28,12 +29,17 @@ STEP_PARTS = (  # step_breakdown key, legend label, colour
     ("copy", "copies / memsets", WALL_COLORS["memory"]),
     ("idle", "idle", WALL_COLORS["idle"]),
 )
-IDLE_CAUSE_STYLE = (  # host causes in shades of the host wall's orange; unattributed grey
-    ("launch", "launch-bound", "#d9650b"),
-    ("sync", "after a sync", "#f5a623"),
-    ("input", "input (no CUDA calls)", "#f7d154"),
-    ("other", "other / unattributed", WALL_COLORS["idle"]),
-)
+# Host causes in shades of the host wall's orange, unattributed grey. Keyed by every cause of
+# IDLE_CAUSES (a cause without a style fails here, at import, not as a figure that leaves idle
+# time out), in their order.
+IDLE_CAUSE_LOOK = {
+    "launch": ("launch-bound", "#d9650b"),
+    "sync": ("after a sync", "#f5a623"),
+    "input": ("input (no CUDA calls)", "#f7d154"),
+    "host": ("host busy elsewhere (no CUDA calls)", "#8a4b12"),
+    "other": ("other / unattributed", WALL_COLORS["idle"]),
+}
+IDLE_CAUSE_STYLE = tuple((cause, *IDLE_CAUSE_LOOK[cause]) for cause in IDLE_CAUSES)
 GPU_METRICS = (  # metric key (traceclf.ingest.devices.METRIC_NAMES), label, colour, line style
     ("sm_active", "SM Active", "#1b5e20", "-"),
     ("sm_issue", "SM Issue", "#66bb6a", "--"),
@@ -224,10 +230,12 @@ def idle_gaps(series: Sequence[dict]) -> Figure:
     figure_title(
         fig,
         f"GPU idle gaps by length and cause: {total_ns / scale:.3g} {unit} {per}" + share,
-        "numbers above bars: gaps in the bin over the steady state"
+        "numbers above bars: gaps in the bin over the "
+        + ("steady state" if _has_steps(ranks) else "window")
         + (f", {len(ranks)} ranks (time is the mean per rank)" if len(ranks) > 1 else ""),
     )
-    _legend(fig, [(label, color) for _c, label, color in IDLE_CAUSE_STYLE])
+    # five causes on one row would run past the figure's edges
+    _legend(fig, [(label, color) for _c, label, color in IDLE_CAUSE_STYLE], ncols=3)
     return fig
 
 
@@ -360,15 +368,23 @@ def _comm_ns(series: Sequence[dict]) -> int:
 
 
 def _legend(
-    fig: Figure, entries: list[tuple[str, str]], hatches: list[str | None] | None = None
+    fig: Figure,
+    entries: list[tuple[str, str]],
+    hatches: list[str | None] | None = None,
+    ncols: int | None = None,
 ) -> None:
+    """The legend under the figure: one row of ``entries``, or rows of ``ncols``."""
     hatches = hatches or [None] * len(entries)
     handles = [
         Patch(facecolor=color, edgecolor="white", hatch=hatch, label=label)
         for (label, color), hatch in zip(entries, hatches, strict=True)
     ]
     fig.legend(
-        handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=9
+        handles=handles,
+        loc="outside lower center",
+        ncols=ncols or len(handles),
+        frameon=False,
+        fontsize=9,
     )
 
 

@@ -41,7 +41,8 @@ CAPTIONS = {
     "comm_overlap": "How much of the communication runs under compute (hidden) and how much "
     "the step waits for (exposed), per rank, in ms per step.",
     "idle_gaps": "GPU idle time per step by gap length and by what the host was doing: "
-    "issuing launches, returning from a synchronisation, or no CUDA calls at all (input).",
+    "issuing launches, returning from a synchronisation, loading input, or busy elsewhere "
+    "without CUDA calls (compiling, checkpointing: NVTX says which), else unattributed.",
     "gpu_metrics": "GPU metrics sampled by Nsight Systems over the steady state.",
     "step_lanes": "One steady-state step per rank (the one nearest the median step time) as "
     "the GPU ran it: compute, communication and copies, and the GPU span of each NVTX phase.",
