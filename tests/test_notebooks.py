@@ -3,6 +3,7 @@ notebooks/, and is committed without outputs."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,42 @@ def test_notebook_runs(
         resources={"metadata": {"path": str(REPO / cwd)}},
     )
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
+
+
+def run_cells(
+    cells: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> list[list[dict]]:
+    """The outputs of each of ``cells`` run as a fresh notebook from the repository root, as a
+    user's notebook would run them (no ``%matplotlib`` magic unless a cell says so)."""
+    monkeypatch.setenv("TRACECLF_CACHE_DIR", str(tmp_path / "cache"))
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout=CELL_TIMEOUT_S,
+        resources={"metadata": {"path": str(REPO)}},
+    )
+    client.execute()
+    return [cell.outputs for cell in nb.cells]
+
+
+def test_figures_display_as_images_without_matplotlib_magic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/api.md: ``display(fig)`` or a figure as a cell's value shows the picture, with no
+    ``%matplotlib inline`` first (a Figure made without pyplot has no formatter otherwise)."""
+    outputs = run_cells(
+        [
+            "import traceclf\nfrom traceclf import api\nfrom IPython.display import display\n"
+            "figures = api.figures(traceclf.analyze('fixtures/h100_comm_ep2.sqlite'))",
+            "figures['step_timeline']",
+            "for fig in figures.values():\n    display(fig)",
+        ],
+        tmp_path,
+        monkeypatch,
+    )
+    shown = [out for cell in outputs[1:] for out in cell]
+    assert len(shown) == 1 + 3  # the cell's value, then step_timeline, step_lanes, comm_overlap
+    for out in shown:
+        png = base64.b64decode(out["data"]["image/png"])
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000

@@ -89,7 +89,8 @@ def figures_beside(report: Report, output: Path, files: Together, tag: str = "")
     in ``files`` with the report, and return {figure: file name relative to ``output``'s
     folder}. Nothing is drawn when ``output`` is not a regular file to be (a FIFO, a device,
     /dev/stdout)."""
-    from traceclf.figures.draw import figure_png, report_figures
+    from traceclf.figures.draw import report_figures
+    from traceclf.figures.style import figure_png
 
     target, st = check_output(output)
     if st is not None and not target.is_file():

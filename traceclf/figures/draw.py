@@ -12,14 +12,20 @@ compute green, idle grey.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from traceclf.figures.style import MAX_RANK_PANELS, WALL_COLORS, WIDTH_IN, figure_title, light_grid
+from traceclf.figures.style import (
+    MAX_RANK_PANELS,
+    WALL_COLORS,
+    WIDTH_IN,
+    ReportFigure,
+    figure_title,
+    light_grid,
+)
 from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.support.units import pct
 
@@ -49,16 +55,6 @@ MAX_STEP_TICKS = 30
 # Past this many steps one bar per step costs seconds per thousand steps and draws bars
 # narrower than a pixel: consecutive steps are averaged into this many bars instead.
 MAX_STEP_BARS = 300
-
-
-FIGURE_DPI = 110
-
-
-def figure_png(fig: Figure) -> bytes:
-    """``fig`` as a PNG file's bytes (the HTML report embeds them, Markdown links them)."""
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
-    return buffer.getvalue()
 
 
 def report_figures(series: Sequence[dict]) -> dict[str, Figure]:
@@ -123,7 +119,7 @@ def step_timeline(series: Sequence[dict]) -> Figure:
     if not ranks:
         raise ValueError("no steps in this report: the step timeline needs steady steps")
     panel_in = 1.9 if len(ranks) <= 4 else 1.4  # many ranks: keep the figure on a screen
-    fig = Figure(figsize=(WIDTH_IN, 1.3 + panel_in * len(ranks)), layout="constrained")
+    fig = ReportFigure(figsize=(WIDTH_IN, 1.3 + panel_in * len(ranks)), layout="constrained")
     axes = fig.subplots(len(ranks), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     grouped = 1
     for ax, rank in zip(axes, ranks, strict=True):
@@ -192,7 +188,7 @@ def idle_gaps(series: Sequence[dict]) -> Figure:
     total_ns = sum(sum(v) for v in per_step.values())
     unit, scale = _time_unit(total_ns)
 
-    fig = Figure(figsize=(WIDTH_IN, 4.6), layout="constrained")
+    fig = ReportFigure(figsize=(WIDTH_IN, 4.6), layout="constrained")
     ax = fig.add_subplot()
     bottom = [0.0] * len(bins)
     for cause, _label, color in IDLE_CAUSE_STYLE:
@@ -272,7 +268,7 @@ def comm_overlap(series: Sequence[dict]) -> Figure:
         ("communication hidden under compute", "#8fd3da", "//"),
         ("exposed communication", WALL_COLORS["communication"], None),
     )
-    fig = Figure(figsize=(WIDTH_IN, 1.9 + 0.55 * len(ranks)), layout="constrained")
+    fig = ReportFigure(figsize=(WIDTH_IN, 1.9 + 0.55 * len(ranks)), layout="constrained")
     ax = fig.add_subplot()
     y = list(range(len(ranks)))
     left = [0.0] * len(ranks)
@@ -317,7 +313,7 @@ def gpu_metrics(series: Sequence[dict]) -> Figure:
     rank = next((s for s in series if s.get("gpu_metrics")), None)
     if rank is None:
         raise ValueError("no GPU metrics in this trace (capture with --gpu-metrics-devices)")
-    fig = Figure(figsize=(WIDTH_IN, 4.2), layout="constrained")
+    fig = ReportFigure(figsize=(WIDTH_IN, 4.2), layout="constrained")
     ax = fig.add_subplot()
     for name, label, color, style in GPU_METRICS:
         points = rank["gpu_metrics"].get(name)

@@ -3,6 +3,8 @@ orange, compute green, idle grey), the width, and the title and grid of a panel.
 
 from __future__ import annotations
 
+import io
+
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
@@ -16,6 +18,24 @@ WALL_COLORS = {
 }
 MAX_RANK_PANELS = 8  # beyond this a per-rank panel stack stops being readable
 WIDTH_IN = 9.0
+FIGURE_DPI = 110
+
+
+class ReportFigure(Figure):
+    """A figure that shows itself in Jupyter as a PNG. IPython asks an object for
+    ``_repr_png_`` when no display formatter is registered for its type, and a Figure made
+    without pyplot has none unless ``%matplotlib inline`` registered one (when it did, that
+    formatter is used instead): without this, ``display(fig)`` prints ``<Figure size ...>``."""
+
+    def _repr_png_(self) -> bytes:
+        return figure_png(self)
+
+
+def figure_png(fig: Figure) -> bytes:
+    """``fig`` as a PNG file's bytes (the HTML report embeds them, Markdown links them)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=FIGURE_DPI)
+    return buffer.getvalue()
 
 
 def figure_title(fig: Figure, text: str, subtitle: str | None = None) -> None:

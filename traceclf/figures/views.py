@@ -10,7 +10,14 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from traceclf.figures.style import MAX_RANK_PANELS, WALL_COLORS, WIDTH_IN, figure_title, light_grid
+from traceclf.figures.style import (
+    MAX_RANK_PANELS,
+    WALL_COLORS,
+    WIDTH_IN,
+    ReportFigure,
+    figure_title,
+    light_grid,
+)
 
 LANES = (  # step_lanes key, label, colour
     ("compute", "compute (kernels, graph replays)", WALL_COLORS["compute"]),
@@ -37,7 +44,7 @@ def step_lanes(series: Sequence[dict]) -> Figure:
         for key, label, color in LANES
         if any(key in s["step_lanes"]["lanes"] for s in ranks)
     ]
-    fig = Figure(
+    fig = ReportFigure(
         figsize=(WIDTH_IN, 1.2 + (0.35 * len(lanes) + 0.6) * len(ranks)), layout="constrained"
     )
     axes = fig.subplots(len(ranks), 1, squeeze=False)[:, 0]
@@ -109,7 +116,7 @@ def memory(series: Sequence[dict]) -> Figure:
     ranks = [s for s in series if (s.get("memory") or {}).get("points")][:MAX_RANK_PANELS]
     if not ranks:
         raise ValueError("no memory events in this trace (CUDA_GPU_MEMORY_USAGE_EVENTS)")
-    fig = Figure(figsize=(WIDTH_IN, 4.2), layout="constrained")
+    fig = ReportFigure(figsize=(WIDTH_IN, 4.2), layout="constrained")
     ax = fig.add_subplot()
     drawn: list[list] = []
     for s in ranks:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
-from traceclf.figures.style import WALL_COLORS, WIDTH_IN, figure_title, light_grid
+from traceclf.figures.style import WALL_COLORS, WIDTH_IN, ReportFigure, figure_title, light_grid
 from traceclf.support.escape import visible
 
 SLOWER, FASTER = "#c62828", WALL_COLORS["compute"]  # a part that adds time, one that saves it
@@ -23,7 +23,7 @@ def step_waterfall(before_ms: float, parts: Sequence[tuple[str, float]], after_m
         raise ValueError("no parts of a step change to draw")
     # (kernel names come from traces: control characters written out, "$" never mathtext)
     labels = ["before", *(visible(label) for label, _ in parts), "after"]
-    fig = Figure(figsize=(WIDTH_IN, 0.45 * len(labels) + 1.6), layout="constrained")
+    fig = ReportFigure(figsize=(WIDTH_IN, 0.45 * len(labels) + 1.6), layout="constrained")
     ax = fig.add_subplot()
     level = before_ms
     y = list(range(len(labels)))[::-1]  # top to bottom, in reading order

@@ -86,7 +86,7 @@ def _waterfall(c: Comparison, n: int) -> str:
     steps = parts.waterfall_steps(c.breakdown)
     if not steps or c.before.step_mean_ms is None or c.after.step_mean_ms is None:
         return ""
-    from traceclf.figures.draw import figure_png
+    from traceclf.figures.style import figure_png
     from traceclf.figures.waterfall import step_waterfall
 
     fig = step_waterfall(c.before.step_mean_ms, steps, c.after.step_mean_ms)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import base64
 
-from traceclf.figures.draw import figure_png, report_figures
-from traceclf.figures.style import WALL_COLORS
+from traceclf.figures.draw import report_figures
+from traceclf.figures.style import WALL_COLORS, figure_png
 from traceclf.render import comm_table
 from traceclf.render.capture_text import capture_rows
 from traceclf.render.ceilings import contradicted_lines
