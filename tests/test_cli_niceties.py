@@ -51,9 +51,14 @@ def test_unknown_fix_id_suggests_the_closest(cli, asked: str, meant: str) -> Non
 
 
 def test_explain_renders_templates_without_a_trace(cli) -> None:
+    """A field only a trace can fill is left out with the parentheses it is the whole of,
+    rather than printed as a placeholder ("(your GPU)", "(‹idle_top_nvtx›)")."""
     code, out, _ = cli("explain", "deepep")
     assert code == 0
-    assert "{gpu_name}" not in out and "(your GPU)" in out
+    assert "{gpu_name}" not in out and "your GPU" not in out
+    assert "the first choice on H100/H200/B200." in " ".join(out.split())
+    compile_ahead = " ".join(cli("explain", "compile-ahead").stdout.split())
+    assert "JIT-compiling. Compilation belongs" in compile_ahead and "‹" not in compile_ahead
     for fix in load_rules(None).fixes.values():
         text = template_without_trace(fix.why)
         assert "{" not in text.replace("{{", ""), fix.id

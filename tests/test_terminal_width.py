@@ -1,19 +1,27 @@
 """The terminal report at 80 and 200 columns (rich Console width) on real traces: nothing wider
-than the width, no number cut ("1…"), every fix config printed verbatim (wrapped, never
-cropped), and wrapped lines keep their hanging indent (issue 14, part B)."""
+than the width, no number cut ("1…"), every fix config printed whole and, copied from the
+terminal, the same code (issue 28: wrapped so that it pastes), and wrapped lines keep their
+hanging indent (issue 14, part B)."""
 
 from __future__ import annotations
 
+import io
 import re
+import subprocess
+import textwrap
+import tokenize
 
 import pytest
 from helpers.cli import run_cli
 from realtraces import trace_path
 from rich.cells import cell_len
+from rich.console import Console
 
 import traceclf
+from traceclf.judge.vocabulary import load_rules
 from traceclf.render.content import rank_rows
-from traceclf.render.terminal import render_terminal
+from traceclf.render.markdown import config_language
+from traceclf.render.terminal import config_block, render_terminal
 from traceclf.render.timeline import phase_rows
 from traceclf.report.contract import Report
 
@@ -58,16 +66,110 @@ def test_nothing_wider_than_the_terminal_and_no_number_cut(
             assert _cell(value).search(text), f"{value!r} missing at {width} columns"
 
 
+# what ends a config block in a fix: the next labelled row or the next fix
+AFTER_CONFIG = re.compile(r"^\s*(in PyTorch:|because:|at most:|verify:|needs:|watch out:)|^\d+\. ")
+
+
+def config_blocks(text: str) -> list[str]:
+    """The config blocks of a terminal report as a user copies them: the lines under each
+    "Megatron-Bridge config:" up to the next labelled row, their common indent removed (as
+    IPython and Jupyter do with pasted code)."""
+    lines, blocks = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.strip() == "Megatron-Bridge config:":
+            end = next(
+                (j for j in range(i + 1, len(lines)) if AFTER_CONFIG.match(lines[j])), len(lines)
+            )
+            blocks.append(textwrap.dedent("\n".join(lines[i + 1 : end])) + "\n")
+    return blocks
+
+
+def code_and_comments(source: str) -> tuple[list[str], list[str]]:
+    """Python's tokens of ``source`` without layout (line breaks, indents, joins), and the words
+    of its comments in order: equal for two sources that are the same code, commented alike."""
+    layout = {tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    code = [t.string for t in tokens if t.type not in layout | {tokenize.COMMENT}]
+    words = [w for t in tokens if t.type == tokenize.COMMENT for w in t.string[1:].split()]
+    return code, words
+
+
+def shell_words(source: str) -> tuple[list[str], list[str]]:
+    """The words of a shell command line and of its comments (a word starting with "#"
+    starts one), each in order, without line joins."""
+    code: list[str] = []
+    words: list[str] = []
+    for line in source.splitlines():
+        parts = line.split()
+        cut = next((i for i, w in enumerate(parts) if w.startswith("#")), len(parts))
+        code += [w for w in parts[:cut] if w != "\\"]
+        words += [w for w in " ".join(parts[cut:]).lstrip("#").split()]
+    return code, words
+
+
+def assert_pastes_as(block: str, config: str) -> None:
+    compile(block, "<pasted config>", "exec")  # raises SyntaxError on a broken paste
+    assert code_and_comments(block) == code_and_comments(config.strip() + "\n")
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("name", TRACES)
-def test_configs_are_printed_verbatim(name: str, width: int, reports: dict[str, Report]) -> None:
+def test_configs_paste_as_the_same_code(name: str, width: int, reports: dict[str, Report]) -> None:
+    """Every config block, copied from the terminal at this width, compiles and is the fix's
+    config: the same tokens, the same comment words in the same order (a wrapped comment
+    continues on lines of its own that start with "#", a statement breaks with a backslash)."""
     report = reports[name]
     assert report.fixes, "every trace here proposes fixes"
     text = render_terminal(report, to_string=True, width=width)
-    flat = _flat(text)
-    for fix in report.fixes:
-        for line in (fix.get("config") or "").strip().splitlines():
-            assert _flat(line) in flat, f"config line cut or missing: {line!r}"
+    blocks = config_blocks(text)
+    assert len(blocks) == len(report.fixes)
+    for block, fix in zip(blocks, report.fixes, strict=True):
+        assert_pastes_as(block, fix["config"])
+    if width == 80:  # a config that does not fit is the reason for all this
+        assert any(len(line) > 80 - 3 for f in report.fixes for line in f["config"].splitlines())
+
+
+def test_configs_paste_from_the_cli_at_80_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    result = run_cli("analyze", trace_path("h100_comm_ep2"), "-q")
+    assert result.code == 0, result.stderr
+    report = traceclf.analyze(trace_path("h100_comm_ep2"))
+    blocks = config_blocks(result.stdout)
+    for block, fix in zip(blocks, report.fixes, strict=True):
+        assert_pastes_as(block, fix["config"])
+    assert "# flag alone does nothing" in blocks[0]  # the comment that wrapped into code
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_explain_prints_every_config_to_paste(width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`traceclf explain` of every bundled fix: the config between the blank lines after the
+    fix's text, no border around it; Python configs compile as the same code, a shell command
+    line passes `bash -n`."""
+    monkeypatch.setenv("COLUMNS", str(width))
+    for fix in load_rules(None).fixes.values():
+        result = run_cli("explain", fix.id)
+        assert result.code == 0, result.stderr
+        block = textwrap.dedent(result.stdout.split("\n\n")[1]) + "\n"
+        assert "│" not in block
+        if config_language(fix.config) == "python" and not fix.config.startswith("nsys "):
+            assert_pastes_as(block, fix.config)
+        else:
+            done = subprocess.run(["bash", "-n"], input=block, text=True, capture_output=True)
+            assert done.returncode == 0, (fix.id, done.stderr)
+            assert shell_words(block) == shell_words(fix.config)
+
+
+def test_code_that_cannot_break_is_printed_whole() -> None:
+    """A string longer than the width has nowhere to break: the line runs past the width (the
+    terminal soft-wraps it and copies it as one line), never cropped or cut inside the string."""
+    config = 'cfg.x = "' + "a" * 120 + '"  # ' + "word " * 30 + "\n" + 'cfg.y = f(1, "b c", 2)'
+    for width in (20, 40, 80):
+        text = Console(file=io.StringIO(), width=width).file
+        console = Console(file=text, width=width, force_terminal=False)
+        console.print(config_block(config, indent=3), crop=False)
+        block = textwrap.dedent(text.getvalue())
+        assert_pastes_as(block, config)
+        assert '"' + "a" * 120 + '"' in block
 
 
 def test_the_config_that_was_cropped_is_whole_at_80_columns(reports: dict[str, Report]) -> None:

@@ -1,10 +1,10 @@
 """Terminal layout that fits the width it prints at: a console sized for where it writes, and
 tables that fold into stacked parts rather than cut a number ("1…") when they are too wide.
 
-A number or a config line that is cut is worse than none: it reads as another value, or
-pastes as broken code. So tables here never shorten a cell; when the columns do not fit, the
-table is split into several stacked tables that each repeat the key column (rank), and text
-that cannot fit is wrapped, never cropped.
+A number that is cut is worse than none: it reads as another value. So tables here never
+shorten a cell; when the columns do not fit, the table is split into several stacked tables
+that each repeat the key column (rank), and text that cannot fit is wrapped, never cropped
+(code wraps so that it still pastes: render/code_wrap.py).
 """
 
 from __future__ import annotations
@@ -107,40 +107,3 @@ class FoldedTable:
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         return Measurement(1, options.max_width)
-
-
-class CodeBlock:
-    """Code shown verbatim (syntax-highlighted): a line too long for the width wraps at a space
-    where it can, and its continuation hangs four columns deeper than the line's own indent,
-    so it reads as the same line. Nothing is cropped."""
-
-    HANG = 4
-
-    def __init__(self, code: str, language: str = "python", theme: str = "ansi_dark") -> None:
-        self.code = code
-        self.language = language
-        self.theme = theme
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        from rich.syntax import Syntax
-
-        width = max(options.max_width, self.HANG + 8)
-        syntax = Syntax(self.code, self.language, theme=self.theme, background_color="default")
-        highlighted = syntax.highlight(self.code)
-        highlighted.rstrip()
-        for line in highlighted.split("\n"):
-            indent = len(line.plain) - len(line.plain.lstrip(" "))
-            hang = min(indent + self.HANG, width // 2)
-            rest, avail, prefix = line, width, ""
-            while True:
-                rest.rstrip()
-                if rest.cell_len + len(prefix) <= width:
-                    yield Text(prefix) + rest
-                    break
-                first = rest.wrap(console, avail, no_wrap=False)[0]
-                first.rstrip()
-                yield Text(prefix) + first
-                cut = len(first.plain)
-                rest = rest[cut:]
-                rest = rest[len(rest.plain) - len(rest.plain.lstrip(" ")) :]
-                prefix, avail = " " * hang, width - hang

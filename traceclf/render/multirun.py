@@ -47,7 +47,8 @@ def runs_terminal(runs: RunSet, to_string: bool = False, width: int | None = Non
     for i, report in enumerate(runs.runs, 1):
         console.print(Rule(Text(f"run {i} of {len(runs.runs)}")))
         if to_string:
-            console.print(Text(render_terminal(report, True, console.width) or ""), end="")
+            # laid out already: written as it is (console.out neither wraps nor crops)
+            console.out(render_terminal(report, True, console.width) or "", end="")
         else:
             render_terminal(report, width=width)
     return output_of(console)

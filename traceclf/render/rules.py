@@ -4,6 +4,7 @@ fix, and which taxonomy entry classifies a kernel name, as rich console output."
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -65,27 +66,34 @@ def list_rules(rules_dir: Path | None = None) -> None:
 
 def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
     """Print one fix in full: why, config to paste, preconditions, pitfalls, its gain ceiling
-    and what it assumes, what proposes it."""
+    and what it assumes, what proposes it. Laid out like a fix of ``analyze`` (no box around
+    it: a border on every line of the config would be copied with it)."""
     from rich.console import Group
-    from rich.panel import Panel
+    from rich.padding import Padding
     from rich.text import Text
 
-    from traceclf.render.fit import CodeBlock, hanging
+    from traceclf.render.code_wrap import CodeBlock
+    from traceclf.render.fit import hanging
 
     rs = load_rules(rules_dir)
     fix = rs.fixes[find_fix_id(fix_id, rs.fixes)]
     proposers = [r.id for r in rs.rules.values() if fix.id in r.fixes]
+
+    def indented(renderable: Any) -> Padding:
+        return Padding(renderable, (0, 0, 0, INDENT))
+
     parts: list[Any] = [
-        for_terminal(template_without_trace(fix.why)),
+        for_terminal(f"{fix.title}  [{fix.id} · {fix.wall}]", "bold"),  # Text: never markup
+        indented(for_terminal(template_without_trace(fix.why))),
         Text(""),
-        CodeBlock(visible(fix.config.strip(), multiline=True)),
+        CodeBlock(visible(fix.config.strip(), multiline=True), indent=INDENT),
     ]
     for label, items in (("Preconditions", fix.preconditions), ("Pitfalls", fix.pitfalls)):
         if items:
             parts += [
                 Text(""),
-                Text(label, style="bold"),
-                hanging([("•", for_terminal(i)) for i in items]),
+                indented(Text(label, style="bold")),
+                indented(hanging([("•", for_terminal(i)) for i in items])),
             ]
     extra = [
         ("Plain PyTorch", fix.pytorch and " ".join(fix.pytorch.split())),
@@ -97,9 +105,11 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
     ]
     for label, value in extra:
         if value:
-            parts += [Text(""), Text.assemble((f"{label}: ", "bold"), for_terminal(value))]
-    title = for_terminal(f"{fix.title}  [{fix.id} · {fix.wall}]")  # Text: never markup
-    _console().print(Panel(Group(*parts), title=title, title_align="left"))
+            parts += [
+                Text(""),
+                indented(Text.assemble((f"{label}: ", "bold"), for_terminal(value))),
+            ]
+    _console().print(Group(*parts), crop=False)  # a config line that cannot break: whole
 
 
 def _ceiling(fix: Fix) -> str | None:
@@ -166,6 +176,9 @@ def explain_kernels(names: list[str], rules_dir: Path | None = None) -> None:
             )
 
 
+INDENT = 3  # a fix's text under its title, as in `analyze`
+FIELD = "\x00"  # marks a field's words while a template is rendered without a trace
+ASIDE = re.compile(r"\s*\(\x00[^\x00]*\x00\)")  # a parenthesis holding one field only
 # How a template's fields read when there is no trace to fill them from (`explain`).
 PLACEHOLDERS = {
     "gpu_name": "your GPU",
@@ -176,20 +189,24 @@ PLACEHOLDERS = {
 
 
 def template_without_trace(template: Template) -> str:
-    """``template`` rendered with words instead of numbers: ``{gpu_name}`` → "your GPU",
-    any other field → ``‹name›`` (filled in from the trace when the fix is proposed)."""
+    """``template`` rendered with words instead of numbers. A field that is all a parenthesis
+    holds ("(``{gpu_name}``)", "(``{idle_top_nvtx}``)": the trace's own value, an aside) is left
+    out with its parentheses; other fields read as :data:`PLACEHOLDERS` says, else as
+    ``‹name›`` (filled in from the trace when the fix is proposed)."""
     out = []
     for part in template.parts:
         if isinstance(part, str):
-            out.append(part)
+            out.append(part.replace(FIELD, ""))  # (the marker below never comes from a file)
             continue
         expr = part[0]
         names = sorted(expr.names)
         if len(names) == 1 and names[0] in PLACEHOLDERS and expr.source.strip() == names[0]:
-            out.append(PLACEHOLDERS[names[0]])
+            word = PLACEHOLDERS[names[0]]
         else:
-            out.append(f"‹{expr.source.strip()}›")
-    return " ".join("".join(out).split())
+            word = f"‹{expr.source.strip()}›"
+        out.append(f"{FIELD}{word}{FIELD}")
+    text = ASIDE.sub("", "".join(out)).replace(FIELD, "")
+    return " ".join(text.split())
 
 
 def find_fix_id(asked: str, fixes: dict) -> str:

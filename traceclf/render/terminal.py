@@ -13,6 +13,7 @@ from rich.text import Text
 from traceclf.render import comm_table
 from traceclf.render.capture_text import capture_rows
 from traceclf.render.ceilings import contradicted_lines
+from traceclf.render.code_wrap import CodeBlock
 from traceclf.render.content import (
     KERNEL_COLUMNS,
     RANK_COLUMNS,
@@ -28,7 +29,7 @@ from traceclf.render.content import (
     verdict_line,
     verdict_title,
 )
-from traceclf.render.fit import CodeBlock, FoldedTable, hanging, new_console, output_of
+from traceclf.render.fit import FoldedTable, hanging, new_console, output_of
 from traceclf.render.hostlines import (
     ATTRIBUTION_COLUMNS,
     attribution_rows,
@@ -67,7 +68,8 @@ def render_terminal(
         _fixes(report),
     ):
         if part is not None:
-            console.print(part)
+            # (a config line that cannot be broken runs past the width: whole, not cropped)
+            console.print(part, crop=False)
     return output_of(console)
 
 
@@ -264,7 +266,7 @@ def _fixes(report: Report) -> Group:
             caption = config_caption(fix)
             if caption:
                 parts.append(_indented(Text(f"{caption}:", style="dim")))
-            parts.append(_indented(config_block(fix["config"])))
+            parts.append(config_block(fix["config"], indent=3))
         labelled = [
             (f"{label[0].lower()}{label[1:]}:", for_terminal(text))
             for label, text in fix_facts(fix)
@@ -282,10 +284,11 @@ def _fixes(report: Report) -> Group:
     return Group(*parts)
 
 
-def config_block(config: str) -> CodeBlock:
-    """A fix's config exactly as written: long lines wrap with a hanging indent, never
-    cropped, so what is copied is what the rule file says."""
-    return CodeBlock(visible(config.strip(), multiline=True))
+def config_block(config: str, indent: int = 0) -> CodeBlock:
+    """A fix's config as the rule file writes it, folded to the width so that it still pastes
+    as the same code (render/code_wrap.py), never cropped; ``indent`` columns deeper (not in a
+    Padding, which would crop a line that cannot be broken)."""
+    return CodeBlock(visible(config.strip(), multiline=True), indent=indent)
 
 
 def _indented(renderable: RenderableType, left: int = 3) -> Padding:
