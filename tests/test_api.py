@@ -81,6 +81,23 @@ def test_sql_and_polars_over_the_kernel_table(trace: Trace) -> None:
     assert top["ns"][0] == by_polars
 
 
+def test_names_take_string_operations(trace: Trace) -> None:
+    """Names in the frames `open` returns are text: polars' `.str` works on them, and the
+    measures of the same trace read as Categoricals are the same."""
+    nccl = trace.kernels.filter(pl.col("name").str.contains("nccl"))
+    assert len(nccl) == trace.kernels["short_name"].str.starts_with("nccl").sum() > 0
+    assert trace.api["name"].str.starts_with("cuda").any()
+    assert {trace.kernels.schema[c] for c in ("name", "short_name")} == {pl.String}
+    from traceclf.ingest.cache import open_trace
+
+    model = open_trace(real_trace(NAME), use_cache=False)
+    assert model.kernels.schema["name"] == pl.Categorical  # the analysis's own frames
+    assert trace.kernels.equals(model.kernels.with_columns(pl.col(pl.Categorical).cast(pl.String)))
+    assert trace.with_categories().kernels.schema["name"] == pl.Categorical
+    pid = trace.rank_pids[0]
+    assert api.measure(trace, pid=pid).metrics == api.measure(model, pid=pid).metrics
+
+
 def test_steps_and_measure_per_rank(trace: Trace) -> None:
     steps = api.steps(trace)
     assert steps.source == "nvtx" and steps.label == "Iteration"

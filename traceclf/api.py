@@ -49,12 +49,15 @@ def open(path: str | Path, *, use_cache: bool = True, cache_dir: Path | None = N
     """Load one export (``.sqlite``) or Nsight Systems report (``.nsys-rep``, exported once
     with nsys) into the trace model, through the Parquet cache.
 
+    Names (kernels, CUDA calls, GPU metrics) are plain text, so polars' ``.str`` operations
+    work on them (:meth:`~traceclf.model.trace.Trace.with_text`).
+
     Raises :class:`~traceclf.support.errors.TraceError` when ``path`` is missing, is not an export,
     or names several exports (a folder): open those one at a time.
     """
     from traceclf.ingest.cache import open_trace
 
-    return open_trace(path, use_cache=use_cache, cache_dir=cache_dir)
+    return open_trace(path, use_cache=use_cache, cache_dir=cache_dir).with_text()
 
 
 def analyze(*paths: str | Path, step_range: str | None = None, **options) -> Report:
@@ -173,4 +176,5 @@ def _pid(trace: Trace, pid: int | None) -> int:
 
 
 def _rank(trace: Trace, pid: int | None) -> Trace:
-    return trace.for_pid(_pid(trace, pid))
+    """One rank of ``trace``, its names Categoricals again as the measures read them."""
+    return trace.with_categories().for_pid(_pid(trace, pid))

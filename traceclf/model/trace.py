@@ -1,8 +1,9 @@
 """The typed trace model: one object holding every event frame of one export.
 
 All times are integer nanoseconds on the capture's session timeline. Kernel and API names are
-polars Categoricals (millions of rows, a few hundred names): cast to ``pl.String`` before
-string operations, e.g. ``pl.col("name").cast(pl.String).str.contains("nccl")``. Every GPU-side frame has
+polars Categoricals (millions of rows, a few hundred names: ``NAME_COLUMNS``), which polars'
+``.str`` operations refuse; :meth:`Trace.with_text` (what ``traceclf.open`` returns) holds them
+as text instead, and :meth:`Trace.with_categories` turns them back. Every GPU-side frame has
 ``pid`` (decoded from ``globalPid``: 24 bits, an Int32 in the event frames), so ranks that share
 one GPU stay apart.
 
@@ -69,6 +70,9 @@ LAUNCH_BLOCK = 1 << 20  # rows of GPU work per block when their launches are pla
 # array, managed, device static, managed static, unknown) counts as the GPU's memory.
 HOST_MEMORY_KINDS = (0, 1)
 PINNED_MEMORY_KIND = 1
+
+# The Categorical columns of the model, by frame (ingest/assemble.py, ingest/devices.py)
+NAME_COLUMNS = {"kernels": ("name", "short_name"), "api": ("name",), "gpu_metrics": ("metric",)}
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,33 @@ class Trace:
             .sort()
         )
         return pids.to_list()
+
+    def with_text(self) -> Trace:
+        """The same trace with its names (``NAME_COLUMNS``) as plain text, so that polars'
+        ``.str`` operations work on them: the notebook's frames. Each row is a view of its
+        name's one copy, about 20 bytes a row (a cast would copy every row's name: ~1 GB and
+        16 s for 10 M kernels)."""
+        return replace(
+            self,
+            **{
+                frame: getattr(self, frame).with_columns(
+                    _as_text(getattr(self, frame)[c]) for c in cols
+                )
+                for frame, cols in NAME_COLUMNS.items()
+                if getattr(self, frame).schema.get(cols[0]) == pl.Categorical
+            },
+        )
+
+    def with_categories(self) -> Trace:
+        """The trace with its names as Categoricals again, as the measures read them."""
+        return replace(
+            self,
+            **{
+                frame: getattr(self, frame).with_columns(pl.col(cols).cast(pl.Categorical))
+                for frame, cols in NAME_COLUMNS.items()
+                if getattr(self, frame).schema.get(cols[0]) == pl.String
+            },
+        )
 
     def for_pid(self, pid: int) -> Trace:
         """The same trace restricted to one process (one rank)."""
@@ -435,3 +466,15 @@ def outermost(ranges: pl.DataFrame) -> pl.DataFrame:
         .filter(pl.col("start") >= pl.col("_reach"))
         .drop("_reach")
     )
+
+
+def _as_text(names: pl.Series) -> pl.Series:
+    """A Categorical column as text: each distinct name made a string once, and every row a
+    view of it (a lookup by the Categorical's codes)."""
+    codes = names.to_physical()
+    if codes.null_count() == len(codes):
+        return pl.Series(names.name, [None] * len(codes), dtype=pl.String)
+    distinct = pl.DataFrame({"name": names, "code": codes}).drop_nulls("code").unique("code")
+    table = pl.repeat(None, int(codes.max()) + 1, dtype=pl.String, eager=True)
+    table = table.scatter(distinct["code"], distinct["name"].cast(pl.String))
+    return table.gather(codes).alias(names.name)
