@@ -332,7 +332,10 @@ def test_several_runs_export_with_a_run_column(tmp_path: Path) -> None:
         assert (out / f"{table}.csv").read_text().startswith("run,")
     ranks = read_csv(out / "ranks.csv")
     order = [Path(run.inputs[0]["path"]).name for run in runs.runs]
-    assert [(r["run"], Path(r["file"]).name) for r in ranks] == [("1", order[0]), ("2", order[1])]
+    assert order == [a.name, b.name]  # the order they were named in
+    # each row names its run by its file, as the summary does
+    assert [(r["run"], Path(r["file"]).name) for r in ranks] == [(n, n) for n in order]
+    assert runs.summary["run"].to_list() == order
     pngs = sorted(p.name for p in tmp_path.glob("r.run*.png"))
     expected = [
         f"r.run{i}.{name}.png"

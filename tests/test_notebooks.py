@@ -4,6 +4,8 @@ notebooks/, and is committed without outputs."""
 from __future__ import annotations
 
 import base64
+import html
+import re
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,37 @@ def test_figures_display_as_images_without_matplotlib_magic(
     for out in shown:
         png = base64.b64decode(out["data"]["image/png"])
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_runs_display_in_the_order_named_without_demangled_signatures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run set as a cell's value: its summary and each run in the order the files were named,
+    a recurring kernel that marks the steps named by its function, not its whole signature."""
+    import traceclf
+
+    first = "fixtures/external/ulysses_2gpu_forward_window.sqlite"
+    second = "fixtures/external/cloverleaf_a100.sqlite"
+    outputs = run_cells(
+        [
+            f"import traceclf\nruns = traceclf.analyze({first!r}, {second!r})\nruns",
+            "runs.summary['run'].to_list()",
+        ],
+        tmp_path,
+        monkeypatch,
+    )
+    shown = html.unescape(re.sub(r"<[^>]+>", " ", outputs[0][0]["data"]["text/html"]))
+    labels = [r.steps["label"] for r in traceclf.analyze(REPO / first, REPO / second).runs]
+    assert all(label.startswith("void ") and "(" in label for label in labels), labels
+    for label in labels:
+        assert label not in shown  # the whole demangled signature
+    assert "void " not in shown and '"par_ranged2d_kernel"' in shown
+    raw = outputs[0][0]["data"]["text/html"]
+    summary = raw[raw.index("<tbody>") : raw.index("</tbody>")]  # the summary table, then each run
+    assert summary.index("ulysses_2gpu") < summary.index("cloverleaf_a100.sqlite")
+    run_2 = raw.index('<section id="run-2"')
+    assert "ulysses_2gpu" in raw[raw.index('<section id="run-1"') : run_2]
+    assert "cloverleaf_a100.sqlite" in raw[run_2:]
+    assert outputs[1][0]["data"]["text/plain"] == str(
+        ["ulysses_2gpu_forward_window.sqlite", "cloverleaf_a100.sqlite"]
+    )

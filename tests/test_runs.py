@@ -6,17 +6,20 @@ process (helpers.files.split_ranks); the unrelated runs are the real fixtures th
 
 from __future__ import annotations
 
+import html
 import json
 import shutil
 from pathlib import Path
 
 import jsonschema
+import polars as pl
 import pytest
 from conftest import FIXTURES, fixture_trace
 from helpers.files import copy_export, split_ranks
 
 from traceclf import analyze
 from traceclf.pipeline.grouping import evidence, match
+from traceclf.render.multirun import runs_html, runs_markdown, runs_terminal
 from traceclf.report.contract import Report
 from traceclf.report.runset import RunSet
 
@@ -57,7 +60,7 @@ def test_unrelated_runs_get_one_report_each(tmp_path: Path) -> None:
     assert isinstance(runs, RunSet)
     assert [r.bound for r in runs.runs] == ["communication", "host", "memory"]
     assert runs.grouping["mode"] == "runs" and "--job to merge" in runs.grouping["reason"]
-    rows = runs.summary
+    rows = runs.summary.to_dicts()
     assert [row["run"] for row in rows] == [
         "h100_comm_ep2.sqlite",
         "h100_host_input_stall.sqlite",
@@ -65,6 +68,25 @@ def test_unrelated_runs_get_one_report_each(tmp_path: Path) -> None:
     ]
     assert rows[0]["top_fix"] == runs.runs[0].fixes[0]["id"]
     assert rows[0]["exposed_comm_frac"] == runs.runs[0].metrics["exposed_comm_frac"]
+    assert rows == runs.to_dict()["summary"]
+
+
+def test_runs_come_in_the_order_they_were_named(tmp_path: Path) -> None:
+    """Files named one by one keep their order (a folder's files come in natural order); the
+    summary is a polars frame keyed by file names, and its text takes string operations."""
+    names = ["h100_memory_offload", "h100_comm_ep2", "h100_host_input_stall"]
+    paths = [copy_export(fixture_trace(n), tmp_path / f"{n}.sqlite") for n in names]
+    runs = analyze(*paths, jobs=1)
+    assert isinstance(runs, RunSet)
+    assert runs.summary["run"].to_list() == [f"{n}.sqlite" for n in names]
+    assert [Path(r.inputs[0]["path"]).stem for r in runs.runs] == names
+    comm = runs.summary.filter(pl.col("run").str.contains("comm"))
+    assert comm["bound"].to_list() == ["communication"]
+    assert runs.tables()["ranks"]["run"].unique(maintain_order=True).to_list() == [
+        f"{n}.sqlite" for n in names
+    ]
+    folder = analyze(tmp_path, jobs=1)  # a folder: natural order
+    assert folder.summary["run"].to_list() == sorted(f"{n}.sqlite" for n in names)
 
 
 def test_all_fixtures_in_one_folder_are_separate_runs(cli) -> None:
@@ -206,10 +228,40 @@ def test_unrelated_processes_in_one_export_are_separate_runs(tmp_path: Path) -> 
     _stretch_process(export, EP2_PIDS[1], 2)
     result = analyze(export, use_cache=False)
     assert isinstance(result, RunSet) and len(result.runs) == 2
-    names = [row["run"] for row in result.summary]
+    names = result.summary["run"].to_list()
     assert names == [f"two_jobs.sqlite (pid {pid})" for pid in EP2_PIDS]
     steps = [run.steps["median_ms"] for run in result.runs]
     assert steps[1] == pytest.approx(2 * steps[0], rel=0.1)
     assert "step times differ" in result.grouping["reason"]
     merged = analyze(export, use_cache=False, grouping="job")
     assert isinstance(merged, Report) and len(merged.ranks) == 2
+
+
+def test_why_runs_are_separate_is_said_once_names_in_the_order_of_their_values(
+    tmp_path: Path,
+) -> None:
+    """"a vs b: steps found differently (a's anchor vs b's anchor); step times differ (a's vs
+    b's)", printed once above the runs in every format, not again in each run's report."""
+    names = ["h100_comm_ep2", "h100_host_input_stall", "h100_memory_offload"]
+    for name in names:
+        copy_export(fixture_trace(name), tmp_path / f"{name}.sqlite")
+    runs = analyze(tmp_path, jobs=1)
+    reason = runs.grouping["reason"]
+    first = reason.split(" · ")[0]
+    assert first.startswith("3 files are 3 separate runs (--job to merge): ")
+    pair = (
+        'h100_comm_ep2.sqlite vs h100_host_input_stall.sqlite: steps found differently (nvtx '
+        '"Iteration" vs nvtx "batch")'
+    )
+    assert pair in first
+    ep2, stall = (r.steps["median_ms"] for r in runs.runs[:2])
+    assert f"({ep2:.3g} vs {stall:.3g} ms;" in first
+    texts = {
+        "terminal": runs_terminal(runs, to_string=True, width=200) or "",
+        "md": runs_markdown(runs),
+        "html": runs_html(runs),
+    }
+    for fmt, text in texts.items():
+        flat = " ".join(html.unescape(text).split())
+        assert flat.count("separate runs (--job to merge)") == 1, fmt
+        assert flat.count("steps found differently") == 2, fmt  # two pairs, each once

@@ -50,6 +50,18 @@ def chosen_files(inputs: list[str]) -> list[Path]:
     return sorted(_one_per_run(files), key=natural_key)
 
 
+def named_order(inputs: list[str]) -> dict[Path, int]:
+    """Each file's place in what the user named, by resolved path: the arguments in the order
+    given, the files of a folder or pattern in natural order. Unrelated runs are reported in
+    this order; the ranks of one job keep :func:`chosen_files`' natural order (rank_2 before
+    rank_10 whatever order the shell produced)."""
+    order: dict[Path, int] = {}
+    for arg in inputs:
+        for path in sorted(_expand(arg), key=natural_key):
+            order.setdefault(path.resolve(), len(order))
+    return order
+
+
 def export_sources(
     files: list[Path],
     *,

@@ -48,7 +48,7 @@ class AnalysisOptions:
 def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     """Analyse every export named by ``inputs`` (files, folders, .nsys-rep): one report when
     they are one job, else one report per run (:mod:`traceclf.pipeline.grouping`)."""
-    from traceclf.ingest.inputs import chosen_files
+    from traceclf.ingest.inputs import chosen_files, named_order
     from traceclf.pipeline.grouping import group, split_unrelated_ranks
     from traceclf.pipeline.parallel import started_workers
     from traceclf.pipeline.reduce import build_report
@@ -83,7 +83,14 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
         reports.append(report)
     if len(reports) == 1:
         return reports[0]
-    return RunSet(reports, grouping.for_report())
+    # runs in the order the user named their files (the first file of each run)
+    order = named_order(inputs)
+    position = [
+        min(order.get(Path(results[i].path).resolve(), len(order)) for i in members)
+        for members in grouping.groups
+    ]
+    ranked = sorted(range(len(reports)), key=position.__getitem__)
+    return RunSet([reports[i] for i in ranked], grouping.for_report())
 
 
 def _analyse_files(

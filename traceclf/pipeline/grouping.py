@@ -185,7 +185,8 @@ def group(results: list[ExportResult], how: str = "auto") -> Grouping:
                     + (", ".join(sup) or "no shared session, overlapping capture or rank naming")
                     + ")"
                 )
-                apart.append(f"{e.name} vs {ev[groups[-1][0]].name}: {why}")
+                # names in the order of the values match() gives: the earlier file first
+                apart.append(f"{ev[groups[-1][0]].name} vs {e.name}: {why}")
             groups.append([i])
             support[len(groups) - 1] = set()
     if len(groups) == 1:

@@ -336,9 +336,10 @@ def provenance_rows(report: Report) -> list[tuple[str, str]]:
 
 
 def grouping_line(report: Report) -> str:
-    """Why several files became one report (pipeline/grouping.py), or "" for one file."""
+    """Why several files became one report (pipeline/grouping.py), or "" for one file and for
+    one run of several (the run set says why they are separate once, above all of them)."""
     g = report.grouping if isinstance(report.grouping, dict) else {}
-    if not g or g.get("decided_by") in (None, "one export"):
+    if not g or g.get("decided_by") in (None, "one export") or g.get("mode") == "runs":
         return ""
     return str(g.get("reason", ""))
 
@@ -387,7 +388,7 @@ def _steps_source(report: Report) -> str:
     s = report.steps
     if s.get("source") in (None, "none") or not s.get("count"):
         return "none found: the whole GPU span is one window"
-    label = f' "{s["label"]}"' if s.get("label") else ""
+    label = anchor_label(s.get("source"), s.get("label"))  # a kernel's function, not its signature
     spread = f", spread (CV) {pct(s['cv'])}" if s.get("cv") is not None else ""
     noun = "periods of a recurring kernel" if s["source"] == "pattern" else "steps"
     return (

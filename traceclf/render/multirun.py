@@ -23,7 +23,7 @@ def summary_cells(runs: RunSet) -> list[list[str]]:
             pct(row["exposed_comm_frac"]),
             row["top_fix"] or "–",
         ]
-        for row in runs.summary
+        for row in runs.summary_rows()
     ]
 
 

@@ -54,14 +54,14 @@ def report_tables(report: Sections) -> dict[str, pl.DataFrame]:
     return {name: BUILDERS[name](report) for name in TABLES}
 
 
-def stacked_tables(runs: list[Sections]) -> dict[str, pl.DataFrame]:
-    """Every table of several runs: the runs' tables stacked, with a leading ``run`` column
-    (1-based, in the given order)."""
+def stacked_tables(runs: list[tuple[str, Sections]]) -> dict[str, pl.DataFrame]:
+    """Every table of several ``(name, report)`` runs: the runs' tables stacked in the given
+    order, with a leading ``run`` column holding each run's name (its file names)."""
     out = {}
     for name in TABLES:
         frames = [
-            BUILDERS[name](r).select(pl.lit(i, pl.Int64).alias("run"), pl.all())
-            for i, r in enumerate(runs, 1)
+            BUILDERS[name](r).select(pl.lit(run, pl.String).alias("run"), pl.all())
+            for run, r in runs
         ]
         out[name] = pl.concat(frames, how="diagonal_relaxed")
     return out
