@@ -119,3 +119,19 @@ def test_shell_completion_via_click() -> None:
         [sys.executable, "-m", "traceclf"], capture_output=True, text=True, env=env, check=False
     )
     assert "_traceclf_completion()" in source.stdout
+
+
+@pytest.mark.parametrize("args", [(), ("cache",)], ids=["traceclf", "traceclf-cache"])
+def test_a_command_group_alone_prints_its_help(cli, args: tuple[str, ...]) -> None:
+    """`traceclf` (or `traceclf cache`) with nothing else prints the help as --help does, one
+    item a line, not squashed into one "error:" line."""
+    code, out, err = cli(*args)
+    assert (code, err) == (0, "")
+    assert out == cli(*args, "--help").stdout
+    lines = out.splitlines()
+    assert lines[0].startswith(f"Usage: traceclf {' '.join(args)}".rstrip())
+    assert "Commands:" in lines and "error" not in out
+    commands = lines[lines.index("Commands:") + 1 :]
+    expected = ("analyze", "compare", "explain", "rules") if not args else ("clear", "info")
+    for command in expected:
+        assert any(line.split()[:1] == [command] for line in commands), command

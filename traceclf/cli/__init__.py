@@ -358,6 +358,11 @@ def cache_clear(cache_dir: Path | None) -> None:
     )
 
 
+# A group run without a command: click 8.2+ raises this (a UsageError) where 8.1 printed the
+# help and exited 0; both now print the help, as --help does.
+NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 def main() -> None:
     from traceclf.support.process import (
         TERMINATED_EXIT,
@@ -373,6 +378,9 @@ def main() -> None:
         cli.main(standalone_mode=False, prog_name="traceclf")
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except NO_ARGS_IS_HELP as e:  # `traceclf`, `traceclf cache`: asking what there is
+        click.echo(e.ctx.get_help())
+        sys.exit(0)
     except click.UsageError as e:  # one line, like every other error
         command = e.ctx.command_path if e.ctx else "traceclf"
         fail(f"{' '.join(e.format_message().split())} (see: {command} --help)")
