@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import fixture_trace
+from conftest import FIXTURES, fixture_trace
 
 from traceclf import __version__
 from traceclf.judge.vocabulary import load_rules
@@ -135,3 +135,18 @@ def test_a_command_group_alone_prints_its_help(cli, args: tuple[str, ...]) -> No
     expected = ("analyze", "compare", "explain", "rules") if not args else ("clear", "info")
     for command in expected:
         assert any(line.split()[:1] == [command] for line in commands), command
+
+
+@pytest.mark.parametrize("fmt", ["terminal", "json"])
+def test_output_closed_early_by_a_pipe_exits_0(fmt: str) -> None:
+    """`traceclf analyze … | head -1`: the reader stopping early is not an error (exit 0,
+    nothing on stderr); the report of every fixture is far longer than a pipe's buffer, so the
+    write after the reader has gone fails."""
+    command = [sys.executable, "-m", "traceclf", "analyze", str(FIXTURES), "-q", "-f", fmt]
+    done = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert done.stdout is not None and done.stderr is not None
+    first = done.stdout.readline()
+    done.stdout.close()
+    err = done.stderr.read()
+    assert (done.wait(timeout=300), err) == (0, "")
+    assert first.strip()

@@ -264,15 +264,15 @@ def compare(
 def measures_cmd() -> None:
     """Define every measure in the report (all for the steady-state window; *_frac are
     fractions of wall time unless stated)."""
-    from rich.console import Console
     from rich.table import Table
 
     from traceclf.measures import MEASURES
+    from traceclf.render.fit import new_console
 
     table = Table("measure", "definition", show_edge=False, box=None)
     for name, definition in MEASURES.items():
         table.add_row(name, definition)
-    Console().print(table)
+    new_console().print(table)
 
 
 @cli.command("rules")

@@ -423,10 +423,12 @@ def _on_worker(item: Any, fn: Callable[[Any], R]) -> R:
 @contextmanager
 def _progress(total: int, quiet: bool) -> Iterator[Callable[[], None]]:
     """A rich progress bar on stderr for more than one item; ``advance`` moves it by one."""
-    if quiet or total <= 1:
+    from traceclf.support.progress import stderr_console
+
+    console = stderr_console(quiet)  # (None off a terminal: a log file gets no bar, no newline)
+    if console is None or total <= 1:
         yield lambda: None
         return
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     columns: tuple[Any, ...] = (
@@ -435,6 +437,6 @@ def _progress(total: int, quiet: bool) -> Iterator[Callable[[], None]]:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("exports", total=total)
         yield lambda: bar.advance(task)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from collections.abc import Sequence
 
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -21,12 +22,24 @@ from rich.text import Text
 PIPED_WIDTH = 120  # piped or saved output: wide enough for the tables, unless $COLUMNS says
 
 
+class PipedConsole(Console):
+    """A console whose reader may stop early (``traceclf analyze … | head``): that is not an
+    error, so the run exits 0 (rich's own console exits 1, the code of a regression)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        # (what is still buffered for stdout would fail again at exit: it goes nowhere)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(0)
+
+
 def new_console(to_string: bool = False, width: int | None = None) -> Console:
     """A console for a report: into a string buffer (``console.file.getvalue()``) when
     ``to_string``, else stdout. ``width`` wins; on a terminal rich measures it; piped or saved
     output uses $COLUMNS when set, else PIPED_WIDTH (rich would assume 80)."""
     buffer = io.StringIO() if to_string else None
-    console = Console(
+    console = PipedConsole(
         file=buffer,
         highlight=False,
         force_terminal=False if to_string else None,
