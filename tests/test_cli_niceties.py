@@ -150,3 +150,11 @@ def test_output_closed_early_by_a_pipe_exits_0(fmt: str) -> None:
     err = done.stderr.read()
     assert (done.wait(timeout=300), err) == (0, "")
     assert first.strip()
+
+
+@pytest.mark.parametrize("order", [("--runs", "--job"), ("--job", "--runs")])
+def test_job_and_runs_together_are_refused(cli, order: tuple[str, str]) -> None:
+    code, out, err = cli("analyze", fixture_trace("h100_comm_ep2"), *order, "-q")
+    assert (code, out) == (2, "")
+    (line,) = err.splitlines()
+    assert "--job" in line and "--runs" in line and "contradict" in line

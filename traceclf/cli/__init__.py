@@ -95,14 +95,14 @@ def cli() -> None:
 )
 @click.option(
     "--job",
-    "grouping",
-    flag_value="job",
+    "as_job",
+    is_flag=True,
     help="Treat all inputs as ranks of one job (one report), whatever the evidence says.",
 )
 @click.option(
     "--runs",
-    "grouping",
-    flag_value="runs",
+    "as_runs",
+    is_flag=True,
     help="Treat each input file as a separate run (one report each, plus a summary table).",
 )
 @quiet_option
@@ -121,7 +121,8 @@ def analyze(
     cache_dir: Path | None,
     jobs: int | None,
     dask_address: str | None,
-    grouping: str | None,
+    as_job: bool,
+    as_runs: bool,
     quiet: bool,
 ) -> None:
     """Analyse INPUT... and report the bound, the evidence and the fixes.
@@ -141,6 +142,11 @@ def analyze(
 
     if fmt == "html" and output is None:
         raise click.UsageError("--format html needs -o/--output FILE")
+    if as_job and as_runs:  # (one flag silently winning over the other hides a mistake)
+        raise click.UsageError(
+            "--job (all inputs are one job) and --runs (each file its own run) contradict "
+            "each other: give one"
+        )
     out = check_report_output(output, list(inputs), rules_dir)
     trace_out = check_report_output(export_trace, list(inputs), rules_dir)
     check_exports(out, export_trace, export_dir, export_format)
@@ -154,7 +160,7 @@ def analyze(
         jobs=jobs,
         dask_address=dask_address,
         quiet=quiet,
-        grouping=grouping or "auto",
+        grouping="job" if as_job else "runs" if as_runs else "auto",
     )
     report = analyze_inputs(list(inputs), opts)
     written = run_inputs(list(inputs), rules_dir)
