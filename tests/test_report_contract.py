@@ -57,3 +57,25 @@ def test_an_abstained_report_validates_and_has_no_fixes():
     broken["classification"].pop("abstain_reason")
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft202012Validator(schema()).validate(broken)
+
+
+def test_the_several_runs_shape_validates_against_the_schema():
+    """The multi-run JSON documented in report-contract.md ("Several runs at once") is what the
+    schema's root accepts besides one report ($defs/run_set); neither shape passes as the other."""
+    paths = [FIXTURES / "h100_comm_ep2.sqlite", FIXTURES / "h100_host_input_stall.sqlite"]
+    code, out, err = run_cli("analyze", *paths, "--runs", "--format", "json", "-q")
+    assert code == 0, err
+    runs = json.loads(out)
+    assert set(runs) == {"report_version", "runs", "summary", "grouping"}
+    validator = jsonschema.Draft202012Validator(schema())
+    validator.validate(runs)
+    assert [row["run"] for row in runs["summary"]] == [p.name for p in paths]
+    for broken in (
+        {k: v for k, v in runs.items() if k != "summary"},
+        {**runs, "grouping": {**runs["grouping"], "mode": "job"}},
+        {**runs, "summary": [{**runs["summary"][0], "bound": "disk"}, runs["summary"][1]]},
+        runs["runs"][0] | {"runs": runs["runs"]},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            validator.validate(broken)
+    validator.validate(runs["runs"][0])  # a run alone is a report

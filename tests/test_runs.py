@@ -102,6 +102,7 @@ def test_all_fixtures_in_one_folder_are_separate_runs(cli) -> None:
     schema = json.loads((FIXTURES.parent / "docs" / "report-schema.json").read_text())
     for run in data["runs"]:  # each run is a whole report of the contract
         jsonschema.Draft202012Validator(schema).validate(run)
+    jsonschema.Draft202012Validator(schema).validate(data)  # and the whole: $defs/run_set
 
 
 def test_same_session_with_disagreeing_steps_is_not_merged(rank_files) -> None:
