@@ -335,3 +335,22 @@ def test_changed_rules_are_checked_again_on_a_cached_result(export: Path, tmp_pa
     (rules / "mine.yaml").write_text(good.replace("my_gemm", "(?<=x)gemm"))  # look-behind
     code, _out, err = run_cli("analyze", export, "--rules", rules, "-f", "json", "-q")
     assert code == 2 and "mine.yaml" in err and "not a usable regex" in err
+
+
+def test_api_docs_say_where_the_cache_lives(export: Path, tmp_path: Path, monkeypatch) -> None:
+    """docs/api.md on `traceclf.open` names the folders the cache really uses, in the order
+    cache_root tries them, and says nothing lands beside the trace (it did say so)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    section = " ".join(doc.split("### `traceclf.open(", 1)[1].split("###", 1)[0].split())
+    assert "next to" not in section and "Nothing is written beside the trace" in section
+    named = [
+        section.index(s) for s in ("`cache_dir`", "`$TRACECLF_CACHE_DIR`", "`$XDG_CACHE_HOME`")
+    ]
+    assert named == sorted(named)
+    monkeypatch.delenv("TRACECLF_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    import traceclf
+
+    traceclf.open(export)
+    assert sorted(p.name for p in export.parent.iterdir()) == [SMALL]
+    assert len(entries(tmp_path / "xdg" / "traceclf")) == 1  # "~/.cache/traceclf"
