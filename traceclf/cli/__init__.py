@@ -19,7 +19,7 @@ from traceclf.cli.options import (
     rules_option,
     run_inputs,
 )
-from traceclf.support.errors import TraceError, show_warnings
+from traceclf.support.errors import TraceError, TraceErrors, show_warnings
 from traceclf.support.version import __version__
 
 FORMATS = ("terminal", "json", "md", "html", "csv")
@@ -398,6 +398,8 @@ def main() -> None:
             sys.exit(TERMINATED_EXIT)
         click.echo("traceclf: aborted", err=True)
         sys.exit(130)
+    except TraceErrors as e:  # every faulty entry of a rule folder, one line each
+        fail(*(str(error) for error in e.errors))
     except TraceError as e:
         fail(str(e))
     except BrokenPipeError:

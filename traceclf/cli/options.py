@@ -66,10 +66,17 @@ def nsys_path_of(value: str | None) -> Path | None:
     return Path(value).absolute() if "/" in value else Path(value)
 
 
-def fail(message: str) -> None:
+MAX_PROBLEM_LINES = 50  # a rule folder with thousands of broken entries: the first ones
+
+
+def fail(*problems: str) -> None:
+    """Exit 2 with one line on stderr per problem (several: every faulty rule entry at once)."""
     from traceclf.support.escape import visible
 
-    click.echo(f"traceclf: error: {visible(message)}", err=True)
+    for problem in problems[:MAX_PROBLEM_LINES]:
+        click.echo(f"traceclf: error: {visible(problem)}", err=True)
+    if len(problems) > MAX_PROBLEM_LINES:
+        click.echo(f"traceclf: error: … and {len(problems) - MAX_PROBLEM_LINES} more", err=True)
     sys.exit(2)
 
 

@@ -52,7 +52,7 @@ from traceclf.rulebook.yamlfile import (
     read_yaml,
     yaml_files,
 )
-from traceclf.support.errors import TraceError
+from traceclf.support.errors import Problems, TraceError
 from traceclf.support.version import PACKAGE
 
 # The stable fix-id vocabulary of the report contract: the bundled rules must define each one.
@@ -159,13 +159,22 @@ def _load(
     remember: Path | None,
     names: Callable[[], frozenset[str]],
 ) -> RuleSet:
-    texts = [[(path, read_text(path)) for path in layer] for layer in layers]  # (once each)
+    problems = Problems()  # every faulty file, then every faulty entry, at once
+    texts: list[list[tuple[Path, str]]] = [[] for _ in layers]
+    for layer, read in zip(layers, texts, strict=True):
+        for path in layer:
+            with problems.entry():
+                read.append((path, read_text(path)))  # (once each)
+    problems.check()
     for folder, layer in zip(folders, texts, strict=True):
         check_folder_size(folder, layer)
-    docs = []
-    for folder, layer in zip(folders, texts, strict=True):
+    docs: list[list[tuple[Path, dict]]] = [[] for _ in folders]
+    for folder, layer, parsed in zip(folders, texts, docs, strict=True):
         values = [MAX_RULE_VALUES]  # what the folder's files may still hold, shared by them
-        docs.append([(path, read_yaml(path, text, values, folder)) for path, text in layer])
+        for path, text in layer:
+            with problems.entry():
+                parsed.append((path, read_yaml(path, text, values, folder)))
+    problems.check()
     stamped = None
     if remember is not None:
         with contextlib.suppress(OSError):
@@ -214,8 +223,14 @@ _THRESHOLDS: dict[tuple, dict[str, int | float]] = {}
 def _parse(
     folders: list[Path], docs: list[list[tuple[Path, dict]]], known: frozenset[str]
 ) -> RuleSet:
-    thresholds = parse_thresholds(docs, known)
-    definitions = parse_definitions(docs, known | frozenset(thresholds))
+    """The rule set, checked in stages, each reporting all its problems at once (a later stage
+    would report what an earlier one's faults cause: a rule "using an unknown measure" whose
+    threshold was the faulty entry): thresholds and definitions, then every entry, then the
+    references between entries."""
+    problems = Problems()
+    thresholds = parse_thresholds(docs, known, problems)
+    definitions = parse_definitions(docs, known | frozenset(thresholds), problems)
+    problems.check()
     names = known | frozenset(thresholds) | frozenset(definitions)
     rules: dict[str, Rule] = {}
     fixes: dict[str, Fix] = {}
@@ -224,12 +239,13 @@ def _parse(
     peer_links: list[HostLink] = []
     scoring_raw: dict[str, tuple[Any, Path]] = {}
     for files in docs:
-        layer = _parse_layer(files, names)
+        layer = _parse_layer(files, names, problems)
         rules |= layer["rules"]
         for rule_id, path in layer["disabled"].items():
-            if rule_id not in rules:
-                raise TraceError(path, f"rule {rule_id!r}: disabled, but no such rule")
-            rules[rule_id] = replace(rules[rule_id], enabled=False)
+            with problems.entry():
+                if rule_id not in rules:
+                    raise TraceError(path, f"rule {rule_id!r}: disabled, but no such rule")
+                rules[rule_id] = replace(rules[rule_id], enabled=False)
         fixes |= layer["fixes"]
         # A later folder's families are tried first, so a user can refine the bundled ones.
         taken = {f.family for f in layer["families"]}
@@ -237,7 +253,14 @@ def _parse(
         host_links = layer["host_links"] + host_links
         peer_links = layer["peer_links"] + peer_links
         scoring_raw |= layer["scoring"]
-    scoring = parse_scoring(scoring_raw, names)
+    with problems.entry():
+        scoring = parse_scoring(scoring_raw, names)
+    with problems.entry():
+        taxonomy = parse_taxonomy(docs)
+    # (a reference to a fix whose entry is faulty is that entry's problem, not one more)
+    broken = {fix_id for files in docs for fix_id in _fix_ids(files)} - set(fixes)
+    _check_references(rules, fixes, broken, folders[0], problems)
+    problems.check()
     ruleset = RuleSet(
         rules,
         fixes,
@@ -245,7 +268,7 @@ def _parse(
         scoring,
         definitions,
         folders,
-        parse_taxonomy(docs),
+        taxonomy,
         host_links,
         peer_links,
         parse_communicators(docs),
@@ -253,11 +276,13 @@ def _parse(
         thresholds=thresholds,
         capture=parse_capture(docs, names),
     )
-    _check_references(ruleset)
     return ruleset
 
 
-def _parse_layer(files: list[tuple[Path, dict]], names: frozenset[str]) -> dict[str, Any]:
+def _parse_layer(
+    files: list[tuple[Path, dict]], names: frozenset[str], problems: Problems
+) -> dict[str, Any]:
+    """One folder's entries; a faulty one goes to ``problems`` and the rest are still read."""
     out: dict[str, Any] = {
         "rules": {},
         "disabled": {},
@@ -268,27 +293,29 @@ def _parse_layer(files: list[tuple[Path, dict]], names: frozenset[str]) -> dict[
         "scoring": {},
     }
     for path, doc in files:
-        for i, raw in enumerate(_entries(doc, "rules", path)):
+        for i, raw in enumerate(_entries(doc, "rules", path, problems)):
             if _is_disable_stub(raw):  # `{id: x, enabled: false}` turns a bundled rule off
                 out["disabled"][raw["id"]] = path
                 continue
-            _add_unique(out["rules"], parse_rule(raw, path, i, names), path, "rule")
-        for i, raw in enumerate(_entries(doc, "fixes", path)):
-            _add_unique(out["fixes"], parse_fix(raw, path, i, names), path, "fix")
-        out["host_links"] += [
-            parse_host_link(raw, path, i) for i, raw in enumerate(_entries(doc, "host_links", path))
-        ]
-        out["peer_links"] += [
-            parse_host_link(raw, path, i, "peer link")
-            for i, raw in enumerate(_entries(doc, "peer_links", path))
-        ]
-        out["families"] += [
-            parse_family(raw, path, i) for i, raw in enumerate(_entries(doc, "gpu_families", path))
-        ]
+            with problems.entry():
+                _add_unique(out["rules"], parse_rule(raw, path, i, names), path, "rule")
+        for i, raw in enumerate(_entries(doc, "fixes", path, problems)):
+            with problems.entry():
+                _add_unique(out["fixes"], parse_fix(raw, path, i, names), path, "fix")
+        for i, raw in enumerate(_entries(doc, "host_links", path, problems)):
+            with problems.entry():
+                out["host_links"].append(parse_host_link(raw, path, i))
+        for i, raw in enumerate(_entries(doc, "peer_links", path, problems)):
+            with problems.entry():
+                out["peer_links"].append(parse_host_link(raw, path, i, "peer link"))
+        for i, raw in enumerate(_entries(doc, "gpu_families", path, problems)):
+            with problems.entry():
+                out["families"].append(parse_family(raw, path, i))
         scoring = doc.get("scoring") or {}
-        if not isinstance(scoring, dict):
-            raise TraceError(path, "scoring: must be a mapping of settings")
-        out["scoring"] |= {k: (v, path) for k, v in scoring.items()}
+        with problems.entry():
+            if not isinstance(scoring, dict):
+                raise TraceError(path, "scoring: must be a mapping of settings")
+            out["scoring"] |= {k: (v, path) for k, v in scoring.items()}
     return out
 
 
@@ -301,11 +328,12 @@ def _is_disable_stub(raw: Any) -> bool:
     )
 
 
-def _entries(doc: dict, key: str, path: Path) -> list:
+def _entries(doc: dict, key: str, path: Path, problems: Problems) -> list:
     value = doc.get(key) or []
-    if not isinstance(value, list):
-        raise TraceError(path, f"{key}: must be a list of entries")
-    return value
+    with problems.entry():
+        if not isinstance(value, list):
+            raise TraceError(path, f"{key}: must be a list of entries")
+    return value if isinstance(value, list) else []
 
 
 def _add_unique(into: dict, item: Rule | Fix, path: Path, kind: str) -> None:
@@ -314,17 +342,34 @@ def _add_unique(into: dict, item: Rule | Fix, path: Path, kind: str) -> None:
     into[item.id] = item
 
 
-def _check_references(rs: RuleSet) -> None:
-    for rule in rs.rules.values():
+def _fix_ids(files: list[tuple[Path, dict]]) -> list[str]:
+    """The ids the fix entries of ``files`` give themselves, parsed or not."""
+    raws = [raw for _path, doc in files for raw in doc.get("fixes") or [] if isinstance(raw, dict)]
+    return [raw["id"] for raw in raws if isinstance(raw.get("id"), str)]
+
+
+def _check_references(
+    rules: dict[str, Rule],
+    fixes: dict[str, Fix],
+    broken: set[str],
+    bundled: Path,
+    problems: Problems,
+) -> None:
+    """Fix ids that rules and fixes name but no fix entry defines (``broken``: defined by an
+    entry that is itself faulty, already reported), and bundled fixes a layer lost."""
+    for rule in rules.values():
         for fix_id in rule.fixes:
-            if fix_id not in rs.fixes:
-                close = difflib.get_close_matches(fix_id, rs.fixes, n=1)
+            if fix_id not in fixes and fix_id not in broken:
+                close = difflib.get_close_matches(fix_id, fixes, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise TraceError(rule.source, f"rule {rule.id!r}: unknown fix id {fix_id!r}{hint}")
-    for fix in rs.fixes.values():
+                problems.add(
+                    TraceError(rule.source, f"rule {rule.id!r}: unknown fix id {fix_id!r}{hint}")
+                )
+    for fix in fixes.values():
         for other in fix.after:
-            if other not in rs.fixes:
-                raise TraceError(fix.source, f"fix {fix.id!r}: unknown fix id {other!r} in 'after'")
-    missing = [f for f in CONTRACT_FIX_IDS if f not in rs.fixes]
-    if missing:
-        raise TraceError(rs.folders[0], f"fix {missing[0]!r}: missing from the bundled fixes")
+            if other not in fixes and other not in broken:
+                problems.add(
+                    TraceError(fix.source, f"fix {fix.id!r}: unknown fix id {other!r} in 'after'")
+                )
+    for missing in (f for f in CONTRACT_FIX_IDS if f not in fixes and f not in broken):
+        problems.add(TraceError(bundled, f"fix {missing!r}: missing from the bundled fixes"))

@@ -14,23 +14,26 @@ import math
 from pathlib import Path
 from typing import Any
 
-from traceclf.support.errors import TraceError
+from traceclf.support.errors import Problems, TraceError
 
 
 def parse_thresholds(
-    layers: list[list[tuple[Path, dict]]], taken: frozenset[str]
+    layers: list[list[tuple[Path, dict]]], taken: frozenset[str], problems: Problems
 ) -> dict[str, int | float]:
     """Every layer's thresholds, later layers over earlier ones; ``taken``: the names of
-    measures and context facts, which a threshold must not shadow."""
+    measures and context facts, which a threshold must not shadow. A faulty threshold goes to
+    ``problems`` and the others are still checked."""
     merged: dict[str, int | float] = {}
     for depth, files in enumerate(layers):
         known = frozenset(merged)
         for path, doc in files:
             raw = doc.get("thresholds") or {}
-            if not isinstance(raw, dict):
-                raise TraceError(path, "thresholds: must be a mapping of name: number")
-            for name, value in raw.items():
-                merged[name] = _threshold(name, value, path, taken, known if depth else None)
+            with problems.entry():
+                if not isinstance(raw, dict):
+                    raise TraceError(path, "thresholds: must be a mapping of name: number")
+            for name, value in raw.items() if isinstance(raw, dict) else ():
+                with problems.entry():
+                    merged[name] = _threshold(name, value, path, taken, known if depth else None)
     return merged
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -18,6 +20,47 @@ class TraceError(Exception):
 
     def __reduce__(self):  # survive the trip back from worker processes and Dask
         return (type(self), (self.path, self.problem))
+
+
+class TraceErrors(TraceError):
+    """Several problems found in one pass (every faulty entry of the rule files), each a
+    TraceError of its own in ``errors``; its text is their lines, one a problem."""
+
+    def __init__(self, errors: Sequence[TraceError]) -> None:
+        self.errors = tuple(errors)
+        super().__init__(None, "\n".join(str(e) for e in self.errors))
+
+    def __reduce__(self):
+        return (type(self), (self.errors,))
+
+
+class Problems:
+    """What a check of many independent entries finds: the problem of each entry is kept and
+    the check goes on, so that one run names them all (:meth:`check` raises them together)."""
+
+    def __init__(self) -> None:
+        self.errors: list[TraceError] = []
+
+    @contextmanager
+    def entry(self) -> Iterator[None]:
+        """Checks one entry: its TraceError is kept rather than raised."""
+        try:
+            yield
+        except TraceErrors as e:
+            self.errors.extend(e.errors)
+        except TraceError as e:
+            self.errors.append(e)
+
+    def add(self, error: TraceError) -> None:
+        """A problem found without raising it."""
+        self.errors.append(error)
+
+    def check(self) -> None:
+        """Raises what was found: one TraceError as it is, several as one TraceErrors."""
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise TraceErrors(self.errors)
 
 
 class TraceWarning(UserWarning):
