@@ -228,12 +228,16 @@ def test_perfetto_trace_has_one_track_per_rank_and_stream(tmp_path: Path, ep2: R
     out = tmp_path / "trace.json"
     result = run_cli("analyze", trace_path(EP2), "-q", "--export-trace", out)
     assert result.code == 0, result.stderr
-    assert folder_listing(tmp_path) == ["trace.json"]  # written atomically: no temporary left
+    # written atomically, no temporary left; two ranks: a file per rank for HTA beside it
+    assert folder_listing(tmp_path) == [
+        "trace.hta", "trace.hta/rank0.json", "trace.hta/rank1.json", "trace.json"
+    ]  # fmt: skip
     doc = json.loads(out.read_text(encoding="utf-8"))
+    assert "distributedInfo" not in doc  # two ranks in one file: HTA reads trace.hta/
     events = doc["traceEvents"]
     meta = [e for e in events if e["ph"] == "M"]
     complete = [e for e in events if e["ph"] == "X"]
-    assert {e["ph"] for e in events} == {"M", "X"}
+    assert {e["ph"] for e in events} == {"M", "X", "s", "f"}  # no GPU metrics in this export
     processes = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
     assert set(processes) == {0, 1}
@@ -241,7 +245,7 @@ def test_perfetto_trace_has_one_track_per_rank_and_stream(tmp_path: Path, ep2: R
         assert processes[rank["rank"]].startswith(f"rank {rank['rank']} · pid {rank['pid']} · ")
         lo, hi = rank["steps"]["window_ns"]
         expected = gpu_rows(trace_path(EP2), rank["pid"], (lo, hi))
-        gpu = [e for e in complete if e["pid"] == rank["rank"] and e["cat"] != "nvtx"]
+        gpu = [e for e in complete if e["pid"] == rank["rank"] and "stream" in e["args"]]
         # one track per CUDA stream, named so, and every event of the window on it
         assert {e["tid"] for e in gpu} == {s for s, _t in expected}
         for stream in {s for s, _t in expected}:
@@ -256,6 +260,126 @@ def test_perfetto_trace_has_one_track_per_rank_and_stream(tmp_path: Path, ep2: R
     for e in complete:
         assert (e["pid"], e["tid"]) in threads
         assert isinstance(e["ts"], float | int) and e["dur"] >= 0
+    arrows = [e for e in events if e["ph"] == "s"]  # arrows of two ranks never join
+    assert arrows and len({e["id"] for e in arrows}) == len(arrows)
+    assert all(e["id"] >> 32 == e["pid"] for e in arrows)
+
+
+def sql_rows(path: Path, query: str, *args) -> list[tuple]:
+    con = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    try:
+        return con.execute(query, args).fetchall()
+    finally:
+        con.close()
+
+
+def test_trace_export_has_the_fields_hta_reads(tmp_path: Path, ep2: Report) -> None:
+    """What Holistic Trace Analysis needs (hta/common/trace_parser.py, trace_filter.py): GPU
+    work with args.stream/correlation/device, the launching call with args.correlation, one
+    rank per file named in distributedInfo; and launch -> kernel flow arrows. Each value is
+    the export's own (sqlite3)."""
+    out = tmp_path / "trace.json"
+    assert run_cli("analyze", trace_path(EP2), "-q", "--export-trace", out).code == 0
+    for rank in ep2.ranks:
+        text = (tmp_path / "trace.hta" / f"rank{rank['rank']}.json").read_text(encoding="utf-8")
+        # HTA finds the rank with the pattern '"rank":\s+(\d+)', before any event
+        assert re.search(r'"rank":\s+(\d+)', text).group(1) == str(rank["rank"])
+        doc = json.loads(text)
+        assert doc["distributedInfo"] == {"rank": rank["rank"], "world_size": 2}
+        events = doc["traceEvents"]
+        lo, hi = rank["steps"]["window_ns"]
+        expected = sql_rows(
+            trace_path(EP2),
+            f"SELECT start, streamId, correlationId, deviceId FROM CUPTI_ACTIVITY_KIND_KERNEL "
+            f"WHERE {GPU_PID} = ? AND start < ? AND end > ?",
+            rank["pid"], hi, lo,
+        )  # fmt: skip
+        kernels = [e for e in events if e.get("cat") == "kernel"]
+        assert sorted(
+            (round(e["ts"] * 1e3), e["args"]["stream"], e["args"]["correlation"],
+             e["args"]["device"]) for e in kernels
+        ) == sorted(expected)  # fmt: skip
+        assert {e["pid"] for e in events} == {rank["rank"]}
+        # every GPU event's launching call is there, and an arrow joins the two
+        gpu = [e for e in events if e["ph"] == "X" and "stream" in e["args"]]
+        calls = {e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime"}
+        launches = dict(sql_rows(
+            trace_path(EP2),
+            "SELECT correlationId, start FROM CUPTI_ACTIVITY_KIND_RUNTIME "
+            "WHERE ((globalTid >> 24) & 16777215) = ?",
+            rank["pid"],
+        ))  # fmt: skip
+        assert {e["args"]["correlation"] for e in gpu} == set(calls)
+        assert all(round(c["ts"] * 1e3) == launches[k] for k, c in calls.items())
+        starts = {e["id"]: e for e in events if e["ph"] == "s"}
+        ends = {e["id"]: e for e in events if e["ph"] == "f"}
+        assert set(starts) == set(ends) == set(calls)  # one id per correlation id
+        for e in gpu:
+            corr = e["args"]["correlation"]
+            call, start, end = calls[corr], starts[corr], ends[corr]
+            assert (start["tid"], start["ts"]) == (call["tid"], call["ts"])
+            assert (end["tid"], end["bp"]) == (e["tid"], "e")
+            assert end["ts"] == min(g["ts"] for g in gpu if g["args"]["correlation"] == corr)
+
+
+def test_hta_reads_the_trace_export_and_agrees(tmp_path: Path, ep2: Report, monkeypatch) -> None:
+    """HTA's own parser on the per-rank files: its GPU kernels, their launches and its idle
+    time agree with the report (HTA rounds ns to µs unless told not to)."""
+    pytest.importorskip("hta")
+    from hta.trace_analysis import TraceAnalysis
+
+    monkeypatch.setenv("HTA_DISABLE_NS_ROUNDING", "1")
+    out = tmp_path / "trace.json"
+    assert run_cli("analyze", trace_path(EP2), "-q", "--export-trace", out).code == 0
+    analysis = TraceAnalysis(trace_dir=str(tmp_path / "trace.hta"))
+    assert sorted(analysis.t.traces) == [0, 1]
+    breakdown = analysis.get_temporal_breakdown(visualize=False).set_index("rank")
+    for rank in ep2.ranks:
+        lo, hi = rank["steps"]["window_ns"]
+        df = analysis.t.get_trace(rank["rank"])
+        kernel = analysis.t.symbol_table.sym_index["kernel"]
+        kernels = df[(df["stream"] > 0) & (df["cat"] == kernel)]
+        (count,) = sql_rows(
+            trace_path(EP2),
+            f"SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE {GPU_PID} = ? "
+            "AND start < ? AND end > ?",
+            rank["pid"], hi, lo,
+        )[0]  # fmt: skip
+        assert len(kernels) == count > 0
+        assert (kernels["index_correlation"] > 0).all()  # each linked to its launching call
+        row = breakdown.loc[rank["rank"]]
+        assert row["kernel_time(us)"] == pytest.approx((hi - lo) / 1e3, abs=1)
+        idle_us = rank["metrics"]["gpu_idle_frac"] * (hi - lo) / 1e3
+        assert row["idle_time(us)"] == pytest.approx(idle_us, abs=1)
+
+
+def test_trace_export_of_one_rank_with_gpu_metric_counters(tmp_path: Path) -> None:
+    """One rank: one file, its rank in distributedInfo, no per-rank folder; GPU metrics as
+    counter tracks, one sample per event, as the export holds them in the window."""
+    export = trace_path("h100_comm_a2a_gpumetrics_trimmed")
+    report = traceclf.analyze(export)
+    out = tmp_path / "one.json"
+    assert run_cli("analyze", export, "-q", "--export-trace", out).code == 0
+    assert folder_listing(tmp_path) == ["one.json"]
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    assert doc["distributedInfo"] == {"rank": 0, "world_size": 1}
+    lo, hi = report.ranks[0]["steps"]["window_ns"]
+    rows = sql_rows(
+        export,
+        "SELECT g.timestamp, n.metricName, g.value FROM GPU_METRICS g JOIN "
+        "TARGET_INFO_GPU_METRICS n USING (typeId, metricId) WHERE g.timestamp BETWEEN ? AND ? "
+        "AND n.metricName IN ('SMs Active [Throughput %]', 'SM Issue [Throughput %]', "
+        "'Tensor Active [Throughput %]')",
+        lo, hi,
+    )  # fmt: skip
+    labels = {"SMs Active [Throughput %]": "SM active %", "SM Issue [Throughput %]":
+              "SM issue %", "Tensor Active [Throughput %]": "tensor active %"}  # fmt: skip
+    counters = [e for e in doc["traceEvents"] if e["ph"] == "C"]
+    assert len(rows) > 100
+    assert sorted((round(e["ts"] * 1e3), e["name"], e["args"]["value"]) for e in counters) == (
+        sorted((t, labels[n], round(v, 2)) for t, n, v in rows)
+    )
+    assert {e["pid"] for e in counters} == {0}
 
 
 def test_export_trace_never_overwrites_an_input(tmp_path: Path) -> None:

@@ -75,7 +75,9 @@ def cli() -> None:
     "--export-trace",
     metavar="FILE.json",
     help="Also write the steady-state window as a Chrome/Perfetto trace-event file (one track "
-    "per rank and CUDA stream, NVTX per host thread; open it in ui.perfetto.dev).",
+    "per rank and CUDA stream, NVTX and CUDA API calls per host thread, launch arrows, GPU "
+    "metrics; open it in ui.perfetto.dev). Holistic Trace Analysis reads it too; with several "
+    "ranks, one file per rank also goes into FILE.hta/.",
 )
 @analysis_options
 @click.option(
