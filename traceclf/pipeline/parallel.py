@@ -423,10 +423,13 @@ def _on_worker(item: Any, fn: Callable[[Any], R]) -> R:
 @contextmanager
 def _progress(total: int, quiet: bool) -> Iterator[Callable[[], None]]:
     """A rich progress bar on stderr for more than one item; ``advance`` moves it by one."""
+    if quiet or total <= 1:  # (rich not even imported: a cached re-analysis stays light)
+        yield lambda: None
+        return
     from traceclf.support.progress import stderr_console
 
     console = stderr_console(quiet)  # (None off a terminal: a log file gets no bar, no newline)
-    if console is None or total <= 1:
+    if console is None:
         yield lambda: None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
