@@ -137,7 +137,7 @@ def test_the_other_tables_carry_the_reports_numbers(exported: Path, ep2: Report)
     assert len(a2a) == 2 and all(r["libraries"] == "nccl" for r in a2a)
     matched = ep2.cross_rank["comm_by_kind"]["all_to_all"]
     assert all(int(r["instances"]) == matched["instances"] for r in a2a)
-    gaps = read_csv(exported / "idle_gaps.csv")
+    gaps = read_csv(exported / "idle_gap_bins.csv")
     for rank, series in zip(ep2.ranks, ep2.series, strict=True):
         mine = [g for g in gaps if int(g["rank"]) == rank["rank"]]
         hist = series["idle_gaps"]

@@ -61,8 +61,9 @@ def cli() -> None:
     type=click.Path(path_type=Path),
     metavar="DIR",
     help="Also write every table of the report into DIR, one file each: steps, ranks, kernels "
-    "(like nsys cuda_gpu_kern_sum), idle_gaps, collectives, phases, host_attribution, "
-    "communicators, late_arrivals.",
+    "(like nsys cuda_gpu_kern_sum), idle_gaps (one row per gap, the longest, with its time "
+    "in nsys), idle_gap_bins (every gap by length and cause), collectives, phases, "
+    "host_attribution, communicators, late_arrivals.",
 )
 @click.option(
     "--export-format",

@@ -26,6 +26,7 @@ class RankMeasures:
     top_kernels: list[dict] = field(default_factory=list)
     step_breakdown: list[dict] = field(default_factory=list)
     idle_gaps: dict[str, list] = field(default_factory=dict)
+    longest_gaps: list[dict] = field(default_factory=list)  # one by one (measures/host.py)
     gpu_metrics_series: dict[str, list] = field(default_factory=dict)
     idle_nvtx: list[dict] = field(default_factory=list)
     capture: dict = field(default_factory=dict)

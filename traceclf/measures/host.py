@@ -56,6 +56,7 @@ CALL_MEASURES = (
 CAUSE = pl.Enum(IDLE_CAUSES)  # (millions of gaps: a byte each, not a string)
 INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
 SYNC_SLACK_NS = 20_000  # a sync returns this soon after the GPU drains
+LONGEST_GAPS = 200  # idle gaps listed one by one per rank, longest first (the histogram counts all)
 BATCH_COPY_BYTES = 1 << 20  # a host->device copy this big after a gap is the next batch
 # ... when such gaps recur: in at least this share of the steady steps (one upload before the
 # loop, a checkpoint restore, is setup, not an input pipeline)
@@ -346,6 +347,38 @@ def nvtx_cover(long: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
         )
         .select(pl.col(c).cast(t) for c, t in schema.items())
     )
+
+
+def longest_gaps(gaps: pl.DataFrame, w: RankWindow, n: int = LONGEST_GAPS) -> list[dict]:
+    """The ``n`` longest idle gaps of the window (from :func:`idle_gaps`), longest first (ties:
+    earlier first), one by one as ``nsys analyze``'s gpu_gaps lists them: ``start_ns`` (the
+    export's clock), ``duration_ns``, ``cause``, and ``nvtx``: the innermost NVTX range of the
+    process open at the middle of the gap, other than a step range (``None`` when none)."""
+    order = {"by": ["dur", "start"], "descending": [True, False]}
+    top = gaps.sort(**order).head(n).select(
+        "start", "dur", pl.col("cause").cast(pl.String), mid=pl.col("start") + pl.col("dur") // 2
+    )
+    if top.is_empty():
+        return []
+    step_names = w.steps.table["name"].unique().implode()
+    ranges = w.trace.nvtx.filter(~pl.col("text").is_in(step_names)).select(
+        "text", r_start="start", r_end="end"
+    )
+    if ranges.is_empty():
+        top = top.with_columns(nvtx=pl.lit(None, pl.String))
+    else:
+        open_at = (
+            top.select("start", "mid")
+            .join_where(ranges, pl.col("r_start") <= pl.col("mid"), pl.col("r_end") > pl.col("mid"))
+            .sort("r_start", descending=True)
+            .group_by("start", maintain_order=True)
+            .agg(nvtx=pl.col("text").first())
+        )
+        top = top.join(open_at, on="start", how="left").sort(**order)
+    return [
+        {"start_ns": start, "duration_ns": dur, "cause": cause, "nvtx": nvtx}
+        for start, dur, cause, nvtx in top.select("start", "dur", "cause", "nvtx").iter_rows()
+    ]
 
 
 def idle_by_nvtx(gaps: pl.DataFrame, w: RankWindow) -> list[dict]:

@@ -87,6 +87,7 @@ def measure_rank(
         top_kernels=compute.top_kernels(w),
         step_breakdown=breakdown,
         idle_gaps=series.gap_histogram(gaps),
+        longest_gaps=host.longest_gaps(gaps, w),
         gpu_metrics_series=series.metric_series(gpu_samples, steps.spans),
         idle_nvtx=host.idle_by_nvtx(gaps, w),
         step_budget=step_budget,

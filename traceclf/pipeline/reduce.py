@@ -144,6 +144,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
                 "rank": i,
                 "step_breakdown": r.measures.step_breakdown,
                 "idle_gaps": r.measures.idle_gaps,
+                "longest_gaps": r.measures.longest_gaps,
                 "gpu_metrics": r.measures.gpu_metrics_series,
                 "step_budget": r.measures.step_budget,
                 "step_lanes": r.measures.step_lanes,

@@ -58,6 +58,42 @@ def nsys_rows(report: Report) -> list[tuple[str, str]]:
                 f"(median {fmt_ms(steps.get('median_ms'))})",
             )
         )
+    return rows + gap_rows(report)
+
+
+SHOWN_GAPS = 3  # the longest idle gaps each format lists (the rest: --export-dir's idle_gaps)
+
+
+def longest_gaps(report: Report, n: int = SHOWN_GAPS) -> list[tuple[dict, dict]]:
+    """(rank, gap) of the ``n`` longest idle gaps over every rank (``series[].longest_gaps``),
+    longest first."""
+    gaps = [
+        (rank, gap)
+        for rank, s in zip(report.ranks, report.series, strict=False)
+        for gap in s.get("longest_gaps") or []
+    ]
+    return sorted(gaps, key=lambda rg: (-rg[1]["duration_ns"], rg[1]["start_ns"]))[:n]
+
+
+def gap_rows(report: Report) -> list[tuple[str, str]]:
+    """("Idle gap", 'open in nsys at t = 1.377–1.728 s: 351 ms idle (cause: host), inside NVTX
+    range "..."')
+    for the longest idle gaps of the steady state."""
+    several_ranks = len(report.ranks) > 1
+    several_files = len(report.inputs) > 1
+    rows = []
+    for rank, gap in longest_gaps(report):
+        start, dur = gap["start_ns"], gap["duration_ns"]
+        where = f" of {Path(rank['file']).name}" if several_files and rank.get("file") else ""
+        who = f"rank {rank['rank']}, " if several_ranks else ""
+        nvtx = f", inside NVTX range \"{gap['nvtx']}\"" if gap.get("nvtx") else ""
+        rows.append(
+            (
+                "Idle gap",
+                f"open in nsys at t = {seconds(start, start + dur)}{where}: {who}"
+                f"{fmt_ms(dur / 1e6)} idle (cause: {gap['cause']}){nvtx}",
+            )
+        )
     return rows
 
 

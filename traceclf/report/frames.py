@@ -7,7 +7,8 @@ what ``--export-dir`` writes as CSV or Parquet, ``--format csv`` prints (``ranks
 | ``steps`` | rank and steady step | ``series[].step_breakdown`` |
 | ``ranks`` | rank | ``ranks[]`` and their ``metrics`` |
 | ``kernels`` | rank and kernel name | ``series[].kernel_summary`` (like ``cuda_gpu_kern_sum``) |
-| ``idle_gaps`` | rank, host-side cause and gap-length bin | ``series[].idle_gaps`` |
+| ``idle_gaps`` | idle gap (the longest of each rank) | ``series[].longest_gaps`` |
+| ``idle_gap_bins`` | rank, host-side cause and gap-length bin | ``series[].idle_gaps`` |
 | ``collectives`` | rank and collective kind | ``ranks[].comm_by_kind``, ``cross_rank.comm_by_kind`` |
 | ``phases`` | rank and NVTX phase | ``ranks[].phases`` |
 | ``host_attribution`` | rank, host source and what | ``ranks[].host_attribution`` |
@@ -40,6 +41,7 @@ TABLES = (
     "ranks",
     "kernels",
     "idle_gaps",
+    "idle_gap_bins",
     "collectives",
     "phases",
     "host_attribution",
@@ -137,6 +139,34 @@ def kernels_table(report: Sections) -> pl.DataFrame:
 
 
 def idle_gaps_table(report: Sections) -> pl.DataFrame:
+    """One row per idle gap, as ``nsys analyze``'s gpu_gaps lists them: the longest of each
+    rank's window (``series[].longest_gaps``), longest first: its start (ns on the export's
+    clock, and in the seconds the nsys timeline shows: ``open_in_nsys_s``), length, cause and
+    the NVTX range open over it."""
+    rows = [
+        {
+            "rank": s["rank"],
+            "start_ns": g["start_ns"],
+            "duration_ns": g["duration_ns"],
+            "cause": g["cause"],
+            "nvtx": g["nvtx"],
+            "open_in_nsys_s": g["start_ns"] / 1e9,
+        }
+        for s in report.series
+        for g in s.get("longest_gaps") or []
+    ]
+    schema = {
+        "rank": pl.Int64,
+        "start_ns": pl.Int64,
+        "duration_ns": pl.Int64,
+        "cause": pl.String,
+        "nvtx": pl.String,
+        "open_in_nsys_s": pl.Float64,
+    }
+    return pl.DataFrame(rows, schema=schema)
+
+
+def idle_gap_bins_table(report: Sections) -> pl.DataFrame:
     """Per rank, cause and gap-length bin [lo, hi) ns: how many idle gaps and their time, in
     total over the window and per steady step."""
     rows = []
@@ -321,6 +351,7 @@ BUILDERS = {
     "ranks": ranks_table,
     "kernels": kernels_table,
     "idle_gaps": idle_gaps_table,
+    "idle_gap_bins": idle_gap_bins_table,
     "collectives": collectives_table,
     "phases": phases_table,
     "host_attribution": host_attribution_table,
