@@ -35,12 +35,14 @@ def nvtx_count(name: str, like: str) -> int:
 
 def test_loop_line_counts_the_nvtx_ranges_behind_a_training_verdict():
     """h100_host_launch_gpumetrics: its unfused Adam runs elementwise kernels (no optimizer
-    kernel by name) inside NVTX 'optimizer' ranges; the loop line must show those ranges, not
-    read '0 optimizer kernels' beside 'the optimizer step launches 84 kernels'."""
+    kernel by name) inside NVTX 'optimizer' ranges; the loop line must show those ranges and
+    count those kernels as the evidence does, not read '0 optimizer kernels' beside 'the
+    optimizer step launches 84 kernels' (tests/test_report_consistency.py checks the counts)."""
     r = traceclf.analyze(trace_path("h100_host_launch_gpumetrics"), use_cache=False)
     ranges = nvtx_count("h100_host_launch_gpumetrics", "optimizer")
-    assert ranges > 0 and r.capture["training_evidence"]["optimizer_kernels"] == 0
+    assert ranges > 0 and r.capture["training_evidence"]["optimizer_kernels"] == 528
     assert f"{ranges} optimizer NVTX ranges" in rows(r)["Loop"]
+    assert "528 optimizer kernels (84 per steady step)" in rows(r)["Loop"]
 
 
 def test_gpu_work_of_several_ranks_is_said_to_be_summed():

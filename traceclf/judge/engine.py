@@ -290,7 +290,7 @@ def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any
     )
     ordered = _prerequisites_first(out, rs)
     ceiling.mark_shared(ordered)
-    return ordered
+    return _order_reasons(ordered, rs)
 
 
 def _worth_doing(fix: dict, env: dict[str, Any], rs: RuleSet) -> bool:
@@ -391,6 +391,54 @@ def _prerequisites_first(fixes: list[dict], rs: RuleSet) -> list[dict]:
                 moved = ordered.pop(ids.index(before))
                 ordered.insert(ids.index(fix["id"]), moved)
     return ordered
+
+
+WORKFLOW_WHY = "fit first, scale second, then feed the GPU, then speed up its kernels"
+
+
+def _order_reasons(fixes: list[dict], rs: RuleSet) -> list[dict]:
+    """``order`` on a fix listed above a fix with a larger ceiling: why it comes first (a
+    prerequisite of that fix, the bound's wall before a fix beside it, a premise the trace
+    contradicts, or an earlier wall of the workflow); no key where the order is the ceilings'
+    own."""
+    workflow = rs.scoring.workflow
+    for i, fix in enumerate(fixes):
+        mine = (fix.get("ceiling") or {}).get("recoverable_ms")
+        larger = [
+            f
+            for f in fixes[i + 1 :]
+            if (ms := (f.get("ceiling") or {}).get("recoverable_ms")) is not None
+            and (mine is None or ms > mine)
+        ]
+        needs = [f["id"] for f in larger if fix["id"] in rs.fixes[f["id"]].after]
+        beside = [f for f in larger if f.get("beside_bound") and not fix.get("beside_bound")]
+        walls = [f for f in larger if workflow.index(f["wall"]) > workflow.index(fix["wall"])]
+        doubted = [
+            f
+            for f in larger
+            if f["wall"] == fix["wall"]
+            and f.get("contradicted_premises")
+            and not fix.get("contradicted_premises")
+        ]
+        if needs:
+            verb = "needs" if len(needs) == 1 else "need"
+            fix["order"] = f"ahead of {', '.join(needs)}, which {verb} it done first"
+        elif walls and not walls[0].get("beside_bound"):
+            fix["order"] = (
+                f"ahead of {walls[0]['id']} (a larger ceiling): the {fix['wall']} wall comes "
+                f"first in the workflow, {' → '.join(workflow)} ({WORKFLOW_WHY})"
+            )
+        elif beside:
+            fix["order"] = (
+                f"ahead of {beside[0]['id']} (a larger ceiling): that one is beside the bound, "
+                "after every fix of the bound's wall"
+            )
+        elif doubted:
+            fix["order"] = (
+                f"ahead of {doubted[0]['id']} (a larger ceiling): the trace contradicts a "
+                "premise of that one"
+            )
+    return fixes
 
 
 def _is_applied(fix: Fix, env: dict[str, Any]) -> bool:

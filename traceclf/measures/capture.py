@@ -10,7 +10,7 @@ import polars as pl
 
 from traceclf.measures import intervals
 from traceclf.measures.intervals import Busy
-from traceclf.measures.window import RankWindow
+from traceclf.measures.window import RankWindow, optimizer_ranges
 from traceclf.model.taxonomy import by_name, matches
 from traceclf.steps.find import step_ranges
 
@@ -141,6 +141,18 @@ def graph_trace_mode(w: RankWindow) -> str:
     return "none"
 
 
+def optimizer_kernel_count(w: RankWindow, names: pl.DataFrame) -> int:
+    """Kernels of the rank's whole capture that are the optimizer's: of the optimizer family
+    by name, or launched inside an optimizer NVTX range and not communication; ``names`` is
+    the capture's kernels, row for row, with ``optimizer`` and ``is_comm`` flags."""
+    named = names["optimizer"].fill_null(False)
+    ranges = optimizer_ranges(w.trace, w.taxonomy)
+    if ranges.is_empty() or w.trace.kernels.is_empty():
+        return int(named.sum())
+    inside = pl.Series(w.trace.launched_within(w.trace.kernels, ranges))
+    return int((named | (inside & ~names["is_comm"].fill_null(False))).sum())
+
+
 def _training_evidence(w: RankWindow) -> dict:
     """Counts behind ``training_loop`` (judge/abstention.py), over the rank's whole capture: graph-level traced runs
     show their backward and optimizer kernels only in the eager warm-up before capture."""
@@ -153,7 +165,7 @@ def _training_evidence(w: RankWindow) -> dict:
     )
     names = by_name(
         trace.kernels.select("name", dur=pl.col("end") - pl.col("start")),
-        flags.select("name", "optimizer", "backward", "framework"),
+        flags.select("name", "optimizer", "backward", "framework", "is_comm"),
     )
     autograd = trace.threads.filter(
         pl.col("thread_name").str.contains(patterns["autograd_thread"])
@@ -167,7 +179,9 @@ def _training_evidence(w: RankWindow) -> dict:
         "backward_kernels": int(names["backward"].sum()),
         "autograd_launches": autograd_launches,
         "backward_ranges": int(matches(nvtx, patterns["backward_nvtx"]).sum()),
-        "optimizer_kernels": int(names["optimizer"].sum()),
+        # optimizer kernels as the window counts them (window.py: _optimizer_family): named so,
+        # or launched inside an optimizer NVTX range (communication excepted)
+        "optimizer_kernels": optimizer_kernel_count(w, names),
         "optimizer_ranges": int(matches(nvtx, w.taxonomy.nvtx["optimizer"]).sum()),
         "framework_kernel_frac": (
             round(int(names.filter("framework")["dur"].sum()) / total, 4) if total else None

@@ -67,7 +67,7 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
         f" — {evidence.get('backward_kernels', 0)} backward kernels, "
         f"{evidence.get('autograd_launches', 0)} launches from autograd threads, "
         f"{evidence.get('backward_ranges', 0)} backward NVTX ranges, "
-        f"{evidence.get('optimizer_kernels', 0)} optimizer kernels, "
+        f"{evidence.get('optimizer_kernels', 0)} optimizer kernels{_per_step(report)}, "
         f"{evidence.get('optimizer_ranges', 0)} optimizer NVTX ranges"
     )
     gpus = {
@@ -100,3 +100,10 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
         counts = ", ".join(f"{k} {v:,}" for k, v in repaired.items())
         rows.append(("Repaired strings", f"{counts} (not UTF-8: bad bytes shown as \ufffd)"))
     return rows + host_capture_rows(report)
+
+
+def _per_step(report: Report) -> str:
+    """' (84 per steady step)': the optimizer kernels of the capture as the evidence counts
+    them per step (the same kernels: ``optimizer_kernels_per_step``)."""
+    per_step = report.metrics.get("optimizer_kernels_per_step")
+    return f" ({per_step:.3g} per steady step)" if per_step else ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceclf.render.ceilings import ceiling_rows, combined_row
-from traceclf.render.text import sampled, window_text
+from traceclf.render.text import anchor_label, sampled, window_text
 from traceclf.report.contract import Report
 from traceclf.support.escape import visible
 from traceclf.support.units import fmt_bytes, fmt_ms, pct
@@ -441,6 +441,8 @@ def fix_facts(fix: dict) -> list[tuple[str, str]]:
     PyTorch, the measured facts that triggered it, its gain ceiling, and what the next capture
     shows once it works."""
     rows = []
+    if fix.get("order"):
+        rows.append(("Order", fix["order"]))
     if fix.get("pytorch"):
         rows.append(("In PyTorch", fix["pytorch"]))
     evidence = fix.get("evidence") or {}
