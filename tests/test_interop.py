@@ -347,10 +347,26 @@ def test_hta_reads_the_trace_export_and_agrees(tmp_path: Path, ep2: Report, monk
         )[0]  # fmt: skip
         assert len(kernels) == count > 0
         assert (kernels["index_correlation"] > 0).all()  # each linked to its launching call
+        # HTA spans the exported GPU work, first start to last end (work overlapping the
+        # window, whole): its idle is the window's up to the edges the work spills over
+        hull = [
+            sql_rows(
+                trace_path(EP2),
+                f"SELECT min(start), max(end) FROM CUPTI_ACTIVITY_KIND_{table} "
+                f"WHERE {GPU_PID} = ? AND start < ? AND end > ?",
+                rank["pid"], hi, lo,
+            )[0]
+            for table in ("KERNEL", "MEMCPY", "MEMSET")
+        ]  # fmt: skip
+        first = min(a for a, _b in hull if a is not None)
+        last = max(b for _a, b in hull if b is not None)
         row = breakdown.loc[rank["rank"]]
-        assert row["kernel_time(us)"] == pytest.approx((hi - lo) / 1e3, abs=1)
+        assert row["kernel_time(us)"] == pytest.approx((last - first) / 1e3, abs=0.01)
+        spill_us = (abs(first - lo) + abs(last - hi)) / 1e3
         idle_us = rank["metrics"]["gpu_idle_frac"] * (hi - lo) / 1e3
-        assert row["idle_time(us)"] == pytest.approx(idle_us, abs=1)
+        rounding_us = 5e-7 * (hi - lo) / 1e3  # (metrics hold 6 decimals)
+        assert row["idle_time(us)"] == pytest.approx(idle_us, abs=spill_us + rounding_us + 0.01)
+        assert spill_us < 0.001 * (hi - lo) / 1e3
 
 
 def test_trace_export_of_one_rank_with_gpu_metric_counters(tmp_path: Path) -> None:

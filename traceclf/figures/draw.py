@@ -43,6 +43,7 @@ IDLE_CAUSE_LOOK = {
     "sync": ("after a sync", "#f5a623"),
     "input": ("input (no CUDA calls)", "#f7d154"),
     "host": ("host busy elsewhere (no CUDA calls)", "#8a4b12"),
+    "graph": ("inside a CUDA-graph replay", "#b0845a"),
     "other": ("other / unattributed", WALL_COLORS["idle"]),
 }
 IDLE_CAUSE_STYLE = tuple((cause, *IDLE_CAUSE_LOOK[cause]) for cause in IDLE_CAUSES)

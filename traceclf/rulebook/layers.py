@@ -211,9 +211,12 @@ def bundled_thresholds() -> dict[str, int | float]:
     key = tuple((str(p), *_identity(p)) for p in files)
     if key not in _THRESHOLDS:
         _THRESHOLDS.clear()
-        _THRESHOLDS[key] = parse_thresholds(
-            [[(path, read_yaml(path)) for path in files]], frozenset()
+        problems = Problems()
+        thresholds = parse_thresholds(
+            [[(path, read_yaml(path)) for path in files]], frozenset(), problems
         )
+        problems.check()
+        _THRESHOLDS[key] = thresholds
     return _THRESHOLDS[key]
 
 
