@@ -113,7 +113,7 @@ def test_definitions_are_checked_in_linear_time() -> None:
     (a copy of every earlier name per definition made 44,000 of them take minutes)."""
     import yaml
 
-    from traceclf.rulebook.entries import parse_definitions
+    from traceclf.rulebook.definitions import parse_definitions
 
     def seconds(count: int) -> float:  # the best of three: the CPU is shared
         doc = yaml.safe_load(chained_definitions(count))

@@ -1,5 +1,5 @@
 """One entry of a rule file, validated into a typed object: a rule, a fix, a GPU family, a
-definition or the scoring settings. Every problem is a one-line ``TraceError`` naming the file
+or the scoring settings (definitions: rulebook/definitions.py). Every problem is a one-line ``TraceError`` naming the file
 and the entry (``rule 'x': missing 'when'``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from traceclf.rulebook import stamp
 from traceclf.rulebook.expr import Expr, ExprError, Template
 from traceclf.rulebook.fixparts import Precondition, Recovers, parse_preconditions, parse_recovers
-from traceclf.support.errors import Problems, TraceError
+from traceclf.support.errors import TraceError
 from traceclf.support.regex import regex_problem
 
 WALLS = ("memory", "communication", "host", "compute")
@@ -131,60 +131,6 @@ class ComparisonSettings:
     material_relative: float  # a count or size moving by this share of itself is material
     part_share: float  # a kernel, phase, idle cause or collective: this share of the step
     memory_share: float  # peak device memory moving by this share of the GPU's memory
-
-
-@dataclass(frozen=True)
-class Definition:
-    name: str
-    expr: Expr
-    source: Path
-
-
-def parse_definitions(
-    docs: list[list[tuple[Path, dict]]],
-    measures: frozenset[str],
-    problems: Problems | None = None,
-) -> dict[str, Definition]:
-    """Named expressions, merged like rules; each may use the ``measures`` (and context
-    names) and the definitions before it. Faulty ones go to ``problems`` (without: raised
-    together at the end) and the others are still checked."""
-    found = problems if problems is not None else Problems()
-    merged: dict[str, Definition] = {}
-    for files in docs:
-        seen: set[str] = set()
-        for path, doc in files:
-            raw = doc.get("definitions") or {}
-            with found.entry():
-                if not isinstance(raw, dict):
-                    raise TraceError(path, "definitions: must be a mapping of name: expression")
-            for name, source in raw.items() if isinstance(raw, dict) else ():
-                with found.entry():
-                    merged[name] = _definition(name, source, path, measures, seen)
-    earlier = set(measures)  # grown one definition at a time: linear in the definitions
-    for d in merged.values():
-        for used in sorted(d.expr.names - earlier)[:1]:  # (its first unknown name)
-            where = "a later definition" if used in merged else "unknown"
-            found.add(TraceError(d.source, f"definition {d.name!r}: uses {used!r} ({where})"))
-        earlier.add(d.name)
-    if problems is None:
-        found.check()
-    return merged
-
-
-def _definition(
-    name: Any, source: Any, path: Path, measures: frozenset[str], seen: set[str]
-) -> Definition:
-    label = f"definition {name!r}"
-    if not isinstance(name, str) or not name.isidentifier():
-        raise TraceError(path, f"{label}: the name must be an identifier")
-    if name in measures or name in seen:
-        what = "a measure or context name" if name in measures else "defined twice"
-        raise TraceError(path, f"{label}: {what}")
-    seen.add(name)
-    try:
-        return Definition(name, Expr.parse(str(source)), path)
-    except ExprError as e:
-        raise TraceError(path, f"{label}: {e}") from None
 
 
 class _Entry:

@@ -29,14 +29,13 @@ from typing import Any
 from traceclf.rulebook import stamp
 from traceclf.rulebook.capturequality import CaptureQuality, parse_capture
 from traceclf.rulebook.comm_rules import CommRules, parse_communicators
+from traceclf.rulebook.definitions import Definition, parse_definitions
 from traceclf.rulebook.entries import (
-    Definition,
     Fix,
     GpuFamily,
     HostLink,
     Rule,
     Scoring,
-    parse_definitions,
     parse_family,
     parse_fix,
     parse_host_link,
