@@ -241,7 +241,7 @@ def test_unrelated_processes_in_one_export_are_separate_runs(tmp_path: Path) -> 
 def test_why_runs_are_separate_is_said_once_names_in_the_order_of_their_values(
     tmp_path: Path,
 ) -> None:
-    """"a vs b: steps found differently (a's anchor vs b's anchor); step times differ (a's vs
+    """ "a vs b: steps found differently (a's anchor vs b's anchor); step times differ (a's vs
     b's)", printed once above the runs in every format, not again in each run's report."""
     names = ["h100_comm_ep2", "h100_host_input_stall", "h100_memory_offload"]
     for name in names:
@@ -251,7 +251,7 @@ def test_why_runs_are_separate_is_said_once_names_in_the_order_of_their_values(
     first = reason.split(" · ")[0]
     assert first.startswith("3 files are 3 separate runs (--job to merge): ")
     pair = (
-        'h100_comm_ep2.sqlite vs h100_host_input_stall.sqlite: steps found differently (nvtx '
+        "h100_comm_ep2.sqlite vs h100_host_input_stall.sqlite: steps found differently (nvtx "
         '"Iteration" vs nvtx "batch")'
     )
     assert pair in first

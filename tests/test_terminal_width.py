@@ -67,7 +67,9 @@ def test_nothing_wider_than_the_terminal_and_no_number_cut(
 
 
 # what ends a config block in a fix: the next labelled row or the next fix
-AFTER_CONFIG = re.compile(r"^\s*(order:|in PyTorch:|because:|at most:|verify:|needs:|watch out:)|^\d+\. ")
+AFTER_CONFIG = re.compile(
+    r"^\s*(order:|in PyTorch:|because:|at most:|verify:|needs:|watch out:)|^\d+\. "
+)
 
 
 def config_blocks(text: str) -> list[str]:

@@ -355,8 +355,15 @@ def longest_gaps(gaps: pl.DataFrame, w: RankWindow, n: int = LONGEST_GAPS) -> li
     export's clock), ``duration_ns``, ``cause``, and ``nvtx``: the innermost NVTX range of the
     process open at the middle of the gap, other than a step range (``None`` when none)."""
     order = {"by": ["dur", "start"], "descending": [True, False]}
-    top = gaps.sort(**order).head(n).select(
-        "start", "dur", pl.col("cause").cast(pl.String), mid=pl.col("start") + pl.col("dur") // 2
+    top = (
+        gaps.sort(**order)
+        .head(n)
+        .select(
+            "start",
+            "dur",
+            pl.col("cause").cast(pl.String),
+            mid=pl.col("start") + pl.col("dur") // 2,
+        )
     )
     if top.is_empty():
         return []

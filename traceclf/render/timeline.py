@@ -86,7 +86,7 @@ def gap_rows(report: Report) -> list[tuple[str, str]]:
         start, dur = gap["start_ns"], gap["duration_ns"]
         where = f" of {Path(rank['file']).name}" if several_files and rank.get("file") else ""
         who = f"rank {rank['rank']}, " if several_ranks else ""
-        nvtx = f", inside NVTX range \"{gap['nvtx']}\"" if gap.get("nvtx") else ""
+        nvtx = f', inside NVTX range "{gap["nvtx"]}"' if gap.get("nvtx") else ""
         rows.append(
             (
                 "Idle gap",
