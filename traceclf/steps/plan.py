@@ -14,7 +14,13 @@ import polars as pl
 
 from traceclf.model.trace import Trace
 from traceclf.steps.settings import StepSettings
-from traceclf.steps.steady import Steps, flag_outliers, steady_range, with_durations
+from traceclf.steps.steady import (
+    STEP_COLUMNS,
+    Steps,
+    flag_outliers,
+    steady_range,
+    with_durations,
+)
 
 # Analysed steps come in at most this many runs of consecutive steps, spread evenly over the
 # steady state, so that drift over the capture is still seen.
@@ -152,19 +158,7 @@ def planned_steps(trace: Trace, plan: StepPlan, settings: StepSettings) -> Steps
         spans = [(lo, max(hi, lo + 1))]
     return Steps(
         plan.source,
-        steps.select(
-            "index",
-            "name",
-            "gpu_start",
-            "gpu_end",
-            "duration",
-            "complete",
-            "steady",
-            "outlier",
-            "analysed",
-            "cpu_start",
-            "cpu_end",
-        ),
+        steps.select(*STEP_COLUMNS, "analysed", "cpu_start", "cpu_end"),
         (spans[0][0], spans[-1][1]),
         plan.label,
         tuple(spans),

@@ -14,6 +14,18 @@ import polars as pl
 from traceclf.model.trace import Trace
 from traceclf.steps.settings import StepSettings
 
+# The columns of every Steps.table, before ``analysed`` and the NVTX range's cpu_start/cpu_end.
+STEP_COLUMNS = (
+    "index",
+    "name",
+    "gpu_start",
+    "gpu_end",
+    "duration",
+    "complete",
+    "steady",
+    "outlier",
+)
+
 
 @dataclass(frozen=True)
 class Steps:
@@ -208,17 +220,7 @@ def choose_window(
     cpu = [c for c in ("cpu_start", "cpu_end") if c in table.columns]
     return Steps(
         source,
-        table.select(
-            "index",
-            "name",
-            "gpu_start",
-            "gpu_end",
-            "duration",
-            "complete",
-            "steady",
-            "outlier",
-            *cpu,
-        ),
+        table.select(*STEP_COLUMNS, *cpu),
         window,
         label,
     )
