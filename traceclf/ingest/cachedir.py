@@ -11,6 +11,8 @@ Names traceclf owns in the root, and the only names it ever deletes::
         .traceclf-made                      the marker traceclf wrote when it made the folder
         <32 hex>/                           the trace model of one version of the export
         results-<32 hex>/<24 hex>.json      analysis results of that version, per option set
+        results-<32 hex>/run-<24 hex>.json  the report of a whole analysis whose first export
+                                            this is (its inputs, options, rules and code)
         .tmp-*                              a writer's temporaries (removed once stale)
     <report stem>-<12 hex>-<12 hex>.sqlite  nsys exports of .nsys-rep reports (stamped in
                                             their SQLite header)
@@ -120,14 +122,27 @@ def export_key(path: Path) -> str:
 @functools.cache
 def code_fingerprint() -> str:
     """Cache format, versions and the source of the modules that shape the trace model."""
+    digest = hashlib.sha256(f"{CACHE_FORMAT}:{__version__}:{_polars_release()}".encode())
+    return sources_digest(digest, MODEL_SOURCES)
+
+
+def _polars_release() -> str:
+    """The installed polars distributions (polars and its runtime), named by their dist-info
+    folders beside the package: read without importing polars or importlib.metadata (which
+    cost a cached re-analysis a sixth of its time)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("polars")
+    if spec is not None and spec.origin:
+        found = sorted(p.name for p in Path(spec.origin).parent.parent.glob("polars*.dist-info"))
+        if found:
+            return ",".join(found)
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        polars = version("polars")
+        return version("polars")
     except PackageNotFoundError:
-        polars = "?"
-    digest = hashlib.sha256(f"{CACHE_FORMAT}:{__version__}:{polars}".encode())
-    return sources_digest(digest, MODEL_SOURCES)
+        return "?"
 
 
 def path_digest(path: Path, length: int = 16) -> str:

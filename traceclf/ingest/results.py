@@ -3,7 +3,10 @@ identity (its path, size, times and fingerprint, and the code that reads it) and
 
 Kept apart from the trace-model cache (:mod:`traceclf.ingest.cache`, Parquet through polars):
 re-analysing an unchanged export reads one small file here and imports neither polars nor
-the loader. See :mod:`traceclf.ingest.cachedir` for where the files live.
+the loader. A whole analysis's report is filed beside the results of its first export, keyed by
+every input's identity, the options, the rules and the code: re-analysing unchanged inputs
+then skips even the reduce step (cross-rank matching, the judge). See
+:mod:`traceclf.ingest.cachedir` for where the files live.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from traceclf.support.atomic import write_atomic
 from traceclf.support.owned import is_owned
 
 RESULT_FORMAT = 1
+# a whole analysis's report, beside the first export's results (pipeline/analysis.py)
+RUN_PREFIX = "run-"
 MAX_RESULT_BYTES = 64 << 20  # a damaged or planted file must not exhaust memory
 CACHE_ERRORS = (Exception,)  # none of it may fail an analysis
 
@@ -41,9 +46,20 @@ def read_result(path: Path, variant: str, key: str, cache_dir: Path | None = Non
     """The cached analysis result of version ``key`` of the export, for ``variant`` (options
     and analysis code); None when absent, unreadable or failing its checksum. Re-analysing an
     unchanged export then skips the trace model altogether."""
+    return _read(path, key, f"{variant}.json", cache_dir)
+
+
+def read_run(path: Path, key: str, run: str, cache_dir: Path | None = None) -> dict | None:
+    """The cached report (or run set) of a whole analysis, filed as ``run`` (every input's
+    identity, the options, the rules and the code: :func:`traceclf.pipeline.analysis.run_key`)
+    with version ``key`` of its first export; None when absent or damaged."""
+    return _read(path, key, f"{RUN_PREFIX}{run}.json", cache_dir)
+
+
+def _read(path: Path, key: str, name: str, cache_dir: Path | None) -> dict | None:
     slot = slot_of(path, cache_dir)
     folder = slot / f"{RESULTS_PREFIX}{key}"
-    file = folder / f"{variant}.json"
+    file = folder / name
     if not (readable_slot(slot) and is_owned(folder) and is_owned(file, "file")):
         return None
     try:
@@ -77,19 +93,31 @@ def write_result(
     """Store an analysis result of version ``key`` of the export, atomically, if the export
     is still that version (it may have been replaced during the analysis). Failures are
     ignored: a cache must never fail an analysis. True when stored."""
+    return _write(path, key, f"{variant}.json", result, cache_dir)
+
+
+def write_run(path: Path, key: str, run: str, report: dict, cache_dir: Path | None = None) -> bool:
+    """Store the report (or run set) of a whole analysis as :func:`read_run` finds it."""
+    return _write(path, key, f"{RUN_PREFIX}{run}.json", report, cache_dir)
+
+
+def _write(path: Path, key: str, name: str, result: dict, cache_dir: Path | None) -> bool:
     if identity(path) != key:
         return False
     slot = slot_of(path, cache_dir)
     folder = slot / f"{RESULTS_PREFIX}{key}"
     try:
+        envelope = {"format": RESULT_FORMAT, "sha256": _checksum(result), "result": result}
+        text = json.dumps(envelope)
+        if len(text) > MAX_RESULT_BYTES:  # it would never be read back
+            return False
         if not ensure_slot(slot):
             return False
         with contextlib.suppress(FileExistsError):
             folder.mkdir()
         if not is_owned(folder):
             return False
-        envelope = {"format": RESULT_FORMAT, "sha256": _checksum(result), "result": result}
-        write_atomic(folder / f"{variant}.json", json.dumps(envelope))
+        write_atomic(folder / name, text)
     except CACHE_ERRORS:
         return False
     prune_slot(slot, keep=key)

@@ -49,10 +49,6 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     """Analyse every export named by ``inputs`` (files, folders, .nsys-rep): one report when
     they are one job, else one report per run (:mod:`traceclf.pipeline.grouping`)."""
     from traceclf.ingest.inputs import chosen_files, named_order
-    from traceclf.pipeline.grouping import group, split_unrelated_ranks
-    from traceclf.pipeline.parallel import started_workers
-    from traceclf.pipeline.reduce import build_report
-    from traceclf.report.runset import RunSet
 
     # Reject bad options and files before any heavy work starts.
     if opts.step_regex is not None:  # (steps/ imports polars: not without a --step-range)
@@ -62,6 +58,16 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     if opts.grouping not in ("auto", "job", "runs"):
         raise TraceError(None, f"grouping must be auto, job or runs (got {opts.grouping!r})")
     files = chosen_files(inputs)
+    run = run_key(inputs, files, opts)
+    if run is not None:
+        cached = _cached_run(files[0], run, opts)
+        if cached is not None:
+            return cached
+    from traceclf.pipeline.grouping import group, split_unrelated_ranks
+    from traceclf.pipeline.parallel import started_workers
+    from traceclf.pipeline.reduce import build_report
+    from traceclf.report.runset import RunSet
+
     # Local workers start first: their start-up overlaps the checks of the rules and exports.
     local_jobs = 1 if opts.dask_address is not None else opts.jobs
     with started_workers(local_jobs, len(files), _warm_worker) as pool:
@@ -82,15 +88,69 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
         report.grouping = grouping.for_report()
         reports.append(report)
     if len(reports) == 1:
-        return reports[0]
-    # runs in the order the user named their files (the first file of each run)
-    order = named_order(inputs)
-    position = [
-        min(order.get(Path(results[i].path).resolve(), len(order)) for i in members)
-        for members in grouping.groups
-    ]
-    ranked = sorted(range(len(reports)), key=position.__getitem__)
-    return RunSet([reports[i] for i in ranked], grouping.for_report())
+        out: Report | RunSet = reports[0]
+    else:
+        # runs in the order the user named their files (the first file of each run)
+        order = named_order(inputs)
+        position = [
+            min(order.get(Path(results[i].path).resolve(), len(order)) for i in members)
+            for members in grouping.groups
+        ]
+        ranked = sorted(range(len(reports)), key=position.__getitem__)
+        out = RunSet([reports[i] for i in ranked], grouping.for_report())
+    if run is not None:
+        _store_run(files[0], run, out, opts)
+    return out
+
+
+def run_key(inputs: list[str], files: list[Path], opts: AnalysisOptions) -> tuple[str, str] | None:
+    """The key a whole analysis of ``inputs`` (which name ``files``) is cached under, with
+    the identity of the first file (whose cache slot holds it): the inputs as named (their
+    order orders the runs), every file and its identity, every option that shapes the report,
+    the rules' text and traceclf's code. None without the cache, or
+    with a step regex (whose warnings name what each export matched: those are recomputed)."""
+    from traceclf.ingest import results
+    from traceclf.rulebook.rulefiles import rules_digest
+
+    if not opts.use_cache or opts.step_regex is not None or not files:
+        return None
+    keys = [results.identity(f) for f in files]
+    if any(k is None for k in keys):
+        return None
+    digest = hashlib.sha256(
+        f"{_report_fingerprint()}:{rules_digest(opts.rules_dir)}:{opts.grouping}:"
+        f"{opts.all_steps}:{opts.row_budget}:{opts.nsys}".encode(errors="surrogateescape")
+    )
+    for name in inputs:
+        digest.update(f"{name}\0".encode(errors="surrogateescape"))
+    digest.update(b"\1")
+    for f, k in zip(files, keys, strict=True):
+        digest.update(f"{f}\0{k}\0".encode(errors="surrogateescape"))
+    return keys[0], digest.hexdigest()[:24]  # type: ignore[return-value]
+
+
+def _cached_run(first: Path, run: tuple[str, str], opts: AnalysisOptions) -> Report | RunSet | None:
+    from traceclf.ingest import results
+    from traceclf.report.runset import RunSet
+
+    data = results.read_run(first, *run, opts.cache_dir)
+    if data is None:
+        return None
+    with contextlib.suppress(Exception):  # an older or damaged layout: analyse again
+        if "runs" in data:
+            return RunSet([Report.from_dict(r) for r in data["runs"]], data["grouping"])
+        return Report.from_dict(data)
+    return None
+
+
+def _store_run(first: Path, run: tuple[str, str], out: Report | RunSet, opts) -> None:
+    """File the report as the JSON it renders to (what :func:`_cached_run` reads back)."""
+    import json
+
+    from traceclf.ingest import results
+
+    with contextlib.suppress(Exception):  # a cache never fails an analysis
+        results.write_run(first, *run, json.loads(out.to_json(indent=None)), opts.cache_dir)
 
 
 def _analyse_files(
@@ -255,6 +315,15 @@ ANALYSIS_SOURCES = (
     "measures",
     "ingest",  # what is read, and how
 )
+# ... and those that shape the report made of the results (a cached whole analysis)
+REPORT_SOURCES = (
+    *ANALYSIS_SOURCES,
+    "pipeline",
+    "judge",
+    "rulebook",
+    "report",
+    "support",
+)
 
 
 def _taxonomy(opts: AnalysisOptions):
@@ -284,6 +353,12 @@ def _rules_stamp_root(opts: AnalysisOptions) -> Path | None:
     from traceclf.ingest.cachedir import cache_root
 
     return cache_root(opts.cache_dir).path
+
+
+@functools.cache
+def _report_fingerprint() -> str:
+    """Version plus the source of every module, for the cache of whole reports."""
+    return sources_digest(hashlib.sha256(__version__.encode()), REPORT_SOURCES)
 
 
 @functools.cache

@@ -42,6 +42,7 @@ from traceclf.rulebook.entries import (
     parse_rule,
     parse_scoring,
 )
+from traceclf.rulebook.rulefiles import bundled_rules_dir, yaml_files
 from traceclf.rulebook.taxonomy_tables import TaxonomyTables, parse_taxonomy
 from traceclf.rulebook.thresholds import parse_thresholds
 from traceclf.rulebook.yamlfile import (
@@ -49,10 +50,8 @@ from traceclf.rulebook.yamlfile import (
     check_folder_size,
     read_text,
     read_yaml,
-    yaml_files,
 )
 from traceclf.support.errors import Problems, TraceError
-from traceclf.support.version import PACKAGE
 
 # The stable fix-id vocabulary of the report contract: the bundled rules must define each one.
 CONTRACT_FIX_IDS = (
@@ -98,17 +97,6 @@ class RuleSet:
     # every number that decides a verdict, a straggler, an abstention or a fix, by name
     thresholds: dict[str, int | float] = field(default_factory=dict)
     capture: CaptureQuality = field(default_factory=CaptureQuality)
-
-
-def bundled_rules_dir() -> Path:
-    """The rules shipped with traceclf: inside the wheel, else the checkout's rules/."""
-    for folder in (
-        PACKAGE / "rules",
-        Path(__file__).resolve().parents[2] / "rules",
-    ):
-        if folder.is_dir() and any(folder.glob("*.yaml")):
-            return folder
-    raise TraceError(None, "bundled rules not found (reinstall traceclf)")
 
 
 def load_rules(

@@ -11,18 +11,13 @@ from typing import Any
 
 import yaml
 
+from traceclf.rulebook.rulefiles import MAX_RULES_BYTES
 from traceclf.support.errors import TraceError
 from traceclf.support.readfile import read_bounded
 
 # Limits on rule files (docs/security.md): a rule file is data, and no rule file may exhaust
 # the machine. The bundled files are ~85 KB, 8 levels deep, ~30,000 characters expanded.
 MAX_RULE_FILE_BYTES = 1 << 20
-MAX_RULE_FILES = 200  # per folder
-# Per folder, all its files together: what parsing and checking costs grows with the bytes
-# and with the entries and values (each expression ~0.1-0.2 ms to parse and check). The
-# bundled rules hold ~2,000 values in ~85 KB; at both limits a folder loads in seconds
-# (docs/security.md), where 44,000 definitions in 1 MiB took 339 s before (issue 29).
-MAX_RULES_BYTES = 1 << 20
 MAX_RULE_VALUES = 10_000
 MAX_YAML_DEPTH = 32
 # Characters (scalars) plus nodes once every alias is expanded: bounds whatever walks or
@@ -44,13 +39,6 @@ _TOP_KEYS = (
     "thresholds",
     "capture",
 )
-
-
-def yaml_files(folder: Path) -> list[Path]:
-    found = sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
-    if len(found) > MAX_RULE_FILES:
-        raise TraceError(folder, f"more than {MAX_RULE_FILES} rule files in this folder")
-    return found
 
 
 def check_folder_size(folder: Path, texts: list[tuple[Path, str]]) -> None:

@@ -31,20 +31,24 @@ def dumps(data: Any, indent: int | None = 2, default: Callable[[Any], Any] | Non
     rows: list[str] = []
     # a fresh nonce per call: a string read from a trace cannot spell a placeholder
     tag = f"\x00{secrets.token_hex(8)}:"
+    encode = json.JSONEncoder(separators=(", ", ": "), allow_nan=False, default=default).encode
 
     def fold(value: Any) -> Any:
         if isinstance(value, dict):
             if value and all(isinstance(v, _SCALARS) for v in value.values()):
-                return _row({k: _finite(v) for k, v in value.items()})
+                return _row(value)
             return {k: fold(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             if value and all(isinstance(v, _SCALARS) for v in value):
-                return _row([_finite(v) for v in value])
+                return _row(value)
             return [fold(v) for v in value]
         return _finite(value)
 
     def _row(value: Any) -> str:
-        rows.append(json.dumps(value, default=default, separators=(", ", ": "), allow_nan=False))
+        try:  # (rows are mostly finite: the scan for NaN only when one is there)
+            rows.append(encode(value))
+        except ValueError:
+            rows.append(encode(_finite(value)))
         return f"{tag}{len(rows) - 1}"
 
     text = json.dumps(fold(data), indent=indent, default=default, allow_nan=False)

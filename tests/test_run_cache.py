@@ -1,0 +1,139 @@
+"""The cache of whole analyses (issue 26: re-analysing unchanged inputs in under 0.5 s).
+
+A second ``traceclf analyze`` of the same inputs with the same options, rules and code renders
+from the report the first one filed: byte for byte the same output in every format, with
+neither the reduce step (cross-rank matching, the judge) nor the per-export results read. Any
+change to an input, an option that shapes the report or a rule file is a miss."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers.cli import run_cli
+from realtraces import trace_path
+
+from traceclf.ingest import cachedir, results
+from traceclf.pipeline import analysis, reduce
+from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
+from traceclf.report.runset import RunSet
+
+FORMATS = ("json", "md", "terminal", "csv")
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("TRACECLF_CACHE_DIR", str(folder))
+    monkeypatch.setenv("COLUMNS", "120")
+    return folder
+
+
+def copy(name: str, folder: Path) -> Path:
+    folder.mkdir(exist_ok=True)
+    return Path(shutil.copy2(trace_path(name), folder / Path(trace_path(name)).name))
+
+
+def reduces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the reduce steps run from now on."""
+    calls: list[int] = []
+    real = reduce.build_report
+    monkeypatch.setattr(reduce, "build_report", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def outputs(*inputs: Path) -> dict[str, str]:
+    out = {}
+    for fmt in FORMATS:
+        code, text, err = run_cli("analyze", *inputs, "--format", fmt, "--quiet")
+        assert code == 0, err
+        out[fmt] = text
+    return out
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("h100_comm_ep2",),  # two ranks in one export: cross-rank matching and late arrivals
+        ("h100_memory_offload", "h100_compute_low_occupancy"),  # two runs: a run set
+    ],
+)
+def test_second_analysis_renders_the_cached_report(
+    names: tuple[str, ...], cache_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    inputs = [copy(n, tmp_path / "run") for n in names]
+    fresh = outputs(*inputs)  # the first fills the cache; the others read it
+    calls = reduces(monkeypatch)
+    assert outputs(*inputs) == fresh
+    assert calls == []
+    monkeypatch.setattr(results, "read_result", lambda *a, **k: pytest.fail("per-export read"))
+    again = analyze_inputs([str(p) for p in inputs], AnalysisOptions(quiet=True))
+    assert isinstance(again, RunSet) == (len(names) > 1)
+    uncached = analyze_inputs(
+        [str(p) for p in inputs], AnalysisOptions(quiet=True, use_cache=False)
+    )
+    assert again.to_json() == uncached.to_json()
+
+
+def test_a_changed_input_option_or_rule_is_a_miss(
+    cache_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    export = copy("h100_comm_ep2", tmp_path / "run")
+    opts = AnalysisOptions(quiet=True)
+    first = analyze_inputs([str(export)], opts).to_json()
+    calls = reduces(monkeypatch)
+    analyze_inputs([str(export)], opts)
+    assert calls == []
+    analyze_inputs([str(export)], AnalysisOptions(quiet=True, all_steps=True))
+    analyze_inputs([str(export)], AnalysisOptions(quiet=True, grouping="runs"))
+    assert len(calls) == 2
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "extra.yaml").write_text("thresholds:\n  straggler_min_skew: 0.5\n")
+    analyze_inputs([str(export)], AnalysisOptions(quiet=True, rules_dir=rules))
+    (rules / "extra.yaml").write_text("thresholds:\n  straggler_min_skew: 0.6\n")
+    analyze_inputs([str(export)], AnalysisOptions(quiet=True, rules_dir=rules))
+    assert len(calls) == 4
+    st = export.stat()
+    os.utime(export, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert analyze_inputs([str(export)], opts).to_json() == first
+    assert len(calls) == 5
+    # a step regex's warnings name what each export matched: never served from the cache
+    analyze_inputs([str(export)], AnalysisOptions(quiet=True, step_regex="."))
+    analyze_inputs([str(export)], AnalysisOptions(quiet=True, step_regex="."))
+    assert len(calls) == 7
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda f: f.write_text(f.read_text()[:100]),  # truncated
+        lambda f: f.write_text(f.read_text().replace('"report_version"', '"x"', 1)),  # checksum
+        lambda f: f.write_text('{"format": 1, "result": ' + "[" * 300_000 + "]" * 300_000 + "}"),
+    ],
+)
+def test_a_damaged_cached_report_is_analysed_again(
+    damage, cache_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    export = copy("h100_comm_ep2", tmp_path / "run")
+    opts = AnalysisOptions(quiet=True)
+    first = analyze_inputs([str(export)], opts).to_json()
+    (file,) = (cachedir.slot_of(export)).glob(f"{cachedir.RESULTS_PREFIX}*/{results.RUN_PREFIX}*")
+    damage(file)
+    calls = reduces(monkeypatch)
+    assert analyze_inputs([str(export)], opts).to_json() == first
+    assert calls == [1]
+    assert analyze_inputs([str(export)], opts).to_json() == first and calls == [1]
+
+
+def test_the_key_names_every_input_in_order(tmp_path: Path, cache_dir: Path) -> None:
+    a = copy("h100_memory_offload", tmp_path / "a")
+    b = copy("h100_compute_low_occupancy", tmp_path / "b")
+    opts = AnalysisOptions(quiet=True)
+    named = [str(a), str(b)]
+    assert analysis.run_key(named, [a, b], opts) != analysis.run_key(named[::-1], [b, a], opts)
+    # a folder names the same files as naming them one by one, in another order of runs
+    assert analysis.run_key([str(tmp_path)], [a, b], opts) != analysis.run_key(named, [a, b], opts)
+    assert analysis.run_key(named, [a], AnalysisOptions(quiet=True, use_cache=False)) is None
