@@ -342,3 +342,48 @@ def test_host_tables_of_the_window_are_read_by_rowid_ranges() -> None:
         got, want = getattr(read.trace, name), getattr(scanned, name)
         assert not want.is_empty(), name
         assert got.equals(want), name
+
+
+def test_overlap_clause_finds_the_rows_a_test_of_every_span_finds() -> None:
+    """The filtered scan's test (a search over the sorted, merged spans in nested CASEs) keeps
+    exactly the rows that overlap one of the spans as given: overlapping, touching, empty and
+    inverted spans, rows of no length and rows without an end. (Constructed rows: the cases
+    no real trace has all at once.)"""
+    rng = np.random.default_rng(7)
+    con = sqlite3.connect(":memory:")
+    con.execute('CREATE TABLE t (start INTEGER, "end" INTEGER)')
+    starts = rng.integers(0, 1000, 3000)
+    ends = starts + rng.choice([0, 0, 1, 5, 50, 300], 3000)
+    rows = [(int(s), int(e)) for s, e in zip(starts, ends, strict=True)] + [(10, None)]
+    con.executemany("INSERT INTO t VALUES (?, ?)", rows)
+    for _ in range(500):
+        lo = rng.integers(0, 1000, int(rng.integers(1, 14)))
+        spans = [(int(a), int(a + rng.choice([-2, 0, 1, 3, 20, 100, 400]))) for a in lo]
+        (got,) = con.execute(
+            f"SELECT count(*) FROM t WHERE {reader.overlap_clause(spans)}"
+        ).fetchone()
+        want = sum(
+            1 for s, e in rows if e is not None and any(s < hi and e > lo for lo, hi in spans)
+        )
+        assert got == want, spans
+
+
+@pytest.mark.parametrize(
+    "name", ["h100_comm_ep2", "h100_host_slow_loader", "h100_moe_megatron_ep2"]
+)
+def test_window_nvtx_is_the_captures_ranges_over_the_steps_read(name: str) -> None:
+    """Step sampling reads the NVTX rows that may be steps (text matching the step pattern)
+    to plan, then the ranges over the analysed steps: the whole capture's ranges that overlap
+    the spans read, with their domains' names."""
+    path = FIXTURES / f"{name}.sqlite"
+    read = twopass.load_sampled(path, bundled(), budget=event_rows(path) // 3)
+    assert read.plans and read.trace.read_spans
+    spans = read.trace.read_spans
+    whole = load_trace(path).nvtx
+    over = pl.any_horizontal([(pl.col("start") < hi) & (pl.col("end") > lo) for lo, hi in spans])
+    want = whole.filter(over)
+    got = read.trace.nvtx
+    assert 0 < got.height <= whole.height
+    key = ["start", "end", "global_tid", "text"]
+    assert got.sort(key).equals(want.sort(key))
+    assert set(got["domain"].unique()) == set(want["domain"].unique())

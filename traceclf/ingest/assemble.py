@@ -245,7 +245,7 @@ def build_trace(
     events = read("events")  # cudaEventRecord rows: no time, whole capture
 
     step("NVTX")
-    raw_nvtx = read("nvtx")  # (step sampling's first pass read them: no second read)
+    raw_nvtx = read("nvtx")  # (step sampling: the ranges over the analysed steps)
     if nvtx is None:
         nvtx = nvtx_ranges(reader, raw_nvtx)
     if nvtx_span is not None:
@@ -294,7 +294,8 @@ def build_trace(
         {"utc_offset_ns": None, "host": None},
     )
     payload = optional(
-        # (a read of one time span has some of the NVTX rows: the payload check scans)
+        # (a read of one time span has some of the NVTX rows: the payload check scans; the
+        # analysed steps of a long capture have a range of every recurring collective)
         reader,
         "NCCL payloads",
         lambda: nccl_payload(reader, raw_nvtx if nvtx_span is None else None),

@@ -184,8 +184,10 @@ def read_threads(reader: Reader, strings: pl.DataFrame) -> pl.DataFrame:
 def nccl_payload(reader: Reader, raw_nvtx: pl.DataFrame | None) -> str:
     """Whether NCCL's NVTX ranges carry their payload (message sizes, peers...): ``"values"``,
     ``"declared_empty"`` (payload schemas declared, no range carries a value) or ``"absent"``.
-    ``raw_nvtx``: the NVTX_EVENTS rows of the whole capture as read (their ``payload`` flag:
-    any payload column set); None when only some were read: then the table is scanned."""
+    ``raw_nvtx``: the NVTX_EVENTS rows as read (their ``payload`` flag: any payload column
+    set): the whole capture's, or a long capture's analysed steps' (NCCL's ranges recur in
+    every step, with their payload or without); None when the rows of one time span were
+    read: then the table is scanned."""
     if raw_nvtx is None:
         return _nccl_payload_scan(reader)
     carried = raw_nvtx.filter(pl.col("payload") == 1) if "payload" in raw_nvtx.columns else None
@@ -219,10 +221,12 @@ def _nccl_payload_scan(reader: Reader) -> str:
     present = [c for c in PAYLOAD_COLUMNS if c in columns]
     if present and {"text", "textId"} <= set(columns) and reader.info.has("StringIds"):
         any_value = " OR ".join(f'e."{c}" IS NOT NULL' for c in present)
+        # A scan of the whole table: the names' ids found once (not a join per row), and the
+        # name tested before the payload columns, which sit at the end of every row.
+        named = "SELECT id FROM StringIds WHERE value LIKE 'nccl%'"
         hit = reader.sql(
-            "SELECT count(*) AS n FROM (SELECT 1 FROM NVTX_EVENTS e "
-            "LEFT JOIN StringIds s ON s.id = e.textId "
-            f"WHERE ({any_value}) AND COALESCE(e.text, s.value) LIKE 'nccl%' LIMIT 1)"
+            "SELECT count(*) AS n FROM (SELECT 1 FROM NVTX_EVENTS e WHERE (e.text LIKE 'nccl%' "
+            f"OR (e.text IS NULL AND e.textId IN ({named}))) AND ({any_value}) LIMIT 1)"
         )
         if int(hit["n"][0]):
             return "values"

@@ -260,8 +260,11 @@ def _window_rows(
     """Rowid ranges of ``table`` holding the rows that start in each of ``spans`` or in as
     long again before it (a call that began earlier and still runs in the span: a run of
     steps looks back at least one step), found by binary search on ``start`` as for the event
-    tables (:mod:`traceclf.ingest.rowindex`); None when the table is shuffled (read by a
-    filtered scan)."""
+    tables (:mod:`traceclf.ingest.rowindex`); None when the table is not in start order: it is
+    then read by a filtered scan on time. (nsys writes some OS-runtime calls late, when their
+    thread's buffer is flushed: scanning such a table for its ordered pieces, as the event
+    tables are, reads every row's rowid and start out of SQLite, which costs twice the
+    filtered scan that SQLite runs on its own.)"""
     if table is None:
         return []
     listed = [spans] if isinstance(spans[0], int) else list(spans)  # type: ignore[list-item]
@@ -270,12 +273,10 @@ def _window_rows(
         if index is None:
             return []
         if not index.ordered:
-            index = rowindex.scan_pieces(con, index, reader.sql)  # type: ignore[assignment]
-            if index is None:
-                return None
+            return None
         last = int(index.times.max())  # (a span may reach past the capture's end)
         return rowindex.merge(
-            [r for lo, hi in listed for r in index.ranges(2 * lo - min(hi, last), hi)]  # type: ignore[misc]
+            [r for lo, hi in listed for r in index.ranges(2 * lo - min(hi, last), hi)]
         )
 
 

@@ -154,8 +154,10 @@ def optimizer_kernel_count(w: RankWindow, names: pl.DataFrame) -> int:
 
 
 def _training_evidence(w: RankWindow) -> dict:
-    """Counts behind ``training_loop`` (judge/abstention.py), over the rank's whole capture: graph-level traced runs
-    show their backward and optimizer kernels only in the eager warm-up before capture."""
+    """Counts behind ``training_loop`` (judge/abstention.py), over what was read of the rank:
+    the whole capture (graph-level traced runs show their backward and optimizer kernels only
+    in the eager warm-up before capture), or a long capture's analysed steps, kernels and NVTX
+    ranges alike."""
     trace, patterns = w.trace, w.taxonomy.training
     # the patterns run once per distinct name (a few hundred), not once per kernel (millions)
     flags = w.taxonomy.classify(trace.kernels.select("name").unique()).with_columns(
