@@ -329,7 +329,7 @@ def build_trace(
         syncs=sorted_by_start(syncs),
         nvtx=nvtx,
         gpu_metrics=gpu_metrics,
-        memory=memory,
+        memory=sorted_by_start(memory),
         overhead=sorted_by_start(overhead),
         gpus=gpus,
         processes=processes,

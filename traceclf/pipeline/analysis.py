@@ -107,7 +107,7 @@ def run_key(inputs: list[str], files: list[Path], opts: AnalysisOptions) -> tupl
     """The key a whole analysis of ``inputs`` (which name ``files``) is cached under, with
     the identity of the first file (whose cache slot holds it): the inputs as named (their
     order orders the runs), every file and its identity, every option that shapes the report,
-    the rules' text and traceclf's code. None without the cache, or
+    the rule files (their identities and times) and traceclf's code. None without the cache, or
     with a step regex (whose warnings name what each export matched: those are recomputed)."""
     from traceclf.ingest import results
     from traceclf.rulebook.rulefiles import rules_digest

@@ -24,9 +24,10 @@ from pathlib import Path
 import polars as pl
 
 from traceclf.ingest import rowindex
-from traceclf.ingest.assemble import NVTX_DOMAIN_CREATE, build_trace, nvtx_ranges
+from traceclf.ingest.assemble import build_trace, nvtx_ranges
 from traceclf.ingest.devices import read_gpu_metrics
 from traceclf.ingest.load import load_trace
+from traceclf.ingest.nvtx_rows import step_rows, window_rows
 from traceclf.ingest.project import Projector
 from traceclf.ingest.reader import Reader
 from traceclf.ingest.rowindex import RowIndex
@@ -139,7 +140,7 @@ class _Planner:
         self.taxonomy, self.step_regex, self.budget = taxonomy, step_regex, budget
         self.settings: StepSettings = settings
         self.pattern = step_regex or taxonomy.nvtx["step"]
-        self.nvtx_raw = _step_rows(reader, self.pattern)
+        self.nvtx_raw = step_rows(reader, self.pattern)
         self.spans: list[tuple[Span, Span]] = []  # (GPU rows, CUDA calls) to read per run
 
     def plans(self) -> dict[int, StepPlan] | None:
@@ -467,7 +468,7 @@ def _read_plans(
         if logical in frames:
             return frames[logical]
         if logical == "nvtx":
-            return _window_nvtx(reader, read_spans)
+            return window_rows(reader, read_spans)
         return reader.read(logical)  # memory events, profiler overhead: small, whole
 
     return build_trace(
@@ -478,36 +479,6 @@ def _read_plans(
         capture=_capture(reader, indexes),
         progress=progress,
     )
-
-
-def _step_rows(reader: Reader, pattern: str) -> pl.DataFrame:
-    """The NVTX rows that may be step ranges (their text matches ``pattern``) and the domains'
-    creations (their names): what pass 1 needs of a table that may hold a range for every
-    layer of every step. Text kept in StringIds is matched there, and only the rows of the
-    matching ids are read; text kept in the row (as older nsys versions write it) is read and
-    matched after. A pattern that matches no text at all would match rows without any: then
-    every row is read."""
-    table = reader.table_of("nvtx")
-    columns = reader.info.columns.get(table or "", ())
-    if table is None or matches(pl.Series([""]), pattern).any():
-        return reader.read("nvtx")
-    strings = reader.strings
-    ids = strings.filter(matches(strings["value"], pattern))["id"].drop_nulls().to_list()
-    wanted = [f'"eventType" = {NVTX_DOMAIN_CREATE}']
-    if "text" in columns:
-        wanted.append('"text" IS NOT NULL')
-    if ids and "textId" in columns:
-        wanted.append(f'"textId" IN ({", ".join(str(int(i)) for i in ids)})')
-    return reader.read("nvtx", where=" OR ".join(wanted))
-
-
-def _window_nvtx(reader: Reader, spans: tuple[Span, ...]) -> pl.DataFrame:
-    """The NVTX rows of the analysed steps: every range overlapping the spans read (one
-    filtered scan, in SQLite: :func:`traceclf.ingest.reader.overlap_clause`), and the
-    domains' creations (their names)."""
-    ranges = reader.read("nvtx", list(spans)) if spans else reader.empty("nvtx")
-    domains = reader.read("nvtx", where=f'"eventType" = {NVTX_DOMAIN_CREATE}')
-    return pl.concat([domains, ranges], how="vertical_relaxed")
 
 
 def _capture(

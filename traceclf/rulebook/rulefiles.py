@@ -1,5 +1,5 @@
-"""Which files make a rule set, and a digest of their text, without parsing them (no YAML:
-a cached report is checked against its rules in a fraction of a parse)."""
+"""Which files make a rule set, and a digest of them without reading them (no YAML: a cached
+report is checked against its rules in a fraction of a parse)."""
 
 from __future__ import annotations
 
@@ -37,16 +37,21 @@ def yaml_files(folder: Path) -> list[Path]:
 
 
 def rules_digest(rules_dir: Path | str | None) -> str:
-    """A digest of the text of the rule files a rule set is read from (bundled, then
-    ``rules_dir``'s): what a cached report was judged by."""
+    """A digest of the rule files a rule set is read from (bundled, then ``rules_dir``'s):
+    each one's name, device, inode, size and modification time, what a cached report was
+    judged by. Not their text: a rule file is read once per analysis, so the rules checked
+    are the rules applied; an edit changes the time, and a file that changed while it was
+    read files its report under a key that no later run has."""
     digest = hashlib.sha256()
     folders = [bundled_rules_dir(), *([Path(rules_dir)] if rules_dir is not None else [])]
     for folder in folders:
         with contextlib.suppress(OSError, TraceError):  # (reading the rules says what is wrong)
             for path in yaml_files(folder):
-                digest.update(f"{path.name}\0".encode(errors="surrogateescape"))
-                with path.open("rb") as f:
-                    digest.update(f.read(MAX_RULES_BYTES + 1))
-                digest.update(b"\0")
+                st = path.stat()
+                digest.update(
+                    f"{path.name}\0{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}\0".encode(
+                        errors="surrogateescape"
+                    )
+                )
         digest.update(b"\1")
     return digest.hexdigest()[:32]

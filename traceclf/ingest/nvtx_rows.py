@@ -1,0 +1,43 @@
+"""Which NVTX rows step sampling reads (:mod:`traceclf.pipeline.twopass`): a capture may hold
+a range for every layer of every step, so neither pass reads the whole table. Pass 1 reads the
+rows that may be steps; pass 2 the ranges over the analysed steps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import polars as pl
+
+from traceclf.ingest.assemble import NVTX_DOMAIN_CREATE
+from traceclf.ingest.reader import Reader, Span
+from traceclf.model.taxonomy import matches
+
+
+def step_rows(reader: Reader, pattern: str) -> pl.DataFrame:
+    """The NVTX rows that may be step ranges (their text matches ``pattern``) and the domains'
+    creations (their names): what pass 1 needs of a table that may hold a range for every
+    layer of every step. Text kept in StringIds is matched there, and only the rows of the
+    matching ids are read; text kept in the row (as older nsys versions write it) is read and
+    matched after. A pattern that matches no text at all would match rows without any: then
+    every row is read."""
+    table = reader.table_of("nvtx")
+    columns = reader.info.columns.get(table or "", ())
+    if table is None or matches(pl.Series([""]), pattern).any():
+        return reader.read("nvtx")
+    strings = reader.strings
+    ids = strings.filter(matches(strings["value"], pattern))["id"].drop_nulls().to_list()
+    wanted = [f'"eventType" = {NVTX_DOMAIN_CREATE}']
+    if "text" in columns:
+        wanted.append('"text" IS NOT NULL')
+    if ids and "textId" in columns:
+        wanted.append(f'"textId" IN ({", ".join(str(int(i)) for i in ids)})')
+    return reader.read("nvtx", where=" OR ".join(wanted))
+
+
+def window_rows(reader: Reader, spans: Sequence[Span]) -> pl.DataFrame:
+    """The NVTX rows of the analysed steps: every range overlapping the spans read (one
+    filtered scan, in SQLite: :func:`traceclf.ingest.reader.overlap_clause`), and the
+    domains' creations (their names)."""
+    ranges = reader.read("nvtx", list(spans)) if spans else reader.empty("nvtx")
+    domains = reader.read("nvtx", where=f'"eventType" = {NVTX_DOMAIN_CREATE}')
+    return pl.concat([domains, ranges], how="vertical_relaxed")
