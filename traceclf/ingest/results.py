@@ -30,6 +30,7 @@ from traceclf.support.owned import is_owned
 RESULT_FORMAT = 1
 # a whole analysis's report, beside the first export's results (pipeline/analysis.py)
 RUN_PREFIX = "run-"
+RUN_FORMAT = 1
 MAX_RESULT_BYTES = 64 << 20  # a damaged or planted file must not exhaust memory
 CACHE_ERRORS = (Exception,)  # none of it may fail an analysis
 
@@ -52,15 +53,40 @@ def read_result(path: Path, variant: str, key: str, cache_dir: Path | None = Non
 def read_run(path: Path, key: str, run: str, cache_dir: Path | None = None) -> dict | None:
     """The cached report (or run set) of a whole analysis, filed as ``run`` (every input's
     identity, the options, the rules and the code: :func:`traceclf.pipeline.analysis.run_key`)
-    with version ``key`` of its first export; None when absent or damaged."""
-    return _read(path, key, f"{RUN_PREFIX}{run}.json", cache_dir)
+    with version ``key`` of its first export; None when absent or damaged. Its checksum is of
+    the report's bytes as written (a line of its own before them), not of the report encoded
+    again: an ``--all-steps`` report runs to megabytes."""
+    file = _file(path, key, f"{RUN_PREFIX}{run}.json", cache_dir)
+    if file is None:
+        return None
+    try:
+        with file.open("rb") as f:
+            raw = f.read(MAX_RESULT_BYTES + 1)
+        head, _, body = raw.partition(b"\n")
+        stamp = json.loads(head)
+        if len(raw) > MAX_RESULT_BYTES or not isinstance(stamp, dict):
+            return None
+        if stamp.get("format") != RUN_FORMAT or stamp.get("sha256") != _digest(body):
+            return None
+        report = json.loads(body)
+        return report if isinstance(report, dict) else None
+    except (*CACHE_ERRORS, RecursionError):  # a nesting bomb is a RecursionError
+        return None
 
 
-def _read(path: Path, key: str, name: str, cache_dir: Path | None) -> dict | None:
+def _file(path: Path, key: str, name: str, cache_dir: Path | None) -> Path | None:
+    """The cache file ``name`` of version ``key`` of the export, if it is one of ours."""
     slot = slot_of(path, cache_dir)
     folder = slot / f"{RESULTS_PREFIX}{key}"
     file = folder / name
     if not (readable_slot(slot) and is_owned(folder) and is_owned(file, "file")):
+        return None
+    return file
+
+
+def _read(path: Path, key: str, name: str, cache_dir: Path | None) -> dict | None:
+    file = _file(path, key, name, cache_dir)
+    if file is None:
         return None
     try:
         with file.open("rb") as f:
@@ -96,19 +122,26 @@ def write_result(
     return _write(path, key, f"{variant}.json", result, cache_dir)
 
 
-def write_run(path: Path, key: str, run: str, report: dict, cache_dir: Path | None = None) -> bool:
-    """Store the report (or run set) of a whole analysis as :func:`read_run` finds it."""
-    return _write(path, key, f"{RUN_PREFIX}{run}.json", report, cache_dir)
+def write_run(path: Path, key: str, run: str, report: str, cache_dir: Path | None = None) -> bool:
+    """Store the report (or run set) of a whole analysis, ``report`` its JSON text, as
+    :func:`read_run` finds it."""
+    body = report.encode()
+    stamp = json.dumps({"format": RUN_FORMAT, "sha256": _digest(body)})
+    return _write(path, key, f"{RUN_PREFIX}{run}.json", stamp + "\n" + report, cache_dir)
 
 
-def _write(path: Path, key: str, name: str, result: dict, cache_dir: Path | None) -> bool:
+def _write(path: Path, key: str, name: str, result: dict | str, cache_dir: Path | None) -> bool:
+    """Write ``result`` (a result, put in its checked envelope; or a file's text) atomically."""
     if identity(path) != key:
         return False
     slot = slot_of(path, cache_dir)
     folder = slot / f"{RESULTS_PREFIX}{key}"
     try:
-        envelope = {"format": RESULT_FORMAT, "sha256": _checksum(result), "result": result}
-        text = json.dumps(envelope)
+        if isinstance(result, str):
+            text = result
+        else:
+            envelope = {"format": RESULT_FORMAT, "sha256": _checksum(result), "result": result}
+            text = json.dumps(envelope)
         if len(text) > MAX_RESULT_BYTES:  # it would never be read back
             return False
         if not ensure_slot(slot):
@@ -122,6 +155,10 @@ def _write(path: Path, key: str, name: str, result: dict, cache_dir: Path | None
         return False
     prune_slot(slot, keep=key)
     return True
+
+
+def _digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
 
 
 def _checksum(result: dict) -> str:

@@ -145,12 +145,10 @@ def _cached_run(first: Path, run: tuple[str, str], opts: AnalysisOptions) -> Rep
 
 def _store_run(first: Path, run: tuple[str, str], out: Report | RunSet, opts) -> None:
     """File the report as the JSON it renders to (what :func:`_cached_run` reads back)."""
-    import json
-
     from traceclf.ingest import results
 
     with contextlib.suppress(Exception):  # a cache never fails an analysis
-        results.write_run(first, *run, json.loads(out.to_json(indent=None)), opts.cache_dir)
+        results.write_run(first, *run, out.to_json(indent=None), opts.cache_dir)
 
 
 def _analyse_files(

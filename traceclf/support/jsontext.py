@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 _SCALARS = (str, int, float, bool, type(None))
+_SCALAR_TYPES = frozenset(_SCALARS)
 
 
 def dumps(data: Any, indent: int | None = 2, default: Callable[[Any], Any] | None = None) -> str:
@@ -31,15 +32,15 @@ def dumps(data: Any, indent: int | None = 2, default: Callable[[Any], Any] | Non
     rows: list[str] = []
     # a fresh nonce per call: a string read from a trace cannot spell a placeholder
     tag = f"\x00{secrets.token_hex(8)}:"
-    encode = json.JSONEncoder(separators=(", ", ": "), allow_nan=False, default=default).encode
+    encode = _row_encoder(default)
 
     def fold(value: Any) -> Any:
         if isinstance(value, dict):
-            if value and all(isinstance(v, _SCALARS) for v in value.values()):
+            if value and _scalars(value.values()):
                 return _row(value)
             return {k: fold(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            if value and all(isinstance(v, _SCALARS) for v in value):
+            if value and _scalars(value):
                 return _row(value)
             return [fold(v) for v in value]
         return _finite(value)
@@ -54,6 +55,32 @@ def dumps(data: Any, indent: int | None = 2, default: Callable[[Any], Any] | Non
     text = json.dumps(fold(data), indent=indent, default=default, allow_nan=False)
     placeholder = re.compile(re.escape(json.dumps(tag)[:-1]) + r'(\d+)"')
     return placeholder.sub(lambda m: rows[int(m[1])], text)
+
+
+def _scalars(values: Any) -> bool:
+    """Whether every value is a string, number, boolean or null (the types' set first: the
+    test runs once per row of a long report)."""
+    return _SCALAR_TYPES.issuperset(map(type, values)) or all(
+        isinstance(v, _SCALARS) for v in values
+    )
+
+
+def _row_encoder(default: Callable[[Any], Any] | None) -> Callable[[Any], str]:
+    """``json.dumps(value, separators=(", ", ": "), allow_nan=False, default=default)``, made
+    once: ``JSONEncoder.encode`` builds its C encoder anew on every call, which cost more than
+    the encoding of a long report's hundred thousand short rows."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # (an interpreter without the C accelerator)
+        return json.JSONEncoder(separators=(", ", ": "), allow_nan=False, default=default).encode
+    encoder = make(
+        None, default or _unserialisable, json.encoder.encode_basestring_ascii,
+        None, ": ", ", ", False, False, False,
+    )  # fmt: skip
+    return lambda value: "".join(encoder(value, 0))
+
+
+def _unserialisable(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _finite(value: Any) -> Any:
