@@ -59,30 +59,34 @@ def kernel_calls(trace: Trace, comm: pl.DataFrame) -> pl.DataFrame:
 
 
 def _inside(launches: pl.DataFrame, ranges: pl.DataFrame) -> pl.DataFrame:
-    """Launches made inside a payload range on their thread (NCCL's calls do not nest: the
-    latest one starting before the launch is the only candidate)."""
+    """Launches made inside a payload range on their thread (NCCL's calls do not nest)."""
     if ranges.is_empty():
         return pl.DataFrame(schema=CALL_COLUMNS)
-    return (
-        launches.join_asof(
-            ranges.select("start", "global_tid", "call", "comm_id", "bytes", r_end="end").sort(
-                "start"
-            ),
-            on="start",
-            by="global_tid",
-            strategy="backward",
-            check_sortedness=False,
-        )
-        .filter(pl.col("start") <= pl.col("r_end"))
-        .select(
-            "correlation_id",
-            "comm_id",
-            "call",
-            msg_bytes="bytes",
-            peers=pl.lit(None, pl.Int64),
-            nranks=pl.lit(None, pl.Int64),
-        )
+    spans = ranges.select("start", "global_tid", "call", "comm_id", "bytes", r_end="end")
+    return _launched_within(launches, spans, "start", "r_end").select(
+        "correlation_id",
+        "comm_id",
+        "call",
+        msg_bytes="bytes",
+        peers=pl.lit(None, pl.Int64),
+        nranks=pl.lit(None, pl.Int64),
     )
+
+
+def _launched_within(
+    launches: pl.DataFrame, spans: pl.DataFrame, start: str, end: str
+) -> pl.DataFrame:
+    """Each launch joined to the span (columns ``start``, ``end``) it was made inside on its
+    thread: spans on one thread do not nest, so the latest one starting before the launch is
+    the only candidate."""
+    return launches.join_asof(
+        spans.sort(start),
+        left_on="start",
+        right_on=start,
+        by="global_tid",
+        strategy="backward",
+        check_sortedness=False,
+    ).filter(pl.col("start") <= pl.col(end))
 
 
 def _grouped(launches: pl.DataFrame, sized: pl.DataFrame, nvtx: pl.DataFrame) -> pl.DataFrame:
@@ -133,24 +137,13 @@ def _grouped(launches: pl.DataFrame, sized: pl.DataFrame, nvtx: pl.DataFrame) ->
         .filter(pl.col("comms") == 1)
     )
     spans = groups.join(members, on=["global_tid", "g_start"]).sort("g_start")
-    return (
-        launches.join_asof(
-            spans,
-            left_on="start",
-            right_on="g_start",
-            by="global_tid",
-            strategy="backward",
-            check_sortedness=False,
-        )
-        .filter(pl.col("start") <= pl.col("g_end"))
-        .select(
-            "correlation_id",
-            "comm_id",
-            call=pl.lit(GROUPED),
-            msg_bytes=pl.max_horizontal("sent", "received"),
-            peers=pl.col("peers").cast(pl.Int64),
-            nranks=pl.lit(None, pl.Int64),
-        )
+    return _launched_within(launches, spans, "g_start", "g_end").select(
+        "correlation_id",
+        "comm_id",
+        call=pl.lit(GROUPED),
+        msg_bytes=pl.max_horizontal("sent", "received"),
+        peers=pl.col("peers").cast(pl.Int64),
+        nranks=pl.lit(None, pl.Int64),
     )
 
 

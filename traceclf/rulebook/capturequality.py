@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from traceclf.rulebook.entries import _Entry
+from traceclf.rulebook.yamlfile import section
 from traceclf.support.errors import TraceError
 
 _KEYS = ("distortions", "distorted_weight", "options_when", "options")
@@ -50,14 +51,9 @@ def parse_capture(docs: list[list[tuple[Path, dict]]], names: frozenset[str]) ->
     options: dict[str, CaptureOption] = {}
     for files in docs:
         for path, doc in files:
-            raw = doc.get("capture")
+            raw = section(doc, "capture", path, keys=tuple(_KEYS))
             if raw is None:
                 continue
-            if not isinstance(raw, dict):
-                raise TraceError(path, "capture: must be a mapping")
-            unknown = set(raw) - set(_KEYS)
-            if unknown:
-                raise TraceError(path, f"capture: unknown key {sorted(map(str, unknown))[0]!r}")
             if "distortions" in raw:
                 settings["distortions"] = tuple(
                     _distortion(e, path, i, names) for i, e in enumerate(_list(raw, path))

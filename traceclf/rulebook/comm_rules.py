@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from traceclf.rulebook.yamlfile import section
 from traceclf.support.errors import TraceError
 
 DIMENSIONS = ("ep", "dp", "tp", "pp", "cp")
@@ -50,19 +51,8 @@ def parse_communicators(layers: list[list[tuple[Path, dict]]]) -> CommRules:
     merged: dict[str, Any] = {}
     for files in layers:
         for path, doc in files:
-            raw = doc.get("communicators")
-            if raw is None:
-                continue
-            if not isinstance(raw, dict):
-                raise TraceError(path, "communicators: must be a mapping")
-            unknown = set(raw) - set(KEYS)
-            if unknown:
-                raise TraceError(
-                    path,
-                    f"communicators: unknown key {sorted(map(str, unknown))[0]!r} "
-                    f"(expected {', '.join(KEYS)})",
-                )
-            for key, value in raw.items():
+            raw = section(doc, "communicators", path, keys=tuple(KEYS), expected=True)
+            for key, value in (raw or {}).items():
                 merged[key] = _parse(key, value, path)
     return CommRules(**merged)
 

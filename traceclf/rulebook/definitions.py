@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from traceclf.rulebook.expr import Expr, ExprError
+from traceclf.rulebook.yamlfile import section
 from traceclf.support.errors import Problems, TraceError
 
 
@@ -32,11 +33,10 @@ def parse_definitions(
     for files in docs:
         seen: set[str] = set()
         for path, doc in files:
-            raw = doc.get("definitions") or {}
+            raw = None
             with found.entry():
-                if not isinstance(raw, dict):
-                    raise TraceError(path, "definitions: must be a mapping of name: expression")
-            for name, source in raw.items() if isinstance(raw, dict) else ():
+                raw = section(doc, "definitions", path, "a mapping of name: expression")
+            for name, source in (raw or {}).items():
                 with found.entry():
                     merged[name] = _definition(name, source, path, measures, seen)
     earlier = set(measures)  # grown one definition at a time: linear in the definitions

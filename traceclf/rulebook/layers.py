@@ -50,6 +50,7 @@ from traceclf.rulebook.yamlfile import (
     check_folder_size,
     read_text,
     read_yaml,
+    section,
 )
 from traceclf.support.errors import Problems, TraceError
 
@@ -301,10 +302,8 @@ def _parse_layer(
         for i, raw in enumerate(_entries(doc, "gpu_families", path, problems)):
             with problems.entry():
                 out["families"].append(parse_family(raw, path, i))
-        scoring = doc.get("scoring") or {}
         with problems.entry():
-            if not isinstance(scoring, dict):
-                raise TraceError(path, "scoring: must be a mapping of settings")
+            scoring = section(doc, "scoring", path, "a mapping of settings") or {}
             out["scoring"] |= {k: (v, path) for k, v in scoring.items()}
     return out
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from traceclf.rulebook import stamp
+from traceclf.rulebook.yamlfile import section
 from traceclf.support.errors import TraceError
 from traceclf.support.regex import regex_problem
 
@@ -93,6 +94,8 @@ PATTERN_MAPS = {
 NUMBER_MAPS = {
     "host_attribution": {"min_samples": (1, 1e6), "data_loading_share": (0, 1)},
 }
+# the keys of a `taxonomy:` section
+TOP_KEYS = (*LISTS, "families", *PATTERN_MAPS, *NUMBER_MAPS, "fp8_gemm")
 
 
 def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
@@ -106,14 +109,9 @@ def parse_taxonomy(layers: list[list[tuple[Path, dict]]]) -> TaxonomyTables:
         layer_lists: dict[str, list[tuple[Any, ...]]] = {key: [] for key in LISTS}
         layer_families: list[FamilyPattern] = []
         for path, doc in files:
-            raw = doc.get("taxonomy")
+            raw = section(doc, "taxonomy", path, keys=TOP_KEYS)
             if raw is None:
                 continue
-            if not isinstance(raw, dict):
-                raise TraceError(path, "taxonomy: must be a mapping")
-            unknown = set(raw) - {*LISTS, "families", *PATTERN_MAPS, *NUMBER_MAPS, "fp8_gemm"}
-            if unknown:
-                raise TraceError(path, f"taxonomy: unknown key {sorted(map(str, unknown))[0]!r}")
             layer_families += _families(raw.get("families"), path)
             for key, label in LISTS.items():
                 layer_lists[key] += _entries(raw.get(key), key, label, path)

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from traceclf.rulebook.yamlfile import section
 from traceclf.support.errors import Problems, TraceError
 
 
@@ -27,11 +28,10 @@ def parse_thresholds(
     for depth, files in enumerate(layers):
         known = frozenset(merged)
         for path, doc in files:
-            raw = doc.get("thresholds") or {}
+            raw = None
             with problems.entry():
-                if not isinstance(raw, dict):
-                    raise TraceError(path, "thresholds: must be a mapping of name: number")
-            for name, value in raw.items() if isinstance(raw, dict) else ():
+                raw = section(doc, "thresholds", path, "a mapping of name: number")
+            for name, value in (raw or {}).items():
                 with problems.entry():
                     merged[name] = _threshold(name, value, path, taken, known if depth else None)
     return merged

@@ -89,6 +89,29 @@ def read_yaml(
     return doc
 
 
+def section(
+    doc: dict,
+    name: str,
+    path: Path,
+    shape: str = "a mapping",
+    keys: tuple[str, ...] | None = None,
+    expected: bool = False,
+) -> dict | None:
+    """The ``name:`` section of one rule file's ``doc`` (None when the file has none), checked
+    once for every section parser: a mapping (else "``name``: must be ``shape``"), and with
+    ``keys`` only those keys (the first unknown one named; with ``expected`` the keys too)."""
+    raw = doc.get(name)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise TraceError(path, f"{name}: must be {shape}")
+    unknown = set(raw) - set(keys) if keys is not None else set()
+    if unknown:
+        hint = f" (expected {', '.join(keys)})" if expected and keys else ""
+        raise TraceError(path, f"{name}: unknown key {sorted(map(str, unknown))[0]!r}{hint}")
+    return raw
+
+
 def read_text(path: Path) -> str:
     """The file's text, read without blocking (a FIFO would hang a plain read) and only if it
     is a regular file of at most MAX_RULE_FILE_BYTES (``/dev/zero`` never ends)."""
