@@ -356,8 +356,10 @@ def longest_gaps(gaps: pl.DataFrame, w: RankWindow, n: int = LONGEST_GAPS) -> li
     process open at the middle of the gap, other than a step range (``None`` when none)."""
     order = {"by": ["dur", "start"], "descending": [True, False]}
     top = (
-        gaps.sort(**order)
-        .head(n)
+        # (the n longest picked, then sorted: not every gap of a long window sorted)
+        gaps.select("start", "dur", "cause")
+        .top_k(n, by=["dur", "start"], reverse=[False, True])
+        .sort(**order)
         .select(
             "start",
             "dur",
