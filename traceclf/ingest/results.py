@@ -56,15 +56,13 @@ def read_run(path: Path, key: str, run: str, cache_dir: Path | None = None) -> d
     with version ``key`` of its first export; None when absent or damaged. Its checksum is of
     the report's bytes as written (a line of its own before them), not of the report encoded
     again: an ``--all-steps`` report runs to megabytes."""
-    file = _file(path, key, f"{RUN_PREFIX}{run}.json", cache_dir)
-    if file is None:
-        return None
     try:
-        with file.open("rb") as f:
-            raw = f.read(MAX_RESULT_BYTES + 1)
+        raw = _bounded(_file(path, key, f"{RUN_PREFIX}{run}.json", cache_dir))
+        if raw is None:
+            return None
         head, _, body = raw.partition(b"\n")
         stamp = json.loads(head)
-        if len(raw) > MAX_RESULT_BYTES or not isinstance(stamp, dict):
+        if not isinstance(stamp, dict):
             return None
         if stamp.get("format") != RUN_FORMAT or stamp.get("sha256") != _digest(body):
             return None
@@ -84,14 +82,20 @@ def _file(path: Path, key: str, name: str, cache_dir: Path | None) -> Path | Non
     return file
 
 
-def _read(path: Path, key: str, name: str, cache_dir: Path | None) -> dict | None:
-    file = _file(path, key, name, cache_dir)
+def _bounded(file: Path | None) -> bytes | None:
+    """The bytes of a cache file of ours, None when there is none or it is over
+    :data:`MAX_RESULT_BYTES` (raises OSError)."""
     if file is None:
         return None
+    with file.open("rb") as f:
+        raw = f.read(MAX_RESULT_BYTES + 1)
+    return raw if len(raw) <= MAX_RESULT_BYTES else None
+
+
+def _read(path: Path, key: str, name: str, cache_dir: Path | None) -> dict | None:
     try:
-        with file.open("rb") as f:
-            raw = f.read(MAX_RESULT_BYTES + 1)
-        if len(raw) > MAX_RESULT_BYTES:
+        raw = _bounded(_file(path, key, name, cache_dir))
+        if raw is None:
             return None
         data = json.loads(raw)
         if not isinstance(data, dict) or data.get("format") != RESULT_FORMAT:
@@ -119,7 +123,12 @@ def write_result(
     """Store an analysis result of version ``key`` of the export, atomically, if the export
     is still that version (it may have been replaced during the analysis). Failures are
     ignored: a cache must never fail an analysis. True when stored."""
-    return _write(path, key, f"{variant}.json", result, cache_dir)
+    try:
+        envelope = {"format": RESULT_FORMAT, "sha256": _checksum(result), "result": result}
+        text = json.dumps(envelope)
+    except CACHE_ERRORS:
+        return False
+    return _write(path, key, f"{variant}.json", text, cache_dir)
 
 
 def write_run(path: Path, key: str, run: str, report: str, cache_dir: Path | None = None) -> bool:
@@ -130,18 +139,13 @@ def write_run(path: Path, key: str, run: str, report: str, cache_dir: Path | Non
     return _write(path, key, f"{RUN_PREFIX}{run}.json", stamp + "\n" + report, cache_dir)
 
 
-def _write(path: Path, key: str, name: str, result: dict | str, cache_dir: Path | None) -> bool:
-    """Write ``result`` (a result, put in its checked envelope; or a file's text) atomically."""
+def _write(path: Path, key: str, name: str, text: str, cache_dir: Path | None) -> bool:
+    """Write the cache file ``name`` of version ``key`` of the export, atomically."""
     if identity(path) != key:
         return False
     slot = slot_of(path, cache_dir)
     folder = slot / f"{RESULTS_PREFIX}{key}"
     try:
-        if isinstance(result, str):
-            text = result
-        else:
-            envelope = {"format": RESULT_FORMAT, "sha256": _checksum(result), "result": result}
-            text = json.dumps(envelope)
         if len(text) > MAX_RESULT_BYTES:  # it would never be read back
             return False
         if not ensure_slot(slot):

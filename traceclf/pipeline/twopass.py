@@ -137,7 +137,7 @@ class _Planner:
 
     def __init__(self, reader, con, indexes, taxonomy, step_regex, budget, settings) -> None:
         self.reader, self.con, self.indexes = reader, con, indexes
-        self.taxonomy, self.step_regex, self.budget = taxonomy, step_regex, budget
+        self.taxonomy, self.budget = taxonomy, budget
         self.settings: StepSettings = settings
         self.pattern = step_regex or taxonomy.nvtx["step"]
         self.nvtx_raw = step_rows(reader, self.pattern)
