@@ -506,3 +506,26 @@ def test_a_host_table_of_another_layout_is_left_out_not_fatal(tmp_path: Path):
     assert "osrt" in rep["capture"]["host_sources"]
     assert rep["capture"]["host_notes"]["osrt"] == "not read: OSRT_API has no column 'globalTid'"
     assert not rows(rep, "osrt") and rows(rep, "python_sampling")
+
+
+@pytest.mark.parametrize("over", [False, True])
+def test_a_host_table_over_the_row_cap_is_left_out_with_a_note(monkeypatch, over: bool):
+    """The cap is checked on one capped read (no count first): at the cap the table is read
+    whole; one row under it, it is left out, with a note, and nothing of it is kept."""
+    from traceclf.ingest import hosttables
+    from traceclf.ingest.reader import Reader
+    from traceclf.ingest.schema import inspect_export
+
+    path = fixture_trace(SLOW)
+    with connect(path) as con:
+        tids = [t for (t,) in con.execute("SELECT DISTINCT globalTid FROM OSRT_API")]
+        (outer,) = con.execute(
+            "SELECT count(*) FROM OSRT_API WHERE coalesce(nestingLevel, 0) = 0"
+        ).fetchone()
+    monkeypatch.setattr(hosttables, "HOST_ROW_CAP", outer - 1 if over else outer)
+    side = hosttables.read_host_side(Reader(inspect_export(path)), tids, None, True)
+    if over:
+        assert side.osrt.is_empty()
+        assert side.notes["osrt"] == f"not read: over {outer - 1:,} rows on the CUDA threads"
+    else:
+        assert side.osrt.height == outer and "osrt" not in side.notes

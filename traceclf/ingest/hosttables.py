@@ -224,19 +224,18 @@ def _read_capped(
         end = '"end"' if "end" in columns else "start"
         clauses.append(overlap_clause(spans, end))
     ranges = _window_rows(reader, table, spans) if windowed and spans is not None else None
-    if ranges is None:  # the whole capture, or a shuffled table: counted before read
-        (rows,) = reader.sql(
-            f"SELECT count(*) AS n FROM {table} WHERE {' AND '.join(f'({c})' for c in clauses)}"
-        ).row(0)
-    else:  # the rows of the analysed steps: few by construction, counted once read
-        raw = reader.read(logical, spans, where, rowids=ranges) if ranges else None
-        rows = 0 if raw is None else raw.height
-    if int(rows) > HOST_ROW_CAP:
-        notes[source] = f"not read: {int(rows):,} rows on the CUDA threads (over {HOST_ROW_CAP:,})"
+    # One read, each of its queries capped one row past the limit: a table over the cap costs
+    # at most that many rows, and one under it (every honest one) is scanned once, not counted
+    # first and then read.
+    raw = (
+        reader.read(logical, spans, where, rowids=ranges, limit=HOST_ROW_CAP + 1)
+        if ranges != []
+        else pl.DataFrame(schema=schema)
+    )
+    if raw.height > HOST_ROW_CAP:
+        notes[source] = f"not read: over {HOST_ROW_CAP:,} rows on the CUDA threads"
         return pl.DataFrame(schema=schema)
-    if ranges is None:
-        raw = reader.read(logical, spans, where)
-    elif raw is None:
+    if raw.is_empty():
         return pl.DataFrame(schema=schema)
     if logical == "osrt":
         return raw.with_columns(name=_named(strings, "name_id")).select(list(schema)).sort("start")

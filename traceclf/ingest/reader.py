@@ -133,10 +133,12 @@ class Reader:
         *,
         rowids: Sequence[tuple[int, int]] | None = None,
         rowid: bool = False,
+        limit: int | None = None,
     ) -> pl.DataFrame:
         """The rows of ``logical`` overlapping ``spans`` (one time span or several), with
         ``where``; only those in the rowid ranges ``(after, upto]`` of ``rowids`` when given;
-        with their rowid as ``_rowid`` when ``rowid``."""
+        with their rowid as ``_rowid`` when ``rowid``; at most ``limit`` rows from each of the
+        queries the read is split in (a cap checked on what came back, with no count first)."""
         cols = TABLES[logical][1]
         if rowid:
             cols = (*cols, Col("_rowid", ("rowid",)))
@@ -150,14 +152,14 @@ class Reader:
             clauses.append(overlap_clause(spans, end))
         first, last = self._rowids(table)
         try:
-            df, columns = self._select(table, cols, present, clauses, rowids, last - first)
+            df, columns = self._select(table, cols, present, clauses, rowids, last - first, limit)
         except TraceError:
             # A value of another type than the column's (a TEXT or REAL time, as a damaged or
             # hand-edited export holds) fails the whole read: read again with every value
             # type-checked in SQL, the odd ones read as missing. Honest exports never pay
             # for the checks (~0.1 us a row).
             df, columns = self._select(
-                table, cols, present, clauses, rowids, last - first, checked=True
+                table, cols, present, clauses, rowids, last - first, limit, checked=True
             )
         if df.is_empty():
             return empty_frame(cols)
@@ -186,6 +188,7 @@ class Reader:
         clauses: list[str],
         rowids: Sequence[tuple[int, int]] | None,
         rows: int,
+        limit: int | None = None,
         *,
         checked: bool = False,
     ) -> tuple[pl.DataFrame, _Columns]:
@@ -227,6 +230,10 @@ class Reader:
             if rowids is None
             else in_ranges(query, rowids, clauses)
         )
+        if limit is not None:
+            tail = f" LIMIT {int(limit)}"
+            queries = queries + tail if isinstance(queries, str) else [q + tail for q in queries]
+            rows = min(rows, int(limit))
         return (self.sql(queries, rows) if queries else pl.DataFrame()), columns
 
     @functools.cache  # noqa: B019 (one reader per export, a handful of tables)
