@@ -387,3 +387,20 @@ def test_window_nvtx_is_the_captures_ranges_over_the_steps_read(name: str) -> No
     key = ["start", "end", "global_tid", "text"]
     assert got.sort(key).equals(want.sort(key))
     assert set(got["domain"].unique()) == set(want["domain"].unique())
+
+
+def test_steps_analysed_are_capped_however_few_rows_a_step_has(monkeypatch) -> None:
+    """STEP_BUDGET caps the analysed steps per rank even where the row budget would allow
+    every one (here 0.95 of the rows, which analyses all steady steps uncapped): spread in
+    runs over the steady state, with the verdict kept."""
+    path = FIXTURES / "h100_host_slow_loader.sqlite"
+    everything = analysed(path, None)
+    cap = 4
+    assert everything.steps["used"] > 2 * cap
+    monkeypatch.setattr(twopass, "STEP_BUDGET", cap)
+    opts = AnalysisOptions(
+        use_cache=False, quiet=True, jobs=1, row_budget=int(event_rows(path) * 0.95)
+    )
+    sample = analyze_inputs([str(path)], opts)
+    assert [r["steps"]["analysed"] for r in sample.ranks] == [cap] * len(sample.ranks)
+    assert sample.classification["bound"] == everything.classification["bound"]

@@ -4,8 +4,8 @@ the steps analysed, not the capture's length.
 Pass 1 finds the steps of every rank cheaply — the NVTX step ranges (CPU times), else the
 CUDA-graph executions, else the kernel that recurs most regularly in a slice of the kernel
 table — and chooses the steady steps to analyse: all of them when the row budget allows,
-else runs of consecutive steps spread evenly over the steady state
-(:func:`traceclf.steps.plan.plan_steps`). Pass 2 reads only those steps' rows, by rowid ranges found
+else as many as it allows (at most ``STEP_BUDGET`` per rank) in runs of consecutive steps
+spread evenly over the steady state (:func:`traceclf.steps.plan.plan_steps`). Pass 2 reads only those steps' rows, by rowid ranges found
 by binary search on ``start`` (:mod:`traceclf.ingest.rowindex`). A table whose rows are not in
 ``start`` order is scanned once for its ordered pieces and read by rowid ranges within them; one
 shuffled finer is read with a filtered scan on time (and NVTX steps' warm-up is then decided on
@@ -43,6 +43,10 @@ from traceclf.steps.steady import Allocations, steady_bounds
 # Event rows (kernels, CUDA calls, copies, syncs, graph executions) analysed per export by
 # default: about 0.5 GB of memory and a second of reading on two cores.
 ROW_BUDGET = 1_000_000
+# Steps analysed per rank at most, however few rows a step has (CUDA-graph replays, short
+# steps): 16 runs of 16 consecutive steps already pin a median step and its spread, and more
+# would only make the measures' time follow the step count.
+STEP_BUDGET = 256
 # Kernel rows of the slice probed for a recurring kernel when there is neither NVTX steps nor
 # CUDA graphs (doubled until a period shows, up to PROBE_MAX_ROWS).
 PROBE_ROWS = 200_000
@@ -287,11 +291,12 @@ class _Planner:
         return str(hit[0]) if len(hit) else str(string_id)
 
     def _analysable(self, table: pl.DataFrame) -> int:
-        """How many steps the row budget allows, from the rows per step over the steps' span."""
+        """How many steps the row budget allows, from the rows per step over the steps' span
+        (at most :data:`STEP_BUDGET`)."""
         lo, hi = int(table["start"].min()), int(table["end"].max())  # type: ignore[arg-type]
         rows = sum(index.count(lo, hi) for index in self.indexes.values())
         per_step = max(rows / max(len(table), 1), 1)
-        return max(1, int(self.budget // per_step))
+        return max(1, min(STEP_BUDGET, int(self.budget // per_step)))
 
 
 # --------------------------------------------------------------------------------- pass 2
