@@ -132,9 +132,6 @@ def _names(strings: pl.DataFrame, id_col: str, out: str) -> Callable[[pl.DataFra
 # from -2^63 to 2^63-1) would stretch every union and interval it joins.
 MAX_EVENT_NS = 24 * 3600 * 10**9
 MAX_TIME_NS = 1 << 62
-# No allocation is this large (256 TiB): a memory event beyond it would put the peak of
-# allocated memory at millions of times the GPU's capacity.
-MAX_ALLOCATION_BYTES = 1 << 48
 
 
 def usable(df: pl.DataFrame, logical: str, counts: dict[str, int]) -> pl.DataFrame:
@@ -258,10 +255,10 @@ def build_trace(
     step("memory")
     memory = read("memory")  # instants; the whole capture is needed for the peak
     memory = usable(memory, "memory", unusable)
-    too_large = (pl.col("bytes") < 0) | (pl.col("bytes") > MAX_ALLOCATION_BYTES)
-    if memory.height and (n := memory.select(too_large.sum()).item()):
+    # (a size that is negative or over MAX_ALLOCATION_BYTES is read as null: ingest/tables.py)
+    if memory.height and (n := memory["delta"].null_count()):
         unusable["memory.implausible_bytes"] = n
-        memory = memory.filter(~too_large.fill_null(False))
+        memory = memory.filter(pl.col("delta").is_not_null())
     overhead = _names(strings, "name_id", "name")(read("overhead"))
 
     step("GPU metrics")

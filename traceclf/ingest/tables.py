@@ -68,6 +68,29 @@ def _pid(*sources: str, decode_from: str | None = None) -> Col:
     return Col("pid", sources, pl.Int32, sql=sql, null_as=-1, decode_from=decode_from)
 
 
+# No allocation is this large (256 TiB): a memory event beyond it would put the peak of
+# allocated memory at millions of times the GPU's capacity.
+MAX_ALLOCATION_BYTES = 1 << 48
+# What an implausible (or missing) allocation size reads as in SQL: a null once read.
+NO_BYTES = -(1 << 62)
+
+
+def _signed_bytes() -> Col:
+    """``delta``: a memory event's bytes, negative for a deallocation, computed in SQL (one
+    column through connectorx where bytes and operation were two: memory events are read for
+    the whole capture); null where the size is negative or over :data:`MAX_ALLOCATION_BYTES`."""
+
+    def sql(present: frozenset[str]) -> str | None:
+        if not {"bytes", "memoryOperationType"} <= present:
+            return None
+        return (
+            f'CASE WHEN "bytes" BETWEEN 0 AND {MAX_ALLOCATION_BYTES} '
+            f'THEN iif("memoryOperationType" = 0, "bytes", -"bytes") ELSE {NO_BYTES} END'
+        )
+
+    return Col("delta", ("bytes", "memoryOperationType"), required=True, sql=sql, null_as=NO_BYTES)
+
+
 # NVTX payload columns (nsys >= 2022): NCCL's ranges carry message sizes and peers here
 PAYLOAD_COLUMNS = (
     "uint64Value",
@@ -191,8 +214,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[Col, ...]]] = {
             _c("start", required=True),
             _pid("globalPid"),
             _c("device_id", "deviceId", dtype=pl.Int32),
-            _c("bytes", required=True),
-            _c("op", "memoryOperationType", required=True, dtype=pl.Int32),
+            _signed_bytes(),
             _c("mem_kind", "memKind", dtype=pl.Int32),
         ),
     ),

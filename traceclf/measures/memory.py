@@ -128,12 +128,5 @@ def device_memory(mem: pl.DataFrame) -> pl.DataFrame:
 def _peak(mem: pl.DataFrame) -> int:
     """The highest level of allocated bytes (allocations minus frees in time order, per
     device); 0 without events."""
-    top = (
-        mem.sort("start")
-        .with_columns(
-            delta=pl.when(pl.col("op") == 0).then(pl.col("bytes")).otherwise(-pl.col("bytes"))
-        )
-        .with_columns(level=pl.col("delta").cum_sum().over("device_id"))["level"]
-        .max()
-    )
+    top = mem.sort("start").select(pl.col("delta").cum_sum().over("device_id").max()).item()
     return int(top or 0)  # type: ignore[arg-type]

@@ -166,13 +166,7 @@ def memory_series(memory: pl.DataFrame, capacity: int | None, window: tuple[int,
     memory = device_memory(memory)
     if memory.is_empty():
         return {}
-    level = (
-        memory.sort("start")
-        .with_columns(
-            delta=pl.when(pl.col("op") == 0).then(pl.col("bytes")).otherwise(-pl.col("bytes"))
-        )
-        .with_columns(level=pl.col("delta").cum_sum())
-    )
+    level = memory.sort("start").select("start", level=pl.col("delta").cum_sum())
     lo, hi = int(level["start"].min()), int(level["start"].max())
     width = max((hi - lo) // MEMORY_POINTS, 1)
     binned = (

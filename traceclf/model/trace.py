@@ -25,7 +25,7 @@ Frames and their columns
 - ``nvtx``: ranges only: start, end, text, domain, pid, tid, global_tid
 - ``gpu_metrics``: timestamp, source, metric ("sm_active", "sm_issue", "tensor_active": the
   nsys metric under whatever name this GPU gives it), value (%)
-- ``memory``: allocation events: start, pid, device_id, bytes, op (0 alloc, 1 free), mem_kind
+- ``memory``: allocation events: start, pid, device_id, delta (bytes; negative: a free), mem_kind
   (nsys's ENUM_CUDA_MEM_KIND: 0 pageable, 1 pinned host memory, 2 device, ...; null in exports
   without it)
 - ``gpus``: one row per GPU of TARGET_INFO_GPU; ``processes``: pid, process_name
