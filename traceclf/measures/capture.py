@@ -123,11 +123,8 @@ def _gpu_work_ns(w: RankWindow) -> int:
     frames = (trace.kernels, trace.graphs, trace.copies)
     if trace.kernels["graph_node_id"].is_not_null().any():
         return Busy.of(*frames).total
-    outside = [
-        intervals.clip(f.select("start", "end"), span)
-        for f in frames
-        for span in intervals.complement(w.spans)
-    ]
+    around = intervals.complement(w.spans)
+    outside = [intervals.clip(f.select("start", "end"), around) for f in frames]
     return w.layers.work.total + Busy.of(*outside).total
 
 
