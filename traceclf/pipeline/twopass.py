@@ -9,8 +9,10 @@ spread evenly over the steady state (:func:`traceclf.steps.plan.plan_steps`). Pa
 by binary search on ``start`` (:mod:`traceclf.ingest.rowindex`). A table whose rows are not in
 ``start`` order is scanned once for its ordered pieces and read by rowid ranges within them; one
 shuffled finer is read with a filtered scan on time (and NVTX steps' warm-up is then decided on
-their CPU durations): ``Trace.read_path`` says which. NVTX ranges and memory events are read
-whole: warm-up detection and the peak of allocated memory need the whole capture.
+their CPU durations): ``Trace.read_path`` says which (:mod:`traceclf.pipeline.pass2`). Memory
+events are read whole, as the peak of allocated memory needs, on another thread while pass 1
+plans; of NVTX, the rows that may be steps (pass 1) and the ranges over the analysed spans
+(pass 2: :mod:`traceclf.ingest.nvtx_rows`).
 
 An export whose event tables fit in the budget is read whole, as ``--all-steps`` does.
 """
@@ -18,6 +20,7 @@ An export whose event tables fit in the budget is read whole, as ``--all-steps``
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -35,6 +38,7 @@ from traceclf.ingest.schema import inspect_export
 from traceclf.ingest.tables import EVENT_TABLES
 from traceclf.model.taxonomy import Taxonomy, matches
 from traceclf.model.trace import Trace
+from traceclf.pipeline.pass2 import Pass2, merge_spans
 from traceclf.steps.find import graph_launch_steps, range_label, recurring_kernel, step_ranges
 from traceclf.steps.plan import StepPlan, plan_steps
 from traceclf.steps.settings import StepSettings, bundled_settings
@@ -125,14 +129,18 @@ def load_sampled(
         if sum(i.rows for i in indexes.values()) <= budget:
             return SampledRead(load_trace(path, progress=progress), {})
         step("steps")
-        indexes = rowindex.in_pieces(con, indexes, reader.sql)
-        planner = _Planner(
-            reader, con, indexes, taxonomy, step_regex, budget, settings or bundled_settings()
-        )
-        plans = planner.plans()
-        if plans is None:  # some rank's steps cannot be found cheaply: read it all
-            return SampledRead(load_trace(path, progress=progress), {})
-        trace = _read_plans(reader, con, indexes, planner, budget, progress)
+        # Memory events are read whole (the capture's peak) on another thread while pass 1
+        # plans, mostly in Python on one core: connectorx reads without holding the GIL.
+        with ThreadPoolExecutor(1, thread_name_prefix="traceclf-memory") as pool:
+            memory = pool.submit(reader.read, "memory")
+            indexes = rowindex.in_pieces(con, indexes, reader.sql)
+            planner = _Planner(
+                reader, con, indexes, taxonomy, step_regex, budget, settings or bundled_settings()
+            )
+            plans = planner.plans()
+            if plans is None:  # some rank's steps cannot be found cheaply: read it all
+                return SampledRead(load_trace(path, progress=progress), {})
+            trace = _read_plans(reader, con, indexes, planner, budget, progress, memory)
     return SampledRead(replace(trace, read_path=rowindex.read_path(indexes)), plans)
 
 
@@ -302,87 +310,6 @@ class _Planner:
 # --------------------------------------------------------------------------------- pass 2
 
 
-@dataclass
-class _Table:
-    """The rows of one event table read so far."""
-
-    index: RowIndex | None
-    done: list[tuple[int, int]]
-    frames: list[pl.DataFrame]
-    spans: list[Span]
-
-    def frame(self) -> pl.DataFrame:
-        """One frame of the rows read, each once, in rowid order (connectorx returns the
-        ranges of one read in any order; rowid ranges never overlap, filtered scans may)."""
-        if len(self.frames) > 1 or (self.frames and not self.frames[0]["_rowid"].is_sorted()):
-            rows = pl.concat(self.frames, how="vertical_relaxed")
-            if not self.by_rowid:
-                rows = rows.unique("_rowid", keep="first")
-            self.frames = [rows.sort("_rowid")]
-        return self.frames[0] if self.frames else pl.DataFrame()
-
-    @property
-    def by_rowid(self) -> bool:
-        """Whether rows are read by rowid range (the table is in start order)."""
-        return self.index is not None and self.index.ordered
-
-
-class _Pass2:
-    """Reads rows of the event tables by time span, each row once."""
-
-    def __init__(self, reader: Reader, indexes: dict[str, RowIndex]) -> None:
-        self.reader = reader
-        self.tables = {
-            logical: _Table(indexes.get(logical), [], [], [])
-            for logical in EVENT_TABLES
-            if reader.table_of(logical) is not None
-        }
-
-    def read(self, logicals: tuple[str, ...], spans: list[Span]) -> None:
-        """Add the rows of each of ``logicals`` overlapping ``spans`` (by rowid range when
-        the table is in start order, else by a filtered scan)."""
-        for logical in logicals:
-            table = self.tables.get(logical)
-            if table is None or not spans:
-                continue
-            table.spans += spans
-            if table.index is not None and table.index.ordered:
-                wanted = rowindex.merge([r for lo, hi in spans for r in table.index.ranges(lo, hi)])
-                todo = rowindex.subtract(wanted, table.done)
-                if todo:
-                    table.frames.append(self.reader.read(logical, rowids=todo, rowid=True))
-                    table.done = rowindex.merge(table.done + todo)
-            else:
-                table.frames.append(self.reader.read(logical, spans, rowid=True))
-
-    def frame(self, logical: str) -> pl.DataFrame:
-        table = self.tables.get(logical)
-        return table.frame() if table is not None else pl.DataFrame()
-
-    def finish(self, logical: str) -> pl.DataFrame:
-        """Everything read of ``logical`` that overlaps the spans asked for, in start order.
-
-        Rows read by rowid range that are not in start order break the order assumption where
-        the samples did not show it: the table is then read again with a filtered scan."""
-        table = self.tables.get(logical)
-        if table is None or not table.spans:
-            return self.reader.empty(logical)
-        df = table.frame()
-        if df.is_empty():
-            return self.reader.empty(logical)
-        spans = _merge(table.spans)
-        pieces = table.index is not None and len(table.index.pieces) > 1
-        if table.by_rowid and not pieces and not df["start"].is_sorted():
-            df = self.reader.read(logical, spans, rowid=True)
-        elif not table.by_rowid or pieces:
-            df = df.sort("start")
-        keep = pl.lit(False)
-        for lo, hi in spans:  # ends included: the row starting at ``hi`` ends the window
-            keep = keep | ((pl.col("start") <= hi) & (pl.col("end") >= lo))
-        # in start order: flagged so (set_sorted), later sorts and searches are free
-        return df.filter(keep).drop("_rowid").sort("start")
-
-
 _END = 1 << 62  # a span to the end of the capture
 
 
@@ -441,9 +368,11 @@ def _read_plans(
     planner: _Planner,
     budget: int,
     progress: Callable[[str], None] | None,
+    memory: Future[pl.DataFrame],
 ) -> Trace:
-    """Pass 2: the rows of the planned steps, then the trace model from them."""
-    p2 = _Pass2(reader, indexes)
+    """Pass 2: the rows of the planned steps, then the trace model from them (with the
+    memory events that ``memory`` reads meanwhile)."""
+    p2 = Pass2(reader, indexes)
     p2.read(("api",), [calls for _gpu, calls in planner.spans])
     p2.read(GPU_SIDE, [gpu for gpu, _calls in planner.spans])
     frames = {logical: p2.finish(logical) for logical in EVENT_TABLES}
@@ -455,8 +384,8 @@ def _read_plans(
             index = indexes.get(logical)
             if index is not None and index.rows <= max(budget // 2, SMALL_ROWS):
                 frames[logical] = reader.read(logical)
-    gpu_spans = _merge([gpu for gpu, _calls in planner.spans])
-    read_spans = tuple(_merge([span for pair in planner.spans for span in pair]))
+    gpu_spans = merge_spans([gpu for gpu, _calls in planner.spans])
+    read_spans = tuple(merge_spans([span for pair in planner.spans for span in pair]))
 
     def read_metrics() -> pl.DataFrame:
         index = (
@@ -474,7 +403,9 @@ def _read_plans(
             return frames[logical]
         if logical == "nvtx":
             return window_rows(reader, read_spans)
-        return reader.read(logical)  # memory events, profiler overhead: small, whole
+        if logical == "memory":
+            return memory.result()
+        return reader.read(logical)  # profiler overhead: small, whole
 
     return build_trace(
         reader,
@@ -506,13 +437,3 @@ def _capture(
         lo = first if lo is None else min(lo, first)
     span = (lo, hi) if lo is not None and hi is not None else None
     return span, {logical: index.rows for logical, index in indexes.items()}
-
-
-def _merge(spans: list[Span]) -> list[Span]:
-    out: list[Span] = []
-    for lo, hi in sorted(spans):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out

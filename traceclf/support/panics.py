@@ -16,6 +16,8 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 # "thread '<unnamed>' (123) panicked at src/x.rs:1:2:", the message, an optional backtrace and
 # a closing "note: ..." line (absent when the process dies: then the rest of the output).
@@ -23,36 +25,57 @@ _PANIC = re.compile(
     rb"^thread '[^\n]*' (?:\(\d+\) )?panicked at [^\n]*\n(?:(?!note: )[^\n]*\n)*(?:note: [^\n]*\n?)?",
     re.M,
 )
-# One holder at a time: descriptor 2 belongs to the whole process.
+# Descriptor 2 belongs to the whole process: the first of the reads running at once (step
+# sampling reads memory events beside its plan) redirects it, the last one gives it back.
 _LOCK = threading.Lock()
+
+
+@dataclass
+class _Held:
+    readers: int = 0
+    file: Any = None  # where descriptor 2 goes meanwhile (None: it could not be redirected)
+    saved: int = -1  # descriptor 2 as it was
+
+
+_HELD = _Held()
 
 
 @contextlib.contextmanager
 def panics_hidden() -> Iterator[None]:
-    """Hold what is written to descriptor 2 while the body runs; then write it back, Rust panic
-    reports removed. Where descriptor 2 cannot be redirected, the body runs as it is."""
+    """Hold what is written to descriptor 2 while the body runs (and any other read running
+    at the same time); then write it back, Rust panic reports removed. Where descriptor 2
+    cannot be redirected, the body runs as it is."""
     with _LOCK:
-        held = _scratch()
-        if held is None:
-            yield
-            return
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(Exception):
-                sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            rest = _PANIC.sub(b"", held.read())
-            held.close()
-            if rest.strip():
-                with contextlib.suppress(OSError):
-                    os.write(2, rest)
+        if not _HELD.readers:
+            _HELD.file = _scratch()
+            if _HELD.file is not None:
+                with contextlib.suppress(Exception):
+                    sys.stderr.flush()
+                _HELD.saved = os.dup(2)
+                os.dup2(_HELD.file.fileno(), 2)
+        _HELD.readers += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _HELD.readers -= 1
+            if not _HELD.readers and _HELD.file is not None:
+                _give_back(_HELD.file, _HELD.saved)
+                _HELD.file = None
+
+
+def _give_back(held, saved: int) -> None:
+    """Descriptor 2 as it was, and what was held written to it without the panic reports."""
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
+    held.seek(0)
+    rest = _PANIC.sub(b"", held.read())
+    held.close()
+    if rest.strip():
+        with contextlib.suppress(OSError):
+            os.write(2, rest)
 
 
 def _scratch():
