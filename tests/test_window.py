@@ -246,6 +246,34 @@ def test_tables_out_of_order_in_blocks_are_read_in_pieces(tmp_path: Path) -> Non
     )
 
 
+@pytest.mark.parametrize("holes", [False, True])
+def test_order_scan_is_exact_in_small_blocks_with_or_without_holes(
+    tmp_path: Path, monkeypatch, holes: bool
+) -> None:
+    """Constructed: CUDA calls in swapped blocks, scanned in blocks of 1,000 rows (each read
+    as one rowid range per core on its own thread), with every 13th row deleted or not (a
+    block with holes reads its rowids; a dense one has them from positions): each time range
+    is exactly the rowid ranges the pieces give."""
+    path = copy_of(tmp_path, "h100_comm_ep2")
+    table = "CUPTI_ACTIVITY_KIND_RUNTIME"
+    swap_blocks(path, table, 700)
+    if holes:
+        with sqlite3.connect(path) as con:
+            con.execute(f"DELETE FROM {table} WHERE rowid % 13 = 0")
+    monkeypatch.setattr(rowindex, "SCAN_ROWS", 1000)
+    with rowindex.connect(path) as con:
+        index = RowIndex.build(con, table)
+        pieces = rowindex.scan_pieces(con, index, reader.Reader(inspect_export(path)).sql)
+        assert pieces is not None and len(pieces.pieces) > 5
+        ids, times = np.array(con.execute(f"SELECT rowid, start FROM {table}").fetchall()).T
+        rng = np.random.default_rng(3)
+        for lo, hi in np.sort(rng.choice(times, (40, 2)), axis=1):
+            got = np.zeros(len(ids), dtype=bool)
+            for after, upto in pieces.ranges(int(lo), int(hi)):
+                got |= (ids > after) & (ids <= upto)
+            assert np.array_equal(got, (times >= lo) & (times <= hi))
+
+
 def test_rows_out_of_order_between_samples_are_caught_after_reading(tmp_path: Path) -> None:
     """Constructed: two kernel rows that no sample hits trade places, so the samples look in
     order but a rowid range read holds rows out of start order: that table is read again

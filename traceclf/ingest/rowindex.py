@@ -4,8 +4,8 @@ nsys writes the rows of each event table in ``start`` order, so a binary search 
 a few dozen B-tree lookups per boundary — turns a time range into a rowid range that SQLite
 reads directly. The order is not taken on trust: a few hundred rows sampled evenly must be in
 time order (``ordered``), and the rows read by rowid range are checked again once read
-(:mod:`traceclf.pipeline.twopass`). A table that is not in start order is scanned once, two
-columns a block at a time, for the runs of rows that are (:class:`Pieces`: nsys writes out of
+(:mod:`traceclf.pipeline.twopass`). A table that is not in start order is scanned once, its
+times a block at a time, for the runs of rows that are (:class:`Pieces`: nsys writes out of
 order by whole buffers); a time range is then a rowid range in each piece it meets. A table
 shuffled finer than :data:`MAX_PIECES` pieces is read by a filtered scan on time instead.
 """
@@ -13,9 +13,11 @@ shuffled finer than :data:`MAX_PIECES` pieces is read by a filtered scan on time
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import sqlite3
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -248,51 +250,48 @@ class Pieces:
 def scan_pieces(
     con: sqlite3.Connection, index: RowIndex, read, samples: int = SAMPLES
 ) -> Pieces | None:
-    """The ordered pieces of ``index``'s table (not in start order), from its rowids and start
-    times read ``SCAN_ROWS`` at a time through ``read`` (queries, rows per query → one polars
-    frame: :meth:`traceclf.ingest.reader.Reader.sql`), or None when there are
+    """The ordered pieces of ``index``'s table (not in start order), from its start times read
+    ``SCAN_ROWS`` at a time, in as many rowid ranges as there are cores, each on its own thread
+    through ``read`` (a query, rows → one polars frame:
+    :meth:`traceclf.ingest.reader.Reader.sql`; :func:`_scan_part`), or None when there are
     too many (:data:`MAX_PIECES`: the rows are shuffled, not written in out-of-order blocks).
     Memory: one block's two columns, and one row in :data:`SCAN_STRIDE` of each piece."""
-    import polars as pl
-
     table, column = index.table, index.column
     pieces: list[tuple[np.ndarray, np.ndarray]] = []  # (rowids, times) of each piece
     run_ids: list[np.ndarray] = []
     run_times: list[np.ndarray] = []
     last_time = None
     parts = cpu_share()  # each block read on the cores in as many rowid ranges
-    for after in range(index.first - 1, index.last, SCAN_ROWS):
-        cuts = [after + SCAN_ROWS * i // parts for i in range(parts + 1)]
-        rows = min(SCAN_ROWS // parts + 1, index.rows)
-        queries = [
-            f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE rowid > {a} AND rowid <= {b}'
-            for a, b in itertools.pairwise(cuts)
-        ]
-        try:
-            block = read(queries, rows).drop_nulls()
-        except TraceError:  # a value of another type (no time): those rows are left out
-            block = read([f"{q} AND typeof(\"{column}\") = 'integer'" for q in queries], rows)
-        if block.is_empty():
-            continue
-        block = block.sort("r")
-        ids = block["r"].cast(pl.Int64).to_numpy()
-        times = block["t"].cast(pl.Int64).to_numpy()
-        breaks = np.flatnonzero(np.diff(times) < 0) + 1
-        if last_time is not None and times[0] < last_time:
-            breaks = np.concatenate([[0], breaks])
-        if len(pieces) + len(breaks) > MAX_PIECES:
-            return None
-        bounds = [0, *breaks.tolist(), len(ids)]
-        continues = not (len(breaks) and breaks[0] == 0)
-        for a, b in itertools.pairwise(bounds):
-            # a run's rows kept: one in SCAN_STRIDE, its first and its last
-            at = np.unique(np.r_[np.arange(a, b, SCAN_STRIDE), b - 1])
-            if not (a == 0 and continues) and run_ids:  # a new run: the one before ends
-                pieces.append(_sampled(np.concatenate(run_ids), np.concatenate(run_times), samples))
-                run_ids, run_times = [], []
-            run_ids.append(ids[at])
-            run_times.append(times[at])
-        last_time = int(times[-1])
+    with ThreadPoolExecutor(parts, thread_name_prefix="traceclf-scan") as pool:
+        for after in range(index.first - 1, index.last, SCAN_ROWS):
+            cuts = [after + SCAN_ROWS * i // parts for i in range(parts + 1)]
+            ranges = [
+                (a, min(b, index.last)) for a, b in itertools.pairwise(cuts) if a < index.last
+            ]
+            read_part = functools.partial(_scan_part, read, table, column)
+            got = [p for p in pool.map(read_part, ranges) if len(p[0])]
+            if not got:
+                continue
+            ids = np.concatenate([p[0] for p in got])
+            times = np.concatenate([p[1] for p in got])
+            breaks = np.flatnonzero(np.diff(times) < 0) + 1
+            if last_time is not None and times[0] < last_time:
+                breaks = np.concatenate([[0], breaks])
+            if len(pieces) + len(breaks) > MAX_PIECES:
+                return None
+            bounds = [0, *breaks.tolist(), len(ids)]
+            continues = not (len(breaks) and breaks[0] == 0)
+            for a, b in itertools.pairwise(bounds):
+                # a run's rows kept: one in SCAN_STRIDE, its first and its last
+                at = np.unique(np.r_[np.arange(a, b, SCAN_STRIDE), b - 1])
+                if not (a == 0 and continues) and run_ids:  # a new run: the one before ends
+                    pieces.append(
+                        _sampled(np.concatenate(run_ids), np.concatenate(run_times), samples)
+                    )
+                    run_ids, run_times = [], []
+                run_ids.append(ids[at])
+                run_times.append(times[at])
+            last_time = int(times[-1])
     if run_ids:
         pieces.append(_sampled(np.concatenate(run_ids), np.concatenate(run_times), samples))
     if not pieces or len(pieces) > max(FEW_PIECES, index.rows // MIN_PIECE_ROWS):
@@ -300,6 +299,29 @@ def scan_pieces(
     made = [RowIndex(con, table, column, r, t, True) for r, t in pieces]
     made.sort(key=lambda p: int(p.times[0]))
     return Pieces(con, table, tuple(made))
+
+
+def _scan_part(read, table: str, column: str, part: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """Rowids and times of the rows in rowid range ``part`` ``(after, upto]``, in rowid order,
+    rows without an integer time left out. One query on one thread, so its rows come back in
+    rowid order (connectorx interleaves the batches of parallel queries) and only the times
+    are read: where the range is dense (nsys never deletes a row), rowids follow from the
+    positions. A range with holes, nulls or odd values is read again with its rowids."""
+    a, b = part
+    where = f"rowid > {a} AND rowid <= {b}"
+    try:
+        times = read(f'SELECT "{column}" AS t FROM {table} WHERE {where}', b - a)["t"]
+        if times.len() == b - a and not times.null_count():
+            return np.arange(a + 1, b + 1, dtype=np.int64), times.to_numpy().astype(np.int64)
+        block = read(f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE {where}', b - a)
+    except TraceError:  # a value of another type (no time): those rows are left out
+        block = read(
+            f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE {where} '
+            f"AND typeof(\"{column}\") = 'integer'",
+            b - a,
+        )
+    block = block.drop_nulls().sort("r")
+    return block["r"].to_numpy().astype(np.int64), block["t"].to_numpy().astype(np.int64)
 
 
 def _sampled(ids: np.ndarray, times: np.ndarray, samples: int) -> tuple[np.ndarray, np.ndarray]:
