@@ -21,7 +21,7 @@ import polars as pl
 
 from traceclf.ingest import rowindex
 from traceclf.ingest.payloads import PayloadSchemas, decode, read_payload_events
-from traceclf.ingest.reader import decode_pid, overlap_clause
+from traceclf.ingest.reader import decode_pid
 from traceclf.ingest.tables import TABLES
 
 if TYPE_CHECKING:
@@ -219,10 +219,6 @@ def _read_capped(
         return pl.DataFrame(schema=schema)
     if logical == "osrt" and "nestingLevel" in columns:  # calls inside calls: the outer one
         where = f"{where} AND coalesce(nestingLevel, 0) = 0"
-    clauses = [where]
-    if spans is not None:
-        end = '"end"' if "end" in columns else "start"
-        clauses.append(overlap_clause(spans, end))
     ranges = _window_rows(reader, table, spans) if windowed and spans is not None else None
     # One read, each of its queries capped one row past the limit: a table over the cap costs
     # at most that many rows, and one under it (every honest one) is scanned once, not counted

@@ -255,7 +255,8 @@ def scan_pieces(
     through ``read`` (a query, rows → one polars frame:
     :meth:`traceclf.ingest.reader.Reader.sql`; :func:`_scan_part`), or None when there are
     too many (:data:`MAX_PIECES`: the rows are shuffled, not written in out-of-order blocks).
-    Memory: one block's two columns, and one row in :data:`SCAN_STRIDE` of each piece."""
+    Memory: one block's times (and rowids, where it has holes), and one row in
+    :data:`SCAN_STRIDE` of each piece."""
     table, column = index.table, index.column
     pieces: list[tuple[np.ndarray, np.ndarray]] = []  # (rowids, times) of each piece
     run_ids: list[np.ndarray] = []
