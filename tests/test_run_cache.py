@@ -137,3 +137,20 @@ def test_the_key_names_every_input_in_order(tmp_path: Path, cache_dir: Path) -> 
     # a folder names the same files as naming them one by one, in another order of runs
     assert analysis.run_key([str(tmp_path)], [a, b], opts) != analysis.run_key(named, [a, b], opts)
     assert analysis.run_key(named, [a], AnalysisOptions(quiet=True, use_cache=False)) is None
+
+
+def test_every_module_step_sampling_reads_with_is_in_the_result_key() -> None:
+    """A per-export result is keyed by the source of what shapes it (ANALYSIS_SOURCES): each
+    pipeline module that step sampling imports must be listed, or an edit to it would be
+    served a result made by the code before."""
+    import ast
+
+    from traceclf.pipeline import twopass
+
+    tree = ast.parse(Path(twopass.__file__).read_text())
+    used = {
+        node.module.removeprefix("traceclf.").replace(".", "/") + ".py"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("traceclf.pipeline")
+    }
+    assert used and used <= set(analysis.ANALYSIS_SOURCES)

@@ -308,6 +308,7 @@ def _clock(trace, path: Path) -> Clock:
 ANALYSIS_SOURCES = (
     "pipeline/analysis.py",
     "pipeline/twopass.py",  # step sampling's choice of steps
+    "pipeline/pass2.py",  # and the rows it reads of them
     "steps",
     "model",
     "measures",

@@ -5,11 +5,12 @@ Pass 1 finds the steps of every rank cheaply — the NVTX step ranges (CPU times
 CUDA-graph executions, else the kernel that recurs most regularly in a slice of the kernel
 table — and chooses the steady steps to analyse: all of them when the row budget allows,
 else as many as it allows (at most ``STEP_BUDGET`` per rank) in runs of consecutive steps
-spread evenly over the steady state (:func:`traceclf.steps.plan.plan_steps`). Pass 2 reads only those steps' rows, by rowid ranges found
-by binary search on ``start`` (:mod:`traceclf.ingest.rowindex`). A table whose rows are not in
-``start`` order is scanned once for its ordered pieces and read by rowid ranges within them; one
-shuffled finer is read with a filtered scan on time (and NVTX steps' warm-up is then decided on
-their CPU durations): ``Trace.read_path`` says which (:mod:`traceclf.pipeline.pass2`). Memory
+spread evenly over the steady state (:func:`traceclf.steps.plan.plan_steps`). Pass 2 reads only
+those steps' rows, by rowid ranges found by binary search on ``start``
+(:mod:`traceclf.ingest.rowindex`). A table whose rows are not in ``start`` order is scanned
+once for its ordered pieces and read by rowid ranges within them; one shuffled finer is read
+with a filtered scan on time (and NVTX steps' warm-up is then decided on their CPU durations):
+``Trace.read_path`` says which (:mod:`traceclf.pipeline.pass2`). Memory
 events are read whole, as the peak of allocated memory needs, on another thread while pass 1
 plans; of NVTX, the rows that may be steps (pass 1) and the ranges over the analysed spans
 (pass 2: :mod:`traceclf.ingest.nvtx_rows`).
