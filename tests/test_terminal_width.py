@@ -174,6 +174,20 @@ def test_code_that_cannot_break_is_printed_whole() -> None:
         assert '"' + "a" * 120 + '"' in block
 
 
+def test_code_printed_without_colour_is_the_coloured_text_without_its_styles() -> None:
+    """Piped output (no colour) prints code without building a lexer: the same characters,
+    folds and continuations as the highlighted block, checked against it with ANSI removed."""
+    config = 'cfg.x = "' + "a" * 90 + '"  # ' + "word " * 30 + "\n" + "cfg.y = f(1, 2)  # ok"
+    for width in (40, 80):
+        plain = Console(file=io.StringIO(), width=width, force_terminal=False)
+        colour = Console(file=io.StringIO(), width=width, force_terminal=True)
+        for console in (plain, colour):
+            console.print(config_block(config, indent=3), crop=False)
+        assert plain.color_system is None and colour.color_system is not None
+        ansi = re.compile(r"\x1b\[[0-9;]*m")
+        assert plain.file.getvalue() == ansi.sub("", colour.file.getvalue())
+
+
 def test_the_config_that_was_cropped_is_whole_at_80_columns(reports: dict[str, Report]) -> None:
     report = reports["h100_host_launch_gpumetrics"]
     config = next(f["config"] for f in report.fixes if f["id"] == "cuda-graphs")

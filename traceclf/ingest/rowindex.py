@@ -263,13 +263,13 @@ def scan_pieces(
     run_times: list[np.ndarray] = []
     last_time = None
     parts = cpu_share()  # each block read on the cores in as many rowid ranges
+    read_part = functools.partial(_scan_part, read, table, column)
     with ThreadPoolExecutor(parts, thread_name_prefix="traceclf-scan") as pool:
         for after in range(index.first - 1, index.last, SCAN_ROWS):
             cuts = [after + SCAN_ROWS * i // parts for i in range(parts + 1)]
             ranges = [
                 (a, min(b, index.last)) for a, b in itertools.pairwise(cuts) if a < index.last
             ]
-            read_part = functools.partial(_scan_part, read, table, column)
             got = [p for p in pool.map(read_part, ranges) if len(p[0])]
             if not got:
                 continue

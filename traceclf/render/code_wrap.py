@@ -199,8 +199,11 @@ class CodeBlock:
         from rich.syntax import Syntax
 
         width = max(options.max_width - self.indent, HANG + 8)
-        syntax = Syntax(self.code, self.language, theme=self.theme, background_color="default")
-        highlighted = syntax.highlight(self.code)
+        if console.color_system is None:  # plain text (piped, NO_COLOR): no lexer to build
+            highlighted = Text(self.code)
+        else:
+            syntax = Syntax(self.code, self.language, theme=self.theme, background_color="default")
+            highlighted = syntax.highlight(self.code)
         highlighted.rstrip()
         lines = highlighted.split("\n", allow_blank=True)
         margin = " " * self.indent
