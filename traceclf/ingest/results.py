@@ -166,5 +166,4 @@ def _digest(body: bytes) -> str:
 
 
 def _checksum(result: dict) -> str:
-    text = json.dumps(result, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+    return _digest(json.dumps(result, sort_keys=True, separators=(",", ":")).encode())

@@ -9,11 +9,9 @@ from dataclasses import dataclass
 import polars as pl
 
 from traceclf.ingest import rowindex
-from traceclf.ingest.reader import Reader
+from traceclf.ingest.reader import Reader, Span
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.tables import EVENT_TABLES
-
-Span = tuple[int, int]
 
 
 @dataclass
@@ -68,10 +66,6 @@ class Pass2:
                     table.done = rowindex.merge(table.done + todo)
             else:
                 table.frames.append(self.reader.read(logical, spans, rowid=True))
-
-    def frame(self, logical: str) -> pl.DataFrame:
-        table = self.tables.get(logical)
-        return table.frame() if table is not None else pl.DataFrame()
 
     def finish(self, logical: str) -> pl.DataFrame:
         """Everything read of ``logical`` that overlaps the spans asked for, in start order.

@@ -33,7 +33,7 @@ from traceclf.ingest.devices import read_gpu_metrics
 from traceclf.ingest.load import load_trace
 from traceclf.ingest.nvtx_rows import step_rows, window_rows
 from traceclf.ingest.project import Projector
-from traceclf.ingest.reader import Reader
+from traceclf.ingest.reader import Reader, Span
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.schema import inspect_export
 from traceclf.ingest.tables import EVENT_TABLES
@@ -64,7 +64,6 @@ GPU_SIDE = ("kernels", "graphs", "memcpy", "memset", "syncs")
 CPU_LAG = 4
 # Values read back from SQL are used as numbers: rows whose end is not an integer are skipped.
 INTEGER_END = "typeof(\"end\") = 'integer'"
-Span = tuple[int, int]
 
 
 @dataclass(frozen=True)
