@@ -18,6 +18,7 @@ from realtraces import trace_path
 from traceclf.ingest import cachedir, results
 from traceclf.pipeline import analysis, reduce
 from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
+from traceclf.report.contract import Report
 from traceclf.report.runset import RunSet
 
 FORMATS = ("json", "md", "terminal", "csv")
@@ -75,6 +76,29 @@ def test_second_analysis_renders_the_cached_report(
         [str(p) for p in inputs], AnalysisOptions(quiet=True, use_cache=False)
     )
     assert again.to_json() == uncached.to_json()
+
+
+def test_an_unchanged_run_in_json_is_printed_as_filed(
+    cache_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """``--format json`` of an unchanged run prints the report as the first run filed it,
+    neither decoded nor encoded again (a long ``--all-steps`` report runs to megabytes: most
+    of re-analysing it was that); ``--export-dir`` needs the report's tables: decoded then."""
+    export = copy("h100_comm_ep2", tmp_path / "run")
+    code, first, err = run_cli("analyze", export, "--format", "json", "--quiet")
+    assert code == 0, err
+    (file,) = cachedir.slot_of(export).glob(f"{cachedir.RESULTS_PREFIX}*/{results.RUN_PREFIX}*")
+    assert file.read_text().partition("\n")[2] + "\n" == first
+    decoded: list[int] = []
+    real = analysis._cached_run
+    monkeypatch.setattr(analysis, "_cached_run", lambda *a: decoded.append(1) or real(*a))
+    monkeypatch.setattr(Report, "to_json", lambda *a, **k: pytest.fail("encoded again"))
+    code, again, err = run_cli("analyze", export, "--format", "json", "--quiet")
+    assert (code, again, decoded) == (0, first, [])
+    tables = tmp_path / "tables"
+    code, _, err = run_cli("analyze", export, "--quiet", "--export-dir", tables)
+    assert code == 0, err
+    assert decoded == [1] and (tables / "ranks.csv").is_file()
 
 
 def test_a_changed_input_option_or_rule_is_a_miss(

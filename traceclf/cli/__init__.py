@@ -140,8 +140,8 @@ def analyze(
     from traceclf.support.process import check_address_space
 
     check_address_space()
-    from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
-    from traceclf.render import render
+    from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs, chosen_inputs
+    from traceclf.render import render, render_json_text
 
     if fmt == "html" and output is None:
         raise click.UsageError("--format html needs -o/--output FILE")
@@ -165,8 +165,14 @@ def analyze(
         quiet=quiet,
         grouping="job" if as_job else "runs" if as_runs else "auto",
     )
-    report = analyze_inputs(list(inputs), opts)
+    chosen = chosen_inputs(list(inputs), opts)
     written = run_inputs(list(inputs), rules_dir)
+    if fmt == "json" and export_dir is None and trace_out is None:
+        text = chosen.cached_json(opts)  # (an unchanged run: its report as filed)
+        if text is not None:
+            render_json_text(text, out, written)
+            return
+    report = analyze_inputs(list(inputs), opts, chosen)
     render(report, fmt, out, written)
     if export_dir is not None:
         from traceclf.export.files import export_tables

@@ -30,7 +30,7 @@ from traceclf.support.owned import is_owned
 RESULT_FORMAT = 1
 # a whole analysis's report, beside the first export's results (pipeline/analysis.py)
 RUN_PREFIX = "run-"
-RUN_FORMAT = 1
+RUN_FORMAT = 2  # 2: the report as --format json writes it (1: compact JSON)
 MAX_RESULT_BYTES = 64 << 20  # a damaged or planted file must not exhaust memory
 CACHE_ERRORS = (Exception,)  # none of it may fail an analysis
 
@@ -53,9 +53,22 @@ def read_result(path: Path, variant: str, key: str, cache_dir: Path | None = Non
 def read_run(path: Path, key: str, run: str, cache_dir: Path | None = None) -> dict | None:
     """The cached report (or run set) of a whole analysis, filed as ``run`` (every input's
     identity, the options, the rules and the code: :func:`traceclf.pipeline.analysis.run_key`)
-    with version ``key`` of its first export; None when absent or damaged. Its checksum is of
-    the report's bytes as written (a line of its own before them), not of the report encoded
-    again: an ``--all-steps`` report runs to megabytes."""
+    with version ``key`` of its first export; None when absent or damaged."""
+    text = read_run_text(path, key, run, cache_dir)
+    if text is None:
+        return None
+    try:
+        report = json.loads(text)
+    except (*CACHE_ERRORS, RecursionError):  # a nesting bomb is a RecursionError
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def read_run_text(path: Path, key: str, run: str, cache_dir: Path | None = None) -> str | None:
+    """The JSON text of the report :func:`read_run` reads, as ``--format json`` writes it
+    (without its last newline). Its checksum is of the report's bytes as written (a line of its
+    own before them), not of the report encoded again: an ``--all-steps`` report runs to
+    megabytes."""
     try:
         raw = _bounded(_file(path, key, f"{RUN_PREFIX}{run}.json", cache_dir))
         if raw is None:
@@ -66,9 +79,8 @@ def read_run(path: Path, key: str, run: str, cache_dir: Path | None = None) -> d
             return None
         if stamp.get("format") != RUN_FORMAT or stamp.get("sha256") != _digest(body):
             return None
-        report = json.loads(body)
-        return report if isinstance(report, dict) else None
-    except (*CACHE_ERRORS, RecursionError):  # a nesting bomb is a RecursionError
+        return body.decode()
+    except CACHE_ERRORS:
         return None
 
 
@@ -132,8 +144,8 @@ def write_result(
 
 
 def write_run(path: Path, key: str, run: str, report: str, cache_dir: Path | None = None) -> bool:
-    """Store the report (or run set) of a whole analysis, ``report`` its JSON text, as
-    :func:`read_run` finds it."""
+    """Store the report (or run set) of a whole analysis, ``report`` its JSON text as
+    ``--format json`` writes it, as :func:`read_run` and :func:`read_run_text` find it."""
     body = report.encode()
     stamp = json.dumps({"format": RUN_FORMAT, "sha256": _digest(body)})
     return _write(path, key, f"{RUN_PREFIX}{run}.json", stamp + "\n" + report, cache_dir)

@@ -45,12 +45,32 @@ class AnalysisOptions:
     row_budget: int | None = None
 
 
-def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
-    """Analyse every export named by ``inputs`` (files, folders, .nsys-rep): one report when
-    they are one job, else one report per run (:mod:`traceclf.pipeline.grouping`)."""
-    from traceclf.ingest.inputs import chosen_files, named_order
+@dataclass(frozen=True)
+class Inputs:
+    """The exports an analysis of what the user named reads (checked), and the key its report
+    is cached under (None: not cached)."""
 
-    # Reject bad options and files before any heavy work starts.
+    named: list[str]
+    files: list[Path]
+    run: tuple[str, str] | None
+
+    def cached_json(self, opts: AnalysisOptions) -> str | None:
+        """The report of an earlier analysis of the same inputs with the same options, rules
+        and code, as ``--format json`` writes it (without the last newline); None when there
+        is none. Printed as read, neither decoded nor encoded again: an ``--all-steps``
+        report runs to megabytes."""
+        from traceclf.ingest import results
+
+        if self.run is None:
+            return None
+        return results.read_run_text(self.files[0], *self.run, opts.cache_dir)
+
+
+def chosen_inputs(inputs: list[str], opts: AnalysisOptions) -> Inputs:
+    """Reject bad options and files before any heavy work starts; the exports ``inputs``
+    name and the key of their analysis."""
+    from traceclf.ingest.inputs import chosen_files
+
     if opts.step_regex is not None:  # (steps/ imports polars: not without a --step-range)
         from traceclf.steps.find import check_step_regex
 
@@ -58,7 +78,20 @@ def analyze_inputs(inputs: list[str], opts: AnalysisOptions) -> Report | RunSet:
     if opts.grouping not in ("auto", "job", "runs"):
         raise TraceError(None, f"grouping must be auto, job or runs (got {opts.grouping!r})")
     files = chosen_files(inputs)
-    run = run_key(inputs, files, opts)
+    return Inputs(list(inputs), files, run_key(inputs, files, opts))
+
+
+def analyze_inputs(
+    inputs: list[str], opts: AnalysisOptions, chosen: Inputs | None = None
+) -> Report | RunSet:
+    """Analyse every export named by ``inputs`` (files, folders, .nsys-rep): one report when
+    they are one job, else one report per run (:mod:`traceclf.pipeline.grouping`).
+    ``chosen``: what :func:`chosen_inputs` made of them, if it was called already."""
+    from traceclf.ingest.inputs import named_order
+
+    if chosen is None:
+        chosen = chosen_inputs(inputs, opts)
+    files, run = chosen.files, chosen.run
     if run is not None:
         cached = _cached_run(files[0], run, opts)
         if cached is not None:
@@ -148,7 +181,7 @@ def _store_run(first: Path, run: tuple[str, str], out: Report | RunSet, opts) ->
     from traceclf.ingest import results
 
     with contextlib.suppress(Exception):  # a cache never fails an analysis
-        results.write_run(first, *run, out.to_json(indent=None), opts.cache_dir)
+        results.write_run(first, *run, out.to_json(), opts.cache_dir)
 
 
 def _analyse_files(

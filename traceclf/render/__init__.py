@@ -22,6 +22,14 @@ def render(
         _render(report, fmt, output, files)
 
 
+def render_json_text(text: str, output: Path | None, inputs: Iterable[Path] = ()) -> None:
+    """Write a report that is JSON text already (a cached one:
+    :meth:`traceclf.pipeline.analysis.Inputs.cached_json`) as ``render(report, "json", ...)``
+    writes it."""
+    with written_together(inputs) as files:
+        emit(text + "\n", output, files)
+
+
 def _render(report: Report | RunSet, fmt: str, output: Path | None, files: Together) -> None:
     if fmt == "csv":
         from traceclf.export.files import table_bytes
