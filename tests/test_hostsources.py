@@ -496,6 +496,44 @@ def test_claim_in_blocks_is_claim_at_once(monkeypatch):
     )
 
 
+@pytest.mark.parametrize("touched", [40, 3_000])
+def test_claim_by_slots_or_by_splicing_is_the_same(touched: int, monkeypatch) -> None:
+    """Constructed: what is left of the pieces is the same whether every piece is put in its
+    slots or the few touched ones are spliced back in (``claims.SPARSE_CLAIM`` decides), with
+    few intervals or many, some covering whole pieces."""
+    import numpy as np
+
+    from traceclf.measures import claims
+
+    rng = np.random.default_rng(touched)
+    edges = np.sort(rng.choice(200_000, 6_000, replace=False))
+    pieces = (edges[0::2], edges[1::2], rng.permutation(3_000))
+    lo = rng.integers(0, 200_000, touched)
+    hi = lo + rng.integers(1, 900, touched)
+    results = []
+    for sparse in (0, 1 << 40):  # splice always, slots always
+        monkeypatch.setattr(claims, "SPARSE_CLAIM", sparse)
+        results.append(claims.claim(pieces, lo, hi))
+    (cut, _, rest), (cut2, _, rest2) = results
+    for got, want in ((cut, cut2), (rest, rest2)):
+        assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert len(rest[0]) and np.all(rest[0][1:] >= rest[1][:-1])
+
+
+def test_source_labels_are_numpys_unique_names_and_their_indexes() -> None:
+    """Constructed names (non-ASCII and empty ones among them): the sorted distinct names and
+    each row's index among them, as ``np.unique(..., return_inverse=True)`` gives them."""
+    import numpy as np
+    import polars as pl
+
+    from traceclf.measures.hostsources import _labels
+
+    names = pl.Series(["ioctl", "é", "", "pthread_cond_wait", "ioctl", "Zed", "é", "a\u4e2d"] * 50)
+    whats, codes = _labels(names)
+    want, inverse = np.unique(names.to_numpy().astype(str), return_inverse=True)
+    assert whats == want.tolist() and np.array_equal(codes, inverse)
+
+
 def test_claim_matches_a_nanosecond_count_when_few_pieces_are_touched():
     """Constructed: thousands of pieces of which intervals touch a few (as a source's calls
     meet few of a window's gaps), checked ns by ns against sets: every covered ns claimed

@@ -95,23 +95,42 @@ def _claim_block(
 def _outside(pieces: Pieces, n: np.ndarray, a: np.ndarray, b: np.ndarray) -> Pieces:
     """What is left of each piece once its ``n`` covered parts [a, b) (in order, piece by
     piece) are cut out: in each piece's n + 1 slots, the stretch before each part and the one
-    after the last, put in place by index (no sort)."""
+    after the last, put in place by index (no sort). A claim that touches few pieces (a rare
+    class of CUDA call) works on those alone and splices what is left of them back in: the
+    pieces it does not touch are copied once, not indexed slot by slot."""
     start, end, owner = pieces
-    first = np.cumsum(n) - n  # each piece's first part
-    piece = np.repeat(np.arange(len(start)), n)
-    k = np.arange(len(a)) - first[piece]  # a part's rank in its piece
+    touched = np.flatnonzero(n)
+    if len(touched) * SPARSE_CLAIM >= len(start):
+        return _slots(pieces, n, a, b)
+    lo, hi, own = _slots((start[touched], end[touched], owner[touched]), n[touched], a, b)
+    # each stretch left belongs to the touched piece it lies in; they go where it was
+    left = np.bincount(
+        np.searchsorted(start[touched], lo, side="right") - 1, minlength=len(touched)
+    )
+    at = np.repeat(touched - np.arange(len(touched)), left)  # its place once it is deleted
+    return tuple(  # type: ignore[return-value]
+        np.insert(np.delete(x, touched), at, y) for x, y in ((start, lo), (end, hi), (owner, own))
+    )
+
+
+SPARSE_CLAIM = 16  # a claim touching under 1/16 of the pieces splices (see _outside)
+
+
+def _slots(pieces: Pieces, n: np.ndarray, a: np.ndarray, b: np.ndarray) -> Pieces:
+    """:func:`_outside` slot by slot: piece p's n + 1 slots start at its first part's index
+    plus p; part i of piece p fills the end of slot i + p and the start of the next."""
+    start, end, owner = pieces
+    first = np.cumsum(n) - n
     slot = first + np.arange(len(start))  # each piece's first slot
+    at = np.arange(len(a)) + np.repeat(np.arange(len(start)), n)
     lo = np.empty(len(a) + len(start), start.dtype)
     hi = np.empty_like(lo)
-    before = slot[piece] + k
-    lo[before] = np.where(k == 0, start[piece], np.roll(b, 1))
-    hi[before] = a
-    last = first + n - 1
-    lo[slot + n] = np.where(n > 0, b[np.maximum(last, 0)] if len(b) else start, start)
+    lo[slot] = start
+    lo[at + 1] = b
+    hi[at] = a
     hi[slot + n] = end
-    own = np.repeat(owner, n + 1)
     keep = hi > lo
-    return lo[keep], hi[keep], own[keep]
+    return lo[keep], hi[keep], np.repeat(owner, n + 1)[keep]
 
 
 def _split_at(parts: Pieces, bounds: np.ndarray) -> Pieces:

@@ -168,11 +168,10 @@ def launching_threads(w: RankWindow, gstart: np.ndarray, gend: np.ndarray) -> np
         return out
     # the work starting where a gap ends (of several that start together, the first launched),
     # taken from each frame on its own: no copy of every kernel
-    ends = pl.Series(gend).implode()
     ending = (
         pl.concat(
             [
-                f.filter(pl.col("start").is_in(ends)).select(
+                _starting_at(f, gend).select(
                     pl.col("start").cast(pl.Int64),
                     pl.col("pid").cast(pl.Int64),
                     pl.col("correlation_id").cast(pl.Int64),
@@ -197,13 +196,21 @@ def launching_threads(w: RankWindow, gstart: np.ndarray, gend: np.ndarray) -> np
         at = np.searchsorted(gend, found["end"].to_numpy())
         out[at] = found["tid"].to_numpy()
     known = out[out >= 0]
-    if len(known):
-        main = int(np.bincount(np.unique(known, return_inverse=True)[1]).argmax())
-        out[out < 0] = int(np.unique(known)[main])
+    if len(known):  # the thread that ends most gaps (of a tie, the lowest id)
+        counts = pl.Series("tid", known).value_counts(name="n")
+        out[out < 0] = int(counts.sort(["n", "tid"], descending=[True, False])["tid"][0])
     else:
         calls = trace.api["global_tid"].drop_nulls()
         out[:] = int(calls.mode()[0]) if len(calls) else -1
     return out
+
+
+def _starting_at(rows: pl.DataFrame, times: np.ndarray) -> pl.DataFrame:
+    """The rows that start at one of ``times`` (sorted): by binary search, not a hash set of
+    a window's millions of gap ends."""
+    start = rows["start"].cast(pl.Int64).fill_null(-1).to_numpy()
+    at = np.searchsorted(times, start).clip(max=len(times) - 1)
+    return rows.filter(pl.Series(times[at] == start))
 
 
 def loading_gaps(w: RankWindow, gstart: np.ndarray, gend: np.ndarray) -> np.ndarray:

@@ -200,9 +200,8 @@ def _profiler(w: RankWindow, claims: _Claims) -> None:
     overhead = w.trace.overhead
     if overhead.is_empty() or not {"start", "end", "name"} <= set(overhead.columns):
         return
-    names = overhead["name"].cast(pl.String).fill_null("nsys overhead")
-    whats, label = np.unique(names.to_numpy().astype(str), return_inverse=True)
-    claims.take("profiler", whats.tolist(), *_arrays(overhead), label=label)
+    whats, label = _labels(overhead["name"].cast(pl.String).fill_null("nsys overhead"))
+    claims.take("profiler", whats, *_arrays(overhead), label=label)
 
 
 def _nvtx(w: RankWindow, gaps: pl.DataFrame, claims: _Claims, details: dict) -> None:
@@ -215,8 +214,8 @@ def _nvtx(w: RankWindow, gaps: pl.DataFrame, claims: _Claims, details: dict) -> 
     )
     lo = np.maximum(cover["start"].to_numpy(), cover["r_start"].to_numpy())
     hi = np.minimum(cover["end"].to_numpy(), cover["r_end"].to_numpy())
-    whats, label = np.unique(cover["what"].to_numpy().astype(str), return_inverse=True)
-    claims.take("nvtx", whats.tolist(), lo, hi, label=label)
+    whats, label = _labels(cover["what"])
+    claims.take("nvtx", whats, lo, hi, label=label)
     for (what,), rows in cover.group_by("what"):
         details[("nvtx", str(what))] = {"gaps": rows.height, "activity": rows["activity"][0]}
 
@@ -238,11 +237,13 @@ def _cuda_api(w: RankWindow, claims: _Claims, details: dict) -> None:
         .with_columns(**{key: tax.is_api(key) for key, _ in CUDA_CLASSES})
         .select("name", kind=kind)
     )
-    kinds = by_name(calls.select("start", "end", "name"), names)
+    kinds = by_name(calls.select("start", "end", "name"), names).partition_by(
+        "kind", as_dict=True, include_key=False
+    )  # (one pass over millions of calls, not one per class)
     start, end = claims.pieces[0], claims.pieces[1]
     for i, label in enumerate(labels):
-        rows = kinds.filter(pl.col("kind") == i)
-        if rows.is_empty() or not claims.take("cuda_api", label, *_arrays(rows)):
+        rows = kinds.get((i,))
+        if rows is None or rows.is_empty() or not claims.take("cuda_api", label, *_arrays(rows)):
             continue
         touching = rows.filter(_overlaps(start, end))
         top = touching["name"].cast(pl.String).mode().sort().first() if touching.height else None
@@ -269,8 +270,8 @@ def _osrt(w: RankWindow, threads: np.ndarray, claims: _Claims, details: dict) ->
         part = claims.split(threads[claims.pieces[2]] == tid)
         start, end = part.pieces[0], part.pieces[1]
         names = mine["name"].cast(pl.String).fill_null("?")
-        whats, codes = np.unique(names.to_numpy().astype(str), return_inverse=True)
-        taken = part.take("osrt", whats.tolist(), *_arrays(mine), label=codes)
+        whats, codes = _labels(names)
+        taken = part.take("osrt", whats, *_arrays(mine), label=codes)
         claims.join(part)
         for label in sorted(taken):
             rows = mine.filter(names == label)
@@ -347,8 +348,8 @@ def _sampled(
         .join(shares.select(*key, "what", "k", "n"), on=key)
         .with_columns(ns=(pl.col("ns") * pl.col("k") / pl.col("n")).round().cast(pl.Int64))
     )
-    whats, label = np.unique(split["what"].to_numpy().astype(str), return_inverse=True)
-    claims.record(source, whats.tolist(), split["gap"].to_numpy(), split["ns"].to_numpy(), label)
+    whats, label = _labels(split["what"])
+    claims.record(source, whats, split["gap"].to_numpy(), split["ns"].to_numpy(), label)
     summary = shares.group_by("what").agg(
         samples=pl.col("k").sum(),
         loading=pl.col("loading").sum(),
@@ -468,6 +469,14 @@ def _row(source: str, what: str, ns: int, idle_ns: int, steps: int, details: dic
         "frac_of_idle": round(ns / idle_ns, 4),
         "detail": details.get((source, what), {}),
     }
+
+
+def _labels(names: pl.Series) -> tuple[list[str], np.ndarray]:
+    """The distinct names, sorted, and each row's index among them (what ``np.unique`` with
+    ``return_inverse`` gives, in polars: numpy sorts millions of Python strings one by one)."""
+    names = names.cast(pl.String).fill_null("?")
+    whats = names.unique().sort()
+    return whats.to_list(), whats.search_sorted(names, side="left").to_numpy()
 
 
 def _arrays(rows: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
