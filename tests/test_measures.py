@@ -184,3 +184,25 @@ def test_communication_run_launches_each_kernel_once():
     counted 48 of 129 (the host, blocked in NCCL, launched the rest outside the window)."""
     for m in metrics("h100_comm_ep2.sqlite"):
         assert m["launch_calls_per_step"] == m["kernels_per_step"] == 129
+
+
+def test_a_kernel_of_two_families_is_listed_under_the_one_with_most_time() -> None:
+    """Constructed launch rows (no shared trace has a kernel in two families): an elementwise
+    kernel that runs inside the optimizer's runs too is listed under the family it spent most
+    time in, whatever order the grouped rows come in (a report read the same twice)."""
+    import itertools
+
+    import polars as pl
+
+    from traceclf.measures.step_kernels import _family_of
+
+    rows = pl.DataFrame(
+        {
+            "name": ["fill", "fill", "fill", "gemm", "tie", "tie"],
+            "family": ["elementwise", "optimizer", "optimizer", "gemm", "reduction", "copy"],
+            "ns": [5, 3, 3, 1, 2, 2],
+        }
+    )
+    for order in itertools.permutations(range(rows.height)):
+        picked = dict(_family_of(rows[list(order)]).iter_rows())
+        assert picked == {"fill": "optimizer", "gemm": "gemm", "tie": "copy"}

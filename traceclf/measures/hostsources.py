@@ -353,7 +353,8 @@ def _sampled(
     summary = shares.group_by("what").agg(
         samples=pl.col("k").sum(),
         loading=pl.col("loading").sum(),
-        leaf=pl.col("leaf").drop_nulls().first(),
+        # (of the pools' leaves, the one of most samples: the same whatever their order)
+        leaf=pl.col("leaf").sort_by("k", "leaf", descending=[True, False]).drop_nulls().first(),
     )
     native = (
         _native_beside(w, hits.join(pools, on=key), (start, end, owner), threads)

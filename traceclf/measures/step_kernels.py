@@ -48,8 +48,10 @@ def step_kernels(w: RankWindow, gaps: pl.DataFrame, breakdown: list[dict]) -> di
         "graph_ms": _ms(Busy.of(w.graph_spans).total, n),
     }
     launches = _launches(w, starts)
-    kernels = launches.group_by("name", "step").agg(
-        pl.col("short_name", "family").first(), pl.col("ns", "instances").sum()
+    kernels = (
+        launches.group_by("name", "step")
+        .agg(pl.col("short_name").first(), pl.col("ns", "instances").sum())
+        .join(_family_of(launches), on="name", how="left")
     )
     kernel_ns = int(kernels["ns"].sum())
     per_step["kernel_ms"] = _ms(kernel_ns, n)
@@ -95,6 +97,19 @@ def _launches(w: RankWindow, starts: np.ndarray) -> pl.DataFrame:
         )
     )
     return pl.concat([kernels, replays.select(kernels.columns)], how="vertical_relaxed")
+
+
+def _family_of(launches: pl.DataFrame) -> pl.DataFrame:
+    """Each kernel's family: of a kernel launched in several (an elementwise kernel is the
+    optimizer's inside its runs), the one with most time, then the first by name; decided
+    once, so that no later grouping takes whichever row its groups happen to come in."""
+    return (
+        launches.group_by("name", "family")
+        .agg(pl.col("ns").sum())
+        .sort(["name", "ns", "family"], descending=[False, True, False], nulls_last=True)
+        .unique("name", keep="first", maintain_order=True)
+        .select("name", "family")
+    )
 
 
 def _step_of(start: pl.Series, starts: np.ndarray) -> pl.Series:
