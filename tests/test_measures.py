@@ -206,3 +206,30 @@ def test_a_kernel_of_two_families_is_listed_under_the_one_with_most_time() -> No
     for order in itertools.permutations(range(rows.height)):
         picked = dict(_family_of(rows[list(order)]).iter_rows())
         assert picked == {"fill": "optimizer", "gemm": "gemm", "tie": "copy"}
+
+
+def test_of_nvtx_ranges_starting_together_the_first_to_end_is_the_innermost(monkeypatch) -> None:
+    """Constructed ranges (no shared trace has two that start at the same ns over a gap): the
+    gap is attributed to the range that starts latest and, of those starting together, ends
+    first, in whatever order the ranges come."""
+    import itertools
+    from types import SimpleNamespace
+
+    import polars as pl
+
+    from traceclf.measures import host
+    from traceclf.model.taxonomy import bundled
+
+    ranges = pl.DataFrame(
+        {
+            "text": ["outer", "wide", "narrow"],
+            "start": [0, 100, 100],
+            "end": [1_000, 900, 400],
+        }
+    )
+    gap = pl.DataFrame({"start": [150], "end": [350], "dur": [200]})
+    w = SimpleNamespace(taxonomy=bundled())
+    for order in itertools.permutations(range(3)):
+        monkeypatch.setattr(host, "_host_ranges", lambda _w, o=order: ranges[list(o)])
+        cover = host.nvtx_cover(gap, w)
+        assert cover.select("nvtx", "r_start", "r_end").row(0) == ("narrow", 100, 400)

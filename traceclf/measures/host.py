@@ -334,9 +334,11 @@ def nvtx_cover(long: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
         .filter(pl.col("nvtx_ns") * 2 >= pl.col("dur"))
         .with_columns(activity=tax.host_activity())
     )
-    # innermost = latest start; its activity, or the nearest enclosing range's that has one
+    # innermost = latest start (of ranges starting together, the first to end, then by text:
+    # the same range whatever order the join gave them); its activity, or the nearest
+    # enclosing range's that has one
     return (
-        cover.sort("r_start", descending=True)
+        cover.sort(["r_start", "r_end", "text"], descending=[True, False, False])
         .group_by("start", maintain_order=True)
         .agg(
             nvtx=pl.col("text").first(),
