@@ -102,11 +102,10 @@ def _outside(pieces: Pieces, n: np.ndarray, a: np.ndarray, b: np.ndarray) -> Pie
     touched = np.flatnonzero(n)
     if len(touched) * SPARSE_CLAIM >= len(start):
         return _slots(pieces, n, a, b)
-    lo, hi, own = _slots((start[touched], end[touched], owner[touched]), n[touched], a, b)
+    firsts = start[touched]
+    lo, hi, own = _slots((firsts, end[touched], owner[touched]), n[touched], a, b)
     # each stretch left belongs to the touched piece it lies in; they go where it was
-    left = np.bincount(
-        np.searchsorted(start[touched], lo, side="right") - 1, minlength=len(touched)
-    )
+    left = np.bincount(np.searchsorted(firsts, lo, side="right") - 1, minlength=len(touched))
     at = np.repeat(touched - np.arange(len(touched)), left)  # its place once it is deleted
     return tuple(  # type: ignore[return-value]
         np.insert(np.delete(x, touched), at, y) for x, y in ((start, lo), (end, hi), (owner, own))

@@ -50,7 +50,6 @@ class Inputs:
     """The exports an analysis of what the user named reads (checked), and the key its report
     is cached under (None: not cached)."""
 
-    named: list[str]
     files: list[Path]
     run: tuple[str, str] | None
 
@@ -78,7 +77,7 @@ def chosen_inputs(inputs: list[str], opts: AnalysisOptions) -> Inputs:
     if opts.grouping not in ("auto", "job", "runs"):
         raise TraceError(None, f"grouping must be auto, job or runs (got {opts.grouping!r})")
     files = chosen_files(inputs)
-    return Inputs(list(inputs), files, run_key(inputs, files, opts))
+    return Inputs(files, run_key(inputs, files, opts))
 
 
 def analyze_inputs(
