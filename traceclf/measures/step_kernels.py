@@ -61,8 +61,9 @@ def step_kernels(w: RankWindow, gaps: pl.DataFrame, breakdown: list[dict]) -> di
 
 
 def _launches(w: RankWindow, starts: np.ndarray) -> pl.DataFrame:
-    """ns and instances of each kernel (and graph-level replay) per analysed step and launch
-    shape: name, step, grid_blocks, block_threads, short_name, family, ns, instances. One
+    """ns and instances of each kernel (and graph-level replay) per analysed step, launch
+    shape and family: name, step, grid_blocks, block_threads, short_name, family, ns,
+    instances. One
     pass over the kernels (millions with --all-steps), grouped on the names' Categorical
     codes; names as text after it (a few hundred of them)."""
     kernels = (
@@ -76,8 +77,10 @@ def _launches(w: RankWindow, starts: np.ndarray) -> pl.DataFrame:
             step=_step_of(w.kern["start"], starts),
             dur=pl.col("end") - pl.col("start"),
         )
-        .group_by("name", "step", "grid_blocks", "block_threads")
-        .agg(pl.col("short_name", "family").first(), ns=pl.col("dur").sum(), instances=pl.len())
+        # (by family too: a kernel inside the optimizer's runs and outside them is two rows,
+        # each with its own time, which :func:`_family_of` weighs)
+        .group_by("name", "step", "grid_blocks", "block_threads", "family")
+        .agg(pl.col("short_name").first(), ns=pl.col("dur").sum(), instances=pl.len())
         .with_columns(pl.col("name", "short_name", "family").cast(pl.String))
         .collect()
     )
