@@ -499,8 +499,9 @@ def test_claim_in_blocks_is_claim_at_once(monkeypatch):
 @pytest.mark.parametrize("touched", [40, 3_000])
 def test_claim_by_slots_or_by_splicing_is_the_same(touched: int, monkeypatch) -> None:
     """Constructed: what is left of the pieces is the same whether every piece is put in its
-    slots or the few touched ones are spliced back in (``claims.SPARSE_CLAIM`` decides), with
-    few intervals or many, some covering whole pieces."""
+    slots or the touched ones, found from the intervals, are spliced back in
+    (``claims.SPARSE_CLAIM`` decides), with few intervals or many, some covering whole
+    pieces."""
     import numpy as np
 
     from traceclf.measures import claims
@@ -518,6 +519,38 @@ def test_claim_by_slots_or_by_splicing_is_the_same(touched: int, monkeypatch) ->
     for got, want in ((cut, cut2), (rest, rest2)):
         assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
     assert len(rest[0]) and np.all(rest[0][1:] >= rest[1][:-1])
+
+
+@pytest.mark.parametrize("sparse", [0, 16, 1 << 40])
+def test_subtract_leaves_what_claim_leaves_and_takes_what_it_cuts(sparse: int, monkeypatch):
+    """Constructed pieces (some touching, of another owner) and intervals (overlapping, some of
+    no length, few or many): :func:`claims.subtract`, read from the bounds alone, leaves the
+    very pieces :func:`claims.claim` leaves, and the pieces it touches less what is left of
+    them is, owner by owner, the time claim cuts; the same whether the touched pieces are
+    spliced back or all are read (``SPARSE_CLAIM``)."""
+    import numpy as np
+
+    from traceclf.measures import claims
+
+    monkeypatch.setattr(claims, "SPARSE_CLAIM", sparse)
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(1, 300))
+        edges = np.sort(rng.choice(20 * n, 2 * n, replace=False))
+        start, end = edges[0::2], edges[1::2]
+        if seed % 3 == 0:  # each piece ending where the next starts
+            end = np.append(start[1:], start[-1] + 5)
+        pieces = (start, end, rng.permutation(n))
+        many = int(rng.integers(0, 3 * n if seed % 2 else max(1, n // 30)))
+        lo = rng.integers(0, 20 * n, many)
+        hi = lo + rng.integers(0 if seed % 5 == 0 else 1, 60, many)
+        cut, _, rest = claims.claim(pieces, lo, hi)
+        left_all, touched, left = claims.subtract(pieces, lo, hi)
+        assert all(np.array_equal(a, b) for a, b in zip(left_all, rest, strict=True))
+        taken = np.bincount(touched[2], touched[1] - touched[0], minlength=n) - np.bincount(
+            left[2], left[1] - left[0], minlength=n
+        )
+        assert np.array_equal(taken, np.bincount(cut[2], cut[1] - cut[0], minlength=n))
 
 
 def test_source_labels_are_numpys_unique_names_and_their_indexes() -> None:

@@ -1,8 +1,10 @@
 """Idle time claimed piece by piece: disjoint sorted pieces of time (each with an owner, e.g.
 the idle gap it is part of) split by intervals in any order, what they cover and what is left
-(:func:`claim`); host attribution (:mod:`traceclf.measures.hostsources`) claims every idle ns
-once this way, source by source. The pairs of pieces and runs of intervals that overlap are
-visited in blocks, so memory follows a block, not a capture's millions of CUDA calls."""
+(:func:`claim`), or only what is left (:func:`subtract`, for a claim whose parts are summed);
+host attribution (:mod:`traceclf.measures.hostsources`) claims every idle ns once this way,
+source by source. A claim by a few intervals works on the pieces they touch and splices what
+is left of them back in; the pairs of pieces and runs of intervals that overlap are visited in
+blocks, so memory follows a block, not a capture's millions of CUDA calls."""
 
 from __future__ import annotations
 
@@ -26,17 +28,12 @@ def claim(
     Only the (piece, run) pairs that overlap are visited: millions of CUDA calls, most of them
     made while the GPU is busy, cost the idle pieces they touch, not an array of every call's
     bounds."""
-    start, end, owner = pieces
-    empty = (start[:0], end[:0], owner[:0])
+    start = pieces[0]
     order = np.argsort(lo, kind="stable")
     lo, hi = lo[order], hi[order]
-    cover_lo, cover_hi = union_sorted(lo, hi)
-    if not len(start) or not len(cover_lo):
-        return empty, np.empty(0, np.int64), pieces
-    # the runs each piece overlaps: from the first ending after it starts to the last
-    # starting before it ends (runs and pieces are both disjoint and sorted)
-    first = np.searchsorted(cover_hi, start, side="right")
-    n = np.maximum(np.searchsorted(cover_lo, end, side="left") - first, 0)
+    cover = union_sorted(lo, hi)
+    if not len(start) or not len(cover[0]):
+        return _none(pieces), np.empty(0, np.int64), pieces
     labels = None
     if label is not None:
         # cut at every interval's bounds too: each part is then covered by the same intervals
@@ -46,8 +43,90 @@ def claim(
         reach = np.maximum.accumulate(hi)
         furthest = np.maximum.accumulate(np.where(hi == reach, np.arange(len(hi)), 0))
         labels = (bounds, lo, label[order][furthest])
-    # pieces in blocks of about CLAIM_PAIRS (piece, run) pairs: memory bounded by a block's
-    # arrays, not by every pair of a capture's millions of calls at once
+    touched = _touched(pieces, *cover)
+    if touched is None:
+        return _claim_all(pieces, cover, labels)
+    cut, at, left = _claim_all(_take(pieces, touched), cover, labels)
+    return cut, at, _splice(pieces, touched, left)
+
+
+def subtract(pieces: Pieces, lo: np.ndarray, hi: np.ndarray) -> tuple[Pieces, Pieces, Pieces]:
+    """What is left of ``pieces`` (disjoint, sorted, with owners) outside the intervals
+    [lo, hi) (any order, may overlap), as :func:`claim` leaves it, without the covered parts
+    themselves: ``(rest, touched, left)``, every piece left, and the pieces the intervals may
+    touch with what is left of them (the time taken from each owner is touched's less left's).
+
+    Read from the bounds alone, not from (piece, run) pairs: a piece's start not covered and
+    a run's end inside a piece start a stretch left; a piece's end not covered and a run's
+    start inside a piece end one."""
+    order = np.argsort(lo, kind="stable")
+    cover = union_sorted(lo[order], hi[order])
+    if not len(pieces[0]) or not len(cover[0]):
+        return pieces, _none(pieces), _none(pieces)
+    touched = _touched(pieces, *cover)
+    if touched is None:
+        left = _left(pieces, *cover)
+        return left, pieces, left
+    mine = _take(pieces, touched)
+    left = _left(mine, *cover)
+    return _splice(pieces, touched, left), mine, left
+
+
+CLAIM_PAIRS = 1 << 21  # (piece, run) pairs that :func:`claim` visits at once
+SPARSE_CLAIM = 16  # intervals touching under 1/16 of the pieces: those alone, then spliced
+
+
+def _touched(pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray) -> np.ndarray | None:
+    """The pieces that the runs [cover_lo, cover_hi) overlap, found from the runs (a source's
+    few calls meet few of a window's millions of pieces), when under 1/:data:`SPARSE_CLAIM`
+    of them; None when the runs or the pieces they touch are more."""
+    start, end = pieces[0], pieces[1]
+    if len(cover_lo) * SPARSE_CLAIM >= len(start):
+        return None
+    # each run overlaps the pieces from the first ending after it starts to the last starting
+    # before it ends; consecutive runs share at most one piece, so the list stays in order
+    first = np.searchsorted(end, cover_lo, side="right")
+    n = np.maximum(np.searchsorted(start, cover_hi, side="left") - first, 0)
+    at = np.repeat(first - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+    at = at[np.concatenate([[True], at[1:] != at[:-1]])] if len(at) else at
+    return at if len(at) * SPARSE_CLAIM < len(start) else None
+
+
+def _take(pieces: Pieces, at: np.ndarray) -> Pieces:
+    return pieces[0][at], pieces[1][at], pieces[2][at]
+
+
+def _none(pieces: Pieces) -> Pieces:
+    return pieces[0][:0], pieces[1][:0], pieces[2][:0]
+
+
+def _splice(pieces: Pieces, touched: np.ndarray, left: Pieces) -> Pieces:
+    """``pieces`` with the ``touched`` ones replaced by what is left of them (``left``, in
+    order): each stretch goes where the piece it lies in was."""
+    firsts = pieces[0][touched]
+    n = np.bincount(np.searchsorted(firsts, left[0], side="right") - 1, minlength=len(touched))
+    at = np.repeat(touched - np.arange(len(touched)), n)  # its place once it is deleted
+    return tuple(  # type: ignore[return-value]
+        np.insert(np.delete(x, touched), at, y) for x, y in zip(pieces, left, strict=True)
+    )
+
+
+def _claim_all(
+    pieces: Pieces,
+    cover: tuple[np.ndarray, np.ndarray],
+    labels: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+) -> tuple[Pieces, np.ndarray, Pieces]:
+    """:func:`claim` of every one of ``pieces`` by the disjoint sorted runs ``cover``, in
+    blocks of about CLAIM_PAIRS (piece, run) pairs: memory bounded by a block's arrays, not by
+    every pair of a capture's millions of calls at once."""
+    start, end, owner = pieces
+    cover_lo, cover_hi = cover
+    if not len(start):
+        return pieces, np.empty(0, np.int64), pieces
+    # the runs each piece overlaps: from the first ending after it starts to the last
+    # starting before it ends (runs and pieces are both disjoint and sorted)
+    first = np.searchsorted(cover_hi, start, side="right")
+    n = np.maximum(np.searchsorted(cover_lo, end, side="left") - first, 0)
     total = np.cumsum(n)
     cuts = np.searchsorted(total, np.arange(CLAIM_PAIRS, int(total[-1]), CLAIM_PAIRS))
     edges = np.unique(np.concatenate([[0], cuts + 1, [len(start)]]).clip(0, len(start)))
@@ -62,9 +141,6 @@ def claim(
         return blocks[0]
     cut, rest = (tuple(np.concatenate([b[i][k] for b in blocks]) for k in range(3)) for i in (0, 2))
     return cut, np.concatenate([b[1] for b in blocks]), rest  # type: ignore[return-value]
-
-
-CLAIM_PAIRS = 1 << 21  # (piece, run) pairs that :func:`claim` visits at once
 
 
 def _claim_block(
@@ -83,7 +159,7 @@ def _claim_block(
     a = np.maximum(start[piece], cover_lo[run])
     b = np.minimum(end[piece], cover_hi[run])
     cut = (a, b, owner[piece])
-    rest = _outside(pieces, n, a, b)
+    rest = _slots(pieces, n, a, b)
     if labels is None:
         return cut, np.empty(0, np.int64), rest
     bounds, lo, furthest_label = labels
@@ -92,31 +168,9 @@ def _claim_block(
     return cut, furthest_label[at], rest
 
 
-def _outside(pieces: Pieces, n: np.ndarray, a: np.ndarray, b: np.ndarray) -> Pieces:
-    """What is left of each piece once its ``n`` covered parts [a, b) (in order, piece by
-    piece) are cut out: in each piece's n + 1 slots, the stretch before each part and the one
-    after the last, put in place by index (no sort). A claim that touches few pieces (a rare
-    class of CUDA call) works on those alone and splices what is left of them back in: the
-    pieces it does not touch are copied once, not indexed slot by slot."""
-    start, end, owner = pieces
-    touched = np.flatnonzero(n)
-    if len(touched) * SPARSE_CLAIM >= len(start):
-        return _slots(pieces, n, a, b)
-    firsts = start[touched]
-    lo, hi, own = _slots((firsts, end[touched], owner[touched]), n[touched], a, b)
-    # each stretch left belongs to the touched piece it lies in; they go where it was
-    left = np.bincount(np.searchsorted(firsts, lo, side="right") - 1, minlength=len(touched))
-    at = np.repeat(touched - np.arange(len(touched)), left)  # its place once it is deleted
-    return tuple(  # type: ignore[return-value]
-        np.insert(np.delete(x, touched), at, y) for x, y in ((start, lo), (end, hi), (owner, own))
-    )
-
-
-SPARSE_CLAIM = 16  # a claim touching under 1/16 of the pieces splices (see _outside)
-
-
 def _slots(pieces: Pieces, n: np.ndarray, a: np.ndarray, b: np.ndarray) -> Pieces:
-    """:func:`_outside` slot by slot: piece p's n + 1 slots start at its first part's index
+    """What is left of each piece once its ``n`` covered parts [a, b) (in order, piece by
+    piece) are cut out, slot by slot: piece p's n + 1 slots start at its first part's index
     plus p; part i of piece p fills the end of slot i + p and the start of the next."""
     start, end, owner = pieces
     first = np.cumsum(n) - n
@@ -130,6 +184,29 @@ def _slots(pieces: Pieces, n: np.ndarray, a: np.ndarray, b: np.ndarray) -> Piece
     hi[slot + n] = end
     keep = hi > lo
     return lo[keep], hi[keep], np.repeat(owner, n + 1)[keep]
+
+
+def _left(pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray) -> Pieces:
+    """:func:`subtract` of every one of ``pieces`` by the disjoint sorted runs (touching runs
+    merged), from their bounds: 4 binary searches and one merge of two sorted lists each for
+    the starts and the ends of the stretches left, which pair up in order."""
+    start, end, owner = pieces
+    last = len(cover_lo) - 1
+    # a piece's start is left unless a run covers it, its end unless a run covers the ns before
+    j = np.searchsorted(cover_hi, start, side="right")
+    start_left = (j > last) | (cover_lo[j.clip(max=last)] > start)
+    k = np.searchsorted(cover_hi, end, side="left")
+    end_left = (k > last) | (cover_lo[k.clip(max=last)] >= end)
+    # a run's end strictly inside a piece starts a stretch of it, a run's start ends one
+    p = (np.searchsorted(start, cover_hi, side="right") - 1).clip(0)
+    ends_in = (cover_hi > start[p]) & (cover_hi < end[p])
+    q = (np.searchsorted(start, cover_lo, side="right") - 1).clip(0)
+    starts_in = (cover_lo > start[q]) & (cover_lo < end[q])
+    lo = np.concatenate([start[start_left], cover_hi[ends_in]])
+    own = np.concatenate([owner[start_left], owner[p[ends_in]]])
+    order = np.argsort(lo, kind="stable")  # (two sorted lists: one merge)
+    hi = np.sort(np.concatenate([end[end_left], cover_lo[starts_in]]), kind="stable")
+    return lo[order], hi, own[order]
 
 
 def _split_at(parts: Pieces, bounds: np.ndarray) -> Pieces:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from traceclf.measures.claims import Pieces, claim, merged
+from traceclf.measures.claims import Pieces, claim, merged, subtract
 from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.measures.host import NVTX_COUNTERS, nvtx_cover
 from traceclf.measures.hostframes import (
@@ -96,13 +96,15 @@ class _Claims:
         ``label`` the name ``what[label[i]]`` of each interval); the names that got any."""
         if not len(lo) or not len(self.pieces[0]):
             return set()
+        if label is None:  # (only summed: what is left says what was taken)
+            self.pieces, touched, left = subtract(self.pieces, lo, hi)
+            gap = np.concatenate([touched[2], left[2]])
+            ns = np.concatenate([touched[1] - touched[0], left[0] - left[1]])
+            return self.record(source, [what], gap, ns)  # type: ignore[list-item]
         cut, labels, self.pieces = claim(self.pieces, lo, hi, label)
         if not len(cut[0]):
             return set()
-        names = [what] if label is None else what
-        return self.record(
-            source, names, cut[2], cut[1] - cut[0], labels if label is not None else None
-        )
+        return self.record(source, what, cut[2], cut[1] - cut[0], labels)  # type: ignore[arg-type]
 
     def record(
         self,
@@ -114,8 +116,9 @@ class _Claims:
     ) -> set[str]:
         """Add ``ns`` of the gaps ``gap`` to ``names[label]`` (``names[0]`` without labels);
         the names that got any."""
-        code = np.zeros(len(gap), np.int64) if label is None else label.astype(np.int64)
-        key = code * len(IDLE_CAUSES) + self.cause[gap]
+        key = self.cause[gap]
+        if label is not None:
+            key = label.astype(np.int64) * len(IDLE_CAUSES) + key
         sums = np.bincount(key, weights=ns, minlength=len(names) * len(IDLE_CAUSES))
         hit = np.flatnonzero(sums)
         if not len(hit):
