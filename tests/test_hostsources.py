@@ -521,18 +521,21 @@ def test_claim_by_slots_or_by_splicing_is_the_same(touched: int, monkeypatch) ->
     assert len(rest[0]) and np.all(rest[0][1:] >= rest[1][:-1])
 
 
-@pytest.mark.parametrize("sparse", [0, 16, 1 << 40])
-def test_subtract_leaves_what_claim_leaves_and_takes_what_it_cuts(sparse: int, monkeypatch):
+@pytest.mark.parametrize(("sparse", "block"), [(0, 1 << 19), (16, 7), (1 << 40, 1 << 19)])
+def test_subtract_leaves_what_claim_leaves_and_takes_what_it_cuts(
+    sparse: int, block: int, monkeypatch
+):
     """Constructed pieces (some touching, of another owner) and intervals (overlapping, some of
     no length, few or many): :func:`claims.subtract`, read from the bounds alone, leaves the
-    very pieces :func:`claims.claim` leaves, and the pieces it touches less what is left of
-    them is, owner by owner, the time claim cuts; the same whether the touched pieces are
-    spliced back or all are read (``SPARSE_CLAIM``)."""
+    very pieces :func:`claims.claim` leaves, and the ns it takes is, owner by owner, the time
+    claim cuts; the same whether the touched pieces are
+    spliced back or all are read (``SPARSE_CLAIM``), at once or in blocks of a few pieces."""
     import numpy as np
 
     from traceclf.measures import claims
 
     monkeypatch.setattr(claims, "SPARSE_CLAIM", sparse)
+    monkeypatch.setattr(claims, "SUBTRACT_PIECES", block)
     for seed in range(60):
         rng = np.random.default_rng(seed)
         n = int(rng.integers(1, 300))
@@ -543,13 +546,12 @@ def test_subtract_leaves_what_claim_leaves_and_takes_what_it_cuts(sparse: int, m
         pieces = (start, end, rng.permutation(n))
         many = int(rng.integers(0, 3 * n if seed % 2 else max(1, n // 30)))
         lo = rng.integers(0, 20 * n, many)
+        lo = np.sort(lo) if seed % 4 == 1 else lo  # (in start order, as a source's calls)
         hi = lo + rng.integers(0 if seed % 5 == 0 else 1, 60, many)
         cut, _, rest = claims.claim(pieces, lo, hi)
-        left_all, touched, left = claims.subtract(pieces, lo, hi)
-        assert all(np.array_equal(a, b) for a, b in zip(left_all, rest, strict=True))
-        taken = np.bincount(touched[2], touched[1] - touched[0], minlength=n) - np.bincount(
-            left[2], left[1] - left[0], minlength=n
-        )
+        left, owner, ns = claims.subtract(pieces, lo, hi)
+        assert all(np.array_equal(a, b) for a, b in zip(left, rest, strict=True))
+        taken = np.bincount(owner, ns, minlength=n)
         assert np.array_equal(taken, np.bincount(cut[2], cut[1] - cut[0], minlength=n))
 
 

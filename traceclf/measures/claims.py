@@ -29,8 +29,9 @@ def claim(
     made while the GPU is busy, cost the idle pieces they touch, not an array of every call's
     bounds."""
     start = pieces[0]
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], hi[order]
+    order = _start_order(lo)
+    if order is not None:
+        lo, hi = lo[order], hi[order]
     cover = union_sorted(lo, hi)
     if not len(start) or not len(cover[0]):
         return _none(pieces), np.empty(0, np.int64), pieces
@@ -42,7 +43,7 @@ def claim(
         bounds = bounds[np.concatenate([[True], bounds[1:] != bounds[:-1]])]
         reach = np.maximum.accumulate(hi)
         furthest = np.maximum.accumulate(np.where(hi == reach, np.arange(len(hi)), 0))
-        labels = (bounds, lo, label[order][furthest])
+        labels = (bounds, lo, (label if order is None else label[order])[furthest])
     touched = _touched(pieces, *cover)
     if touched is None:
         return _claim_all(pieces, cover, labels)
@@ -50,30 +51,39 @@ def claim(
     return cut, at, _splice(pieces, touched, left)
 
 
-def subtract(pieces: Pieces, lo: np.ndarray, hi: np.ndarray) -> tuple[Pieces, Pieces, Pieces]:
+def subtract(
+    pieces: Pieces, lo: np.ndarray, hi: np.ndarray
+) -> tuple[Pieces, np.ndarray, np.ndarray]:
     """What is left of ``pieces`` (disjoint, sorted, with owners) outside the intervals
-    [lo, hi) (any order, may overlap), as :func:`claim` leaves it, without the covered parts
-    themselves: ``(rest, touched, left)``, every piece left, and the pieces the intervals may
-    touch with what is left of them (the time taken from each owner is touched's less left's).
+    [lo, hi) (any order, may overlap), as :func:`claim` leaves it, and what they take, without
+    the covered parts themselves: ``(rest, owner, ns)``, every piece left, and the ns taken
+    from the owner of each piece the intervals may touch (owners repeat).
 
     Read from the bounds alone, not from (piece, run) pairs: a piece's start not covered and
     a run's end inside a piece start a stretch left; a piece's end not covered and a run's
     start inside a piece end one."""
-    order = np.argsort(lo, kind="stable")
-    cover = union_sorted(lo[order], hi[order])
+    order = _start_order(lo)
+    cover = union_sorted(lo, hi) if order is None else union_sorted(lo[order], hi[order])
     if not len(pieces[0]) or not len(cover[0]):
-        return pieces, _none(pieces), _none(pieces)
+        return pieces, pieces[2][:0], np.empty(0, np.int64)
     touched = _touched(pieces, *cover)
-    if touched is None:
-        left = _left(pieces, *cover)
-        return left, pieces, left
-    mine = _take(pieces, touched)
-    left = _left(mine, *cover)
-    return _splice(pieces, touched, left), mine, left
+    mine = pieces if touched is None else _take(pieces, touched)
+    left, taken = _left_in_blocks(mine, *cover)
+    return (left if touched is None else _splice(pieces, touched, left)), mine[2], taken
 
 
 CLAIM_PAIRS = 1 << 21  # (piece, run) pairs that :func:`claim` visits at once
 SPARSE_CLAIM = 16  # intervals touching under 1/16 of the pieces: those alone, then spliced
+# pieces that :func:`subtract` reads at once: every array of a block stays a few MB, which the
+# allocator hands back to the next block rather than asking the system for fresh pages (on a
+# VM the cost of a capture's millions of pieces was mostly page faults)
+SUBTRACT_PIECES = 1 << 19
+
+
+def _start_order(lo: np.ndarray) -> np.ndarray | None:
+    """The order that sorts ``lo``, stably; None when it is sorted already (a source's calls
+    usually are, and millions of them need no index and no copies)."""
+    return None if bool(np.all(lo[1:] >= lo[:-1])) else np.argsort(lo, kind="stable")
 
 
 def _touched(pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray) -> np.ndarray | None:
@@ -186,27 +196,53 @@ def _slots(pieces: Pieces, n: np.ndarray, a: np.ndarray, b: np.ndarray) -> Piece
     return lo[keep], hi[keep], np.repeat(owner, n + 1)[keep]
 
 
-def _left(pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray) -> Pieces:
-    """:func:`subtract` of every one of ``pieces`` by the disjoint sorted runs (touching runs
-    merged), from their bounds: 4 binary searches and one merge of two sorted lists each for
-    the starts and the ends of the stretches left, which pair up in order."""
+def _left_in_blocks(
+    pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray
+) -> tuple[Pieces, np.ndarray]:
+    """:func:`_left` of :data:`SUBTRACT_PIECES` pieces at a time, each with the runs that can
+    meet them: from the first ending after the block's first piece starts to the last
+    starting before its last piece ends."""
+    start, end = pieces[0], pieces[1]
+    blocks = []
+    for i in range(0, len(start), SUBTRACT_PIECES):
+        j = min(i + SUBTRACT_PIECES, len(start))
+        a = int(np.searchsorted(cover_hi, start[i], side="right"))
+        b = int(np.searchsorted(cover_lo, end[j - 1], side="left"))
+        blocks.append(_left(tuple(x[i:j] for x in pieces), cover_lo[a:b], cover_hi[a:b]))  # type: ignore[arg-type]
+    if len(blocks) == 1:
+        return blocks[0]
+    left = tuple(np.concatenate([blk[0][k] for blk in blocks]) for k in range(3))
+    return left, np.concatenate([blk[1] for blk in blocks])  # type: ignore[return-value]
+
+
+def _left(pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray) -> tuple[Pieces, np.ndarray]:
+    """What is left of every one of ``pieces`` outside the disjoint sorted runs (touching runs
+    merged), and the ns they take from each piece, from the bounds: 4 binary searches and one
+    merge of two sorted lists each for the starts and the ends of the stretches left, which
+    pair up in order."""
     start, end, owner = pieces
+    if not len(cover_lo):
+        return pieces, np.zeros(len(start), np.int64)
     last = len(cover_lo) - 1
     # a piece's start is left unless a run covers it, its end unless a run covers the ns before
     j = np.searchsorted(cover_hi, start, side="right")
-    start_left = (j > last) | (cover_lo[j.clip(max=last)] > start)
+    start_left = (j > last) | (cover_lo[np.minimum(j, last, out=j)] > start)
     k = np.searchsorted(cover_hi, end, side="left")
-    end_left = (k > last) | (cover_lo[k.clip(max=last)] >= end)
+    end_left = (k > last) | (cover_lo[np.minimum(k, last, out=k)] >= end)
     # a run's end strictly inside a piece starts a stretch of it, a run's start ends one
-    p = (np.searchsorted(start, cover_hi, side="right") - 1).clip(0)
+    p = np.searchsorted(start, cover_hi, side="right")
+    p = np.maximum(p - 1, 0, out=p)
     ends_in = (cover_hi > start[p]) & (cover_hi < end[p])
-    q = (np.searchsorted(start, cover_lo, side="right") - 1).clip(0)
+    q = np.searchsorted(start, cover_lo, side="right")
+    q = np.maximum(q - 1, 0, out=q)
     starts_in = (cover_lo > start[q]) & (cover_lo < end[q])
     lo = np.concatenate([start[start_left], cover_hi[ends_in]])
-    own = np.concatenate([owner[start_left], owner[p[ends_in]]])
+    piece = np.concatenate([np.flatnonzero(start_left), p[ends_in]])
     order = np.argsort(lo, kind="stable")  # (two sorted lists: one merge)
+    lo, piece = lo[order], piece[order]
     hi = np.sort(np.concatenate([end[end_left], cover_lo[starts_in]]), kind="stable")
-    return lo[order], hi, own[order]
+    kept = np.bincount(piece, weights=hi - lo, minlength=len(start))
+    return (lo, hi, owner[piece]), end - start - kept.astype(np.int64)
 
 
 def _split_at(parts: Pieces, bounds: np.ndarray) -> Pieces:

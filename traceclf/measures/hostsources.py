@@ -96,10 +96,8 @@ class _Claims:
         ``label`` the name ``what[label[i]]`` of each interval); the names that got any."""
         if not len(lo) or not len(self.pieces[0]):
             return set()
-        if label is None:  # (only summed: what is left says what was taken)
-            self.pieces, touched, left = subtract(self.pieces, lo, hi)
-            gap = np.concatenate([touched[2], left[2]])
-            ns = np.concatenate([touched[1] - touched[0], left[0] - left[1]])
+        if label is None:  # (only summed: no covered parts cut)
+            self.pieces, gap, ns = subtract(self.pieces, lo, hi)
             return self.record(source, [what], gap, ns)  # type: ignore[list-item]
         cut, labels, self.pieces = claim(self.pieces, lo, hi, label)
         if not len(cut[0]):
@@ -249,7 +247,7 @@ def _cuda_api(w: RankWindow, claims: _Claims, details: dict) -> None:
         if rows is None or rows.is_empty() or not claims.take("cuda_api", label, *_arrays(rows)):
             continue
         touching = rows.filter(_overlaps(start, end))
-        top = touching["name"].cast(pl.String).mode().sort().first() if touching.height else None
+        top = touching["name"].mode().cast(pl.String).sort().first() if touching.height else None
         details[("cuda_api", label)] = {"calls": touching.height, "top_call": top}
 
 
