@@ -187,9 +187,22 @@ def launching_threads(w: RankWindow, gstart: np.ndarray, gend: np.ndarray) -> np
                 )
             ]
         )
-        .sort("start", "correlation_id")
-        .unique("start", keep="first")
-    )
+    ).sort("start")
+    # of several that start together, the first launched (then the lowest pid): sorted by
+    # start alone, the few that share one sorted again (a sort by two keys of millions of rows
+    # cost ~1 s); their order no longer matters, each gap is found by its end
+    starts = ending["start"].to_numpy()
+    same = starts[1:] == starts[:-1]
+    tie = np.zeros(len(starts), bool)
+    tie[1:] = same
+    tie[:-1] |= same
+    if tie.any():
+        first = (
+            ending.filter(pl.Series(tie))
+            .sort("start", "correlation_id", "pid")
+            .unique("start", keep="first", maintain_order=True)
+        )
+        ending = pl.concat([ending.filter(pl.Series(~tie)), first])
     tids = trace.call_index.column("global_tid", ending["pid"], ending["correlation_id"])
     found = pl.DataFrame({"end": ending["start"], "tid": tids.cast(pl.Int64)}).drop_nulls()
     if not found.is_empty():

@@ -246,9 +246,9 @@ def _cuda_api(w: RankWindow, claims: _Claims, details: dict) -> None:
         rows = kinds.get((i,))
         if rows is None or rows.is_empty() or not claims.take("cuda_api", label, *_arrays(rows)):
             continue
-        touching = rows.filter(_overlaps(start, end))
-        top = touching["name"].mode().cast(pl.String).sort().first() if touching.height else None
-        details[("cuda_api", label)] = {"calls": touching.height, "top_call": top}
+        touching = rows["name"].filter(pl.Series(_touching(*_arrays(rows), start, end)))
+        top = touching.mode().cast(pl.String).sort().first() if touching.len() else None
+        details[("cuda_api", label)] = {"calls": touching.len(), "top_call": top}
 
 
 def _osrt(w: RankWindow, threads: np.ndarray, claims: _Claims, details: dict) -> None:
@@ -269,14 +269,13 @@ def _osrt(w: RankWindow, threads: np.ndarray, claims: _Claims, details: dict) ->
         if mine.is_empty():
             continue
         part = claims.split(threads[claims.pieces[2]] == tid)
-        start, end = part.pieces[0], part.pieces[1]
+        hit = pl.Series(_touching(*_arrays(mine), part.pieces[0], part.pieces[1]))
         names = mine["name"].cast(pl.String).fill_null("?")
         whats, codes = _labels(names)
         taken = part.take("osrt", whats, *_arrays(mine), label=codes)
         claims.join(part)
         for label in sorted(taken):
-            rows = mine.filter(names == label)
-            touching = rows.filter(_overlaps(start, end))
+            touching = mine.filter(hit & (names == label))
             entry = details.setdefault(
                 ("osrt", label),
                 {
@@ -485,10 +484,9 @@ def _arrays(rows: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return rows["start"].to_numpy(), rows["end"].to_numpy()
 
 
-def _overlaps(start: np.ndarray, end: np.ndarray) -> pl.Expr:
-    """Whether a row [start, end) overlaps one of the disjoint sorted pieces [start, end)."""
+def _touching(lo: np.ndarray, hi: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Whether each interval [lo, hi) overlaps one of the disjoint sorted pieces [start, end)."""
     if not len(start):
-        return pl.lit(False)
-    starts, ends = pl.lit(pl.Series(start, dtype=pl.Int64)), pl.lit(pl.Series(end, dtype=pl.Int64))
-    i = starts.search_sorted(pl.col("end"), side="left").cast(pl.Int64) - 1
-    return (i >= 0) & (ends.gather(i.clip(0)) > pl.col("start"))
+        return np.zeros(len(lo), bool)
+    i = np.searchsorted(start, hi, side="left") - 1
+    return (i >= 0) & (end[np.maximum(i, 0)] > lo)
