@@ -200,19 +200,25 @@ def _left_in_blocks(
     pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray
 ) -> tuple[Pieces, np.ndarray]:
     """:func:`_left` of :data:`SUBTRACT_PIECES` pieces at a time, each with the runs that can
-    meet them: from the first ending after the block's first piece starts to the last
-    starting before its last piece ends."""
+    meet them (from the first ending after the block's first piece starts to the last
+    starting before its last piece ends), written in place: a stretch left starts at a piece's
+    start or at a run's end, so there are at most as many as pieces and runs together."""
     start, end = pieces[0], pieces[1]
-    blocks = []
+    if len(start) <= SUBTRACT_PIECES:
+        return _left(pieces, cover_lo, cover_hi)
+    bound = len(start) + len(cover_lo)
+    left = tuple(np.empty(bound, x.dtype) for x in pieces)
+    taken = np.empty(len(start), np.int64)
+    n = 0
     for i in range(0, len(start), SUBTRACT_PIECES):
         j = min(i + SUBTRACT_PIECES, len(start))
         a = int(np.searchsorted(cover_hi, start[i], side="right"))
         b = int(np.searchsorted(cover_lo, end[j - 1], side="left"))
-        blocks.append(_left(tuple(x[i:j] for x in pieces), cover_lo[a:b], cover_hi[a:b]))  # type: ignore[arg-type]
-    if len(blocks) == 1:
-        return blocks[0]
-    left = tuple(np.concatenate([blk[0][k] for blk in blocks]) for k in range(3))
-    return left, np.concatenate([blk[1] for blk in blocks])  # type: ignore[return-value]
+        block, taken[i:j] = _left(tuple(x[i:j] for x in pieces), cover_lo[a:b], cover_hi[a:b])  # type: ignore[arg-type]
+        for out, x in zip(left, block, strict=True):
+            out[n : n + len(x)] = x
+        n += len(block[0])
+    return tuple(x[:n] for x in left), taken  # type: ignore[return-value]
 
 
 def _left(pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray) -> tuple[Pieces, np.ndarray]:
