@@ -101,6 +101,22 @@ def test_an_unchanged_run_in_json_is_printed_as_filed(
     assert decoded == [1] and (tables / "ranks.csv").is_file()
 
 
+def test_a_first_run_in_json_encodes_its_report_once(
+    cache_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A first ``--format json`` run prints the report as it filed it: encoded once, not once
+    to file and again to print; without the cache (nothing filed) it is encoded to print, and
+    both print the same bytes."""
+    export = copy("h100_comm_ep2", tmp_path / "run")
+    encoded: list[int] = []
+    real = Report.to_json
+    monkeypatch.setattr(Report, "to_json", lambda *a, **k: encoded.append(1) or real(*a, **k))
+    code, first, err = run_cli("analyze", export, "--format", "json", "--quiet")
+    assert (code, len(encoded)) == (0, 1), err
+    code, uncached, err = run_cli("analyze", export, "--format", "json", "--quiet", "--no-cache")
+    assert (code, len(encoded), uncached) == (0, 2, first), err
+
+
 def test_a_changed_input_option_or_rule_is_a_miss(
     cache_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:

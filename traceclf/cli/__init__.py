@@ -167,12 +167,17 @@ def analyze(
     )
     chosen = chosen_inputs(list(inputs), opts)
     written = run_inputs(list(inputs), rules_dir)
+    report = None
     if fmt == "json" and export_dir is None and trace_out is None:
         text = chosen.cached_json(opts)  # (an unchanged run: its report as filed)
+        if text is None:
+            report = analyze_inputs(list(inputs), opts, chosen)
+            text = chosen.cached_json(opts)  # (filed just now: encoded once, not twice)
         if text is not None:
             render_json_text(text, out, written)
             return
-    report = analyze_inputs(list(inputs), opts, chosen)
+    if report is None:
+        report = analyze_inputs(list(inputs), opts, chosen)
     render(report, fmt, out, written)
     if export_dir is not None:
         from traceclf.export.files import export_tables

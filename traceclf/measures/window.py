@@ -205,7 +205,7 @@ def optimizer_runs(kern: pl.DataFrame) -> pl.DataFrame:
     step): without an optimizer NVTX range, only where they run says whose they are."""
     if kern.is_empty():
         return kern.with_columns(in_optimizer=pl.lit(False))
-    family = pl.col("family").cast(pl.String)
+    family = pl.col("family")  # (a Categorical: compared by its few names, not per kernel)
     node = pl.col("graph_node_id").is_not_null()
     group = [  # a replay's kernels, or a stream's (a replay may run on several streams)
         pl.when(node).then(pl.col("correlation_id")).alias("_replay"),
