@@ -17,6 +17,7 @@ import numpy as np
 import polars as pl
 
 from traceclf.measures import intervals
+from traceclf.measures.claims import claim
 from traceclf.measures.dependencies import COMPUTE_KINDS, KIND
 from traceclf.measures.host import SYNC_SLACK_NS
 
@@ -188,10 +189,7 @@ def attribute_gaps(
     syncs = None
     if host_syncs is not None and not host_syncs.is_empty():
         ordered = host_syncs.select("start", "end").sort("start", "end", maintain_order=True)
-        syncs = (
-            ordered,
-            *intervals.union_sorted(ordered["start"].to_numpy(), ordered["end"].to_numpy()),
-        )
+        syncs = intervals.union_sorted(ordered["start"].to_numpy(), ordered["end"].to_numpy())
     gs, ge = gaps["start"].to_numpy(), gaps["end"].to_numpy()
     for lo, hi in _batches(gs, ge):
         yield from _attribute(gs[lo:hi], ge[lo:hi], arrays, k_start, k_op, syncs, max_hops)
@@ -215,7 +213,7 @@ def _attribute(
     ops: Ops,
     k_start: np.ndarray,
     k_op: np.ndarray,
-    syncs: tuple[pl.DataFrame, np.ndarray, np.ndarray] | None,
+    syncs: tuple[np.ndarray, np.ndarray] | None,
     max_hops: int,
 ) -> Iterator[Piece]:
     pos = np.searchsorted(k_start, ge, side="left")
@@ -243,7 +241,7 @@ def _attribute(
 def _split_host_syncs(
     start: np.ndarray,
     end: np.ndarray,
-    syncs: tuple[pl.DataFrame, np.ndarray, np.ndarray] | None,
+    syncs: tuple[np.ndarray, np.ndarray] | None,
     ops: Ops,
     seeds: list,
 ) -> Iterator[Piece]:
@@ -255,23 +253,23 @@ def _split_host_syncs(
     if syncs is None or not len(start):
         yield start, end, LAUNCH_STARVED, NO_OP
         return
-    calls, u_start, u_end = syncs
+    u_start, u_end = syncs
     j = np.searchsorted(u_end, start, side="right")  # the first call stretch ending after start
     touched = (j < len(u_end)) & (u_start[np.minimum(j, len(u_end) - 1)] < end)
     yield start[~touched], end[~touched], LAUNCH_STARVED, NO_OP
+    touched &= end > start  # (an instant holds no time)
     if not touched.any():
         return
-    starved = pl.DataFrame({"start": start[touched], "end": end[touched]})
-    lo, hi = int(starved["start"].min()), int(starved["end"].max())  # type: ignore[arg-type]
-    tl = intervals.sweep({"ls": starved, "sync": calls}, (lo, hi))
-    in_ls = tl.filter(pl.col("ls") > 0)
-    free = in_ls.filter(pl.col("sync") == 0)
-    yield free["start"].to_numpy(), free["end"].to_numpy(), LAUNCH_STARVED, NO_OP
-    held = intervals.union(in_ls.filter(pl.col("sync") > 0).select("start", "end"))
+    # the time outside the calls stays launch-starved; the time in them, merged where it
+    # touches, is held (the intervals are disjoint and sorted, the calls' stretches too)
+    held, _, free = claim(
+        (start[touched], end[touched], np.zeros(int(touched.sum()), np.int64)), u_start, u_end
+    )
+    yield free[0], free[1], LAUNCH_STARVED, NO_OP
     # The awaited work: the last operation to finish by the time the call returned, or the
     # last one started before it if that ends within SYNC_SLACK_NS after (a pageable copy's
     # last bytes land just after its call returns).
-    h_start, h_end = held["start"].to_numpy(), held["end"].to_numpy()
+    h_start, h_end = intervals.union_sorted(held[0], held[1])
     by_end, ends = ops.by_end
     x = np.searchsorted(ends, h_end, side="right") - 1
     y = np.searchsorted(ops.start, h_end - 1, side="right") - 1
