@@ -242,6 +242,20 @@ def test_missing_export_is_a_trace_error(tmp_path: Path) -> None:
         load_trace_cached(tmp_path / "absent.sqlite")
 
 
+def test_a_result_as_filed_is_asdicts_without_the_copies(export: Path) -> None:
+    """What a result files (``ExportResult.to_dict``) equals ``dataclasses.asdict`` of it,
+    which deep-copied every list and dict the records hold; those are shared instead."""
+    from dataclasses import asdict
+
+    from traceclf.pipeline.analysis import AnalysisOptions, analyze_export
+
+    result = analyze_export(export, AnalysisOptions(quiet=True, use_cache=False))
+    filed = result.to_dict()
+    assert filed == asdict(result)
+    rank = result.ranks[0]
+    assert filed["ranks"][0]["measures"]["metrics"] is rank.measures.metrics
+
+
 def test_reanalysis_of_an_unchanged_export_reads_only_the_result(export: Path, monkeypatch):
     from traceclf.pipeline.analysis import AnalysisOptions, analyze_export
 

@@ -5,7 +5,7 @@ stays light. Also the vocabulary both sides share (:data:`IDLE_CAUSES`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 from traceclf.support.records import from_json
@@ -121,7 +121,11 @@ class ExportResult:
     part: str | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The result as :func:`dataclasses.asdict` gives it, except that the dicts and lists
+        the records hold are shared, not deep-copied (read it, do not change it): they are
+        JSON values already, and an ``--all-steps`` result holds millions of them, which
+        ``asdict`` copied one by one (most of a multi-rank ``--all-steps`` analysis)."""
+        return _plain(self)
 
     def named(self, path: Path) -> ExportResult:
         """The same result under the path the user gave this time (a cache hit may have been
@@ -138,3 +142,13 @@ class ExportResult:
         if not result.ranks:
             raise ValueError("cached result has no rank")
         return result
+
+
+def _plain(value: object) -> object:
+    """``value`` with every record in it (a dataclass, or a tuple of them) a dict of its
+    fields; the records' other values as they are."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
