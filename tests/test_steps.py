@@ -153,3 +153,22 @@ def test_a_second_anchor_cross_checks_the_step_on_real_traces():
         steps = find_steps(trace.for_pid(trace.rank_pids[0]))
         assert steps.source == "nvtx"
         assert steps.second["agrees"] and steps.second["ratio"] == pytest.approx(1, abs=0.01)
+
+
+@pytest.mark.parametrize("first", ["a_kernel", "b_kernel"])
+def test_of_two_kernels_recurring_alike_the_step_pattern_is_the_first_by_name(first: str):
+    """Constructed kernels (real exports replicated in time showed it): two kernels launched
+    once per step each, same period, same count; whichever starts first, the step pattern is
+    the first by name, every time (the grouping has no order: a tie went either way)."""
+    from traceclf.steps.find import recurring_kernel
+    from traceclf.steps.settings import bundled_settings
+
+    second = "b_kernel" if first == "a_kernel" else "a_kernel"
+    starts = [t for step in range(40) for t in (step * 1_000, step * 1_000 + 10)]
+    names = [first, second] * 40
+    kernels = pl.DataFrame(
+        {"name": names, "start": starts, "end": [t + 5 for t in starts]},
+        schema_overrides={"name": pl.Categorical},
+    )
+    for _ in range(5):
+        assert recurring_kernel(kernels, bundled_settings()) == "a_kernel"

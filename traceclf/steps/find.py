@@ -230,8 +230,13 @@ def recurring_kernel(kernels: pl.DataFrame, settings: StepSettings):
     )
     if candidates.is_empty():
         return None
-    # Longest regular period = whole step rather than one layer of it.
-    return candidates.sort(["period", "n"], descending=[True, False])["name"][0]
+    # Longest regular period = whole step rather than one layer of it; of kernels as regular
+    # and as frequent (one launched beside the other every step), the first by name: the
+    # grouping has no order, and a tie went either way from run to run
+    return candidates.sort(
+        [pl.col("period"), pl.col("n"), pl.col("name").cast(pl.String)],
+        descending=[True, False, False],
+    )["name"][0]
 
 
 # A normal distribution's standard deviation is 1.4826 times its median absolute deviation.
