@@ -555,6 +555,26 @@ def test_subtract_leaves_what_claim_leaves_and_takes_what_it_cuts(
         assert np.array_equal(taken, np.bincount(cut[2], cut[1] - cut[0], minlength=n))
 
 
+@pytest.mark.parametrize("sparse", [16, 1 << 40])
+def test_intervals_between_the_pieces_take_nothing_and_leave_them_whole(sparse, monkeypatch):
+    """Constructed: calls that fall between the idle pieces (a CUDA call class made only
+    while the GPU was busy) claim nothing, and every piece is left as it was."""
+    import numpy as np
+
+    from traceclf.measures import claims
+
+    monkeypatch.setattr(claims, "SPARSE_CLAIM", sparse)
+    start = np.arange(0, 100_000, 100)
+    pieces = (start, start + 10, np.arange(len(start)))
+    lo, hi = np.array([50, 250, 40_020]), np.array([60, 260, 40_090])
+    cut, labels, rest = claims.claim(pieces, lo, hi, np.array([0, 1, 2]))
+    assert not len(cut[0]) and not len(labels)
+    left, owner, ns = claims.subtract(pieces, lo, hi)
+    assert len(owner) == len(ns) and not ns.any()
+    for got in (rest, left):
+        assert all(np.array_equal(g, w) for g, w in zip(got, pieces, strict=True))
+
+
 def test_source_labels_are_numpys_unique_names_and_their_indexes() -> None:
     """Constructed names (non-ASCII and empty ones among them): the sorted distinct names and
     each row's index among them, as ``np.unique(..., return_inverse=True)`` gives them."""

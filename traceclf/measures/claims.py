@@ -113,6 +113,8 @@ def _none(pieces: Pieces) -> Pieces:
 def _splice(pieces: Pieces, touched: np.ndarray, left: Pieces) -> Pieces:
     """``pieces`` with the ``touched`` ones replaced by what is left of them (``left``, in
     order): each stretch goes where the piece it lies in was."""
+    if not len(touched):
+        return pieces
     firsts = pieces[0][touched]
     n = np.bincount(np.searchsorted(firsts, left[0], side="right") - 1, minlength=len(touched))
     at = np.repeat(touched - np.arange(len(touched)), n)  # its place once it is deleted
@@ -227,7 +229,7 @@ def _left(pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray) -> tuple[P
     merge of two sorted lists each for the starts and the ends of the stretches left, which
     pair up in order."""
     start, end, owner = pieces
-    if not len(cover_lo):
+    if not len(start) or not len(cover_lo):
         return pieces, np.zeros(len(start), np.int64)
     last = len(cover_lo) - 1
     # a piece's start is left unless a run covers it, its end unless a run covers the ns before
