@@ -575,6 +575,24 @@ def test_intervals_between_the_pieces_take_nothing_and_leave_them_whole(sparse, 
         assert all(np.array_equal(g, w) for g, w in zip(got, pieces, strict=True))
 
 
+def test_subtract_drops_pieces_of_no_length():
+    """Constructed: pieces of no length (which no idle gap is, but nothing stops a caller)
+    hold no time; subtract drops them, touched or not, and leaves the rest as claim does."""
+    import numpy as np
+
+    from traceclf.measures import claims
+
+    a = lambda *x: np.array(x, np.int64)  # noqa: E731
+    for lo, hi in ((a(10), a(12)), (a(8), a(10)), (a(1), a(2)), (a(40), a(50))):
+        pieces = (a(0, 7, 10), a(5, 7, 20), a(0, 1, 2))
+        left, owner, ns = claims.subtract(pieces, lo, hi)
+        cut, _, rest = claims.claim(pieces, lo, hi)
+        real = rest[1] > rest[0]
+        assert all(np.array_equal(g, w[real]) for g, w in zip(left, rest, strict=True))
+        taken = np.bincount(owner, ns, minlength=3)
+        assert np.array_equal(taken, np.bincount(cut[2], cut[1] - cut[0], minlength=3))
+
+
 def test_source_labels_are_numpys_unique_names_and_their_indexes() -> None:
     """Constructed names (non-ASCII and empty ones among them): the sorted distinct names and
     each row's index among them, as ``np.unique(..., return_inverse=True)`` gives them."""

@@ -156,19 +156,27 @@ def test_a_second_anchor_cross_checks_the_step_on_real_traces():
 
 
 @pytest.mark.parametrize("first", ["a_kernel", "b_kernel"])
-def test_of_two_kernels_recurring_alike_the_step_pattern_is_the_first_by_name(first: str):
+@pytest.mark.parametrize("by_id", [False, True])
+def test_of_two_kernels_recurring_alike_the_step_pattern_is_the_first_to_run(first, by_id):
     """Constructed kernels (real exports replicated in time showed it): two kernels launched
-    once per step each, same period, same count; whichever starts first, the step pattern is
-    the first by name, every time (the grouping has no order: a tie went either way)."""
+    once per step each, same period, same count; the step pattern is the one that runs first,
+    every time, named by text (``--all-steps``) or by string id (the first pass's probe): the
+    grouping has no order, and a tie went either way."""
     from traceclf.steps.find import recurring_kernel
     from traceclf.steps.settings import bundled_settings
 
     second = "b_kernel" if first == "a_kernel" else "a_kernel"
     starts = [t for step in range(40) for t in (step * 1_000, step * 1_000 + 10)]
     names = [first, second] * 40
+    ids = {"a_kernel": 10, "b_kernel": 9}
     kernels = pl.DataFrame(
-        {"name": names, "start": starts, "end": [t + 5 for t in starts]},
-        schema_overrides={"name": pl.Categorical},
+        {
+            "name": [ids[n] for n in names] if by_id else names,
+            "start": starts,
+            "end": [t + 5 for t in starts],
+        },
+        schema_overrides={"name": pl.Int64 if by_id else pl.Categorical},
     )
+    want = ids[first] if by_id else first
     for _ in range(5):
-        assert recurring_kernel(kernels, bundled_settings()) == "a_kernel"
+        assert recurring_kernel(kernels, bundled_settings()) == want

@@ -57,13 +57,17 @@ def subtract(
     """What is left of ``pieces`` (disjoint, sorted, with owners) outside the intervals
     [lo, hi) (any order, may overlap), as :func:`claim` leaves it, and what they take, without
     the covered parts themselves: ``(rest, owner, ns)``, every piece left, and the ns taken
-    from the owner of each piece the intervals may touch (owners repeat).
+    from the owner of each piece the intervals may touch (owners repeat). Pieces of no
+    length hold no time and are dropped (``claim`` keeps those no interval touches).
 
     Read from the bounds alone, not from (piece, run) pairs: a piece's start not covered and
     a run's end inside a piece start a stretch left; a piece's end not covered and a run's
     start inside a piece end one."""
     order = _start_order(lo)
     cover = union_sorted(lo, hi) if order is None else union_sorted(lo[order], hi[order])
+    if not bool(np.all(pieces[1] > pieces[0])):  # (read from bounds, a piece needs a length)
+        real = pieces[1] > pieces[0]
+        pieces = (pieces[0][real], pieces[1][real], pieces[2][real])
     if not len(pieces[0]) or not len(cover[0]):
         return pieces, pieces[2][:0], np.empty(0, np.int64)
     touched = _touched(pieces, *cover)

@@ -122,9 +122,10 @@ class ExportResult:
 
     def to_dict(self) -> dict:
         """The result as :func:`dataclasses.asdict` gives it, except that the dicts and lists
-        the records hold are shared, not deep-copied (read it, do not change it): they are
-        JSON values already, and an ``--all-steps`` result holds millions of them, which
-        ``asdict`` copied one by one (most of a multi-rank ``--all-steps`` analysis)."""
+        the records hold are shared, not deep-copied nor searched for records (read it, do
+        not change it): they are JSON values already, and an ``--all-steps`` result holds
+        millions of them, which ``asdict`` copied one by one (most of a multi-rank
+        ``--all-steps`` analysis)."""
         return _plain(self)
 
     def named(self, path: Path) -> ExportResult:

@@ -200,7 +200,7 @@ def recurring_kernel(kernels: pl.DataFrame, settings: StepSettings):
     candidates = (
         kernels.with_columns(gap=pl.col("start").diff().over("name"))
         .group_by("name")
-        .agg(n=pl.len(), gaps=pl.col("gap").drop_nulls())
+        .agg(n=pl.len(), first=pl.col("start").min(), gaps=pl.col("gap").drop_nulls())
         .filter(pl.col("n") >= 4)
     )
     if candidates.is_empty():
@@ -209,7 +209,7 @@ def recurring_kernel(kernels: pl.DataFrame, settings: StepSettings):
     candidates = (
         candidates.with_columns(gaps=gap.list.slice(gap.list.len() // 2))
         .explode("gaps")
-        .group_by("name", "n")
+        .group_by("name", "n", "first")
         .agg(
             period=gap.median(),
             robust=MAD_TO_SD * (gap - gap.median()).abs().median() / gap.median(),
@@ -231,11 +231,11 @@ def recurring_kernel(kernels: pl.DataFrame, settings: StepSettings):
     if candidates.is_empty():
         return None
     # Longest regular period = whole step rather than one layer of it; of kernels as regular
-    # and as frequent (one launched beside the other every step), the first by name: the
-    # grouping has no order, and a tie went either way from run to run
+    # and as frequent (one launched beside the other every step), the first to run, whether
+    # ``name`` is the text or its id (the grouping has no order: a tie went either way)
     return candidates.sort(
-        [pl.col("period"), pl.col("n"), pl.col("name").cast(pl.String)],
-        descending=[True, False, False],
+        [pl.col("period"), pl.col("n"), pl.col("first"), pl.col("name").cast(pl.String)],
+        descending=[True, False, False, False],
     )["name"][0]
 
 
