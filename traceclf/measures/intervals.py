@@ -185,7 +185,7 @@ def rank_sorted(hay: np.ndarray, needles: np.ndarray, side: str = "left") -> np.
     sorted and many more: millions of idle gaps against a few thousand runs. Each element of
     ``hay`` is placed among the needles instead, and the counts summed up: one binary search
     per element of ``hay`` and a linear pass, rather than one search per needle."""
-    if len(needles) < RANK_MIN_RATIO * max(len(hay), 1) or not _is_sorted(needles):
+    if len(needles) < RANK_MIN_RATIO * max(len(hay), 1) or not is_sorted(needles):
         return np.searchsorted(hay, needles, side=side)  # type: ignore[call-overload]
     # needle x counts hay element h when h <= x (side "right") or h < x ("left")
     first = np.searchsorted(needles, hay, side="left" if side == "right" else "right")
@@ -198,7 +198,7 @@ def rank_sorted(hay: np.ndarray, needles: np.ndarray, side: str = "left") -> np.
 RANK_MIN_RATIO = 1
 
 
-def _is_sorted(a: np.ndarray) -> bool:
+def is_sorted(a: np.ndarray) -> bool:
     return len(a) < 2 or bool(np.all(a[1:] >= a[:-1]))
 
 
