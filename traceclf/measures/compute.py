@@ -301,8 +301,7 @@ def _gemm_measures(kern: pl.DataFrame, w: RankWindow, per_step: float) -> dict[s
     }
     if not total:
         return dict.fromkeys(GEMM_SHARES) | counts
-    fp8_filter = pl.col("name").cast(pl.String).str.contains(w.taxonomy.fp8_gemm)
-    fp8 = int(gemm.filter(fp8_filter)["dur"].sum())
+    fp8 = int(gemm.filter(matches(gemm["name"], w.taxonomy.fp8_gemm))["dur"].sum())
     if not sm_count:
         return dict.fromkeys(GEMM_SHARES) | {"fp8_gemm_frac": fp8 / total} | counts
     small = int(small_gemms["dur"].sum())

@@ -357,11 +357,14 @@ def longest_gaps(gaps: pl.DataFrame, w: RankWindow, n: int = LONGEST_GAPS) -> li
     export's clock), ``duration_ns``, ``cause``, and ``nvtx``: the innermost NVTX range of the
     process open at the middle of the gap, other than a step range (``None`` when none)."""
     order = {"by": ["dur", "start"], "descending": [True, False]}
+    # the n longest: every gap as long as the n-th longest (ties included), then sorted; one
+    # column's top_k, not a two-key top_k of millions of gaps (15x slower)
+    shortest = gaps["dur"].top_k(n).min() if gaps.height else None
     top = (
-        # (the n longest picked, then sorted: not every gap of a long window sorted)
-        gaps.select("start", "dur", "cause")
-        .top_k(n, by=["dur", "start"], reverse=[False, True])
+        gaps.filter(pl.col("dur") >= shortest)
+        .select("start", "dur", "cause")
         .sort(**order)
+        .head(n)
         .select(
             "start",
             "dur",

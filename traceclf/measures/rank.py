@@ -5,6 +5,11 @@ re-analysis) does not import polars and every wall."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import polars as pl
+
 from traceclf.measures import (
     arrivals,
     budget,
@@ -25,7 +30,7 @@ from traceclf.measures import (
     step_kernels,
 )
 from traceclf.measures.handoff import RankMeasures
-from traceclf.measures.window import prepare
+from traceclf.measures.window import RankWindow, prepare
 from traceclf.model.taxonomy import Taxonomy
 from traceclf.model.trace import Trace
 from traceclf.steps.steady import Steps
@@ -47,62 +52,114 @@ def measure_rank(
     trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy | None = None
 ) -> RankMeasures:
     """Every measure of one rank (``trace`` restricted to it: :meth:`Trace.for_pid`) over its
-    steady-state window; ``taxonomy`` defaults to the bundled rules/kernels.yaml."""
+    steady-state window; ``taxonomy`` defaults to the bundled rules/kernels.yaml.
+
+    The GPU-side measures (:func:`_gpu_side`) run on a second thread beside the host side and
+    communication: each lane's heavy work is numpy and polars, which mostly run without the
+    GIL, so both cores work where one did. The lanes share nothing they write; what needs both
+    comes after, and the metrics keep their order."""
     from traceclf.model.taxonomy import bundled
 
     w = prepare(trace, steps, gpu, taxonomy or bundled())
-    m = budget.measure(w)
+    with ThreadPoolExecutor(1, thread_name_prefix="traceclf-gpu-side") as pool:
+        lane = pool.submit(_gpu_side, w, gpu)
+        keyed = communicators.with_keys(communication.all_comm(w))
+        comm = intervals.clip(keyed, w.spans)
+        comm_by_kind = communication.by_kind(w, comm)
+        walls = communication.a2a(comm_by_kind)
+        walls |= communication.dp_tp_exposed(w, comm)
+        tax, tax_shapes = overlap_tax.overlap_tax(w)
+        walls |= tax
+        walls |= memory.copies(w)
+        walls |= host.calls(w)
+        gaps = host.idle_gaps(w)
+        walls |= host.idle(gaps, w)
+        attribution = hostsources.attribute(w, gaps)
+        walls |= attribution.measures
+        idle_gaps = series.gap_histogram(gaps)
+        longest_gaps = host.longest_gaps(gaps, w)
+        idle_nvtx = host.idle_by_nvtx(gaps, w)
+        arrivals_clock = arrivals.arrival_clock(w, keyed, gaps)
+        g = lane.result()
+    m = g.budget | g.path | walls
+    m |= critical_path.starved_by_cause(g.starved, gaps, w)
+    m |= g.gpu
+    return RankMeasures(
+        metrics={k: _round(v) for k, v in m.items()},
+        capture=g.capture,
+        comm_by_kind=comm_by_kind,
+        top_kernels=g.top_kernels,
+        step_breakdown=g.breakdown,
+        idle_gaps=idle_gaps,
+        longest_gaps=longest_gaps,
+        gpu_metrics_series=g.metrics_series,
+        idle_nvtx=idle_nvtx,
+        step_budget=g.step_budget,
+        collectives=collectives.collectives_of(keyed),
+        comm_groups=communicators.groups_of(w, keyed, g.comm_blocking),
+        overlap_tax=tax_shapes,
+        arrivals=arrivals_clock,
+        phases=phases.phase_table(w, gaps, g.phase_spans),
+        step_lanes=g.step_lanes,
+        memory_series=g.memory_series,
+        kernel_summary=g.kernel_summary,
+        step_kernels=step_kernels.step_kernels(w, gaps, g.breakdown),
+        host_attribution=attribution.rows,
+    )
+
+
+@dataclass
+class _GpuSide:
+    """What :func:`_gpu_side` measures: metrics in the report's order (``budget``, the
+    critical path's ``path``, then ``gpu`` after the host side's), and the tables."""
+
+    budget: dict
+    path: dict
+    step_budget: list[dict]
+    comm_blocking: list
+    starved: list
+    gpu: dict
+    capture: dict
+    top_kernels: list[dict]
+    breakdown: list[dict]
+    metrics_series: dict[str, list]
+    phase_spans: pl.DataFrame
+    step_lanes: dict
+    memory_series: dict
+    kernel_summary: list[dict]
+
+
+def _gpu_side(w: RankWindow, gpu: dict | None) -> _GpuSide:
+    """The measures read from the GPU's rows (and the launches of its work), none of which
+    needs the idle gaps or the communication keys."""
     comm_blocking: list = []
     starved: list = []
-    path_measures, step_budget = critical_path.measure(w, comm_blocking, starved)
-    m |= path_measures
-    keyed = communicators.with_keys(communication.all_comm(w))
-    comm = intervals.clip(keyed, w.spans)
-    comm_by_kind = communication.by_kind(w, comm)
-    m |= communication.a2a(comm_by_kind)
-    m |= communication.dp_tp_exposed(w, comm)
-    tax, tax_shapes = overlap_tax.overlap_tax(w)
-    m |= tax
-    m |= memory.copies(w)
-    m |= host.calls(w)
-    gaps = host.idle_gaps(w)
-    m |= host.idle(gaps, w)
-    attribution = hostsources.attribute(w, gaps)
-    m |= attribution.measures
-    m |= critical_path.starved_by_cause(starved, gaps, w)
-    m |= pauses.pauses(w)
+    path, step_budget = critical_path.measure(w, comm_blocking, starved)
+    m = pauses.pauses(w)
     mix, mix_source = compute.kernel_mix(w)
     m |= mix
     m["recompute_frac"] = memory.recompute_frac(w)
     m |= memory.peak(w)
-    gpu_samples = trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
-    m |= compute.gpu_metric_means(gpu_samples, steps.spans)
-    facts = capture.capture_facts(w) | {"kernel_mix_source": mix_source}
+    gpu_samples = w.trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
+    m |= compute.gpu_metric_means(gpu_samples, w.steps.spans)
     phase_spans = phases.projected(w)
-    breakdown = series.step_breakdown(w)
-    return RankMeasures(
-        metrics={k: _round(v) for k, v in m.items()},
-        capture=facts,
-        comm_by_kind=comm_by_kind,
-        top_kernels=compute.top_kernels(w),
-        step_breakdown=breakdown,
-        idle_gaps=series.gap_histogram(gaps),
-        longest_gaps=host.longest_gaps(gaps, w),
-        gpu_metrics_series=series.metric_series(gpu_samples, steps.spans),
-        idle_nvtx=host.idle_by_nvtx(gaps, w),
+    return _GpuSide(
+        budget=budget.measure(w),
+        path=path,
         step_budget=step_budget,
-        collectives=collectives.collectives_of(keyed),
-        comm_groups=communicators.groups_of(w, keyed, comm_blocking),
-        overlap_tax=tax_shapes,
-        arrivals=arrivals.arrival_clock(w, keyed, gaps),
-        phases=phases.phase_table(w, gaps, phase_spans),
+        comm_blocking=comm_blocking,
+        starved=starved,
+        gpu=m,
+        capture=capture.capture_facts(w) | {"kernel_mix_source": mix_source},
+        top_kernels=compute.top_kernels(w),
+        breakdown=series.step_breakdown(w),
+        metrics_series=series.metric_series(gpu_samples, w.steps.spans),
+        phase_spans=phase_spans,
         step_lanes=series.step_lanes(w, phase_spans),
         memory_series=series.memory_series(
-            trace.memory, (gpu or {}).get("memory_bytes"), steps.window
+            w.trace.memory, (gpu or {}).get("memory_bytes"), w.steps.window
         ),
         kernel_summary=compute.kernel_summary(w),
-        step_kernels=step_kernels.step_kernels(w, gaps, breakdown),
-        host_attribution=attribution.rows,
     )
 
 

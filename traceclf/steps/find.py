@@ -95,7 +95,9 @@ def alloc_calls(trace: Trace, ranges: pl.DataFrame, taxonomy: Taxonomy) -> pl.Se
     API trace."""
     if trace.api.is_empty():
         return pl.repeat(None, len(ranges), dtype=pl.Int64, eager=True)
-    starts = np.sort(trace.api.filter(taxonomy.is_api("alloc"))["start"].to_numpy())
+    # (the pattern runs once per distinct call name, not on each of millions of calls)
+    alloc = matches(trace.api["name"], taxonomy.cuda_api["alloc"])
+    starts = np.sort(trace.api.filter(alloc)["start"].to_numpy())
     inside = np.searchsorted(starts, ranges["cpu_end"].to_numpy(), side="right") - np.searchsorted(
         starts, ranges["cpu_start"].to_numpy(), side="left"
     )
