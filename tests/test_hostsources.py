@@ -500,8 +500,8 @@ def test_claim_in_blocks_is_claim_at_once(monkeypatch):
 def test_claim_by_slots_or_by_splicing_is_the_same(touched: int, monkeypatch) -> None:
     """Constructed: what is left of the pieces is the same whether every piece is put in its
     slots or the touched ones, found from the intervals, are spliced back in
-    (``claims.SPARSE_CLAIM`` decides), with few intervals or many, some covering whole
-    pieces."""
+    (``claims.SPARSE_CLAIM`` decides) by joined slices or by masks (``SPLICE_SLICES``), with
+    few intervals or many, some covering whole pieces."""
     import numpy as np
 
     from traceclf.measures import claims
@@ -512,12 +512,15 @@ def test_claim_by_slots_or_by_splicing_is_the_same(touched: int, monkeypatch) ->
     lo = rng.integers(0, 200_000, touched)
     hi = lo + rng.integers(1, 900, touched)
     results = []
-    for sparse in (0, 1 << 40):  # splice always, slots always
+    # splice always (by slices, by masks), slots always
+    for sparse, slices in ((0, 1 << 40), (0, 0), (1 << 40, 0)):
         monkeypatch.setattr(claims, "SPARSE_CLAIM", sparse)
+        monkeypatch.setattr(claims, "SPLICE_SLICES", slices)
         results.append(claims.claim(pieces, lo, hi))
-    (cut, _, rest), (cut2, _, rest2) = results
-    for got, want in ((cut, cut2), (rest, rest2)):
-        assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    (cut, _, rest), *others = results
+    for cut2, _, rest2 in others:
+        for got, want in ((cut, cut2), (rest, rest2)):
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
     assert len(rest[0]) and np.all(rest[0][1:] >= rest[1][:-1])
 
 

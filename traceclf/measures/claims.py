@@ -78,6 +78,8 @@ def subtract(
 
 CLAIM_PAIRS = 1 << 21  # (piece, run) pairs that :func:`claim` visits at once
 SPARSE_CLAIM = 16  # intervals touching under 1/16 of the pieces: those alone, then spliced
+SPLICE_SLICES = 1 << 12  # touched pieces up to which a splice joins slices (a Python loop:
+# 3x faster than masks at 400 of 10 M pieces, as fast at 22 k)
 # pieces that :func:`subtract` reads at once: every array of a block stays a few MB, which the
 # allocator hands back to the next block rather than asking the system for fresh pages (on a
 # VM the cost of a capture's millions of pieces was mostly page faults)
@@ -121,6 +123,24 @@ def _splice(pieces: Pieces, touched: np.ndarray, left: Pieces) -> Pieces:
         return pieces
     firsts = pieces[0][touched]
     n = np.bincount(np.searchsorted(firsts, left[0], side="right") - 1, minlength=len(touched))
+    if len(touched) <= SPLICE_SLICES:
+        # few touched pieces: the stretches between them and what is left of each, joined
+        # as slices (one copy of each array, not a masked delete and a masked insert)
+        bounds = np.concatenate([[0], np.cumsum(n)]).tolist()
+        cuts = [-1, *touched.tolist(), len(pieces[0])]
+        return tuple(  # type: ignore[return-value]
+            np.concatenate(
+                [
+                    part
+                    for k in range(len(cuts) - 1)
+                    for part in (
+                        x[cuts[k] + 1 : cuts[k + 1]],
+                        y[bounds[k] : bounds[k + 1]] if k < len(touched) else y[:0],
+                    )
+                ]
+            )
+            for x, y in zip(pieces, left, strict=True)
+        )
     at = np.repeat(touched - np.arange(len(touched)), n)  # its place once it is deleted
     return tuple(  # type: ignore[return-value]
         np.insert(np.delete(x, touched), at, y) for x, y in zip(pieces, left, strict=True)

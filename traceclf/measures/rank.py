@@ -5,7 +5,6 @@ re-analysis) does not import polars and every wall."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import polars as pl
@@ -34,6 +33,7 @@ from traceclf.measures.window import RankWindow, prepare
 from traceclf.model.taxonomy import Taxonomy
 from traceclf.model.trace import Trace
 from traceclf.steps.steady import Steps
+from traceclf.support.cpus import second_lane
 
 MEASURES: dict[str, str] = (
     budget.MEASURES
@@ -55,13 +55,14 @@ def measure_rank(
     steady-state window; ``taxonomy`` defaults to the bundled rules/kernels.yaml.
 
     The GPU-side measures (:func:`_gpu_side`) run on a second thread beside the host side and
-    communication: each lane's heavy work is numpy and polars, which mostly run without the
-    GIL, so both cores work where one did. The lanes share nothing they write; what needs both
+    communication (when the analysis may keep two cores busy: :func:`second_lane`): each
+    lane's heavy work is numpy and polars, which mostly run without the GIL, so both cores
+    work where one did. The lanes share nothing they write; what needs both
     comes after, and the metrics keep their order."""
     from traceclf.model.taxonomy import bundled
 
     w = prepare(trace, steps, gpu, taxonomy or bundled())
-    with ThreadPoolExecutor(1, thread_name_prefix="traceclf-gpu-side") as pool:
+    with second_lane("traceclf-gpu-side") as pool:
         lane = pool.submit(_gpu_side, w, gpu)
         keyed = communicators.with_keys(communication.all_comm(w))
         comm = intervals.clip(keyed, w.spans)

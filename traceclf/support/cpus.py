@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 WORKER_CPUS = "TRACECLF_WORKER_CPUS"  # a worker's share of the CPUs (set in the worker)
 
@@ -29,3 +30,24 @@ def cpu_share() -> int:
     with contextlib.suppress(ValueError):
         n = min(n, int(os.environ.get(WORKER_CPUS) or n))
     return max(1, min(4, n))
+
+
+class _Here(Executor):
+    """An executor that runs each call at once, on the calling thread."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:  # type: ignore[override]
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # (raised again by ``result()``, as a pool's would be)
+            done.set_exception(e)
+        return done
+
+
+def second_lane(name: str) -> Executor:
+    """Where work that may run beside the calling thread's goes: a thread of its own when this
+    analysis may keep two cores busy, else the calling thread, at once (a ``--jobs`` worker
+    with a share of one core gains nothing from a second thread but its memory)."""
+    if cpu_share() < 2:
+        return _Here()
+    return ThreadPoolExecutor(1, thread_name_prefix=name)
