@@ -206,3 +206,29 @@ def test_unreachable_dask_is_a_trace_error(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(parallel, "DASK_CONNECT_TIMEOUT", "1s")
     with pytest.raises(TraceError, match="cannot reach the Dask scheduler"):
         map_exports(abs, [1, 2], dask_address="tcp://127.0.0.1:9", quiet=True)
+
+
+@pytest.mark.parametrize(("share", "beside"), [("1", False), ("2", True)])
+def test_the_second_lane_is_a_thread_only_with_two_cores_to_keep_busy(
+    share: str, beside: bool, monkeypatch
+) -> None:
+    """measure_rank's GPU-side measures run beside the host side on a thread of their own
+    when the analysis may keep two cores busy, on the calling thread in a --jobs worker with
+    one core; an error in the lane is raised by ``result()``; the thread is a daemon, so that
+    Ctrl-C or SIGTERM in the main thread does not wait for the lane's work."""
+    import threading
+
+    monkeypatch.setattr(cpus, "cpus", lambda: 2)
+    monkeypatch.setenv(cpus.WORKER_CPUS, share)
+    seen = []
+
+    def where() -> tuple[bool, bool]:
+        me = threading.current_thread()
+        return me is not threading.main_thread(), me.daemon
+
+    with cpus.second_lane("test-lane") as lane:
+        seen.append(lane.submit(where).result())
+        failed = lane.submit(lambda: 1 // 0)
+        with pytest.raises(ZeroDivisionError):
+            failed.result()
+    assert seen == [(beside, beside)]

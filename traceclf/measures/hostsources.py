@@ -238,15 +238,18 @@ def _cuda_api(w: RankWindow, claims: _Claims, details: dict) -> None:
         .with_columns(**{key: tax.is_api(key) for key, _ in CUDA_CLASSES})
         .select("name", kind=kind)
     )
-    kinds = by_name(calls.select("start", "end", "name"), names).partition_by(
-        "kind", as_dict=True, include_key=False
-    )  # (one pass over millions of calls, not one per class)
+    # a byte per call (one lookup pass over millions of calls, not one per class); each
+    # class's bounds are gathered when it claims, not every class's held at once
+    kind = by_name(calls.select("name"), names)["kind"].fill_null(-1).to_numpy()
+    lo, hi = _arrays(calls)
     start, end = claims.pieces[0], claims.pieces[1]
     for i, label in enumerate(labels):
-        rows = kinds.get((i,))
-        if rows is None or rows.is_empty() or not claims.take("cuda_api", label, *_arrays(rows)):
+        mine = kind == i
+        if not mine.any() or not claims.take("cuda_api", label, lo[mine], hi[mine]):
             continue
-        touching = rows["name"].filter(pl.Series(_touching(*_arrays(rows), start, end)))
+        hit = np.zeros(len(mine), bool)
+        hit[mine] = _touching(lo[mine], hi[mine], start, end)
+        touching = calls["name"].filter(pl.Series(hit))
         top = touching.mode().cast(pl.String).sort().first() if touching.len() else None
         details[("cuda_api", label)] = {"calls": touching.len(), "top_call": top}
 

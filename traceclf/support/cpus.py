@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Executor, Future
 
 WORKER_CPUS = "TRACECLF_WORKER_CPUS"  # a worker's share of the CPUs (set in the worker)
 
@@ -37,17 +38,35 @@ class _Here(Executor):
 
     def submit(self, fn, /, *args, **kwargs) -> Future:  # type: ignore[override]
         done: Future = Future()
-        try:
-            done.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # (raised again by ``result()``, as a pool's would be)
-            done.set_exception(e)
+        _run(done, fn, args, kwargs)
         return done
+
+
+class _Beside(Executor):
+    """An executor that runs each call on a daemon thread of its own: leaving the ``with``
+    block early (Ctrl-C, SIGTERM, an error) does not wait for it, nor does the process's
+    exit, where a pool's thread would hold both until its work was done."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:  # type: ignore[override]
+        done: Future = Future()
+        threading.Thread(
+            target=_run, args=(done, fn, args, kwargs), name=self.name, daemon=True
+        ).start()
+        return done
+
+
+def _run(done: Future, fn, args, kwargs) -> None:
+    try:
+        done.set_result(fn(*args, **kwargs))
+    except BaseException as e:  # (raised again by ``result()``, as a pool's would be)
+        done.set_exception(e)
 
 
 def second_lane(name: str) -> Executor:
     """Where work that may run beside the calling thread's goes: a thread of its own when this
     analysis may keep two cores busy, else the calling thread, at once (a ``--jobs`` worker
     with a share of one core gains nothing from a second thread but its memory)."""
-    if cpu_share() < 2:
-        return _Here()
-    return ThreadPoolExecutor(1, thread_name_prefix=name)
+    return _Beside(name) if cpu_share() >= 2 else _Here()
