@@ -432,3 +432,28 @@ def test_steps_analysed_are_capped_however_few_rows_a_step_has(monkeypatch) -> N
     sample = analyze_inputs([str(path)], opts)
     assert [r["steps"]["analysed"] for r in sample.ranks] == [cap] * len(sample.ranks)
     assert sample.classification["bound"] == everything.classification["bound"]
+
+
+def test_without_a_kernel_named_for_the_optimizer_no_run_is_found():
+    """Constructed kernels (no real trace has this mix in few rows): with no kernel of the
+    optimizer family, the run rule flags nothing more (the window functions are skipped) and an
+    NVTX-flagged ``in_optimizer`` stays as it was; with some, an elementwise kernel between two
+    optimizer-named kernels on the stream joins their run, a GEMM does not."""
+    from traceclf.measures.window import optimizer_runs
+
+    families = ["elementwise", "gemm", "elementwise", "elementwise"]
+    kern = pl.DataFrame(
+        {
+            "family": pl.Series(families, dtype=pl.Categorical),
+            "graph_node_id": pl.Series([None] * 4, dtype=pl.Int64),
+            "correlation_id": [1, 2, 3, 4],
+            "stream_id": [7, 7, 7, 7],
+            "in_optimizer": [False, False, True, None],
+        }
+    )
+    assert optimizer_runs(kern)["in_optimizer"].to_list() == [False, False, True, None]
+    assert optimizer_runs(kern.drop("in_optimizer"))["in_optimizer"].to_list() == [False] * 4
+    named = kern.drop("in_optimizer").with_columns(
+        family=pl.Series(["optimizer", "elementwise", "optimizer", "gemm"], dtype=pl.Categorical)
+    )
+    assert optimizer_runs(named)["in_optimizer"].to_list() == [True, True, True, False]
