@@ -57,13 +57,14 @@ def measure_rank(
     The GPU-side measures (:func:`_gpu_side`) run on a second thread beside the host side and
     communication (when the analysis may keep two cores busy: :func:`second_lane`): each
     lane's heavy work is numpy and polars, which mostly run without the GIL, so both cores
-    work where one did. The lanes share nothing they write; what needs both
-    comes after, and the metrics keep their order."""
+    work where one did. Both read the idle gaps, found first; the lanes share nothing they
+    write; what needs both comes after, and the metrics keep their order."""
     from traceclf.model.taxonomy import bundled
 
     w = prepare(trace, steps, gpu, taxonomy or bundled())
+    gaps = host.idle_gaps(w)
     with second_lane("traceclf-gpu-side") as pool:
-        lane = pool.submit(_gpu_side, w, gpu)
+        lane = pool.submit(_gpu_side, w, gpu, gaps)
         keyed = communicators.with_keys(communication.all_comm(w))
         comm = intervals.clip(keyed, w.spans)
         comm_by_kind = communication.by_kind(w, comm)
@@ -73,7 +74,6 @@ def measure_rank(
         walls |= tax
         walls |= memory.copies(w)
         walls |= host.calls(w)
-        gaps = host.idle_gaps(w)
         walls |= host.idle(gaps, w)
         attribution = hostsources.attribute(w, gaps)
         walls |= attribution.measures
@@ -82,9 +82,7 @@ def measure_rank(
         idle_nvtx = host.idle_by_nvtx(gaps, w)
         arrivals_clock = arrivals.arrival_clock(w, keyed, gaps)
         g = lane.result()
-    m = g.budget | g.path | walls
-    m |= critical_path.starved_by_cause(g.starved, gaps, w)
-    m |= g.gpu
+    m = g.budget | g.path | walls | g.starved_by_cause | g.gpu
     return RankMeasures(
         metrics={k: _round(v) for k, v in m.items()},
         capture=g.capture,
@@ -100,11 +98,11 @@ def measure_rank(
         comm_groups=communicators.groups_of(w, keyed, g.comm_blocking),
         overlap_tax=tax_shapes,
         arrivals=arrivals_clock,
-        phases=phases.phase_table(w, gaps, g.phase_spans),
+        phases=g.phases,
         step_lanes=g.step_lanes,
         memory_series=g.memory_series,
         kernel_summary=g.kernel_summary,
-        step_kernels=step_kernels.step_kernels(w, gaps, g.breakdown),
+        step_kernels=g.step_kernels,
         host_attribution=attribution.rows,
     )
 
@@ -112,27 +110,29 @@ def measure_rank(
 @dataclass
 class _GpuSide:
     """What :func:`_gpu_side` measures: metrics in the report's order (``budget``, the
-    critical path's ``path``, then ``gpu`` after the host side's), and the tables."""
+    critical path's ``path``, then, after the host side's, ``starved_by_cause`` and ``gpu``),
+    and the tables."""
 
     budget: dict
     path: dict
     step_budget: list[dict]
     comm_blocking: list
-    starved: list
+    starved_by_cause: dict
     gpu: dict
     capture: dict
     top_kernels: list[dict]
     breakdown: list[dict]
     metrics_series: dict[str, list]
-    phase_spans: pl.DataFrame
+    phases: list[dict]
     step_lanes: dict
     memory_series: dict
     kernel_summary: list[dict]
+    step_kernels: dict
 
 
-def _gpu_side(w: RankWindow, gpu: dict | None) -> _GpuSide:
-    """The measures read from the GPU's rows (and the launches of its work), none of which
-    needs the idle gaps or the communication keys."""
+def _gpu_side(w: RankWindow, gpu: dict | None, gaps: pl.DataFrame) -> _GpuSide:
+    """The measures read from the GPU's rows (and the launches of its work) and the idle
+    ``gaps``, none of which needs the host's sources or the communication keys."""
     comm_blocking: list = []
     starved: list = []
     path, step_budget = critical_path.measure(w, comm_blocking, starved)
@@ -144,23 +144,25 @@ def _gpu_side(w: RankWindow, gpu: dict | None) -> _GpuSide:
     gpu_samples = w.trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
     m |= compute.gpu_metric_means(gpu_samples, w.steps.spans)
     phase_spans = phases.projected(w)
+    breakdown = series.step_breakdown(w)
     return _GpuSide(
         budget=budget.measure(w),
         path=path,
         step_budget=step_budget,
         comm_blocking=comm_blocking,
-        starved=starved,
+        starved_by_cause=critical_path.starved_by_cause(starved, gaps, w),
         gpu=m,
         capture=capture.capture_facts(w) | {"kernel_mix_source": mix_source},
         top_kernels=compute.top_kernels(w),
-        breakdown=series.step_breakdown(w),
+        breakdown=breakdown,
         metrics_series=series.metric_series(gpu_samples, w.steps.spans),
-        phase_spans=phase_spans,
+        phases=phases.phase_table(w, gaps, phase_spans),
         step_lanes=series.step_lanes(w, phase_spans),
         memory_series=series.memory_series(
             w.trace.memory, (gpu or {}).get("memory_bytes"), w.steps.window
         ),
         kernel_summary=compute.kernel_summary(w),
+        step_kernels=step_kernels.step_kernels(w, gaps, breakdown),
     )
 
 
