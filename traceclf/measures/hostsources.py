@@ -168,7 +168,9 @@ def attribute(w: RankWindow, gaps: pl.DataFrame) -> HostAttribution:
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
     threads = launching_threads(w, gstart, gend)
     cause = gaps["cause"].to_physical().to_numpy()
-    claims = _Claims((gstart.copy(), gend.copy(), np.arange(len(gstart))), cause)
+    # (owners as 32-bit gap numbers: a third less of every copy of millions of pieces)
+    owner = np.arange(len(gstart), dtype=np.int32 if len(gstart) < 1 << 31 else np.int64)
+    claims = _Claims((gstart.copy(), gend.copy(), owner), cause)
     details: dict[tuple[str, str], dict] = {}
 
     _profiler(w, claims)
@@ -245,10 +247,13 @@ def _cuda_api(w: RankWindow, claims: _Claims, details: dict) -> None:
     start, end = claims.pieces[0], claims.pieces[1]
     for i, label in enumerate(labels):
         mine = kind == i
-        if not mine.any() or not claims.take("cuda_api", label, lo[mine], hi[mine]):
+        if not mine.any():
+            continue
+        lo_i, hi_i = lo[mine], hi[mine]
+        if not claims.take("cuda_api", label, lo_i, hi_i):
             continue
         hit = np.zeros(len(mine), bool)
-        hit[mine] = _touching(lo[mine], hi[mine], start, end)
+        hit[mine] = _touching(lo_i, hi_i, start, end)
         touching = calls["name"].filter(pl.Series(hit))
         top = touching.mode().cast(pl.String).sort().first() if touching.len() else None
         details[("cuda_api", label)] = {"calls": touching.len(), "top_call": top}
