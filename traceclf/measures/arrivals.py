@@ -201,7 +201,7 @@ def late_arrivals(instances: pl.DataFrame, ranks: list[dict], shared: list[list[
     steps = {r["rank"]: max((r.get("steps") or {}).get("analysed") or 1, 1) for r in ranks}
     mates = {r: [x for x in g if x != r] for g in shared for r in g}
     out = []
-    for (rank,), rows in late.group_by(["rank"]):
+    for (rank,), rows in late.group_by(["rank"], maintain_order=True):
         n = steps.get(rank, 1)
         item = {
             "rank": int(rank),
@@ -229,30 +229,34 @@ def _causes(
     as (cause, ns, detail, extra keys: ``nvtx``, the range's name), largest first; the previous collective's later end on the late
     rank as its own cause. Instances whose previous collective the median rank did not take
     part in are left out of the causes (not of the lateness)."""
-    mine = clocks[rank]
-    states = mine["states"]
+    mine = _Clock(clocks[rank])
+    states = mine.states
     sums: dict[str, float] = {}
-    prior_end = walked = unwalked = 0.0
-    extra_launches: dict[str, int] = {}
-    for r in rows.iter_rows(named=True):
-        theirs = clocks.get(r["m_rank"]) or {}
-        a = b = None
-        if r["p_row"] is not None and r["p_row_m"] is not None and theirs:
-            a = _stretch(mine, int(r["p_row"]), int(r["row"]))
-            b = _stretch(theirs, int(r["p_row_m"]), int(r["m_row"]))
-        if a is None or b is None:
-            unwalked += float(r["late"])
+    prior_end = walked = 0.0
+    extra_launches = dict.fromkeys(mine.launch_names, 0)
+    late, done = rows["late"].to_numpy(), np.zeros(rows.height, bool)
+    # every instance of one median rank at once (the stretches are differences of two rows
+    # of each clock: whole columns, not a dict per instance)
+    for (m_rank,), part in rows.with_row_index("_i").group_by("m_rank", maintain_order=True):
+        theirs = _Clock(clocks.get(m_rank) or {})
+        col = {c: part[c].fill_null(-1).to_numpy() for c in ("p_row", "row", "p_row_m", "m_row")}
+        ok = mine.holds(col["p_row"], col["row"]) & theirs.holds(col["p_row_m"], col["m_row"])
+        if not ok.any():
             continue
-        walked += float(r["late"])
-        for state in set(a) | set(b):
-            sums[state] = sums.get(state, 0.0) + a.get(state, 0.0) - b.get(state, 0.0)
-        prior_end += float(r["p_end"] - r["p_end_m"])
-        for name in mine.get("launches_at_start", {}):
-            extra_launches[name] = (
-                extra_launches.get(name, 0)
-                + _launches(mine, name, int(r["p_row"]), int(r["row"]))
-                - _launches(theirs, name, int(r["p_row_m"]), int(r["m_row"]))
+        a = mine.stretches(col["p_row"][ok], col["row"][ok])
+        b = theirs.stretches(col["p_row_m"][ok], col["m_row"][ok])
+        for clock, values, sign in ((mine, a, 1), (theirs, b, -1)):
+            for state, total in zip(clock.states, values.sum(axis=0).tolist(), strict=True):
+                sums[state] = sums.get(state, 0.0) + sign * total
+        ends = (part["p_end"] - part["p_end_m"]).to_numpy()
+        prior_end += float(ends[ok].sum())
+        for name in extra_launches:
+            extra_launches[name] += int(
+                mine.launches(name, col["p_row"][ok], col["row"][ok]).sum()
+                - theirs.launches(name, col["p_row_m"][ok], col["m_row"][ok]).sum()
             )
+        done[part["_i"].to_numpy()[ok]] = True
+    walked, unwalked = float(late[done].sum()), float(late[~done].sum())
     out = []
     kernels = {s[7:]: v for s, v in sums.items() if s.startswith("kernel:") and v > 0}
     for state in states:
@@ -292,26 +296,46 @@ def _causes(
     return out
 
 
-def _stretch(clock: dict, prev: int, this: int) -> dict[str, float] | None:
-    """ns in each state from the end of collective ``prev`` to the start of ``this`` (rows of
-    the rank's list); None when the clock does not hold them."""
-    first = clock.get("first_row", 0)
-    n = len(clock["at_start"])
-    if not (0 <= prev - first < n and 0 <= this - first < n):
-        return None
-    start, end = clock["at_start"][this - first], clock["at_end"][prev - first]
-    return {s: float(start[i] - end[i]) for i, s in enumerate(clock["states"])}
+class _Clock:
+    """One rank's :func:`arrival_clock` as arrays: ns in each state before each collective's
+    start and end, and launches of its followed kernels before them (rows ``first_row`` on).
+    An empty clock holds no row."""
+
+    def __init__(self, clock: dict) -> None:
+        self.states: list[str] = clock.get("states") or []
+        self.first = int(clock.get("first_row", 0))
+        width = (0, len(self.states))
+        self.at_start = np.asarray(clock.get("at_start") or np.empty(width)).reshape(-1, width[1])
+        self.at_end = np.asarray(clock.get("at_end") or np.empty(width)).reshape(-1, width[1])
+        self.starts = {k: np.asarray(v) for k, v in (clock.get("launches_at_start") or {}).items()}
+        self.ends = {k: np.asarray(v) for k, v in (clock.get("launches_at_end") or {}).items()}
+        self.launch_names = list(self.starts)
+
+    def holds(self, prev: np.ndarray, this: np.ndarray) -> np.ndarray:
+        """Whether the clock holds both rows of each pair (row numbers; -1: none)."""
+        n = len(self.at_start)
+        return (
+            (prev >= 0)
+            & (this >= 0)
+            & _within(prev - self.first, n)
+            & _within(this - self.first, n)
+        )
+
+    def stretches(self, prev: np.ndarray, this: np.ndarray) -> np.ndarray:
+        """ns in each state from the end of collective ``prev`` to the start of ``this``,
+        one row per pair (rows the clock holds)."""
+        return self.at_start[this - self.first] - self.at_end[prev - self.first]
+
+    def launches(self, name: str, prev: np.ndarray, this: np.ndarray) -> np.ndarray:
+        """Launches of compute kernel ``name`` between collective ``prev``'s end and
+        ``this``'s start, per pair (none where the clock does not follow it)."""
+        if name not in self.starts or name not in self.ends:
+            return np.zeros(len(prev), np.int64)
+        return self.starts[name][this - self.first] - self.ends[name][prev - self.first]
 
 
-def _launches(clock: dict, name: str, prev: int, this: int) -> int:
-    """Launches of compute kernel ``name`` starting between collective ``prev``'s end and
-    ``this``'s start."""
-    starts = clock.get("launches_at_start", {}).get(name)
-    ends = clock.get("launches_at_end", {}).get(name)
-    if starts is None or ends is None:
-        return 0
-    first = clock.get("first_row", 0)
-    return int(starts[this - first]) - int(ends[prev - first])
+def _within(i: np.ndarray, n: int) -> np.ndarray:
+    return (i >= 0) & (i < n)
 
 
 def _kernel_detail(kernels: dict[str, float], launches: dict[str, int], steps: int) -> str:
