@@ -289,3 +289,66 @@ def test_ranks_of_unknown_placement_get_no_wait_or_transfer_rule(tmp_path):
     assert not fired & {"comm-transfer-dominates", "comm-wait-dominates"}
     assert not any("transfer" in e for e in r["classification"]["evidence"])
     assert r["classification"]["bound"] == "communication"
+
+
+def _late_case(analysed: int, mean_ms: float) -> tuple:
+    """Constructed (no real trace has drifted matches in few rows): two ranks, four matched
+    collectives a 10 ms step apart; rank 1 starts the second and third 2 ms after rank 0, and
+    the fourth 50 ms after it, later than any step lasts (a match that drifted)."""
+    import polars as pl
+
+    from traceclf.measures.arrivals import late_arrivals
+
+    ms = 1_000_000
+    starts = {0: [0, 10 * ms, 20 * ms, 30 * ms], 1: [0, 12 * ms, 22 * ms, 80 * ms]}
+    rows = [
+        {
+            "rank": rank,
+            "ordinal": "g0",
+            "kind": "all_reduce",
+            "instance": i,
+            "row": i,
+            "a_start": s,
+            "a_end": s + ms // 10,
+            "in_window": True,
+        }
+        for rank, ss in starts.items()
+        for i, s in enumerate(ss)
+    ]
+    clock = {  # all compute: the stretch since the previous collective is compute
+        rank: {
+            "states": ["compute"],
+            "first_row": 0,
+            "at_start": [[s] for s in ss],
+            "at_end": [[s + ms // 10] for s in ss],
+        }
+        for rank, ss in starts.items()
+    }
+    ranks = [
+        {
+            "rank": rank,
+            "arrivals": clock[rank],
+            "steps": {"analysed": analysed, "mean_ms": mean_ms, "durations_ms": [10.0] * 4},
+        }
+        for rank in starts
+    ]
+    return late_arrivals(pl.DataFrame(rows), ranks, [])
+
+
+def test_a_rank_later_than_a_step_is_a_drifted_match_not_a_late_rank():
+    """Ranks wait at a collective inside one of their steps: the instance 50 ms late (steps
+    last 10 ms) is left out and counted; the two 2 ms late ones stay, 4 ms over 3 steps."""
+    late, left_out = _late_case(analysed=3, mean_ms=10.0)
+    assert left_out == 1
+    (rank1,) = late
+    assert rank1["rank"] == 1 and rank1["instances"] == 2
+    assert rank1["late_ms_per_step"] == pytest.approx(4 / 3, abs=1e-4)
+    # the causes still add up to the lateness
+    assert sum(c["ms_per_step"] for c in rank1["causes"]) == pytest.approx(4 / 3, abs=1e-3)
+
+
+def test_a_rank_later_per_step_than_a_step_lasts_is_left_out_whole():
+    """4 ms of lateness in one analysed step whose ranks' mean step is 1 ms cannot be waited
+    for inside it: the rank is not listed, its instances are counted as left out."""
+    late, left_out = _late_case(analysed=1, mean_ms=1.0)
+    assert late == [] and left_out == 3

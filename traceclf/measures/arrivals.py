@@ -153,22 +153,25 @@ def _host_ranges(w: RankWindow) -> list[tuple[str, Busy]]:
 # --------------------------------------------------------------------------- reduce step
 
 
-def late_arrivals(instances: pl.DataFrame, ranks: list[dict], shared: list[list[int]]) -> list:
+def late_arrivals(
+    instances: pl.DataFrame, ranks: list[dict], shared: list[list[int]]
+) -> tuple[list, int]:
     """The ranks that start matched collectives after their group's median rank, with how
     late per step and why (``instances``: matched collectives, one row per rank and instance:
     rank, ordinal, kind, instance, row (the collective's row in the rank's list), a_start,
     a_end (aligned), in_window; ``ranks``: the cross-rank dicts, with ``arrivals``
     (:func:`arrival_clock`) and ``steps``; ``shared``: groups of ranks that time-slice one
-    GPU)."""
+    GPU); and how many late instances were left out as drifted matches
+    (:func:`_drifted`)."""
     clocks = {r["rank"]: r.get("arrivals") or {} for r in ranks}
     if instances.is_empty() or not all(c.get("states") for c in clocks.values()):
-        return []
+        return [], 0
     keys = ["ordinal", "kind", "instance"]
     inside = instances.filter(
         pl.col("instance").is_not_null() & pl.col("in_window").all().over(keys)
     ).filter(pl.len().over(keys) >= 2)
     if inside.is_empty():
-        return []
+        return [], 0
     # each rank's previous matched collective (of any communicator) ...
     inside = inside.sort("rank", "a_start").with_columns(
         [pl.col(k).shift(1).over("rank").alias(f"p_{k}") for k in keys]
@@ -196,13 +199,20 @@ def late_arrivals(instances: pl.DataFrame, ranks: list[dict], shared: list[list[
         .with_columns(late=pl.col("a_start") - pl.col("m_start"))
         .join(theirs, on=["m_rank", *[f"p_{k}" for k in keys]], how="left")
     )
+    late, drifted = _drifted(late, ranks)
     if late.is_empty():
-        return []
+        return [], drifted
     steps = {r["rank"]: max((r.get("steps") or {}).get("analysed") or 1, 1) for r in ranks}
     mates = {r: [x for x in g if x != r] for g in shared for r in g}
+    # the waits at a step's collectives are stretches of the waiting rank's step, so a rank
+    # later per step than the ranks' steps last on average is drifted matches, not lateness
+    mean_step = NS_PER_MS * max((r.get("steps") or {}).get("mean_ms") or 0.0 for r in ranks)
     out = []
     for (rank,), rows in late.group_by(["rank"], maintain_order=True):
         n = steps.get(rank, 1)
+        if mean_step and float(rows["late"].sum()) / n > mean_step:
+            drifted += rows.height
+            continue
         item = {
             "rank": int(rank),
             "late_ms_per_step": round(float(rows["late"].sum()) / NS_PER_MS / n, 4),
@@ -219,7 +229,29 @@ def late_arrivals(instances: pl.DataFrame, ranks: list[dict], shared: list[list[
             # waiting, for the whole of the lateness: it held the GPU beside this rank's work
             item["shared_gpu"] = {"ranks": held, "held_ms_per_step": item["late_ms_per_step"]}
         out.append(item)
-    return sorted(out, key=lambda x: -x["late_ms_per_step"])
+    return sorted(out, key=lambda x: -x["late_ms_per_step"]), drifted
+
+
+def _drifted(late: pl.DataFrame, ranks: list[dict]) -> tuple[pl.DataFrame, int]:
+    """``late`` without the instances later than the longest step of any rank, or whose
+    previous collectives ended further apart than that, and how many those were. The ranks
+    waiting at a collective wait inside one of their steps, so no rank arrives later than a
+    step lasts: such an instance is a match that drifted (the ranks' collectives counted from
+    different steps: windows sampled apart, captures started at different steps), and its
+    "lateness" the time between two different collectives."""
+    longest = _longest_step_ns(ranks)
+    if not longest:  # (no step: nothing bounds it)
+        return late, 0
+    apart = (pl.col("p_end") - pl.col("p_end_m")).abs()
+    kept = late.filter((pl.col("late") <= longest) & (apart.is_null() | (apart <= longest)))
+    return kept, late.height - kept.height
+
+
+def _longest_step_ns(ranks: list[dict]) -> float:
+    """The longest step of any rank (ns; 0 without steps)."""
+    return NS_PER_MS * max(
+        (max((r.get("steps") or {}).get("durations_ms") or [0.0]) for r in ranks), default=0.0
+    )
 
 
 def _causes(

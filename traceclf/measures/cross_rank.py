@@ -129,10 +129,10 @@ def _skew(values: list[float | None]) -> float | None:
 def collective_waits(ranks: list[dict], shared: list[list[int]] | None = None) -> dict:
     """The collectives matched across ranks (the ``cross_rank`` keys they fill: counts, wait
     and transfer shares, by kind, the rank that arrives last, the late arrivals and their
-    causes: :func:`traceclf.measures.arrivals.late_arrivals`, ``shared`` the ranks that
-    time-slice one GPU) and the clock alignment; with ``transfers``, per communicator and
-    kind the matched collectives' message bytes and transfer time (for its bandwidth). Nulls
-    for fewer than two ranks."""
+    causes: :func:`traceclf.measures.arrivals.late_arrivals`, and the late instances it left
+    out as drifted matches; ``shared`` the ranks that time-slice one GPU) and the clock
+    alignment; with ``transfers``, per communicator and kind the matched collectives' message
+    bytes and transfer time (for its bandwidth). Nulls for fewer than two ranks."""
     if len(ranks) < 2:
         return {
             "collectives_matched": 0,
@@ -149,6 +149,7 @@ def collective_waits(ranks: list[dict], shared: list[list[int]] | None = None) -
                 "end_spread_us": None,
             },
             "late_arrivals": [],
+            "late_arrivals_left_out": 0,
             "transfers": {},
         }
     # (polars: only with several ranks)
@@ -156,6 +157,7 @@ def collective_waits(ranks: list[dict], shared: list[list[int]] | None = None) -
     from traceclf.measures.collectives import group_transfers, matched
 
     waits, refined, how, spread, instances = matched(ranks)
+    late, drifted = late_arrivals(instances, ranks, shared or [])
     # One export: one clock, nothing to align; the end spread is the collectives' own.
     error = 0.0 if how == "one export" else spread
     return waits | {
@@ -165,7 +167,8 @@ def collective_waits(ranks: list[dict], shared: list[list[int]] | None = None) -
             "alignment_error_us": error,
             "end_spread_us": spread,
         },
-        "late_arrivals": late_arrivals(instances, ranks, shared or []),
+        "late_arrivals": late,
+        "late_arrivals_left_out": drifted,
         "transfers": group_transfers(instances),
     }
 

@@ -55,7 +55,8 @@ def group_rows(report: Report) -> list[list[str]]:
 
 def group_notes(report: Report) -> list[str]:
     """Per communicator: the evidence for its dimension, what its bandwidth rests on and the
-    link; then what would add the message sizes, when they are missing."""
+    link; then what would add the message sizes, when they are missing, and the matched
+    instances that late arrivals left out as drifted matches."""
     comm = report.communication or {}
     notes = []
     for g in comm.get("groups") or []:
@@ -77,6 +78,15 @@ def group_notes(report: Report) -> list[str]:
         )
     if comm.get("sizes_note"):
         notes.append(f"Message sizes: {comm['sizes_note']}")
+    drifted = int((report.cross_rank or {}).get("late_arrivals_left_out") or 0)
+    if drifted:
+        notes.append(
+            f"Late arrivals: {drifted} matched collective instances left out as matches that "
+            "drifted (the ranks' collectives counted from different steps), not ranks arriving "
+            "late: ranks wait inside a step, and there a rank would have started later than "
+            "the longest step after its group's median rank, or been later per step than the "
+            "ranks' mean step lasts"
+        )
     return notes
 
 
