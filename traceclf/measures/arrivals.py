@@ -22,6 +22,7 @@ import numpy as np
 import polars as pl
 
 from traceclf.measures import intervals
+from traceclf.measures.collectives import longest_step_ns
 from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
@@ -239,19 +240,12 @@ def _drifted(late: pl.DataFrame, ranks: list[dict]) -> tuple[pl.DataFrame, int]:
     step lasts: such an instance is a match that drifted (the ranks' collectives counted from
     different steps: windows sampled apart, captures started at different steps), and its
     "lateness" the time between two different collectives."""
-    longest = _longest_step_ns(ranks)
+    longest = longest_step_ns(ranks)
     if not longest:  # (no step: nothing bounds it)
         return late, 0
     apart = (pl.col("p_end") - pl.col("p_end_m")).abs()
     kept = late.filter((pl.col("late") <= longest) & (apart.is_null() | (apart <= longest)))
     return kept, late.height - kept.height
-
-
-def _longest_step_ns(ranks: list[dict]) -> float:
-    """The longest step of any rank (ns; 0 without steps)."""
-    return NS_PER_MS * max(
-        (max((r.get("steps") or {}).get("durations_ms") or [0.0]) for r in ranks), default=0.0
-    )
 
 
 def _causes(

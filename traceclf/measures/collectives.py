@@ -36,6 +36,7 @@ def matched(ranks: list[dict]) -> tuple[dict, dict[int, float], str, float, pl.D
     if refined != offsets:
         how = f"{how} + matched collective ends"
         instances = realign(instances, refined)
+    instances = undrifted(instances, longest_step_ns(ranks))
     spread = alignment_error_us(instances, ranks[0]["rank"])
     return wait_transfer(instances), refined, how, spread, instances
 
@@ -185,6 +186,27 @@ def refine_offsets(
         if rank in remote:
             refined[rank] = offsets.get(rank, 0) - round(delta)
     return refined
+
+
+def undrifted(matched: pl.DataFrame, longest: float) -> pl.DataFrame:
+    """``matched`` with the instances whose ranks' (aligned) ends lie further apart than the
+    longest step (``longest``, ns; 0: no bound) unmatched. A collective's ranks wait for each
+    other inside one of their steps and end it together, so such an instance pairs two
+    different collectives: the ranks' lists counted from different steps (step sampling reads
+    each rank's analysed runs, whose edges may hold different collectives; captures started at
+    different steps) by more than the sequence shift that matching tries."""
+    if not longest or matched.is_empty():
+        return matched
+    keys = ["ordinal", "kind", "instance"]
+    spread = pl.col("a_end").max().over(keys) - pl.col("a_end").min().over(keys)
+    return matched.with_columns(instance=pl.when(spread <= longest).then(pl.col("instance")))
+
+
+def longest_step_ns(ranks: list[dict]) -> float:
+    """The longest step of any rank (ns; 0 without steps)."""
+    return 1e6 * max(
+        (max((r.get("steps") or {}).get("durations_ms") or [0.0]) for r in ranks), default=0.0
+    )
 
 
 def alignment_error_us(matched: pl.DataFrame, ref_rank: int) -> float | None:
