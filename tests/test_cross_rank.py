@@ -352,3 +352,27 @@ def test_a_rank_later_per_step_than_a_step_lasts_is_left_out_whole():
     for inside it: the rank is not listed, its instances are counted as left out."""
     late, left_out = _late_case(analysed=1, mean_ms=1.0)
     assert late == [] and left_out == 3
+
+
+def test_an_instance_whose_ranks_end_a_step_apart_is_unmatched():
+    """Constructed: ranks end a collective together, inside a step; an instance whose ends lie
+    further apart than the longest step (10 ms) pairs two different collectives and is
+    unmatched (instance null), the others stay; without steps nothing bounds it."""
+    import polars as pl
+
+    from traceclf.measures.collectives import longest_step_ns, undrifted
+
+    ms = 1_000_000
+    matched = pl.DataFrame(
+        {
+            "rank": [0, 1, 0, 1],
+            "ordinal": ["g0"] * 4,
+            "kind": ["all_reduce"] * 4,
+            "instance": [0, 0, 1, 1],
+            "a_end": [5 * ms, 9 * ms, 20 * ms, 70 * ms],
+        }
+    )
+    ranks = [{"steps": {"durations_ms": [8.0, 10.0]}}, {"steps": {"durations_ms": [9.0]}}]
+    assert longest_step_ns(ranks) == 10 * ms
+    assert undrifted(matched, longest_step_ns(ranks))["instance"].to_list() == [0, 0, None, None]
+    assert undrifted(matched, longest_step_ns([{}, {}]))["instance"].to_list() == [0, 0, 1, 1]
