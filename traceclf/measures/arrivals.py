@@ -13,7 +13,8 @@ ranks inside every participant's window, a rank that starts it after the group's
 (the lower median of the participants' start times) is late by the difference. Both ranks'
 stretches since the previous matched collective they share are set side by side: the late
 rank's extra time in each state is a cause, and with the difference of the previous
-collective's ends the causes add up to the lateness.
+collective's ends the causes add up to the lateness. Ranks wait inside a step, so lateness
+beyond a step is a match that drifted: left out and counted (:func:`_drifted`).
 """
 
 from __future__ import annotations
