@@ -212,12 +212,13 @@ def late_arrivals(
     out = []
     for (rank,), rows in late.group_by(["rank"], maintain_order=True):
         n = steps.get(rank, 1)
-        if mean_step and float(rows["late"].sum()) / n > mean_step:
+        late_ns = float(rows["late"].sum())
+        if mean_step and late_ns / n > mean_step:
             drifted += rows.height
             continue
         item = {
             "rank": int(rank),
-            "late_ms_per_step": round(float(rows["late"].sum()) / NS_PER_MS / n, 4),
+            "late_ms_per_step": round(late_ns / NS_PER_MS / n, 4),
             "instances": rows.height,
             "median_ranks": sorted(set(rows["m_rank"].to_list())),
             "causes": [
@@ -235,17 +236,17 @@ def late_arrivals(
 
 
 def _drifted(late: pl.DataFrame, ranks: list[dict]) -> tuple[pl.DataFrame, int]:
-    """``late`` without the instances later than the longest step of any rank, or whose
-    previous collectives ended further apart than that, and how many those were. The ranks
-    waiting at a collective wait inside one of their steps, so no rank arrives later than a
-    step lasts: such an instance is a match that drifted (the ranks' collectives counted from
-    different steps: windows sampled apart, captures started at different steps), and its
-    "lateness" the time between two different collectives."""
+    """``late`` without the instances later than the longest step of any rank, and how many
+    those were. The ranks waiting at a collective wait inside one of their steps, so no rank
+    arrives later than a step lasts: such an instance is a match that drifted (the ranks'
+    collectives counted from different steps: windows sampled apart, captures started at
+    different steps), and its "lateness" the time between two different collectives. (The
+    previous collectives are matched instances, whose ends matching already holds within a
+    step: :func:`traceclf.measures.collectives.undrifted`.)"""
     longest = longest_step_ns(ranks)
     if not longest:  # (no step: nothing bounds it)
         return late, 0
-    apart = (pl.col("p_end") - pl.col("p_end_m")).abs()
-    kept = late.filter((pl.col("late") <= longest) & (apart.is_null() | (apart <= longest)))
+    kept = late.filter(pl.col("late") <= longest)
     return kept, late.height - kept.height
 
 
@@ -339,14 +340,10 @@ class _Clock:
         self.launch_names = list(self.starts)
 
     def holds(self, prev: np.ndarray, this: np.ndarray) -> np.ndarray:
-        """Whether the clock holds both rows of each pair (row numbers; -1: none)."""
+        """Whether the clock holds both rows of each pair (row numbers; -1: none, which no
+        clock holds: its rows start at ``first_row`` >= 0)."""
         n = len(self.at_start)
-        return (
-            (prev >= 0)
-            & (this >= 0)
-            & _within(prev - self.first, n)
-            & _within(this - self.first, n)
-        )
+        return _within(prev - self.first, n) & _within(this - self.first, n)
 
     def stretches(self, prev: np.ndarray, this: np.ndarray) -> np.ndarray:
         """ns in each state from the end of collective ``prev`` to the start of ``this``,
