@@ -11,6 +11,7 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+import polars as pl
 import pytest
 from helpers.cli import run_cli
 from helpers.constructed import Export
@@ -376,3 +377,71 @@ def test_an_instance_whose_ranks_end_a_step_apart_is_unmatched():
     assert longest_step_ns(ranks) == 10 * ms
     assert undrifted(matched, longest_step_ns(ranks))["instance"].to_list() == [0, 0, None, None]
     assert undrifted(matched, longest_step_ns([{}, {}]))["instance"].to_list() == [0, 0, 1, 1]
+
+
+def _sampled_rank(rank: int, starts_ms: list[int], spans_ms: list[tuple[int, int]]) -> dict:
+    """A rank of one export with step sampling: the all-reduces it read (each 1 ms long,
+    ending with the other rank's: a collective completes on all participants together) and
+    its analysed spans."""
+    ms = 1_000_000
+    n = len(starts_ms)
+    return {
+        "rank": rank,
+        "clock": {"export": "one.sqlite"},
+        "window": [spans_ms[0][0] * ms, spans_ms[-1][1] * ms],
+        "steps": {"analysed": 20, "durations_ms": [10.0] * 20, "mean_ms": 10.0},
+        "collectives": {
+            "spans": [[lo * ms, hi * ms] for lo, hi in spans_ms],
+            "stream_id": [7] * n,
+            "kind": ["all_reduce"] * n,
+            "start": [s * ms for s in starts_ms],
+            "end": [(s + 1) * ms for s in starts_ms],
+            "group": ["0xabc"] * n,
+            "call": ["ncclAllReduce"] * n,
+            "msg_bytes": [1024] * n,
+        },
+    }
+
+
+def test_sampled_runs_are_matched_run_by_run():
+    """Constructed (the real two-rank fixtures are read whole: small): an all-reduce every
+    10 ms; each rank analysed two runs of ten steps, [0, 100) and [1000, 1100) ms, and read
+    rows past a run's end: rank 0 twelve more collectives after its first run, rank 1 none.
+    Numbered from the first collective, rank 0's second run would be 12 collectives ahead,
+    beyond the shift matching tries; matched run by run every pair ends together, and the
+    collectives outside the runs both ranks analysed are left out, not unmatched."""
+    from traceclf.measures.collectives import matched
+
+    run0, run1 = list(range(0, 100, 10)), list(range(1000, 1100, 10))
+    extra = list(range(100, 220, 10))
+    ranks = [
+        _sampled_rank(0, run0 + extra + run1, [(0, 100), (1000, 1100)]),
+        _sampled_rank(1, run0 + run1, [(0, 100), (1000, 1100)]),
+    ]
+    m = matched(ranks)
+    full = m.instances.filter(pl.col("instance").is_not_null())
+    ends = full.group_by("instance").agg(pl.col("a_end").n_unique(), pl.len())
+    assert ends.height == 20 and ends["a_end"].to_list() == [1] * 20
+    assert ends["len"].to_list() == [2] * 20
+    assert m.waits["collectives_matched"] == 20 and m.waits["collectives_unmatched"] == 0
+    # the late-arrival walk counts the steps the matched collectives come from
+    assert m.steps_matched(ranks[0]) == m.steps_matched(ranks[1]) == 20
+
+
+def test_runs_every_rank_analysed_are_where_their_spans_meet():
+    """Constructed: the shared runs are the times all ranks analysed (on the common clock);
+    none when each rank analysed one span (then one sequence from the capture's start)."""
+    from traceclf.measures.collectives import shared_runs
+
+    ms = 1_000_000
+    a = _sampled_rank(0, [5], [(0, 100), (1000, 1100)])
+    b = _sampled_rank(1, [5], [(2, 90), (95, 102), (1010, 1200)])
+    assert shared_runs([a, b], {0: 0, 1: 0}) == [
+        (2 * ms, 90 * ms),
+        (95 * ms, 100 * ms),
+        (1010 * ms, 1100 * ms),
+    ]
+    # rank 1's clock 5 ms behind: its spans move onto rank 0's clock
+    assert shared_runs([a, b], {0: 0, 1: 5 * ms})[0] == (7 * ms, 95 * ms)
+    whole = _sampled_rank(1, [5], [(0, 1200)])
+    assert shared_runs([_sampled_rank(0, [5], [(0, 1100)]), whole], {0: 0, 1: 0}) is None

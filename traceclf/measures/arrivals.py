@@ -156,15 +156,19 @@ def _host_ranges(w: RankWindow) -> list[tuple[str, Busy]]:
 
 
 def late_arrivals(
-    instances: pl.DataFrame, ranks: list[dict], shared: list[list[int]]
+    instances: pl.DataFrame,
+    ranks: list[dict],
+    shared: list[list[int]],
+    steps: dict[int, float] | None = None,
 ) -> tuple[list, int]:
     """The ranks that start matched collectives after their group's median rank, with how
     late per step and why (``instances``: matched collectives, one row per rank and instance:
     rank, ordinal, kind, instance, row (the collective's row in the rank's list), a_start,
     a_end (aligned), in_window; ``ranks``: the cross-rank dicts, with ``arrivals``
     (:func:`arrival_clock`) and ``steps``; ``shared``: groups of ranks that time-slice one
-    GPU); and how many late instances were left out as drifted matches
-    (:func:`_drifted`)."""
+    GPU; ``steps``: how many of each rank's steps the matched collectives come from, by
+    default its analysed steps: :meth:`traceclf.measures.collectives.Matching.steps_matched`);
+    and how many late instances were left out as drifted matches (:func:`_drifted`)."""
     clocks = {r["rank"]: r.get("arrivals") or {} for r in ranks}
     if instances.is_empty() or not all(c.get("states") for c in clocks.values()):
         return [], 0
@@ -204,7 +208,7 @@ def late_arrivals(
     late, drifted = _drifted(late, ranks)
     if late.is_empty():
         return [], drifted
-    steps = {r["rank"]: max((r.get("steps") or {}).get("analysed") or 1, 1) for r in ranks}
+    steps = steps or {r["rank"]: max((r.get("steps") or {}).get("analysed") or 1, 1) for r in ranks}
     mates = {r: [x for x in g if x != r] for g in shared for r in g}
     # the waits at a step's collectives are stretches of the waiting rank's step, so a rank
     # later per step than the ranks' steps last on average is drifted matches, not lateness
@@ -251,7 +255,7 @@ def _drifted(late: pl.DataFrame, ranks: list[dict]) -> tuple[pl.DataFrame, int]:
 
 
 def _causes(
-    rows: pl.DataFrame, clocks: dict, rank: int, steps: int
+    rows: pl.DataFrame, clocks: dict, rank: int, steps: float
 ) -> list[tuple[str, float, str, dict]]:
     """The late rank's extra time per state over its median ranks' (summed over instances),
     as (cause, ns, detail, extra keys: ``nvtx``, the range's name), largest first; the previous collective's later end on the late
@@ -362,7 +366,7 @@ def _within(i: np.ndarray, n: int) -> np.ndarray:
     return (i >= 0) & (i < n)
 
 
-def _kernel_detail(kernels: dict[str, float], launches: dict[str, int], steps: int) -> str:
+def _kernel_detail(kernels: dict[str, float], launches: dict[str, int], steps: float) -> str:
     """The compute kernels that took longer on the late rank, per step: extra time and extra
     launches (more launches: more work, not a slower GPU)."""
     if not kernels:

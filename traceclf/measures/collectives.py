@@ -5,15 +5,19 @@ cross_rank` when a report has several ranks)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import polars as pl
 
 MAX_SHIFT = 8  # instances a rank's capture may start early or late relative to the reference
+RUN_BLOCK = 1 << 32  # instances of one shared run are numbered run * RUN_BLOCK + place in it
 
 INSTANCE_SCHEMA = {
     "rank": pl.Int64,
     "ordinal": pl.String,  # the communicator, or the stream's place in order of first use
     "kind": pl.String,
-    "seq": pl.Int64,
+    "seq": pl.Int64,  # order within ordinal, kind and shared run
+    "run": pl.Int64,  # the shared run (shared_runs) the collective ends in
     "start": pl.Int64,
     "end": pl.Int64,
     "in_window": pl.Boolean,
@@ -23,30 +27,53 @@ INSTANCE_SCHEMA = {
 }
 
 
-def matched(ranks: list[dict]) -> tuple[dict, dict[int, float], str, float, pl.DataFrame]:
-    """The collectives of ``ranks`` matched across them: wait vs transfer (the keys of the
-    ``cross_rank`` block it fills), each rank's clock offset (ns), how the clocks were
-    aligned, the spread of matched collective ends (µs), and the matched instances (one row
-    per rank and collective: :data:`INSTANCE_SCHEMA`, ``instance``, aligned ``a_start`` and
-    ``a_end``)."""
+@dataclass(frozen=True)
+class Matching:
+    """The collectives of several ranks matched (:func:`matched`)."""
+
+    waits: dict  # wait vs transfer: the keys of the ``cross_rank`` block it fills
+    offsets: dict[int, int]  # each rank's clock offset (ns)
+    aligned_by: str | None  # how the clocks were aligned
+    spread_us: float | None  # the spread of matched collective ends
+    # one row per rank and collective: INSTANCE_SCHEMA, ``instance``, aligned ``a_start``/``a_end``
+    instances: pl.DataFrame
+    # per rank, the share of its analysed collectives inside the shared runs (shared_share)
+    shares: dict[int, float]
+
+    def steps_matched(self, rank: dict) -> float:
+        """How many of ``rank``'s steps the matched collectives come from: its analysed steps,
+        times the share of its analysed collectives that lie in the runs every rank analysed
+        (collectives come at much the same rate step after step; time would count the
+        gaps a run's steps may hold)."""
+        analysed = max((rank.get("steps") or {}).get("analysed") or 1, 1)
+        return max(analysed * self.shares.get(rank["rank"], 1.0), 1.0)
+
+
+def matched(ranks: list[dict]) -> Matching:
+    """The collectives of ``ranks`` matched across them (:class:`Matching`)."""
     coll = pl.concat([rank_collectives(r) for r in ranks])
     offsets, how = clock_offsets(ranks)
-    instances = match_instances(coll, offsets)
+    runs = shared_runs(ranks, offsets)
+    shares = shared_share(coll, ranks, offsets, runs)
+    instances = match_instances(coll, offsets, runs)
     refined = refine_offsets(instances, ranks, offsets)
     if refined != offsets:
         how = f"{how} + matched collective ends"
         instances = realign(instances, refined)
     instances = undrifted(instances, longest_step_ns(ranks))
     spread = alignment_error_us(instances, ranks[0]["rank"])
-    return wait_transfer(instances), refined, how, spread, instances
+    return Matching(wait_transfer(instances), refined, how, spread, instances, shares)
 
 
-def collectives_of(keyed: pl.DataFrame) -> dict[str, list]:
-    """Every collective kernel of the rank in the capture (``keyed``: its communication kernels
+def collectives_of(keyed: pl.DataFrame, spans: tuple[tuple[int, int], ...]) -> dict[str, list]:
+    """Every collective kernel of the rank that was read (``keyed``: its communication kernels
     with their communicators, :func:`traceclf.measures.communicators.with_keys`; not only the
     window: matching across ranks needs the order from the start), as columns stream_id, kind,
-    start, end, and the communicator (``group``), NCCL call and message bytes of each."""
+    start, end, and the communicator (``group``), NCCL call and message bytes of each; and
+    ``spans``, the analysed spans of the rank's steps ([start, end) ns: several when steps are
+    sampled), which :func:`shared_runs` lays over the other ranks'."""
     return {
+        "spans": [[int(lo), int(hi)] for lo, hi in spans],
         "stream_id": keyed["stream_id"].fill_null(-1).to_list(),
         "kind": keyed["comm_kind"].cast(pl.String).to_list(),
         "start": keyed["start"].to_list(),
@@ -61,7 +88,7 @@ def rank_collectives(rank: dict) -> pl.DataFrame:
     """The rank's collectives with ``ordinal``: the communicator NCCL's payloads name (its id
     is the same on every rank), else the rank's communication stream numbered by first use
     (stream ids are per process, the order in which a rank first uses its communicators is
-    not); ``seq``: order within ordinal and kind; ``row``: place in the rank's list."""
+    not); ``row``: place in the rank's list. :func:`match_instances` numbers them."""
     cols = rank.get("collectives") or {}
     n = len(cols.get("start", []))
     schema = {
@@ -85,8 +112,9 @@ def rank_collectives(rank: dict) -> pl.DataFrame:
         df.join(ordinal.select("stream_id", "stream"), on="stream_id")
         .with_columns(ordinal=pl.coalesce("group", "stream"), row=pl.col("row").cast(pl.Int64))
         .sort("start")
-        .with_columns(seq=pl.int_range(pl.len()).over("ordinal", "kind").cast(pl.Int64))
         .with_columns(
+            seq=pl.lit(None, pl.Int64),
+            run=pl.lit(None, pl.Int64),
             rank=pl.lit(rank["rank"], pl.Int64),
             in_window=(pl.col("start") >= lo) & (pl.col("start") < hi)
             if lo is not None
@@ -110,12 +138,69 @@ def clock_offsets(ranks: list[dict]) -> tuple[dict[int, int], str | None]:
     return {r["rank"]: int(u - base) for r, u in zip(ranks, utc, strict=True)}, "session start"
 
 
-def match_instances(coll: pl.DataFrame, offsets: dict[int, int]) -> pl.DataFrame:
-    """Collective instances across ranks: a rank's (ordinal, kind, seq) is matched to the
+def shared_runs(ranks: list[dict], offsets: dict[int, int]) -> list[tuple[int, int]] | None:
+    """The spans of time (on the common clock) that every rank analysed, when some rank's
+    steps were sampled (several spans); None when each rank analysed one span (every
+    collective is then matched in one sequence from the start of the capture). A sampled
+    rank's collectives come in runs with gaps between them that no rank's list shows, and the
+    runs' first collectives differ from rank to rank (each rank's steps start at other
+    times, its plan may choose other steps): numbered from the start they would pair
+    different collectives, run by run further apart."""
+    spans = [
+        [(lo + offsets.get(r["rank"], 0), hi + offsets.get(r["rank"], 0)) for lo, hi in s]
+        for r in ranks
+        if (s := (r.get("collectives") or {}).get("spans"))
+    ]
+    if all(len(s) <= 1 for s in spans):
+        return None
+    common = spans[0]
+    for other in spans[1:]:
+        common = [
+            (max(a, c), min(b, d)) for a, b in common for c, d in other if max(a, c) < min(b, d)
+        ]
+    return sorted(common)
+
+
+def shared_share(
+    coll: pl.DataFrame,
+    ranks: list[dict],
+    offsets: dict[int, int],
+    runs: list[tuple[int, int]] | None,
+) -> dict[int, float]:
+    """Per rank, of its collectives that end in its analysed spans, the share that end in the
+    shared ``runs`` too (1 without shared runs)."""
+    if runs is None:
+        return {}
+    out = {}
+    for r in ranks:
+        ends = coll.filter(pl.col("rank") == r["rank"])["end"]
+        own = _span_of(ends, [tuple(s) for s in (r.get("collectives") or {}).get("spans", [])])
+        shared = _span_of(ends + offsets.get(r["rank"], 0), runs)
+        n = own.is_not_null().sum()
+        out[r["rank"]] = shared.is_not_null().sum() / n if n else 1.0
+    return out
+
+
+def _span_of(times: pl.Series, spans: list[tuple[int, int]]) -> pl.Series:
+    """The place in ``spans`` (sorted, disjoint [lo, hi] ns) of the span each of ``times``
+    lies in; null in none."""
+    los = pl.Series([lo for lo, _ in spans], dtype=pl.Int64)
+    his = pl.Series([hi for _, hi in spans], dtype=pl.Int64)
+    place = los.search_sorted(times, side="right").cast(pl.Int64) - 1
+    inside = (place >= 0) & (times <= his.gather(place.clip(lower_bound=0)))
+    return place.zip_with(inside, pl.repeat(None, len(times), dtype=pl.Int64, eager=True))
+
+
+def match_instances(
+    coll: pl.DataFrame, offsets: dict[int, int], runs: list[tuple[int, int]] | None = None
+) -> pl.DataFrame:
+    """Collective instances across ranks: a rank's (ordinal, kind, run, seq) is matched to the
     reference rank's (the one with most rows of that ordinal and kind) at the sequence shift
-    (|shift| <= MAX_SHIFT) whose end times agree best, so a capture that starts a few
-    collectives early or late on one rank still matches. Returns the rows with ``instance``
-    (the reference's seq) and aligned ``a_start``/``a_end``."""
+    (|shift| <= MAX_SHIFT, per run) whose end times agree best, so a capture or a run that
+    starts a few collectives early or late on one rank still matches. ``runs``: the shared
+    runs (:func:`shared_runs`; None: one run, the whole list); a collective whose aligned end
+    lies in none is left out. Returns the rows with ``seq``, ``run``, ``instance`` (the
+    reference's seq, ``run * RUN_BLOCK + seq``) and aligned ``a_start``/``a_end``."""
     if coll.is_empty():
         return coll.with_columns(instance=pl.lit(None, pl.Int64), a_start=None, a_end=None)
     off = pl.DataFrame(
@@ -126,6 +211,8 @@ def match_instances(coll: pl.DataFrame, offsets: dict[int, int]) -> pl.DataFrame
         a_start=pl.col("start") + pl.col("offset").fill_null(0),
         a_end=pl.col("end") + pl.col("offset").fill_null(0),
     )
+    # (a collective outside the runs every rank analysed has nothing to be matched with)
+    coll = _numbered(coll, runs).filter(pl.col("run").is_not_null())
     counts = coll.group_by("ordinal", "kind", "rank").len()
     ref = (
         counts.sort(["len", "rank"], descending=[True, False])
@@ -134,34 +221,49 @@ def match_instances(coll: pl.DataFrame, offsets: dict[int, int]) -> pl.DataFrame
     )
     coll = coll.join(ref, on=["ordinal", "kind"])
     ref_rows = coll.filter(pl.col("rank") == pl.col("ref_rank")).select(
-        "ordinal", "kind", ref_seq="seq", ref_end="a_end"
+        "ordinal", "kind", "run", ref_seq="seq", ref_end="a_end"
     )
     others = coll.filter(pl.col("rank") != pl.col("ref_rank"))
     shifts = pl.DataFrame({"shift": list(range(-MAX_SHIFT, MAX_SHIFT + 1))})
     trial = (
-        others.select("rank", "ordinal", "kind", "seq", "a_end")
+        others.select("rank", "ordinal", "kind", "run", "seq", "a_end")
         .join(shifts, how="cross")
         .with_columns(ref_seq=pl.col("seq") - pl.col("shift"))
-        .join(ref_rows, on=["ordinal", "kind", "ref_seq"])
-        .group_by("rank", "ordinal", "kind", "shift")
+        .join(ref_rows, on=["ordinal", "kind", "run", "ref_seq"])
+        .group_by("rank", "ordinal", "kind", "run", "shift")
         .agg(err=(pl.col("a_end") - pl.col("ref_end")).abs().median(), n=pl.len())
     )
     # Among shifts that pair at least half of what could pair, the one whose ends agree best.
     best = (
-        trial.with_columns(most=pl.col("n").max().over("rank", "ordinal", "kind"))
+        trial.with_columns(most=pl.col("n").max().over("rank", "ordinal", "kind", "run"))
         .filter(pl.col("n") * 2 >= pl.col("most"))
         .sort("err", pl.col("shift").abs())
-        .unique(["rank", "ordinal", "kind"], keep="first")
-        .select("rank", "ordinal", "kind", "shift")
+        .unique(["rank", "ordinal", "kind", "run"], keep="first")
+        .select("rank", "ordinal", "kind", "run", "shift")
     )
     return (
-        coll.join(best, on=["rank", "ordinal", "kind"], how="left")
+        coll.join(best, on=["rank", "ordinal", "kind", "run"], how="left")
         .with_columns(
-            instance=pl.when(pl.col("rank") == pl.col("ref_rank"))
+            instance=pl.col("run") * RUN_BLOCK
+            + pl.when(pl.col("rank") == pl.col("ref_rank"))
             .then(pl.col("seq"))
             .otherwise(pl.col("seq") - pl.col("shift"))
         )
         .drop("shift", "offset")
+    )
+
+
+def _numbered(coll: pl.DataFrame, runs: list[tuple[int, int]] | None) -> pl.DataFrame:
+    """``coll`` (aligned) with ``run``: the shared run its aligned end lies in (0 for all
+    without runs; null in none), and ``seq``: its place, in start order, among the rank's
+    collectives of its ordinal, kind and run."""
+    if runs is None:
+        run = pl.repeat(0, coll.height, dtype=pl.Int64, eager=True)
+    else:
+        run = _span_of(coll["a_end"], runs)
+    # (each rank's rows are in start order: rank_collectives)
+    return coll.with_columns(run=run).with_columns(
+        seq=pl.int_range(pl.len(), dtype=pl.Int64).over("rank", "ordinal", "kind", "run")
     )
 
 

@@ -156,20 +156,22 @@ def collective_waits(ranks: list[dict], shared: list[list[int]] | None = None) -
     from traceclf.measures.arrivals import late_arrivals
     from traceclf.measures.collectives import group_transfers, matched
 
-    waits, refined, how, spread, instances = matched(ranks)
-    late, drifted = late_arrivals(instances, ranks, shared or [])
+    m = matched(ranks)
+    late, drifted = late_arrivals(
+        m.instances, ranks, shared or [], {r["rank"]: m.steps_matched(r) for r in ranks}
+    )
     # One export: one clock, nothing to align; the end spread is the collectives' own.
-    error = 0.0 if how == "one export" else spread
-    return waits | {
+    error = 0.0 if m.aligned_by == "one export" else m.spread_us
+    return m.waits | {
         "clock": {
-            "aligned_by": how,
-            "offsets_us": {str(r): round(o / 1e3, 3) for r, o in refined.items()},
+            "aligned_by": m.aligned_by,
+            "offsets_us": {str(r): round(o / 1e3, 3) for r, o in m.offsets.items()},
             "alignment_error_us": error,
-            "end_spread_us": spread,
+            "end_spread_us": m.spread_us,
         },
         "late_arrivals": late,
         "late_arrivals_left_out": drifted,
-        "transfers": group_transfers(instances),
+        "transfers": group_transfers(m.instances),
     }
 
 

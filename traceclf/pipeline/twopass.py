@@ -41,7 +41,7 @@ from traceclf.model.taxonomy import Taxonomy, matches
 from traceclf.model.trace import Trace
 from traceclf.pipeline.pass2 import Pass2, merge_spans
 from traceclf.steps.find import graph_launch_steps, range_label, recurring_kernel, step_ranges
-from traceclf.steps.plan import StepPlan, plan_steps
+from traceclf.steps.plan import StepPlan, plan_steps, shared_steady
 from traceclf.steps.settings import StepSettings, bundled_settings
 from traceclf.steps.steady import Allocations, steady_bounds
 
@@ -157,7 +157,7 @@ class _Planner:
 
     def plans(self) -> dict[int, StepPlan] | None:
         nvtx, pattern = nvtx_ranges(self.reader, self.nvtx_raw), self.pattern
-        plans = {}
+        found_steps = {}
         for pid in self._rank_pids():
             found = self._nvtx(nvtx, pid, pattern) or self._graphs(pid) or self._pattern(pid)
             if found is None:
@@ -180,11 +180,20 @@ class _Planner:
                         self.settings,
                         self._allocations(projector),
                     )
-            plan = plan_steps(
-                table, source, label, exact, self._analysable(table), self.settings, steady
-            )
-            plans[pid] = plan
-            self.spans += _read_spans(plan, projector)
+            found_steps[pid] = (table, source, label, exact, steady, projector)
+        plans = {
+            pid: plan_steps(t, src, lab, ex, self._analysable(t), self.settings, st)
+            for pid, (t, src, lab, ex, st, _p) in found_steps.items()
+        }
+        within = shared_steady(list(plans.values()))
+        if within is not None:  # the ranks of this export analyse the same steps
+            analysable = min(self._analysable(t) for t, *_ in found_steps.values())
+            plans = {
+                pid: plan_steps(t, src, lab, ex, analysable, self.settings, st, within)
+                for pid, (t, src, lab, ex, st, _p) in found_steps.items()
+            }
+        for pid, plan in plans.items():
+            self.spans += _read_spans(plan, found_steps[pid][-1])
         return plans or None
 
     def _allocations(self, projector: Projector) -> Allocations:

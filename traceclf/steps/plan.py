@@ -60,12 +60,14 @@ def plan_steps(
     analysable: int,
     settings: StepSettings,
     steady: tuple[int, int] | None = None,
+    within: tuple[int, int] | None = None,
 ) -> StepPlan:
     """Choose the steps to analyse: every steady step when ``analysable`` (how many the row
     budget allows) covers them, else ``analysable`` of them in up to :data:`RUNS` runs of
-    consecutive steps spread evenly over the steady state. ``table``: index, name, start, end
-    (GPU times when ``exact``, else CPU times, and then ``steady``, the first and last
-    position of the steady state, decided on GPU durations: :func:`steady_bounds`)."""
+    consecutive steps spread evenly over the steady state (or over ``within``, positions of
+    steady steps that other ranks share: :func:`shared_steady`). ``table``: index, name,
+    start, end (GPU times when ``exact``, else CPU times, and then ``steady``, the first and
+    last position of the steady state, decided on GPU durations: :func:`steady_bounds`)."""
     table = with_durations(table.rename({"start": "gpu_start", "end": "gpu_end"}))
     first, last = steady or steady_range(table["duration"].to_list(), settings)
     table = table.with_columns(
@@ -73,6 +75,8 @@ def plan_steps(
         position=pl.int_range(pl.len()),
     )
     index = table["index"].to_list()
+    if within is not None:
+        first, last = max(first, within[0]), min(last, within[1])
     count = last - first + 1
     n = max(1, min(analysable, count))
     if n >= count:
@@ -97,6 +101,27 @@ def plan_steps(
         tuple((index[a], index[b]) for a, b in merged),
         exact,
     )
+
+
+def shared_steady(plans: list[StepPlan]) -> tuple[int, int] | None:
+    """The positions of the steady steps every one of ``plans`` has, when they are the plans
+    of ranks whose steps match one to one (as many, found the same way: the ranks of one
+    export) but not the same runs; None otherwise. Matching collectives across ranks needs
+    the same steps: each rank's steady state, and so its runs, is decided on its own
+    durations, and runs of other steps on each rank share little time (whose collectives
+    alone can be matched: :func:`traceclf.measures.collectives.shared_runs`)."""
+    if len(plans) < 2 or len({(p.source, p.table.height) for p in plans}) > 1:
+        return None
+    if len({p.runs for p in plans}) == 1:
+        return None
+    bounds = []
+    for plan in plans:
+        positions = plan.table.with_row_index("position").filter(pl.col("steady"))["position"]
+        if positions.is_empty():
+            return None
+        bounds.append((int(positions.min()), int(positions.max())))  # type: ignore[arg-type]
+    first, last = max(a for a, _ in bounds), min(b for _, b in bounds)
+    return (first, last) if first <= last else None
 
 
 def planned_steps(trace: Trace, plan: StepPlan, settings: StepSettings) -> Steps:
