@@ -495,11 +495,12 @@ def median_run(runs: list[Run]) -> Run:
     return run
 
 
-def rank_runs(folder: Path, all_steps: bool) -> list[Run]:
-    """Every rank file of ``folder`` in one analysis, with one and with two worker processes."""
+def rank_runs(folder: Path, all_steps: bool, jobs_counts: Sequence[int] = (1, 2)) -> list[Run]:
+    """Every rank file of ``folder`` in one analysis, with each of ``jobs_counts`` worker
+    processes."""
     env = traceclf_env()
     runs = []
-    for jobs in (1, 2):
+    for jobs in jobs_counts:
         cmd = [traceclf_exe(), "analyze", str(folder), "--format", "json", "--quiet"]
         tries = []
         for _ in range(REPEAT["n"]):
@@ -980,7 +981,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--inputs",
         default=DEFAULT_INPUTS,
         help=f"comma-separated KIND:SIZE inputs to build and time, KIND one of {', '.join(KINDS)} "
-        f"(default: {DEFAULT_INPUTS})",
+        f"(default: {DEFAULT_INPUTS}; 'none': only the per-rank files)",
     )
     parser.add_argument(
         "--sizes", help="shorthand for --inputs gpu-metrics:SIZE,... (the earlier benchmark)"
@@ -990,6 +991,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=DEFAULT_RANKS,
         help=f"NxSIZE per-rank kernel-dense files timed with --jobs 1 and 2 (default {DEFAULT_RANKS}; "
         "'none' to skip)",
+    )
+    parser.add_argument(
+        "--jobs",
+        default="1,2",
+        help="comma-separated --jobs values the per-rank files are timed with (default 1,2; "
+        "more on a machine of more cores)",
     )
     parser.add_argument(
         "--source",
@@ -1041,7 +1048,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     specs = (
         [f"gpu-metrics:{s}" for s in args.sizes.split(",")]
         if args.sizes
-        else args.inputs.split(",")
+        else [s for s in args.inputs.split(",") if s.strip() and s.strip() != "none"]
     )
     all_steps = has_all_steps()
     compile_bytecode()
@@ -1080,7 +1087,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(table(analysis[-5:], floors), file=sys.stderr)
     if args.ranks != "none":
         folder, meta = build_ranks(source, args.ranks, args.rebuild)
-        analysis += [(folder.name, meta, run) for run in rank_runs(folder, all_steps)]
+        jobs = [int(j) for j in args.jobs.split(",")]
+        analysis += [(folder.name, meta, run) for run in rank_runs(folder, all_steps, jobs)]
         shutil.rmtree(folder, ignore_errors=True)
     goals = targets(analysis)
     command = " ".join(
