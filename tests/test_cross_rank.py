@@ -381,8 +381,8 @@ def test_an_instance_whose_ranks_end_a_step_apart_is_unmatched():
 
 def _sampled_rank(rank: int, starts_ms: list[int], spans_ms: list[tuple[int, int]]) -> dict:
     """A rank of one export with step sampling: the all-reduces it read (each 1 ms long,
-    ending with the other rank's: a collective completes on all participants together) and
-    its analysed spans."""
+    ending with the other rank's: a collective completes on all participants together), its
+    analysed spans and their steps (10 ms each)."""
     ms = 1_000_000
     n = len(starts_ms)
     return {
@@ -392,6 +392,9 @@ def _sampled_rank(rank: int, starts_ms: list[int], spans_ms: list[tuple[int, int
         "steps": {"analysed": 20, "durations_ms": [10.0] * 20, "mean_ms": 10.0},
         "collectives": {
             "spans": [[lo * ms, hi * ms] for lo, hi in spans_ms],
+            "steps": [
+                (t * ms, (t + 10) * ms) for lo, hi in spans_ms for t in range(lo, hi - 9, 10)
+            ],
             "stream_id": [7] * n,
             "kind": ["all_reduce"] * n,
             "start": [s * ms for s in starts_ms],
@@ -426,6 +429,37 @@ def test_sampled_runs_are_matched_run_by_run():
     assert m.waits["collectives_matched"] == 20 and m.waits["collectives_unmatched"] == 0
     # the late-arrival walk counts the steps the matched collectives come from
     assert m.steps_matched(ranks[0]) == m.steps_matched(ranks[1]) == 20
+
+
+def test_ranks_that_analysed_no_time_in_common_match_nothing():
+    """Constructed: runs of steps that never overlap across ranks (plans apart, or a clock
+    read far off) leave nothing to match: no instance, no step to count, and no error."""
+    from traceclf.measures.collectives import matched
+
+    ranks = [
+        _sampled_rank(0, [0, 10, 20, 500, 510], [(0, 30), (500, 530)]),
+        _sampled_rank(1, [40, 50, 60, 600, 610], [(40, 70), (600, 630)]),
+    ]
+    m = matched(ranks)
+    assert m.waits["collectives_matched"] == 0 and m.waits["collectives_unmatched"] == 0
+    assert m.instances.is_empty()
+    assert m.steps_matched(ranks[0]) == 1  # (no step: per step of one, never a division by 0)
+
+
+def test_steps_cut_by_the_shared_runs_count_whole():
+    """Constructed: rank 1's steps start 5 ms after rank 0's, so the runs both analysed cut
+    every step of each; the late-arrival walk still counts each rank's ten steps per run
+    (their collectives are matched, bar those the cut leaves out), not half as many."""
+    from traceclf.measures.collectives import matched
+
+    run0, run1 = list(range(10, 100, 10)), list(range(1010, 1100, 10))
+    ranks = [
+        _sampled_rank(0, run0 + run1, [(0, 100), (1000, 1100)]),
+        _sampled_rank(1, run0 + run1, [(5, 105), (1005, 1105)]),
+    ]
+    m = matched(ranks)
+    assert m.waits["collectives_matched"] == 18
+    assert [m.steps_matched(r) for r in ranks] == [20, 20]
 
 
 def test_runs_every_rank_analysed_are_where_their_spans_meet():

@@ -159,7 +159,7 @@ def late_arrivals(
     instances: pl.DataFrame,
     ranks: list[dict],
     shared: list[list[int]],
-    steps: dict[int, float] | None = None,
+    steps: dict[int, int] | None = None,
 ) -> tuple[list, int]:
     """The ranks that start matched collectives after their group's median rank, with how
     late per step and why (``instances``: matched collectives, one row per rank and instance:
@@ -255,7 +255,7 @@ def _drifted(late: pl.DataFrame, ranks: list[dict]) -> tuple[pl.DataFrame, int]:
 
 
 def _causes(
-    rows: pl.DataFrame, clocks: dict, rank: int, steps: float
+    rows: pl.DataFrame, clocks: dict, rank: int, steps: int
 ) -> list[tuple[str, float, str, dict]]:
     """The late rank's extra time per state over its median ranks' (summed over instances),
     as (cause, ns, detail, extra keys: ``nvtx``, the range's name), largest first; the previous collective's later end on the late
@@ -366,7 +366,7 @@ def _within(i: np.ndarray, n: int) -> np.ndarray:
     return (i >= 0) & (i < n)
 
 
-def _kernel_detail(kernels: dict[str, float], launches: dict[str, int], steps: float) -> str:
+def _kernel_detail(kernels: dict[str, float], launches: dict[str, int], steps: int) -> str:
     """The compute kernels that took longer on the late rank, per step: extra time and extra
     launches (more launches: more work, not a slower GPU)."""
     if not kernels:

@@ -6,8 +6,12 @@ cross_rank` when a report has several ranks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import polars as pl
+
+if TYPE_CHECKING:
+    from traceclf.steps.steady import Steps
 
 MAX_SHIFT = 8  # instances a rank's capture may start early or late relative to the reference
 RUN_BLOCK = 1 << 32  # instances of one shared run are numbered run * RUN_BLOCK + place in it
@@ -37,16 +41,14 @@ class Matching:
     spread_us: float | None  # the spread of matched collective ends
     # one row per rank and collective: INSTANCE_SCHEMA, ``instance``, aligned ``a_start``/``a_end``
     instances: pl.DataFrame
-    # per rank, the share of its analysed collectives inside the shared runs (shared_share)
-    shares: dict[int, float]
+    # per rank, its analysed steps that overlap the shared runs (steps_in_runs); none: all
+    steps_in_runs: dict[int, int]
 
-    def steps_matched(self, rank: dict) -> float:
+    def steps_matched(self, rank: dict) -> int:
         """How many of ``rank``'s steps the matched collectives come from: its analysed steps,
-        times the share of its analysed collectives that lie in the runs every rank analysed
-        (collectives come at much the same rate step after step; time would count the
-        gaps a run's steps may hold)."""
-        analysed = max((rank.get("steps") or {}).get("analysed") or 1, 1)
-        return max(analysed * self.shares.get(rank["rank"], 1.0), 1.0)
+        or with shared runs those of them that overlap the runs."""
+        analysed = (rank.get("steps") or {}).get("analysed") or 1
+        return max(self.steps_in_runs.get(rank["rank"], analysed), 1)
 
 
 def matched(ranks: list[dict]) -> Matching:
@@ -54,26 +56,35 @@ def matched(ranks: list[dict]) -> Matching:
     coll = pl.concat([rank_collectives(r) for r in ranks])
     offsets, how = clock_offsets(ranks)
     runs = shared_runs(ranks, offsets)
-    shares = shared_share(coll, ranks, offsets, runs)
     instances = match_instances(coll, offsets, runs)
     refined = refine_offsets(instances, ranks, offsets)
     if refined != offsets:
         how = f"{how} + matched collective ends"
-        instances = realign(instances, refined)
+        if runs is None:
+            instances = realign(instances, refined)
+        else:  # the runs every rank analysed, laid over each other on the refined clocks
+            runs = shared_runs(ranks, refined)
+            instances = match_instances(coll, refined, runs)
     instances = undrifted(instances, longest_step_ns(ranks))
     spread = alignment_error_us(instances, ranks[0]["rank"])
-    return Matching(wait_transfer(instances), refined, how, spread, instances, shares)
+    steps = steps_in_runs(ranks, refined, runs)
+    return Matching(wait_transfer(instances), refined, how, spread, instances, steps)
 
 
-def collectives_of(keyed: pl.DataFrame, spans: tuple[tuple[int, int], ...]) -> dict[str, list]:
+def collectives_of(keyed: pl.DataFrame, steps: Steps) -> dict[str, list]:
     """Every collective kernel of the rank that was read (``keyed``: its communication kernels
     with their communicators, :func:`traceclf.measures.communicators.with_keys`; not only the
     window: matching across ranks needs the order from the start), as columns stream_id, kind,
     start, end, and the communicator (``group``), NCCL call and message bytes of each; and
-    ``spans``, the analysed spans of the rank's steps ([start, end) ns: several when steps are
-    sampled), which :func:`shared_runs` lays over the other ranks'."""
+    ``spans``, the analysed spans of the rank's ``steps`` ([start, end) ns: several when steps
+    are sampled), which :func:`shared_runs` lays over the other ranks', with ``steps``, the
+    analysed steps' own ([GPU start, + step time]: :func:`steps_in_runs`)."""
+    analysed = steps.steady.filter(
+        pl.col("gpu_start").is_not_null() & pl.col("duration").is_not_null()
+    )
     return {
-        "spans": [[int(lo), int(hi)] for lo, hi in spans],
+        "spans": [[int(lo), int(hi)] for lo, hi in steps.spans],
+        "steps": analysed.select("gpu_start", end=pl.col("gpu_start") + pl.col("duration")).rows(),
         "stream_id": keyed["stream_id"].fill_null(-1).to_list(),
         "kind": keyed["comm_kind"].cast(pl.String).to_list(),
         "start": keyed["start"].to_list(),
@@ -153,7 +164,7 @@ def shared_runs(ranks: list[dict], offsets: dict[int, int]) -> list[tuple[int, i
     ]
     if all(len(s) <= 1 for s in spans):
         return None
-    common = spans[0]
+    common = spans[0]  # (empty when they share no time: nothing can be matched)
     for other in spans[1:]:
         common = [
             (max(a, c), min(b, d)) for a, b in common for c, d in other if max(a, c) < min(b, d)
@@ -161,29 +172,31 @@ def shared_runs(ranks: list[dict], offsets: dict[int, int]) -> list[tuple[int, i
     return sorted(common)
 
 
-def shared_share(
-    coll: pl.DataFrame,
-    ranks: list[dict],
-    offsets: dict[int, int],
-    runs: list[tuple[int, int]] | None,
-) -> dict[int, float]:
-    """Per rank, of its collectives that end in its analysed spans, the share that end in the
-    shared ``runs`` too (1 without shared runs)."""
+def steps_in_runs(
+    ranks: list[dict], offsets: dict[int, int], runs: list[tuple[int, int]] | None
+) -> dict[int, int]:
+    """Per rank, how many of its analysed steps overlap the shared ``runs`` (none without
+    them): the steps its matched collectives come from. A step the runs cut (the ranks'
+    steps start at other times) counts whole: its collectives are matched but for those
+    the cut leaves out."""
     if runs is None:
         return {}
     out = {}
     for r in ranks:
-        ends = coll.filter(pl.col("rank") == r["rank"])["end"]
-        own = _span_of(ends, [tuple(s) for s in (r.get("collectives") or {}).get("spans", [])])
-        shared = _span_of(ends + offsets.get(r["rank"], 0), runs)
-        n = own.is_not_null().sum()
-        out[r["rank"]] = shared.is_not_null().sum() / n if n else 1.0
+        steps = (r.get("collectives") or {}).get("steps") or []
+        offset = offsets.get(r["rank"], 0)
+        out[r["rank"]] = sum(
+            any(lo + offset < hi_run and hi + offset > lo_run for lo_run, hi_run in runs)
+            for lo, hi in steps
+        )
     return out
 
 
 def _span_of(times: pl.Series, spans: list[tuple[int, int]]) -> pl.Series:
     """The place in ``spans`` (sorted, disjoint [lo, hi] ns) of the span each of ``times``
     lies in; null in none."""
+    if not spans:
+        return pl.repeat(None, len(times), dtype=pl.Int64, eager=True)
     los = pl.Series([lo for lo, _ in spans], dtype=pl.Int64)
     his = pl.Series([hi for _, hi in spans], dtype=pl.Int64)
     place = los.search_sorted(times, side="right").cast(pl.Int64) - 1

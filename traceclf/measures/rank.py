@@ -94,7 +94,7 @@ def measure_rank(
         gpu_metrics_series=g.metrics_series,
         idle_nvtx=idle_nvtx,
         step_budget=g.step_budget,
-        collectives=collectives.collectives_of(keyed, w.spans),
+        collectives=collectives.collectives_of(keyed, w.steps),
         comm_groups=communicators.groups_of(w, keyed, g.comm_blocking),
         overlap_tax=tax_shapes,
         arrivals=arrivals_clock,
