@@ -84,7 +84,10 @@ def collectives_of(keyed: pl.DataFrame, steps: Steps) -> dict[str, list]:
     )
     return {
         "spans": [[int(lo), int(hi)] for lo, hi in steps.spans],
-        "steps": analysed.select("gpu_start", end=pl.col("gpu_start") + pl.col("duration")).rows(),
+        "steps": [  # (lists, as the cached result reads back)
+            [int(lo), int(lo + d)]
+            for lo, d in zip(analysed["gpu_start"], analysed["duration"], strict=True)
+        ],
         "stream_id": keyed["stream_id"].fill_null(-1).to_list(),
         "kind": keyed["comm_kind"].cast(pl.String).to_list(),
         "start": keyed["start"].to_list(),
