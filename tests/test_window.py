@@ -151,6 +151,12 @@ def test_sampled_ranks_analyse_the_same_steps_and_pair_collectives_as_all_steps(
     assert len(sampled) >= 2 * report.steps["analysed"]  # two or more collectives a step
     assert sampled <= everything
     assert report.cross_rank["late_arrivals_left_out"] == 0
+    # the report says where they were matched
+    from traceclf.render.content import budget_rows
+
+    across = dict(budget_rows(report))["Across ranks"]
+    assert f"{len(sampled)} collectives matched" in across
+    assert "steps sampled: where every rank's analysed steps meet" in across
 
 
 # ------------------------------------------------------------------------- the reader
@@ -408,7 +414,6 @@ def test_host_tables_of_the_window_are_read_by_rowid_ranges() -> None:
         Reader(inspect_export(path)),
         read.trace.api["global_tid"].unique().to_list(),
         read.trace.read_spans,
-        has_nvtx_ranges=True,
     )
     for name in ("osrt", "samples", "sched"):
         got, want = getattr(read.trace, name), getattr(scanned, name)

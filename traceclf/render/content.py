@@ -283,11 +283,17 @@ def budget_rows(report: Report) -> list[tuple[str, str]]:
         waits = cross.get("wait_transfer_note") or (
             f"wait {pct(wait)}, transfer {pct(cross.get('comm_transfer_frac'))}"
         )
+        steps = report.steps or {}
+        sampled = (  # (sampled ranks' collectives are matched where their analysed steps meet)
+            " (steps sampled: where every rank's analysed steps meet; --all-steps matches all)"
+            if (steps.get("analysed") or 0) < (steps.get("used") or 0)
+            else ""
+        )
         rows.append(
             (
                 "Across ranks",
                 f"{cross.get('collectives_matched', 0)} collectives matched, "
-                f"{cross.get('collectives_unmatched', 0)} unmatched · wait vs transfer: {waits}"
+                f"{cross.get('collectives_unmatched', 0)} unmatched{sampled} · wait vs transfer: {waits}"
                 " · groups "
                 f"{cross.get('rank_groups')}, representatives {cross.get('representatives')}"
                 + (f" · {cross['verdict']}" if cross.get("verdict") else ""),
