@@ -414,6 +414,7 @@ def test_host_tables_of_the_window_are_read_by_rowid_ranges() -> None:
         Reader(inspect_export(path)),
         read.trace.api["global_tid"].unique().to_list(),
         read.trace.read_spans,
+        has_nvtx_ranges=True,
     )
     for name in ("osrt", "samples", "sched"):
         got, want = getattr(read.trace, name), getattr(scanned, name)
