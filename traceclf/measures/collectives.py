@@ -223,7 +223,7 @@ def match_instances(
         {"rank": list(offsets), "offset": list(offsets.values())},
         schema={"rank": pl.Int64, "offset": pl.Int64},
     )
-    coll = coll.join(off, on="rank", how="left").with_columns(
+    coll = coll.join(off, on="rank", how="left", maintain_order="left").with_columns(
         a_start=pl.col("start") + pl.col("offset").fill_null(0),
         a_end=pl.col("end") + pl.col("offset").fill_null(0),
     )
@@ -277,7 +277,7 @@ def _numbered(coll: pl.DataFrame, runs: list[tuple[int, int]] | None) -> pl.Data
         run = pl.repeat(0, coll.height, dtype=pl.Int64, eager=True)
     else:
         run = _span_of(coll["a_end"], runs)
-    # (each rank's rows are in start order: rank_collectives)
+    # (each rank's rows are in start order: rank_collectives, kept by match_instances' join)
     return coll.with_columns(run=run).with_columns(
         seq=pl.int_range(pl.len(), dtype=pl.Int64).over("rank", "ordinal", "kind", "run")
     )
