@@ -7,6 +7,7 @@ InfiniBand. NCCL writes its NVTX ranges with payloads (communicator, ranks, mess
 
     python3 workloads/nccl_groups.py --mode groups    # late rank + two groups
     python3 workloads/nccl_groups.py --mode overlap   # GEMMs alone, then beside an all-reduce
+    python3 workloads/nccl_groups.py --steps 400      # a longer capture (12 steps by default)
 
 What it does, per step (NVTX ``step N``):
 - ``groups``: ``forward`` GEMMs; ``ep_dispatch`` all-to-all on the "ep" group (8 MiB per
@@ -32,7 +33,7 @@ STEPS = 12
 PORT = 29533
 
 
-def rank_main(rank: int, world: int, mode: str) -> None:
+def rank_main(rank: int, world: int, mode: str, steps: int = STEPS) -> None:
     os.environ.update(NCCL_HOSTID=f"node{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
     import torch
     import torch.distributed as dist
@@ -63,7 +64,7 @@ def rank_main(rank: int, world: int, mode: str) -> None:
             t = torch.tanh(t @ w_attn)
         return t
 
-    for step in range(STEPS):
+    for step in range(steps):
         nvtx.range_push(f"step {step}")
         if mode == "groups":
             nvtx.range_push("forward")
@@ -124,12 +125,24 @@ def main() -> None:
     parser.add_argument("--mode", choices=("groups", "overlap"), default="groups")
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=STEPS)
     args = parser.parse_args()
     if args.rank is not None:
-        rank_main(args.rank, args.world, args.mode)
+        rank_main(args.rank, args.world, args.mode, args.steps)
         return
     procs = [
-        subprocess.Popen([sys.executable, __file__, "--mode", args.mode, "--rank", str(r)])
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--mode",
+                args.mode,
+                "--rank",
+                str(r),
+                "--steps",
+                str(args.steps),
+            ]
+        )
         for r in range(args.world)
     ]
     sys.exit(max(p.wait() for p in procs))
