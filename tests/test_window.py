@@ -507,3 +507,40 @@ def test_without_a_kernel_named_for_the_optimizer_no_run_is_found():
         family=pl.Series(["optimizer", "elementwise", "optimizer", "gemm"], dtype=pl.Categorical)
     )
     assert optimizer_runs(named)["in_optimizer"].to_list() == [True, True, True, False]
+
+
+def test_ranks_with_matching_steps_share_their_runs():
+    """Constructed step tables (the plan's logic alone): two ranks with 100 steps each whose
+    steady states differ (warm-up ends at step 3 on one, 5 on the other) are planned over the
+    steady steps both have, the same runs on each; ranks with other step counts, or analysed
+    in one run each, keep their own plans."""
+    from traceclf.steps.plan import plan_steps, shared_steady
+    from traceclf.steps.settings import bundled_settings
+
+    def table(n: int) -> pl.DataFrame:
+        starts = [i * 10_000_000 for i in range(n)]
+        return pl.DataFrame(
+            {
+                "index": list(range(n)),
+                "name": [f"step {i}" for i in range(n)],
+                "start": starts,
+                "end": [s + 9_000_000 for s in starts],
+            }
+        )
+
+    settings = bundled_settings()
+
+    def plan(n: int, steady: tuple[int, int], analysable: int, within=None):
+        return plan_steps(table(n), "nvtx", "step", True, analysable, settings, steady, within)
+
+    a, b = plan(100, (3, 98), 32), plan(100, (5, 97), 32)
+    assert a.runs != b.runs and len(a.runs) > 1
+    within = shared_steady([a, b])
+    assert within == (5, 97)
+    a2, b2 = plan(100, (3, 98), 32, within), plan(100, (5, 97), 32, within)
+    assert a2.runs == b2.runs and a2.runs[0][0] == 5 and a2.runs[-1][1] <= 97
+    # each keeps its own steady state (what its report says of warm-up)
+    assert int(a2.table["steady"].sum()) == 96 and int(b2.table["steady"].sum()) == 93
+    assert shared_steady([a, plan(120, (5, 97), 32)]) is None  # steps not one to one
+    whole = [plan(100, (3, 98), 1000), plan(100, (5, 97), 1000)]  # one run each
+    assert shared_steady(whole) is None
