@@ -479,3 +479,37 @@ def test_runs_every_rank_analysed_are_where_their_spans_meet():
     assert shared_runs([a, b], {0: 0, 1: 5 * ms})[0] == (7 * ms, 95 * ms)
     whole = _sampled_rank(1, [5], [(0, 1200)])
     assert shared_runs([_sampled_rank(0, [5], [(0, 1100)]), whole], {0: 0, 1: 0}) is None
+
+
+@pytest.mark.parametrize("clock_error_ms", [0, 20])
+def test_ranks_on_hosts_whose_clocks_stay_apart_get_no_wait_or_late_claim(tmp_path, clock_error_ms):
+    """ulysses_2gpu_forward_window split into per-rank files (tests/helpers/files.py), rank 1 on
+    another host whose session clock is read ``clock_error_ms`` wrong. Aligned on matched
+    collective ends, right clocks agree within 22 µs (p95) and rank 1 is late; 20 ms apart,
+    more than the collectives matching can shift by, the matches pair other collectives (the
+    ends still disagree by ms once aligned): no wait, last rank or late arrival is claimed
+    (it named rank 0 late, wrongly), and the note says why."""
+    from helpers.files import split_ranks
+    from helpers.independent import rank_pids
+
+    src = trace_path("ulysses_2gpu_forward_window")
+    files = split_ranks(src, tmp_path, rank_pids(src), ["rank_0.sqlite", "rank_1.sqlite"])
+    with sqlite3.connect(files[1]) as con:
+        con.execute(
+            "UPDATE TARGET_INFO_SESSION_START_TIME SET utcEpochNs = utcEpochNs + ?",
+            (clock_error_ms * 1_000_000,),
+        )
+        con.execute("UPDATE TARGET_INFO_SYSTEM_ENV SET value = 'node1' WHERE name = 'Hostname'")
+    con.close()
+    cr = analyze(*files, "--all-steps")["cross_rank"]
+    clock = cr["clock"]
+    assert clock["aligned_by"] == "session start + matched collective ends"
+    if clock_error_ms == 0:
+        assert clock["alignment_error_us"] < 100
+        assert [x["rank"] for x in cr["late_arrivals"]][:1] == [1]
+        assert cr["comm_wait_frac"] is not None and cr["wait_transfer_note"] is None
+    else:
+        assert clock["alignment_error_us"] > 1000
+        assert cr["late_arrivals"] == [] and cr["late_arrivals_left_out"] > 0
+        assert cr["comm_wait_frac"] is None and cr["last_arriver_rank"] is None
+        assert "clocks not aligned" in cr["wait_transfer_note"]

@@ -30,6 +30,7 @@ class Limits:
     min_skew: float  # a straggler's compute skew is at least this ...
     noise_factor: float  # ... and beyond this many times the step-time spread (CV)
     wait_dominates: float  # share of collective time from which waiting is the cost
+    clock_error_us: float  # matched ends of ranks on other hosts agree within this, aligned
     noteworthy: float  # share of the step below which a cost is not worth chasing
 
     @classmethod
@@ -40,6 +41,7 @@ class Limits:
             min_skew=t["straggler_min_skew"],
             noise_factor=t["straggler_noise_factor"],
             wait_dominates=t["wait_dominates_frac"],
+            clock_error_us=t["clock_alignment_max_us"],
             noteworthy=rs.scoring.noteworthy,
         )
 
@@ -68,9 +70,45 @@ def cross_rank_block(
     out |= straggler(group_spreads(prints, groups, {r for g in shared + unsure for r in g}), limits)
     out["straggler_note"] = straggler_note(out, unsure, limits)
     out |= collective_waits(ranks, shared)
+    out |= misaligned(out, limits)
     exposed = exposed_comm(ranks) if len(ranks) >= 2 else None
     out["verdict"] = verdict(out, unsure, exposed, limits)
     return out | unmeasured_waits(out, shared + unsure)
+
+
+def misaligned(cr: dict, limits: Limits) -> dict:
+    """Ranks of other hosts are aligned on their matched collective ends; when those ends
+    still disagree by more than ``limits.clock_error_us`` (p95), the matching paired
+    different collectives (their clocks lie further apart than the sequence shift matching
+    tries), so neither waiting, nor the last rank, nor late arrivals are claimed, and
+    ``wait_transfer_note`` says why (nothing changes when the alignment holds)."""
+    clock = cr.get("clock") or {}
+    error = clock.get("alignment_error_us")
+    refined = "matched collective ends" in (clock.get("aligned_by") or "")
+    if not refined or error is None or error <= limits.clock_error_us:
+        return {}
+    late = cr.get("late_arrivals") or []
+    return {
+        "comm_wait_frac": None,
+        "comm_transfer_frac": None,
+        "last_arriver_rank": None,
+        "last_arriver_share": None,
+        "comm_by_kind": {
+            kind: v | {"wait_ms": None, "transfer_ms": None}
+            for kind, v in (cr.get("comm_by_kind") or {}).items()
+        },
+        "late_arrivals": [],
+        "late_arrivals_left_out": (cr.get("late_arrivals_left_out") or 0)
+        + sum(x.get("instances", 0) for x in late),
+        "transfers": {},
+        "wait_transfer_note": (
+            f"not measurable, clocks not aligned: matched collective ends of ranks on other hosts still "
+            f"disagree by {error:,.0f} µs (95th percentile) once aligned, over "
+            f"{limits.clock_error_us:,.0f} µs: the matches may pair different collectives "
+            "(clocks further apart than a few collectives), so no wait, transfer or late "
+            "arrival is measured"
+        ),
+    }
 
 
 def unmeasured_waits(cr: dict, slicing: list[list[int]]) -> dict:
@@ -78,7 +116,7 @@ def unmeasured_waits(cr: dict, slicing: list[list[int]]) -> dict:
     their end-time differences measure the other process, not waiting: no wait, transfer or
     last arriver for them, and ``wait_transfer_note`` says why."""
     if not slicing:
-        return {"wait_transfer_note": None}
+        return {"wait_transfer_note": cr.get("wait_transfer_note")}
     groups = "; ".join(", ".join(map(str, g)) for g in slicing)
     return {
         "comm_wait_frac": None,

@@ -122,6 +122,7 @@ JUDGE_THRESHOLDS = (
     "straggler_min_skew",
     "straggler_noise_factor",
     "wait_dominates_frac",  # the cross-rank verdict (judge/straggler.py)
+    "clock_alignment_max_us",  # matched collectives across hosts trusted (judge/straggler.py)
     "link_bound_frac",  # a communicator near its link's peak (judge/comm_groups.py)
     "worth_doing_frac",  # a fix beside the bound (judge/engine.py)
 )
