@@ -88,26 +88,17 @@ def misaligned(cr: dict, limits: Limits) -> dict:
     if not refined or error is None or error <= limits.clock_error_us:
         return {}
     late = cr.get("late_arrivals") or []
-    return {
-        "comm_wait_frac": None,
-        "comm_transfer_frac": None,
-        "last_arriver_rank": None,
-        "last_arriver_share": None,
-        "comm_by_kind": {
-            kind: v | {"wait_ms": None, "transfer_ms": None}
-            for kind, v in (cr.get("comm_by_kind") or {}).items()
-        },
+    note = (
+        f"not measurable, clocks not aligned: matched collective ends of ranks on other hosts "
+        f"still disagree by {error:,.0f} µs (95th percentile) once aligned, over "
+        f"{limits.clock_error_us:,.0f} µs: the matches may pair different collectives (clocks "
+        "further apart than a few collectives), so no wait, transfer or late arrival is measured"
+    )
+    return _no_waits(cr, note) | {
         "late_arrivals": [],
         "late_arrivals_left_out": (cr.get("late_arrivals_left_out") or 0)
         + sum(x.get("instances", 0) for x in late),
         "transfers": {},
-        "wait_transfer_note": (
-            f"not measurable, clocks not aligned: matched collective ends of ranks on other hosts still "
-            f"disagree by {error:,.0f} µs (95th percentile) once aligned, over "
-            f"{limits.clock_error_us:,.0f} µs: the matches may pair different collectives "
-            "(clocks further apart than a few collectives), so no wait, transfer or late "
-            "arrival is measured"
-        ),
     }
 
 
@@ -118,6 +109,15 @@ def unmeasured_waits(cr: dict, slicing: list[list[int]]) -> dict:
     if not slicing:
         return {"wait_transfer_note": cr.get("wait_transfer_note")}
     groups = "; ".join(", ".join(map(str, g)) for g in slicing)
+    return _no_waits(
+        cr,
+        f"not measurable: ranks {groups} time-slice one GPU (or may), so when a collective "
+        "ends measures the other process, not waiting",
+    )
+
+
+def _no_waits(cr: dict, note: str) -> dict:
+    """No wait, transfer or last arriver in ``cr`` (and none per kind), ``note`` saying why."""
     return {
         "comm_wait_frac": None,
         "comm_transfer_frac": None,
@@ -127,10 +127,7 @@ def unmeasured_waits(cr: dict, slicing: list[list[int]]) -> dict:
             kind: v | {"wait_ms": None, "transfer_ms": None}
             for kind, v in (cr.get("comm_by_kind") or {}).items()
         },
-        "wait_transfer_note": (
-            f"not measurable: ranks {groups} time-slice one GPU (or may), so when a collective "
-            "ends measures the other process, not waiting"
-        ),
+        "wait_transfer_note": note,
     }
 
 
