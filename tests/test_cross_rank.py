@@ -333,7 +333,7 @@ def _late_case(analysed: int, mean_ms: float) -> tuple:
         }
         for rank in starts
     ]
-    return late_arrivals(pl.DataFrame(rows), ranks, [])
+    return late_arrivals(pl.DataFrame(rows), ranks, [], {rank: analysed for rank in starts})
 
 
 def test_a_rank_later_than_a_step_is_a_drifted_match_not_a_late_rank():

@@ -159,15 +159,15 @@ def late_arrivals(
     instances: pl.DataFrame,
     ranks: list[dict],
     shared: list[list[int]],
-    steps: dict[int, int] | None = None,
+    steps: dict[int, int],
 ) -> tuple[list, int]:
     """The ranks that start matched collectives after their group's median rank, with how
     late per step and why (``instances``: matched collectives, one row per rank and instance:
     rank, ordinal, kind, instance, row (the collective's row in the rank's list), a_start,
     a_end (aligned), in_window; ``ranks``: the cross-rank dicts, with ``arrivals``
     (:func:`arrival_clock`) and ``steps``; ``shared``: groups of ranks that time-slice one
-    GPU; ``steps``: how many of each rank's steps the matched collectives come from, by
-    default its analysed steps: :meth:`traceclf.measures.collectives.Matching.steps_matched`);
+    GPU; ``steps``: how many of each rank's steps the matched collectives come from:
+    :meth:`traceclf.measures.collectives.Matching.steps_matched`);
     and how many late instances were left out as drifted matches (:func:`_drifted`)."""
     clocks = {r["rank"]: r.get("arrivals") or {} for r in ranks}
     if instances.is_empty() or not all(c.get("states") for c in clocks.values()):
@@ -208,7 +208,6 @@ def late_arrivals(
     late, drifted = _drifted(late, ranks)
     if late.is_empty():
         return [], drifted
-    steps = steps or {r["rank"]: max((r.get("steps") or {}).get("analysed") or 1, 1) for r in ranks}
     mates = {r: [x for x in g if x != r] for g in shared for r in g}
     # the waits at a step's collectives are stretches of the waiting rank's step, so a rank
     # later per step than the ranks' steps last on average is drifted matches, not lateness

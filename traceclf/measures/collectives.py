@@ -20,8 +20,6 @@ INSTANCE_SCHEMA = {
     "rank": pl.Int64,
     "ordinal": pl.String,  # the communicator, or the stream's place in order of first use
     "kind": pl.String,
-    "seq": pl.Int64,  # order within ordinal, kind and shared run
-    "run": pl.Int64,  # the shared run (shared_runs) the collective ends in
     "start": pl.Int64,
     "end": pl.Int64,
     "in_window": pl.Boolean,
@@ -39,7 +37,8 @@ class Matching:
     offsets: dict[int, int]  # each rank's clock offset (ns)
     aligned_by: str | None  # how the clocks were aligned
     spread_us: float | None  # the spread of matched collective ends
-    # one row per rank and collective: INSTANCE_SCHEMA, ``instance``, aligned ``a_start``/``a_end``
+    # one row per rank and collective: INSTANCE_SCHEMA, ``run`` (the shared run it ends in),
+    # ``seq`` (its place in its ordinal, kind and run), ``instance``, aligned ``a_start``/``a_end``
     instances: pl.DataFrame
     # per rank, its analysed steps that overlap the shared runs (steps_in_runs); none: all
     steps_in_runs: dict[int, int]
@@ -127,8 +126,6 @@ def rank_collectives(rank: dict) -> pl.DataFrame:
         .with_columns(ordinal=pl.coalesce("group", "stream"), row=pl.col("row").cast(pl.Int64))
         .sort("start")
         .with_columns(
-            seq=pl.lit(None, pl.Int64),
-            run=pl.lit(None, pl.Int64),
             rank=pl.lit(rank["rank"], pl.Int64),
             in_window=(pl.col("start") >= lo) & (pl.col("start") < hi)
             if lo is not None
