@@ -157,7 +157,7 @@ class _Planner:
 
     def plans(self) -> dict[int, StepPlan] | None:
         nvtx, pattern = nvtx_ranges(self.reader, self.nvtx_raw), self.pattern
-        found_steps = {}
+        found_steps, projectors = {}, {}
         for pid in self._rank_pids():
             found = self._nvtx(nvtx, pid, pattern) or self._graphs(pid) or self._pattern(pid)
             if found is None:
@@ -180,20 +180,21 @@ class _Planner:
                         self.settings,
                         self._allocations(projector),
                     )
-            found_steps[pid] = (table, source, label, exact, steady, projector)
+            found_steps[pid] = (table, source, label, exact, steady, self._analysable(table))
+            projectors[pid] = projector
         plans = {
-            pid: plan_steps(t, src, lab, ex, self._analysable(t), self.settings, st)
-            for pid, (t, src, lab, ex, st, _p) in found_steps.items()
+            pid: plan_steps(t, src, lab, ex, n, self.settings, st)
+            for pid, (t, src, lab, ex, st, n) in found_steps.items()
         }
         within = shared_steady(list(plans.values()))
         if within is not None:  # the ranks of this export analyse the same steps
-            analysable = min(self._analysable(t) for t, *_ in found_steps.values())
+            fewest = min(n for *_, n in found_steps.values())
             plans = {
-                pid: plan_steps(t, src, lab, ex, analysable, self.settings, st, within)
-                for pid, (t, src, lab, ex, st, _p) in found_steps.items()
+                pid: plan_steps(t, src, lab, ex, fewest, self.settings, st, within)
+                for pid, (t, src, lab, ex, st, _n) in found_steps.items()
             }
         for pid, plan in plans.items():
-            self.spans += _read_spans(plan, found_steps[pid][-1])
+            self.spans += _read_spans(plan, projectors[pid])
         return plans or None
 
     def _allocations(self, projector: Projector) -> Allocations:
