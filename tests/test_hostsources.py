@@ -674,3 +674,60 @@ def test_a_host_table_over_the_row_cap_is_left_out_with_a_note(monkeypatch, over
         assert side.notes["osrt"] == f"not read: over {outer - 1:,} rows on the CUDA threads"
     else:
         assert side.osrt.height == outer and "osrt" not in side.notes
+
+
+@pytest.mark.parametrize("sparse", [0, 16, 1 << 40])
+def test_classes_claimed_in_turn_sum_what_class_by_class_cuts_take(sparse: int, monkeypatch):
+    """Constructed pieces (several gaps of each idle cause) and CUDA calls of four classes
+    (overlapping, in start order, some classes a few calls, some many): claiming the classes
+    in turn from sums of what their unions cover (``IdleClaims.take_in_order``) gives, class by
+    class and cause by cause, the ns that cutting each class out of the pieces in turn takes;
+    what is left sums the same, and the pieces, cut out when read, hold the time the cuts
+    leave (touched pieces spliced, or all read: ``SPARSE_CLAIM``)."""
+    import numpy as np
+    import polars as pl
+
+    from traceclf.measures import claims
+    from traceclf.measures.idle_claims import IdleClaims
+
+    monkeypatch.setattr(claims, "SPARSE_CLAIM", sparse)
+    names = ["module", "alloc", "launch", "other"]
+
+    def sums(c: IdleClaims) -> dict:
+        frame = pl.concat(c.parts).group_by("what", "cause").agg(pl.col("ns").sum())
+        return {(w, k): n for w, k, n in frame.iter_rows() if n}
+
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(1, 200))
+        edges = np.sort(rng.choice(40 * n, 2 * n, replace=False))
+        pieces = (edges[0::2], edges[1::2], np.arange(n))
+        cause = rng.integers(0, 4, n)
+        many = int(rng.integers(1, 4 * n))
+        lo = np.sort(rng.integers(0, 40 * n, many))
+        hi = lo + rng.integers(0, 50, many)
+        kind = rng.choice(4, many, p=[0.02, 0.03, 0.45, 0.5] if seed % 2 else None)
+        by_class = IdleClaims(tuple(p.copy() for p in pieces), cause)
+        got = set()
+        for i, name in enumerate(names):
+            got |= by_class.take("cuda_api", name, lo[kind == i], hi[kind == i])
+        in_turn = IdleClaims(tuple(p.copy() for p in pieces), cause)
+        assert in_turn.take_in_order("cuda_api", names, lo, hi, kind) == got
+        assert sums(in_turn) == sums(by_class)
+        for c in (by_class, in_turn):
+            c.record("unattributed", ["unattributed"], *c.left())
+        assert sums(in_turn) == sums(by_class)
+        # (a call of no length splits a piece in two where a cut is made, and covers nothing)
+        left, want = joined(in_turn.pieces), joined(by_class.pieces)
+        assert all(np.array_equal(a, b) for a, b in zip(left, want, strict=True))
+
+
+def joined(pieces):
+    """Pieces with the ones that touch the next of the same owner joined to it."""
+    import numpy as np
+
+    start, end, owner = pieces
+    new = np.ones(len(start), bool)
+    new[1:] = (start[1:] != end[:-1]) | (owner[1:] != owner[:-1])
+    last = np.append(np.flatnonzero(new)[1:] - 1, len(start) - 1)
+    return start[new], end[last], owner[new]

@@ -44,11 +44,11 @@ def claim(
         reach = np.maximum.accumulate(hi)
         furthest = np.maximum.accumulate(np.where(hi == reach, np.arange(len(hi)), 0))
         labels = (bounds, lo, (label if order is None else label[order])[furthest])
-    touched = _touched(pieces, *cover)
-    if touched is None:
+    hit = touched(pieces, *cover)
+    if hit is None:
         return _claim_all(pieces, cover, labels)
-    cut, at, left = _claim_all(_take(pieces, touched), cover, labels)
-    return cut, at, _splice(pieces, touched, left)
+    cut, at, left = _claim_all(_take(pieces, hit), cover, labels)
+    return cut, at, _splice(pieces, hit, left)
 
 
 def subtract(
@@ -70,10 +70,10 @@ def subtract(
         pieces = (pieces[0][real], pieces[1][real], pieces[2][real])
     if not len(pieces[0]) or not len(cover[0]):
         return pieces, pieces[2][:0], np.empty(0, np.int64)
-    touched = _touched(pieces, *cover)
-    mine = pieces if touched is None else _take(pieces, touched)
+    hit = touched(pieces, *cover)
+    mine = pieces if hit is None else _take(pieces, hit)
     left, taken = _left_in_blocks(mine, *cover)
-    return (left if touched is None else _splice(pieces, touched, left)), mine[2], taken
+    return (left if hit is None else _splice(pieces, hit, left)), mine[2], taken
 
 
 CLAIM_PAIRS = 1 << 21  # (piece, run) pairs that :func:`claim` visits at once
@@ -92,7 +92,7 @@ def _start_order(lo: np.ndarray) -> np.ndarray | None:
     return None if is_sorted(lo) else np.argsort(lo, kind="stable")
 
 
-def _touched(pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray) -> np.ndarray | None:
+def touched(pieces: Pieces, cover_lo: np.ndarray, cover_hi: np.ndarray) -> np.ndarray | None:
     """The pieces that the runs [cover_lo, cover_hi) overlap, found from the runs (a source's
     few calls meet few of a window's millions of pieces), when under 1/:data:`SPARSE_CLAIM`
     of them; None when the runs or the pieces they touch are more."""

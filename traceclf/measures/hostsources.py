@@ -24,13 +24,12 @@ from ``host_attribution.min_samples`` samples on (rules/hostside.yaml).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
-from traceclf.measures.claims import Pieces, claim, merged, subtract
-from traceclf.measures.handoff import IDLE_CAUSES
+from traceclf.measures.claims import Pieces
 from traceclf.measures.host import NVTX_COUNTERS, nvtx_cover
 from traceclf.measures.hostframes import (
     NO_USER_FRAME,
@@ -40,6 +39,7 @@ from traceclf.measures.hostframes import (
     python_samples,
     samples_in,
 )
+from traceclf.measures.idle_claims import IdleClaims
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import by_name
 
@@ -75,78 +75,6 @@ NATIVE_TOP = 3  # hottest native functions named beside Python frames
 
 
 @dataclass
-class _Claims:
-    """Idle time claimed so far, summed per (source, what, idle cause of the gap), and the
-    pieces of the gaps still to claim (disjoint, sorted, each with its gap). Sums, not
-    pieces: a launch-bound window's millions of gaps are never a frame of strings."""
-
-    pieces: Pieces
-    cause: np.ndarray  # each gap's idle cause (its code in IDLE_CAUSES)
-    parts: list[pl.DataFrame] = field(default_factory=list)
-
-    def take(
-        self,
-        source: str,
-        what: str | list[str],
-        lo: np.ndarray,
-        hi: np.ndarray,
-        label: np.ndarray | None = None,
-    ) -> set[str]:
-        """Claim the remaining time that [lo, hi) covers, for ``what`` (one name, or with
-        ``label`` the name ``what[label[i]]`` of each interval); the names that got any."""
-        if not len(lo) or not len(self.pieces[0]):
-            return set()
-        if label is None:  # (only summed: no covered parts cut)
-            self.pieces, gap, ns = subtract(self.pieces, lo, hi)
-            return self.record(source, [what], gap, ns)  # type: ignore[list-item]
-        cut, labels, self.pieces = claim(self.pieces, lo, hi, label)
-        if not len(cut[0]):
-            return set()
-        return self.record(source, what, cut[2], cut[1] - cut[0], labels)  # type: ignore[arg-type]
-
-    def record(
-        self,
-        source: str,
-        names: list[str],
-        gap: np.ndarray,
-        ns: np.ndarray,
-        label: np.ndarray | None = None,
-    ) -> set[str]:
-        """Add ``ns`` of the gaps ``gap`` to ``names[label]`` (``names[0]`` without labels);
-        the names that got any."""
-        key = self.cause[gap]
-        if label is not None:
-            key = label.astype(np.int64) * len(IDLE_CAUSES) + key
-        sums = np.bincount(key, weights=ns, minlength=len(names) * len(IDLE_CAUSES))
-        hit = np.flatnonzero(sums)
-        if not len(hit):
-            return set()
-        whats = [names[k // len(IDLE_CAUSES)] for k in hit]
-        self.parts.append(
-            pl.DataFrame(
-                {
-                    "source": [source] * len(hit),
-                    "what": whats,
-                    "cause": [IDLE_CAUSES[k % len(IDLE_CAUSES)] for k in hit],
-                    "ns": np.rint(sums[hit]).astype(np.int64),
-                }
-            )
-        )
-        return set(whats)
-
-    def split(self, keep: np.ndarray) -> _Claims:
-        """The pieces ``keep`` selects (the gaps of one thread), taken out to claim from on
-        their own; :meth:`join` puts back what they leave."""
-        start, end, owner = self.pieces
-        self.pieces = (start[~keep], end[~keep], owner[~keep])
-        return _Claims((start[keep], end[keep], owner[keep]), self.cause)
-
-    def join(self, part: _Claims) -> None:
-        self.parts += part.parts
-        self.pieces = merged(self.pieces, part.pieces)
-
-
-@dataclass
 class HostAttribution:
     """The rank's ``host_attribution`` rows and the measures read from them."""
 
@@ -170,7 +98,7 @@ def attribute(w: RankWindow, gaps: pl.DataFrame) -> HostAttribution:
     cause = gaps["cause"].to_physical().to_numpy()
     # (owners as 32-bit gap numbers: a third less of every copy of millions of pieces)
     owner = np.arange(len(gstart), dtype=np.int32 if len(gstart) < 1 << 31 else np.int64)
-    claims = _Claims((gstart.copy(), gend.copy(), owner), cause)
+    claims = IdleClaims((gstart.copy(), gend.copy(), owner), cause)
     details: dict[tuple[str, str], dict] = {}
 
     _profiler(w, claims)
@@ -180,8 +108,7 @@ def attribute(w: RankWindow, gaps: pl.DataFrame) -> HostAttribution:
     _sampled(w, "python_sampling", threads, cause, claims, details)
     _sched(w, threads, claims)
     _sampled(w, "sampling", threads, cause, claims, details)
-    start, end, owner = claims.pieces
-    claims.record("unattributed", ["unattributed"], owner, end - start)
+    claims.record("unattributed", ["unattributed"], *claims.left())
 
     claimed = pl.concat(claims.parts).filter(pl.col("ns") > 0)
     host_gaps = claimed.filter(pl.col("cause") == "host")
@@ -199,7 +126,7 @@ def attribute(w: RankWindow, gaps: pl.DataFrame) -> HostAttribution:
     )
 
 
-def _profiler(w: RankWindow, claims: _Claims) -> None:
+def _profiler(w: RankWindow, claims: IdleClaims) -> None:
     overhead = w.trace.overhead
     if overhead.is_empty() or not {"start", "end", "name"} <= set(overhead.columns):
         return
@@ -207,7 +134,7 @@ def _profiler(w: RankWindow, claims: _Claims) -> None:
     claims.take("profiler", whats, *_arrays(overhead), label=label)
 
 
-def _nvtx(w: RankWindow, gaps: pl.DataFrame, claims: _Claims, details: dict) -> None:
+def _nvtx(w: RankWindow, gaps: pl.DataFrame, claims: IdleClaims, details: dict) -> None:
     long = gaps.filter(pl.col("nvtx").is_not_null()).select("start", "end", "dur")
     cover = nvtx_cover(long, w)
     if cover.is_empty():
@@ -223,7 +150,7 @@ def _nvtx(w: RankWindow, gaps: pl.DataFrame, claims: _Claims, details: dict) -> 
         details[("nvtx", str(what))] = {"gaps": rows.height, "activity": rows["activity"][0]}
 
 
-def _cuda_api(w: RankWindow, claims: _Claims, details: dict) -> None:
+def _cuda_api(w: RankWindow, claims: IdleClaims, details: dict) -> None:
     calls = w.api
     if calls.is_empty():
         return
@@ -245,21 +172,17 @@ def _cuda_api(w: RankWindow, claims: _Claims, details: dict) -> None:
     kind = by_name(calls.select("name"), names)["kind"].fill_null(-1).to_numpy()
     lo, hi = _arrays(calls)
     start, end = claims.pieces[0], claims.pieces[1]
+    touching = _touching(lo, hi, start, end)
+    taken = claims.take_in_order("cuda_api", labels, lo, hi, kind)
     for i, label in enumerate(labels):
-        mine = kind == i
-        if not mine.any():
+        if label not in taken:
             continue
-        lo_i, hi_i = lo[mine], hi[mine]
-        if not claims.take("cuda_api", label, lo_i, hi_i):
-            continue
-        hit = np.zeros(len(mine), bool)
-        hit[mine] = _touching(lo_i, hi_i, start, end)
-        touching = calls["name"].filter(pl.Series(hit))
-        top = touching.mode().cast(pl.String).sort().first() if touching.len() else None
-        details[("cuda_api", label)] = {"calls": touching.len(), "top_call": top}
+        named = calls["name"].filter(pl.Series(touching & (kind == i)))
+        top = named.mode().cast(pl.String).sort().first() if named.len() else None
+        details[("cuda_api", label)] = {"calls": named.len(), "top_call": top}
 
 
-def _osrt(w: RankWindow, threads: np.ndarray, claims: _Claims, details: dict) -> None:
+def _osrt(w: RankWindow, threads: np.ndarray, claims: IdleClaims, details: dict) -> None:
     calls = w.trace.osrt
     if calls.is_empty():
         return
@@ -303,7 +226,7 @@ def _sampled(
     source: str,
     threads: np.ndarray,
     cause: np.ndarray,
-    claims: _Claims,
+    claims: IdleClaims,
     details: dict,
 ) -> None:
     """Split what is left of the gaps of each (launching thread, idle cause) among the
@@ -315,8 +238,10 @@ def _sampled(
         sampled = cpu_samples(trace.samples, trace.callchains, tax).with_columns(
             leaf=pl.lit(None, pl.String)
         )
+    if sampled.is_empty():  # (before the pieces: reading them cuts out a pending claim)
+        return
     start, end, owner = claims.pieces
-    if sampled.is_empty() or not len(start):
+    if not len(start):
         return
     at = samples_in(sampled["start"].to_numpy(), start, end)
     gap = np.where(at >= 0, owner[np.maximum(at, 0)], -1)
@@ -419,7 +344,7 @@ def _native_beside(
     return out
 
 
-def _sched(w: RankWindow, threads: np.ndarray, claims: _Claims) -> None:
+def _sched(w: RankWindow, threads: np.ndarray, claims: IdleClaims) -> None:
     """The launching thread scheduled out: from each switch-out to the thread's next
     switch-in (a switch-in with no switch-out read before it says nothing of when it left)."""
     sched = w.trace.sched
