@@ -158,3 +158,27 @@ def test_job_and_runs_together_are_refused(cli, order: tuple[str, str]) -> None:
     assert (code, out) == (2, "")
     (line,) = err.splitlines()
     assert "--job" in line and "--runs" in line and "contradict" in line
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "1"), ("4", "4")])
+def test_the_command_keeps_openblas_to_one_thread_unless_told(given: str | None, seen: str):
+    """numpy's OpenBLAS starts a spinning thread per core, and traceclf calls no BLAS routine:
+    the command asks for one before numpy is imported (a user's own setting stays)."""
+    code = (
+        "import os, sys\n"
+        "from traceclf.cli import main\n"
+        "assert 'numpy' not in sys.modules\n"
+        "sys.argv = ['traceclf', '--version']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(os.environ.get('OPENBLAS_NUM_THREADS'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if given is not None:
+        env["OPENBLAS_NUM_THREADS"] = given
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert out.stdout.split()[-1] == seen

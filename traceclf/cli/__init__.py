@@ -391,6 +391,10 @@ def main() -> None:
         escape_unencodable_output,
     )
 
+    # numpy's OpenBLAS starts a thread per core that spins a while after start-up; traceclf
+    # calls no BLAS routine, and on two cores that thread took CPU from polars and connectorx
+    # (0.1-0.2 s of a 4.5 s kernel-dense run). Before numpy is imported; workers inherit it.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     show_warnings()
     escape_unencodable_output()
     end_on_sigterm()
