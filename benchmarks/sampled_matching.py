@@ -11,7 +11,6 @@ makes too). A check for captures too big for the tests: run it where the export 
 
 from __future__ import annotations
 
-import sqlite3
 import sys
 from pathlib import Path
 
@@ -19,24 +18,7 @@ import polars as pl
 
 from traceclf.measures import collectives
 from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
-
-EVENT_TABLES = (
-    "CUPTI_ACTIVITY_KIND_KERNEL",
-    "CUPTI_ACTIVITY_KIND_MEMCPY",
-    "CUPTI_ACTIVITY_KIND_MEMSET",
-    "CUPTI_ACTIVITY_KIND_RUNTIME",
-    "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION",
-)
-
-
-def event_rows(path: Path) -> int:
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
-        names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        return sum(
-            con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-            for t in EVENT_TABLES
-            if t in names
-        )
+from traceclf.pipeline.twopass import event_rows
 
 
 def run(path: Path, budget: int | None):

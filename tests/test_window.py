@@ -30,29 +30,12 @@ from traceclf.ingest.schema import inspect_export
 from traceclf.model.taxonomy import bundled
 from traceclf.pipeline import twopass
 from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
+from traceclf.pipeline.twopass import event_rows
 from traceclf.report.contract import Report
 
 EXTERNAL = FIXTURES / "external"
 TRACES = sorted(FIXTURES.glob("*.sqlite")) + sorted(EXTERNAL.glob("*.sqlite"))
-EVENT_TABLES = (
-    "CUPTI_ACTIVITY_KIND_KERNEL",
-    "CUPTI_ACTIVITY_KIND_GRAPH_TRACE",
-    "CUPTI_ACTIVITY_KIND_MEMCPY",
-    "CUPTI_ACTIVITY_KIND_MEMSET",
-    "CUPTI_ACTIVITY_KIND_RUNTIME",
-    "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION",
-)
 TOLERANCE = 0.01
-
-
-def event_rows(path: Path) -> int:
-    with sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True) as con:
-        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        return sum(
-            con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-            for t in EVENT_TABLES
-            if t in tables
-        )
 
 
 @cache

@@ -20,6 +20,7 @@ An export whose event tables fit in the budget is read whole, as ``--all-steps``
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -120,12 +121,7 @@ def load_sampled(
     reader = Reader(inspect_export(path, check_pages=False))
     step = progress or (lambda _msg: None)
     with rowindex.connect(path) as con:  # open while the indexes are searched
-        indexes = {
-            logical: RowIndex.build(con, table)
-            for logical in EVENT_TABLES
-            if (table := reader.table_of(logical)) is not None
-        }
-        indexes = {k: v for k, v in indexes.items() if v is not None}
+        indexes = event_indexes(reader, con)
         if sum(i.rows for i in indexes.values()) <= budget:
             return SampledRead(load_trace(path, progress=progress), {})
         step("steps")
@@ -142,6 +138,26 @@ def load_sampled(
                 return SampledRead(load_trace(path, progress=progress), {})
             trace = _read_plans(reader, con, indexes, planner, budget, progress, memory)
     return SampledRead(replace(trace, read_path=rowindex.read_path(indexes)), plans)
+
+
+def event_indexes(reader: Reader, con: sqlite3.Connection) -> dict[str, RowIndex]:
+    """The row index of each event table the export has rows in (through ``con``, open while
+    they are searched): their rows are what the row budget is compared with."""
+    indexes = {
+        logical: RowIndex.build(con, table)
+        for logical in EVENT_TABLES
+        if (table := reader.table_of(logical)) is not None
+    }
+    return {k: v for k, v in indexes.items() if v is not None}
+
+
+def event_rows(path: str | Path) -> int:
+    """The event rows of an export that the row budget is compared with (checks and tests
+    choose their budgets from it)."""
+    path = Path(path)
+    reader = Reader(inspect_export(path, check_pages=False))
+    with rowindex.connect(path) as con:
+        return sum(i.rows for i in event_indexes(reader, con).values())
 
 
 class _Planner:

@@ -106,10 +106,11 @@ def plan_steps(
 def shared_steady(plans: list[StepPlan]) -> tuple[int, int] | None:
     """The positions of the steady steps every one of ``plans`` has, when they are the plans
     of ranks whose steps match one to one (as many, found the same way: the ranks of one
-    export) but not the same runs, some rank's in several; None otherwise. Matching collectives across ranks needs
-    the same steps: each rank's steady state, and so its runs, is decided on its own
-    durations, and runs of other steps on each rank share little time (whose collectives
-    alone can be matched: :func:`traceclf.measures.collectives.shared_runs`)."""
+    export) but not the same runs, some rank's in several; None otherwise. Matching
+    collectives across ranks needs the same steps: each rank's steady state, and so its
+    runs, is decided on its own durations, and runs of other steps on each rank share little
+    time (whose collectives alone can be matched:
+    :func:`traceclf.measures.collectives.shared_runs`)."""
     if len(plans) < 2 or len({(p.source, p.table.height) for p in plans}) > 1:
         return None
     if len({p.runs for p in plans}) == 1 or all(len(p.runs) <= 1 for p in plans):
