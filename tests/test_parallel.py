@@ -7,6 +7,8 @@ import multiprocessing
 import os
 import pickle
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -232,3 +234,40 @@ def test_the_second_lane_is_a_thread_only_with_two_cores_to_keep_busy(
         with pytest.raises(ZeroDivisionError):
             failed.result()
     assert seen == [(beside, beside)]
+
+
+def test_a_read_on_one_thread_leaves_the_others_running() -> None:
+    """Step sampling reads the memory events on a thread while pass 1 plans on another: a read
+    must not hold the GIL while SQLite works (connectorx's Arrow stream did, and pass 1 stood
+    still for the whole read). The CUDA calls of a real export are read on a thread with a
+    condition that keeps SQLite busy on every row (counting to 1000 in a subquery of the row);
+    the calling thread, ticking every millisecond, is never held for more than a part of it."""
+    from traceclf.ingest.reader import Reader
+
+    reader = Reader(inspect_export(trace_path(SMALL[0]), check_pages=False))
+    busy = (
+        "(WITH RECURSIVE n(x) AS (SELECT start % 2 UNION ALL SELECT x + 1 FROM n LIMIT 1000) "
+        "SELECT count(*) FROM n) > 0"
+    )
+    done = threading.Event()
+    took: list[float] = []
+
+    def read() -> None:
+        t = time.perf_counter()
+        try:
+            assert reader.read("api", where=busy).height == len(reader.read("api"))
+        finally:
+            took.append(time.perf_counter() - t)
+            done.set()
+
+    worker = threading.Thread(target=read)
+    last = time.perf_counter()
+    worst = 0.0
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.001)
+        now = time.perf_counter()
+        worst, last = max(worst, now - last), now
+    worker.join()
+    assert took[0] > 0.2  # (long enough to tell the two apart)
+    assert worst < took[0] / 2, (worst, took[0])

@@ -41,7 +41,6 @@ def _uri(path: Path) -> str:
     return "sqlite://" + quote(readonly_uri(path), safe="")
 
 
-STREAM_BATCH_ROWS = 1 << 24
 Span = tuple[int, int]  # (start, end) ns on the session's timeline
 # What a value of the wrong type reads as when a table is read ``checked``: INT64's minimum,
 # never a time, id or size nsys writes; it becomes null after the read.
@@ -68,22 +67,13 @@ class Reader:
         # strings that were not UTF-8, by "TABLE.column": repaired with U+FFFD (ingest/utf8.py)
         self.repaired: dict[str, int] = {}
 
-    def sql(self, query: str | list[str], batch_rows: int | None = None) -> pl.DataFrame:
-        """Run a query (or several whose results are concatenated, read in parallel).
-        ``batch_rows``: at most as many rows as any one query returns (an event table's)."""
+    def sql(self, query: str | list[str]) -> pl.DataFrame:
+        """Run a query (or several whose results are concatenated, read in parallel)."""
         try:
             with panics_hidden():  # (a failed read is the one-line error below, no panic)
-                if batch_rows is None:
-                    table = cx.read_sql(self.uri, query, return_type="arrow")
-                else:
-                    # One batch per query (connectorx's own are 64 k rows): a frame of a few
-                    # chunks, made contiguous in a third of the time hundreds take. (connectorx
-                    # reserves a batch's buffers up front: never more rows than the table has.)
-                    size = max(1, min(batch_rows, STREAM_BATCH_ROWS))
-                    stream = cx.read_sql(
-                        self.uri, query, return_type="arrow_stream", batch_size=size
-                    )
-                    table = stream.read_all()
+                # (not connectorx's Arrow stream: it holds the GIL while it waits for each
+                # batch, so a read on one thread stopped every other thread for its length)
+                table = cx.read_sql(self.uri, query, return_type="arrow")
             if isinstance(query, list) and len(query) > 1:
                 table = _in_start_order(table)
             return pl.from_arrow(table)  # type: ignore[return-value]
@@ -150,17 +140,14 @@ class Reader:
         if spans is not None and logical in TIMED:
             end = '"end"' if "end" in present else "start"
             clauses.append(overlap_clause(spans, end))
-        first, last = self._rowids(table)
         try:
-            df, columns = self._select(table, cols, present, clauses, rowids, last - first, limit)
+            df, columns = self._select(table, cols, present, clauses, rowids, limit)
         except TraceError:
             # A value of another type than the column's (a TEXT or REAL time, as a damaged or
             # hand-edited export holds) fails the whole read: read again with every value
             # type-checked in SQL, the odd ones read as missing. Honest exports never pay
             # for the checks (~0.1 us a row).
-            df, columns = self._select(
-                table, cols, present, clauses, rowids, last - first, limit, checked=True
-            )
+            df, columns = self._select(table, cols, present, clauses, rowids, limit, checked=True)
         if df.is_empty():
             return empty_frame(cols)
         df = (
@@ -187,7 +174,6 @@ class Reader:
         present: frozenset[str],
         clauses: list[str],
         rowids: Sequence[tuple[int, int]] | None,
-        rows: int,
         limit: int | None = None,
         *,
         checked: bool = False,
@@ -233,8 +219,7 @@ class Reader:
         if limit is not None:
             tail = f" LIMIT {int(limit)}"
             queries = queries + tail if isinstance(queries, str) else [q + tail for q in queries]
-            rows = min(rows, int(limit))
-        return (self.sql(queries, rows) if queries else pl.DataFrame()), columns
+        return (self.sql(queries) if queries else pl.DataFrame()), columns
 
     @functools.cache  # noqa: B019 (one reader per export, a handful of tables)
     def _rowids(self, table: str) -> tuple[int, int]:
@@ -362,9 +347,9 @@ def in_ranges(
 def _contiguous(df: pl.DataFrame) -> pl.DataFrame:
     """``df`` in one chunk per column, so that its Arrow record batches can be freed.
 
-    The frame over connectorx's batches is a zero-copy view of one chunk per query (a part of
-    the table read on its own core); the first frame-wide operation (adding the name column)
-    would copy it into one chunk anyway.
+    The frame over connectorx's batches is a zero-copy view of their chunks (64 k rows each);
+    the first frame-wide operation (adding the name column) would copy it into one chunk
+    anyway.
     Copying here, table by table, lets the batches go before the next table is read and before
     the names are looked up: at 1 GB of export, ~400 MB less at the peak of loading."""
     return df.rechunk() if max(df.n_chunks("all"), default=1) > 1 else df

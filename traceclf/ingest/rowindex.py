@@ -252,7 +252,7 @@ def scan_pieces(
 ) -> Pieces | None:
     """The ordered pieces of ``index``'s table (not in start order), from its start times read
     ``SCAN_ROWS`` at a time, in as many rowid ranges as there are cores, each on its own thread
-    through ``read`` (a query, rows → one polars frame:
+    through ``read`` (a query → one polars frame:
     :meth:`traceclf.ingest.reader.Reader.sql`; :func:`_scan_part`), or None when there are
     too many (:data:`MAX_PIECES`: the rows are shuffled, not written in out-of-order blocks).
     Memory: one block's times (and rowids, where it has holes), and one row in
@@ -311,15 +311,14 @@ def _scan_part(read, table: str, column: str, part: tuple[int, int]) -> tuple[np
     a, b = part
     where = f"rowid > {a} AND rowid <= {b}"
     try:
-        times = read(f'SELECT "{column}" AS t FROM {table} WHERE {where}', b - a)["t"]
+        times = read(f'SELECT "{column}" AS t FROM {table} WHERE {where}')["t"]
         if times.len() == b - a and not times.null_count():
             return np.arange(a + 1, b + 1, dtype=np.int64), times.to_numpy().astype(np.int64)
-        block = read(f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE {where}', b - a)
+        block = read(f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE {where}')
     except TraceError:  # a value of another type (no time): those rows are left out
         block = read(
             f'SELECT rowid AS r, "{column}" AS t FROM {table} WHERE {where} '
-            f"AND typeof(\"{column}\") = 'integer'",
-            b - a,
+            f"AND typeof(\"{column}\") = 'integer'"
         )
     block = block.drop_nulls().sort("r")
     return block["r"].to_numpy().astype(np.int64), block["t"].to_numpy().astype(np.int64)
