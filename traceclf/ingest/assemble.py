@@ -309,7 +309,6 @@ def build_trace(
             api["global_tid"].unique().to_list(),
             read_spans if read_spans is not None else nvtx_span,
             has_nvtx_ranges=not nvtx.is_empty(),
-            windowed=read_spans is not None,
         ),
         empty_host_side(),
     )
