@@ -269,5 +269,5 @@ def test_a_read_on_one_thread_leaves_the_others_running() -> None:
         now = time.perf_counter()
         worst, last = max(worst, now - last), now
     worker.join()
-    assert took[0] > 0.2  # (long enough to tell the two apart)
+    assert took[0] > 0.05  # (long enough to tell the two apart: 0.7 s on the 2-core CI machine)
     assert worst < took[0] / 2, (worst, took[0])
