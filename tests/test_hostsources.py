@@ -441,6 +441,31 @@ def test_sampled_read_keeps_host_rows_of_the_analysed_steps_only():
     assert trace.osrt.height < all_osrt
 
 
+def test_busy_time_before_each_instant_is_the_hand_made_unions():
+    """Constructed intervals (overlapping, touching, empty, nested; instants before the first,
+    inside, between and after them, sorted and not, many and few, so that both ways of
+    searching run): ``Busy.upto`` is the time the hand-made union covers before each instant,
+    and ``covered`` the time inside each query interval."""
+    import numpy as np
+
+    from traceclf.measures.intervals import Busy
+
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        n = int(rng.integers(0, 40))
+        lo = np.sort(rng.integers(0, 1000, n))
+        hi = lo + rng.choice([0, 0, 1, 5, 30, 200], n)
+        busy = Busy.of_arrays(lo.astype(np.int64), hi.astype(np.int64))
+        runs = union(zip(lo.tolist(), hi.tolist(), strict=True))
+        for t in (rng.integers(-20, 1300, int(rng.integers(0, 300))), np.arange(-5, 1300, 7)):
+            want = [sum(max(0, min(b, x) - a) for a, b in runs) for x in t.tolist()]
+            assert busy.upto(t).tolist() == want
+        q_lo = rng.integers(-20, 1300, 50)
+        q_hi = q_lo + rng.integers(0, 300, 50)
+        got = busy.covered(q_lo, q_hi).tolist()
+        assert got == [overlap([(a, b)], runs) for a, b in zip(q_lo, q_hi, strict=True)]
+
+
 def test_claim_splits_pieces_by_labelled_intervals():
     """Constructed intervals (logic no trace pins down alone): the parts of idle pieces that
     overlapping labelled intervals cover go to the interval reaching furthest; the rest stays,

@@ -89,6 +89,7 @@ class IdleClaims:
             cover = cover | runs
             # only the pieces this class's runs touch gain anything (a few calls: a few pieces)
             at = touched(self.held, runs.start, runs.end)
+            del runs, mine  # (the launch class's: millions of runs, not held while summing)
             if at is None:
                 now = cover.covered(start, end)
                 got |= self.record(source, [name], owner, now - before)

@@ -351,10 +351,19 @@ class Busy:
         t = np.asarray(t, np.int64)
         if not len(self.start):
             return np.zeros(t.shape, np.int64)
-        i = rank_sorted(self.start, t, side="right") - 1  # (sorted instants: the cheaper way)
-        j = np.maximum(i, 0)
-        inside = np.clip(t - self.start[j], 0, self.end[j] - self.start[j])
-        return np.where(i >= 0, self.before[j] + inside, 0)
+        # run j is the last to start at or before t (sorted instants: the cheaper way round);
+        # it covers min(t, its end) - its start of what is before t. Written in place: one
+        # array of t's size and a gather at a time, not six (millions of pieces, both lanes)
+        j = rank_sorted(self.start, t, side="right")
+        before_any = j == 0
+        j -= 1
+        np.maximum(j, 0, out=j)
+        out = self.end[j]
+        np.minimum(out, t, out=out)
+        out -= self.start[j]
+        out += self.before[j]
+        out[before_any] = 0
+        return out
 
     @classmethod
     def lengths(
