@@ -415,7 +415,7 @@ def test_a_late_block_of_host_rows_that_the_order_check_misses_is_read(tmp_path:
     src = FIXTURES / "h100_host_slow_loader.sqlite"
     budget = event_rows(src) // 3
     spans = twopass.load_sampled(src, bundled(), budget=budget).trace.read_spans
-    path = shutil.copyfile(src, tmp_path / "late_block.sqlite")
+    path = copy_of(tmp_path, "h100_host_slow_loader")
     with sqlite3.connect(path) as con:
         calls = dict(  # OS runtime calls of each thread that made CUDA calls
             con.execute(

@@ -171,7 +171,7 @@ def _cuda_api(w: RankWindow, claims: IdleClaims, details: dict) -> None:
     # class's bounds are gathered when it claims, not every class's held at once
     kind = by_name(calls.select("name"), names)["kind"].fill_null(-1).to_numpy()
     lo, hi = _arrays(calls)
-    start, end = claims.pieces[0], claims.pieces[1]
+    start, end, _gaps = claims.pieces
     touching = _touching(lo, hi, start, end)
     taken = claims.take_in_order("cuda_api", labels, lo, hi, kind)
     for i, label in enumerate(labels):
