@@ -409,8 +409,11 @@ def traceclf_env() -> dict:
     return {**os.environ, "TRACECLF_CACHE_DIR": str(OUT / "cache")}
 
 
-def traceclf_exe() -> str:
-    return str(Path(sys.executable).with_name("traceclf"))
+def traceclf_exe() -> list[str]:
+    """The console script beside this interpreter, or ``python -m traceclf`` where traceclf is
+    importable but not installed (on PYTHONPATH, as on a borrowed machine of more cores)."""
+    script = Path(sys.executable).with_name("traceclf")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "traceclf"]
 
 
 def compile_bytecode() -> None:
@@ -435,7 +438,7 @@ def compile_bytecode() -> None:
 def has_all_steps() -> bool:
     """Whether this traceclf has the window mode (and so ``--all-steps``)."""
     help_text = subprocess.run(
-        [traceclf_exe(), "analyze", "--help"], capture_output=True, text=True
+        [*traceclf_exe(), "analyze", "--help"], capture_output=True, text=True
     ).stdout
     return "--all-steps" in help_text
 
@@ -463,7 +466,7 @@ def cli_runs(path: Path, all_steps: bool) -> list[Run]:
     """traceclf analyze cold then warm, in the default mode and (when there is one) with
     ``--all-steps``; each cold run starts with no cache at all."""
     env = traceclf_env()
-    cmd = [traceclf_exe(), "analyze", str(path), "--format", "json", "--quiet"]
+    cmd = [*traceclf_exe(), "analyze", str(path), "--format", "json", "--quiet"]
     variants = [("", cmd)]
     if all_steps:
         variants.append((" --all-steps", [*cmd, "--all-steps"]))
@@ -501,7 +504,7 @@ def rank_runs(folder: Path, all_steps: bool, jobs_counts: Sequence[int] = (1, 2)
     env = traceclf_env()
     runs = []
     for jobs in jobs_counts:
-        cmd = [traceclf_exe(), "analyze", str(folder), "--format", "json", "--quiet"]
+        cmd = [*traceclf_exe(), "analyze", str(folder), "--format", "json", "--quiet"]
         tries = []
         for _ in range(REPEAT["n"]):
             clear_cache(folder, env)
