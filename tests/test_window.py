@@ -29,7 +29,7 @@ from traceclf.ingest.load import load_trace
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.schema import inspect_export
 from traceclf.model.taxonomy import bundled
-from traceclf.pipeline import twopass
+from traceclf.pipeline import pass2, twopass
 from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
 from traceclf.pipeline.twopass import event_rows
 from traceclf.report.contract import Report
@@ -455,6 +455,109 @@ def test_a_late_block_of_host_rows_that_the_order_check_misses_is_read(tmp_path:
     assert read.trace.read_spans == spans
     got = read.trace.osrt.filter(pl.col("global_tid") == second)["start"].to_list()
     assert {row[start] for row in block} <= set(got)
+
+
+def test_a_late_block_of_cuda_calls_that_the_order_check_misses_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CONSTRUCTED from the slow-loader capture: its CUDA calls rewritten as nsys flushes a
+    thread's buffer late, five kernel launches of the second CUDA thread made inside the
+    analysed steps moved to a later place in the table, between two analysed spans (outside
+    every rowid range read) and between two of the rows the order check samples (as in a multi-process capture, whose
+    calls hold blocks of each process's threads). The samples are in start order, the rows
+    read are too; the kernels read name calls between the first and the last call read of
+    their span, and the calls are read again by a filtered scan."""
+    src = FIXTURES / "h100_host_slow_loader.sqlite"
+    budget = event_rows(src) // 3
+    spans = twopass.load_sampled(src, bundled(), budget=budget).trace.read_spans
+    path = copy_of(tmp_path, "h100_host_slow_loader")
+    with sqlite3.connect(path) as con:
+        table = "CUPTI_ACTIVITY_KIND_RUNTIME"
+        columns = [r[1] for r in con.execute(f"PRAGMA table_info({table})")]
+        keep = ", ".join(f'"{c}"' for c in columns)
+        threads = con.execute(
+            f"SELECT globalTid FROM {table} GROUP BY globalTid ORDER BY count(*) DESC"
+        ).fetchall()
+        second = threads[1][0]
+        rows = con.execute(f"SELECT rowid, {keep} FROM {table} ORDER BY rowid").fetchall()
+        launched = {
+            c for (c,) in con.execute("SELECT correlationId FROM CUPTI_ACTIVITY_KIND_KERNEL")
+        }
+        tid, corr, start = (columns.index(c) + 1 for c in ("globalTid", "correlationId", "start"))
+        inside = reader.overlap_clause(list(spans), "start + 1")
+        block_ids = {
+            r
+            for (r,) in con.execute(
+                f"SELECT rowid FROM {table} WHERE globalTid = ? AND {inside} ORDER BY start",
+                (second,),
+            )
+            if rows[r - 1][corr] in launched
+        }
+        block_ids = set(sorted(block_ids)[:5])
+        assert len(block_ids) == 5
+        block = [r for r in rows if r[0] in block_ids]
+        rest = [r for r in rows if r[0] not in block_ids]
+        # written later, where the calls read by rowid range are not: in the middle of a gap
+        # between analysed spans after the block's own, and between two sampled rowids
+        merged = sorted(spans)
+        gaps = [(a[1] + b[0]) // 2 for a, b in itertools.pairwise(merged) if a[1] < b[0]]
+        mid = next(t for t in gaps if t > block[-1][start])
+        at = next(i for i, r in enumerate(rest) if r[start] >= mid)
+        sampled = set(np.linspace(1, len(rows), num=rowindex.SAMPLES).round().astype(int))
+        while sampled & set(range(at, at + len(block) + 2)):
+            at += 1
+        moved = [*rest[:at], *block, *rest[at:]]
+        con.execute(f"DELETE FROM {table}")
+        marks = ", ".join("?" * (len(columns) + 1))
+        con.executemany(
+            f"INSERT INTO {table} (rowid, {keep}) VALUES ({marks})",
+            [(i + 1, *row[1:]) for i, row in enumerate(moved)],
+        )
+        index = RowIndex.build(con, table)
+        assert index is not None and index.ordered  # what the samples show
+        assert block[0][start] < rest[at - 1][start]  # what they do not: it is out of order
+    con.close()
+    flagged = []
+    unread = pass2.unread_calls
+
+    def spy(calls, work, spans):
+        flagged.append(unread(calls, work, spans).height)
+        return unread(calls, work, spans)
+
+    monkeypatch.setattr(pass2, "unread_calls", spy)
+    read = twopass.load_sampled(path, bundled(), budget=budget)
+    assert read.trace.read_spans == spans
+    assert flagged == [5]  # the rows read were in order: the launches gave them away
+    assert read.trace.read_path == "rescanned"
+    got = set(read.trace.api.filter(pl.col("global_tid") == second)["correlation_id"])
+    assert {row[corr] for row in block} <= got
+    assert all(row[tid] == second for row in block)
+
+
+def test_unread_calls_are_the_launches_numbered_among_the_calls_read() -> None:
+    """CONSTRUCTED frames: GPU work whose call number lies between the first and the last
+    call of its process that started inside a span, with no such call read, is flagged; work
+    of calls numbered outside that range, of a call read, or of another process is not."""
+    calls = pl.DataFrame(
+        {
+            "start": [5, 10, 20, 30, 100, 110, 12],
+            "pid": [1, 1, 1, 1, 1, 1, 2],
+            "correlation_id": [1, 2, 4, 6, 20, 22, 3],
+        }
+    )
+    work = pl.DataFrame(
+        {
+            "pid": [1, 1, 1, 1, 1, 2, 1, 1],
+            "correlation_id": [2, 3, 5, 7, 21, 5, 1, 15],
+        }
+    )
+    got = pass2.unread_calls(calls, [work], [(8, 40), (90, 120)])
+    # 3 and 5: between calls 2 and 6 of span one; 21: between 20 and 22 of span two. Not 1
+    # (its call started before the span), 7 and 15 (numbered after span one's last call and
+    # before span two's first), 2 (read) or pid 2's 5 (pid 2's only call is 3).
+    assert sorted(got["correlation_id"]) == [3, 5, 21]
+    assert set(got["pid"]) == {1}
+    assert pass2.unread_calls(calls.clear(), [work], [(8, 40)]).is_empty()
 
 
 def test_overlap_clause_finds_the_rows_a_test_of_every_span_finds() -> None:

@@ -345,12 +345,16 @@ def in_pieces(
     return out
 
 
-def read_path(indexes: dict) -> str:
+def read_path(indexes: dict, rescanned: bool = False) -> str:
     """How the analysed steps were read (the report's ``capture.read_path``): by rowid ranges
     (every event table in start order), by rowid ranges within the ordered pieces of tables
-    that are not, or by a filtered scan on time (a table shuffled finer than that)."""
+    that are not, or by a filtered scan on time (a table shuffled finer than that); by rowid
+    ranges, then a table read again by a filtered scan where what came back showed rows
+    missing (``rescanned``: :mod:`traceclf.pipeline.pass2`)."""
     if any(not index.ordered for index in indexes.values()):
         return "filtered_scan"
+    if rescanned:
+        return "rescanned"
     if any(len(index.pieces) > 1 for index in indexes.values()):
         return "ordered_pieces"
     return "rowid_ranges"

@@ -111,7 +111,8 @@ class Trace:
     capture_span: tuple[int, int] | None = None
     capture_rows: dict[str, int] = field(default_factory=dict)
     # how the event frames were read: "whole" (the whole capture), or the analysed steps by
-    # "rowid_ranges", "ordered_pieces" or "filtered_scan" (:mod:`traceclf.pipeline.twopass`)
+    # "rowid_ranges", "ordered_pieces", "filtered_scan" or "rescanned"
+    # (:mod:`traceclf.pipeline.twopass`, :mod:`traceclf.pipeline.pass2`)
     read_path: str = "whole"
     osrt: pl.DataFrame = field(default_factory=pl.DataFrame)
     samples: pl.DataFrame = field(default_factory=pl.DataFrame)

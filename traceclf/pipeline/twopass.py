@@ -9,7 +9,8 @@ spread evenly over the steady state (:func:`traceclf.steps.plan.plan_steps`). Pa
 those steps' rows, by rowid ranges found by binary search on ``start``
 (:mod:`traceclf.ingest.rowindex`). A table whose rows are not in ``start`` order is scanned
 once for its ordered pieces and read by rowid ranges within them; one shuffled finer is read
-with a filtered scan on time (and NVTX steps' warm-up is then decided on their CPU durations):
+with a filtered scan on time (and NVTX steps' warm-up is then decided on their CPU durations);
+one whose rows read by rowid range show rows missing is read again by a filtered scan:
 ``Trace.read_path`` says which (:mod:`traceclf.pipeline.pass2`). Memory
 events are read whole, as the peak of allocated memory needs, on another thread while pass 1
 plans; of NVTX, the rows that may be steps (pass 1) and the ranges over the analysed spans
@@ -137,7 +138,7 @@ def load_sampled(
             if plans is None:  # some rank's steps cannot be found cheaply: read it all
                 return SampledRead(load_trace(path, progress=progress), {})
             trace = _read_plans(reader, con, indexes, planner, budget, progress, memory)
-    return SampledRead(replace(trace, read_path=rowindex.read_path(indexes)), plans)
+    return SampledRead(trace, plans)
 
 
 def event_indexes(reader: Reader, con: sqlite3.Connection) -> dict[str, RowIndex]:
@@ -402,6 +403,8 @@ def _read_plans(
     p2.read(("api",), [calls for _gpu, calls in planner.spans])
     p2.read(GPU_SIDE, [gpu for gpu, _calls in planner.spans])
     frames = {logical: p2.finish(logical) for logical in EVENT_TABLES}
+    if "api" in frames:
+        frames["api"] = p2.calls_complete(frames)
     if "graphs" in indexes:
         # Graph-level tracing hides the replays' kernels; the measures then take kernel shapes
         # from the eager kernels outside the window (and the calls that captured the graph),
@@ -433,7 +436,7 @@ def _read_plans(
             return memory.result()
         return reader.read(logical)  # profiler overhead: small, whole
 
-    return build_trace(
+    trace = build_trace(
         reader,
         read,
         read_metrics,
@@ -441,6 +444,7 @@ def _read_plans(
         capture=_capture(reader, indexes),
         progress=progress,
     )
+    return replace(trace, read_path=rowindex.read_path(indexes, rescanned=bool(p2.rescanned)))
 
 
 def _capture(
