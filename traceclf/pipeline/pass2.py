@@ -97,10 +97,18 @@ class Pass2:
         return _within(df, merge_spans(table.spans))
 
     def rescan(self, logical: str) -> pl.DataFrame:
-        """The rows of ``logical`` in the spans asked for, read again by a filtered scan."""
+        """The rows a rowid-range read of ``logical`` stands for, those that start inside a
+        span asked for, read again by a filtered scan. (The scan also finds rows that began
+        before a span and overlap it, which rowid ranges never bring: a re-read keeps to what
+        the read it repairs would have held, so the path does not change which long calls at a
+        span's edge are counted.)"""
         self.rescanned.add(logical)
         spans = merge_spans(self.tables[logical].spans)
-        return _within(self.reader.read(logical, spans, rowid=True), spans)
+        rows = self.reader.read(logical, spans, rowid=True)
+        starts = pl.lit(False)
+        for lo, hi in spans:
+            starts = starts | pl.col("start").is_between(lo, hi)
+        return _within(rows.filter(starts), spans)
 
     def calls_complete(self, frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
         """The CUDA calls of ``frames`` (finished), or read again by a filtered scan where the
@@ -151,6 +159,8 @@ def unread_calls(
         .agg(first=pl.col("key").min(), last=pl.col("key").max())
         .sort("first")
     )
+    if bounds.is_empty():  # no call started inside a span: none to bracket GPU work
+        return _unkeyed(np.empty(0, dtype=np.int64))
     firsts, lasts = bounds["first"].to_numpy(), bounds["last"].to_numpy()
     gpu = np.concatenate(
         [np.empty(0, dtype=np.int64)]

@@ -403,8 +403,7 @@ def _read_plans(
     p2.read(("api",), [calls for _gpu, calls in planner.spans])
     p2.read(GPU_SIDE, [gpu for gpu, _calls in planner.spans])
     frames = {logical: p2.finish(logical) for logical in EVENT_TABLES}
-    if "api" in frames:
-        frames["api"] = p2.calls_complete(frames)
+    whole: set[str] = set()
     if "graphs" in indexes:
         # Graph-level tracing hides the replays' kernels; the measures then take kernel shapes
         # from the eager kernels outside the window (and the calls that captured the graph),
@@ -413,6 +412,9 @@ def _read_plans(
             index = indexes.get(logical)
             if index is not None and index.rows <= max(budget // 2, SMALL_ROWS):
                 frames[logical] = reader.read(logical)
+                whole.add(logical)
+    if "api" in frames and "api" not in whole:
+        frames["api"] = p2.calls_complete(frames)
     gpu_spans = merge_spans([gpu for gpu, _calls in planner.spans])
     read_spans = tuple(merge_spans([span for pair in planner.spans for span in pair]))
 
