@@ -3,8 +3,9 @@
 An NVTX step range is CPU time; its GPU start is the first GPU work launched by the CUDA calls
 inside it. For one step that is two SQL aggregates: the correlation ids of the rank's calls
 inside the range (one rowid range of the call table; CUPTI numbers a process's calls in call
-order, so they form one interval of ids), then the first GPU row in start order with one of
-them, looked for from the range's start onward. Step sampling's first pass
+order, so they form one interval of ids, whose ends the first and the last few calls of the
+range hold: the cost does not grow with the calls a step makes), then the first GPU row in
+start order with one of them, looked for from the range's start onward. Step sampling's first pass
 (:mod:`traceclf.pipeline.twopass`) uses it to decide warm-up and a cut-off last step on GPU
 durations, as ``--all-steps`` does, and to know each analysed run's GPU span before reading it.
 """
@@ -33,6 +34,10 @@ class Projector:
     BLOCK = 4096  # GPU rows per look, doubled each time; at most MAX_ROWS past the call
     MAX_ROWS = 1 << 19
     SAMPLE = 9  # steps whose durations give the reference (median) step
+    # Calls read at each end of a step for its first and last correlation ids. Ids follow
+    # call order; only calls made at once on two threads can swap (by tens of ns in the
+    # shared traces), never 256 calls apart.
+    EDGE_CALLS = 256
 
     def __init__(
         self,
@@ -85,10 +90,17 @@ class Projector:
         if not ranges:
             return None
         rowids = " OR ".join(f"(rowid > {a} AND rowid <= {b})" for a, b in ranges)
-        row = self.con.execute(
-            f"SELECT min(correlationId), max(correlationId) FROM {self.api.table} "
+        calls = (
+            f"SELECT correlationId AS c FROM {self.api.table} "
             f"WHERE ({rowids}) AND start BETWEEN {lo} AND {hi} "
             f"AND {self.reader.pid_sql('api')} = {self.pid} AND typeof(correlationId) = 'integer'"
+        )
+        # The smallest id is among the step's first calls and the largest among its last:
+        # ids follow call order (the rows are in start order here), so a few rows at each
+        # end stand for the step, however many calls it holds.
+        row = self.con.execute(
+            f"SELECT (SELECT min(c) FROM ({calls} ORDER BY rowid LIMIT {self.EDGE_CALLS})), "
+            f"(SELECT max(c) FROM ({calls} ORDER BY rowid DESC LIMIT {self.EDGE_CALLS}))"
         ).fetchone()
         return None if row[0] is None else (int(row[0]), int(row[1]))
 

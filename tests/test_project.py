@@ -1,0 +1,76 @@
+"""Step projection (:mod:`traceclf.ingest.project`): the correlation ids of a step's CUDA calls
+from the few calls at each end of its rowid range, against every call of the step."""
+
+from __future__ import annotations
+
+import contextlib
+
+import polars as pl
+import pytest
+from conftest import FIXTURES
+
+from traceclf.ingest import project, rowindex
+from traceclf.ingest.schema import connect_readonly
+from traceclf.model.taxonomy import bundled
+from traceclf.pipeline import twopass
+from traceclf.pipeline.twopass import event_rows
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "h100_host_launch_gpumetrics_trimmed",  # thousands of calls a step
+        "h100_moe_megatron_ep2",  # two ranks in one file, calls from several threads
+        "h100_host_slow_loader",  # two CUDA threads
+        "h100_nccl_groups",
+    ],
+)
+def test_a_steps_first_and_last_call_ids_are_those_of_all_its_calls(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each projected step's (smallest, largest) correlation id, read from EDGE_CALLS calls at
+    each end, equals the smallest and largest over all the rank's calls that start inside the
+    step, computed here from the whole call table in polars."""
+    path = FIXTURES / f"{name}.sqlite"
+    made: list[project.Projector] = []
+    init = project.Projector.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    opened = []
+
+    @contextlib.contextmanager
+    def stays_open(at):  # the projectors' searches go on after the read
+        opened.append(connect_readonly(at, check_same_thread=False))
+        yield opened[-1]
+
+    monkeypatch.setattr(project.Projector, "__init__", keep)
+    monkeypatch.setattr(rowindex, "connect", stays_open)
+    twopass.load_sampled(path, bundled(), budget=event_rows(path) // 3)
+    projectors = [p for p in made if p.usable]
+    assert projectors
+    calls = pl.read_database_uri(
+        "SELECT start, (globalTid >> 24) & 16777215 AS pid, correlationId AS c "
+        "FROM CUPTI_ACTIVITY_KIND_RUNTIME",
+        f"sqlite://{path}",
+    )
+    checked = 0
+    for p in projectors:
+        mine = calls.filter(pl.col("pid") == p.pid)
+        for i, (lo, hi) in enumerate(zip(p.starts, p.ends, strict=True)):
+            inside = mine.filter(pl.col("start").is_between(lo, hi))["c"]
+            want = None if inside.is_empty() else (int(inside.min()), int(inside.max()))
+            assert p._calls(i) == want, (p.pid, i)
+            checked += want is not None
+    assert checked >= 5
+    # the bound is reached: some step holds more calls than are read at its two ends
+    most = max(
+        calls.filter(pl.col("pid") == p.pid, pl.col("start").is_between(lo, hi)).height
+        for p in projectors
+        for lo, hi in zip(p.starts, p.ends, strict=True)
+    )
+    assert most > 2 * project.Projector.EDGE_CALLS
+    for con in opened:
+        con.close()
