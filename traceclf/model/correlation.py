@@ -38,7 +38,7 @@ class CallIndex:
             self.keys = None  # keys beyond 63 bits (no nsys export has them): a join
             return
         else:
-            keys, valid = _key(pid, corr)
+            keys, valid = call_key(pid, corr)
             self.rows = np.flatnonzero(valid)
             self.keys = keys[self.rows]
         if len(self.keys) > 1 and not bool(np.all(self.keys[1:] >= self.keys[:-1])):
@@ -54,7 +54,7 @@ class CallIndex:
             query = corr.fill_null(0).to_numpy().astype(np.int64, copy=False)
             valid = (corr.is_not_null() & (pid == self.pid).fill_null(False)).to_numpy()
         else:
-            query, valid = _key(pid, corr)
+            query, valid = call_key(pid, corr)
         if not len(self.keys):
             return np.full(len(query), -1, np.int64)
         pos = self._positions(query, valid)
@@ -100,7 +100,7 @@ def _single(pid: pl.Series) -> int | None:
     return _min(pid)
 
 
-def _key(pid: pl.Series, corr: pl.Series) -> tuple[np.ndarray, np.ndarray]:
+def call_key(pid: pl.Series, corr: pl.Series) -> tuple[np.ndarray, np.ndarray]:
     """(pid << CORR_BITS) | corr, and where it is valid (both known, in range)."""
     p = pid.fill_null(-1).to_numpy().astype(np.int64, copy=False)
     c = corr.fill_null(-1).to_numpy().astype(np.int64, copy=False)

@@ -20,6 +20,7 @@ from traceclf.ingest import rowindex
 from traceclf.ingest.reader import Reader, Span
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.tables import EVENT_TABLES
+from traceclf.model.correlation import CallIndex, call_key
 
 
 @dataclass
@@ -141,52 +142,38 @@ def unread_calls(
     CUPTI numbers a process's calls, runtime and driver API alike, in call order, and GPU work
     carries the number of the call that made it. A call numbered between the first and the
     last call of its process that started inside a span started inside that span too, so a
-    read of the span's calls that lacks it has left calls out. (Each call is one number,
-    process and id together: sorted arrays and binary searches, ~0.1 s for 0.8 M calls.)"""
+    read of the span's calls that lacks it has left calls out. (Calls and work keyed by
+    process and id as :mod:`traceclf.model.correlation` keys them: binary searches, ~0.1 s for
+    0.8 M calls.)"""
     merged = merge_spans(list(spans))
-    numbered = calls.select("start", key=_call_key()).drop_nulls()
-    if numbered.is_empty() or not merged:
-        return _unkeyed(np.empty(0, dtype=np.int64))
+    none = pl.DataFrame(schema={"pid": pl.Int32, "correlation_id": pl.Int64})
+    if calls.is_empty() or not merged:
+        return none
     los = np.array([lo for lo, _hi in merged], dtype=np.int64)
     his = np.array([hi for _lo, hi in merged], dtype=np.int64)
-    starts, keys = numbered["start"].to_numpy(), numbered["key"].to_numpy()
+    keys, valid = call_key(calls["pid"], calls["correlation_id"])
+    starts = calls["start"].to_numpy()
     span = np.searchsorted(los, starts, side="right") - 1
-    inside = (span >= 0) & (starts <= his[np.maximum(span, 0)])
+    inside = valid & (span >= 0) & (starts <= his[np.maximum(span, 0)])
     # each process's calls inside each span: one interval of keys (disjoint from the others
     # while ids follow call order; one nested in another would hide the outer's gaps)
     bounds = (
-        pl.DataFrame({"key": keys[inside], "span": span[inside]})
-        .group_by(pl.col("key") // (1 << 32), "span")
+        pl.DataFrame(
+            {"key": keys[inside], "pid": calls["pid"].filter(inside), "span": span[inside]}
+        )
+        .group_by("pid", "span")
         .agg(first=pl.col("key").min(), last=pl.col("key").max())
         .sort("first")
     )
     if bounds.is_empty():  # no call started inside a span: none to bracket GPU work
-        return _unkeyed(np.empty(0, dtype=np.int64))
+        return none
     firsts, lasts = bounds["first"].to_numpy(), bounds["last"].to_numpy()
-    gpu = np.concatenate(
-        [np.empty(0, dtype=np.int64)]
-        + [w.select(key=_call_key()).drop_nulls()["key"].to_numpy() for w in work]
-    )
-    at = np.searchsorted(firsts, gpu, side="right") - 1
-    named = gpu[(at >= 0) & (gpu <= lasts[np.maximum(at, 0)])]
-    known = np.sort(keys, kind="stable")  # (nearly sorted already: calls are in start order)
-    found = known[np.minimum(np.searchsorted(known, named), len(known) - 1)] == named
-    return _unkeyed(named[~found])
-
-
-def _call_key() -> pl.Expr:
-    """A call's process and correlation id as one number (null where either is missing or
-    out of range: CUPTI's ids are 32-bit, process ids 24-bit)."""
-    pid, corr = pl.col("pid").cast(pl.Int64), pl.col("correlation_id").cast(pl.Int64)
-    valid = pid.is_between(0, (1 << 24) - 1) & corr.is_between(0, (1 << 32) - 1)
-    return pl.when(valid).then(pid * (1 << 32) + corr)
-
-
-def _unkeyed(keys: np.ndarray) -> pl.DataFrame:
-    return pl.DataFrame(
-        {"pid": (keys >> 32).astype(np.int32), "correlation_id": keys & ((1 << 32) - 1)},
-        schema={"pid": pl.Int32, "correlation_id": pl.Int64},
-    )
+    gpu = pl.concat([w.select(none.columns).cast(none.schema) for w in work] or [none])
+    gpu_keys, gpu_valid = call_key(gpu["pid"], gpu["correlation_id"])
+    at = np.searchsorted(firsts, gpu_keys, side="right") - 1
+    named = gpu.filter(gpu_valid & (at >= 0) & (gpu_keys <= lasts[np.maximum(at, 0)]))
+    unread = CallIndex(calls).find(named["pid"], named["correlation_id"]) < 0
+    return named.filter(unread)
 
 
 def merge_spans(spans: list[Span]) -> list[Span]:
