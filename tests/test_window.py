@@ -150,6 +150,18 @@ def copy_of(tmp_path: Path, name: str) -> Path:
     return Path(shutil.copy(FIXTURES / f"{name}.sqlite", tmp_path / f"{name}.sqlite"))
 
 
+def rewrite(con: sqlite3.Connection, table: str, columns: list[str], rows: list) -> None:
+    """Replace ``table``'s rows with ``rows`` (values of ``columns``), at rowids 1, 2, ... in
+    the order given: rows written as nsys would have flushed them."""
+    con.execute(f"DELETE FROM {table}")
+    names = ", ".join(f'"{c}"' for c in columns)
+    marks = ", ".join("?" * (len(columns) + 1))
+    con.executemany(
+        f"INSERT INTO {table} (rowid, {names}) VALUES ({marks})",
+        [(i + 1, *row) for i, row in enumerate(rows)],
+    )
+
+
 def reorder(path: Path, table: str, order: str) -> None:
     """Rewrite ``table`` with its rows inserted in ``order`` (an SQL ORDER BY), so their rowids
     no longer follow ``start``; the rows themselves are unchanged."""
@@ -441,12 +453,7 @@ def test_a_late_block_of_host_rows_that_the_order_check_misses_is_read(tmp_path:
         # between two samples a tenth of the way in: rows of that time, long before the block's
         at = next(int(a) for a, b in itertools.pairwise(sampled) if a > n // 10 and b - a > 5)
         rows = mains[:at] + block + mains[at:]
-        con.execute("DELETE FROM OSRT_API")
-        marks = ", ".join("?" * (len(columns) + 1))
-        con.executemany(
-            f"INSERT INTO OSRT_API (rowid, {keep}) VALUES ({marks})",
-            [(i + 1, *row) for i, row in enumerate(rows)],
-        )
+        rewrite(con, "OSRT_API", columns, rows)
         index = RowIndex.build(con, "OSRT_API")
         assert index is not None and index.ordered  # what the samples show
         assert block[0][start] > mains[at][start]  # what they do not: it is out of order
@@ -508,12 +515,7 @@ def test_a_late_block_of_cuda_calls_that_the_order_check_misses_is_read(
         while sampled & set(range(at, at + len(block) + 2)):
             at += 1
         moved = [*rest[:at], *block, *rest[at:]]
-        con.execute(f"DELETE FROM {table}")
-        marks = ", ".join("?" * (len(columns) + 1))
-        con.executemany(
-            f"INSERT INTO {table} (rowid, {keep}) VALUES ({marks})",
-            [(i + 1, *row[1:]) for i, row in enumerate(moved)],
-        )
+        rewrite(con, table, columns, [row[1:] for row in moved])
         index = RowIndex.build(con, table)
         assert index is not None and index.ordered  # what the samples show
         assert block[0][start] < rest[at - 1][start]  # what they do not: it is out of order
