@@ -693,7 +693,7 @@ def test_a_host_table_over_the_row_cap_is_left_out_with_a_note(monkeypatch, over
             "SELECT count(*) FROM OSRT_API WHERE coalesce(nestingLevel, 0) = 0"
         ).fetchone()
     monkeypatch.setattr(hosttables, "HOST_ROW_CAP", outer - 1 if over else outer)
-    side = hosttables.read_host_side(Reader(inspect_export(path)), tids, None, True)
+    side = hosttables.read_host_side(Reader(inspect_export(path)), tids, None)
     if over:
         assert side.osrt.is_empty()
         assert side.notes["osrt"] == f"not read: over {outer - 1:,} rows on the CUDA threads"

@@ -409,7 +409,6 @@ def test_host_tables_of_the_window_are_the_rows_a_filtered_scan_finds() -> None:
         Reader(inspect_export(path)),
         read.trace.api["global_tid"].unique().to_list(),
         read.trace.read_spans,
-        has_nvtx_ranges=True,
     )
     for name in ("osrt", "samples", "sched"):
         got, want = getattr(read.trace, name), getattr(scanned, name)

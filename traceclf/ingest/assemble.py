@@ -34,6 +34,7 @@ from traceclf.ingest.nccl_calls import empty as nccl_empty
 from traceclf.ingest.nccl_calls import read_nccl_calls
 from traceclf.ingest.reader import Reader, Span, decode_pid, release_read_buffers
 from traceclf.model.trace import Trace
+from traceclf.support.cpus import second_lane
 from traceclf.support.errors import TraceError, TraceWarning
 
 # copyKind values of CUpti_ActivityMemcpyKind
@@ -236,6 +237,15 @@ def build_trace(
     api = api.with_columns(
         name=api_names.fill_null(pl.lit("<unknown api>").cast(pl.Categorical))
     ).drop("name_id")
+    # The host side is read on the threads that made CUDA calls (only their time can leave the
+    # GPU idle), by filtered scans of whole tables (SQLite's work, without the GIL): beside
+    # the rest of the build when two cores may be kept busy.
+    host_side = second_lane("traceclf-host-side").submit(
+        read_host_side,
+        reader,
+        api["global_tid"].unique().to_list(),
+        read_spans if read_spans is not None else nvtx_span,
+    )
 
     step("syncs")
     syncs = usable(read("syncs"), "syncs", unusable)
@@ -300,16 +310,10 @@ def build_trace(
     )
 
     step("host side")
-    # (the threads that made CUDA calls: only their time can leave the GPU idle)
     host = optional(
         reader,
         "host side (OS runtime calls, samples, scheduling, diagnostics)",
-        lambda: read_host_side(
-            reader,
-            api["global_tid"].unique().to_list(),
-            read_spans if read_spans is not None else nvtx_span,
-            has_nvtx_ranges=not nvtx.is_empty(),
-        ),
+        host_side.result,
         empty_host_side(),
     )
 
@@ -346,7 +350,7 @@ def build_trace(
         py_frames=host.py_frames,
         sched=host.sched,
         diagnostics=host.diagnostics,
-        host_sources=host.sources,
+        host_sources=("nvtx",) * (not nvtx.is_empty()) + host.sources,
         host_notes=host.notes,
     )
     release_read_buffers()

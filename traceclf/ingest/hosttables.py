@@ -118,10 +118,10 @@ def read_host_side(
     reader: Reader,
     threads: Sequence[int],
     spans: Span | Sequence[Span] | None,
-    has_nvtx_ranges: bool,
 ) -> HostSide:
     """What the export holds of the host side, for the CUDA-calling ``threads`` (global thread
-    ids) in the time ``spans`` (None: the whole capture), each table by one filtered scan.
+    ids) in the time ``spans`` (None: the whole capture), each table by one filtered scan (its
+    ``sources``: those of :data:`SOURCES` but NVTX ranges, which the caller reads).
 
     Not by rowid ranges, as the event tables of the analysed steps are: nsys writes these
     tables a thread's buffer at a time (no shared trace has them in start order but one), and
@@ -130,7 +130,6 @@ def read_host_side(
     of 96 waits of the autograd thread in the analysed steps."""
     info = reader.info
     present = {
-        "nvtx": has_nvtx_ranges,
         "cuda_api": info.has("CUPTI_ACTIVITY_KIND_RUNTIME"),
         "osrt": info.has("OSRT_API"),
         "sampling": info.has("COMPOSITE_EVENTS"),
@@ -175,7 +174,7 @@ def read_host_side(
         py_frames=py_frames,
         sched=sched,
         diagnostics=read_diagnostics(reader),
-        sources=tuple(s for s in SOURCES if present[s]),
+        sources=tuple(s for s in SOURCES if present.get(s)),
         notes=notes,
     )
 

@@ -34,10 +34,11 @@ def step_rows(reader: Reader, pattern: str) -> pl.DataFrame:
     return reader.read("nvtx", where=" OR ".join(wanted))
 
 
-def window_rows(reader: Reader, spans: Sequence[Span]) -> pl.DataFrame:
+def window_rows(reader: Reader, spans: Sequence[Span], steps: pl.DataFrame) -> pl.DataFrame:
     """The NVTX rows of the analysed steps: every range overlapping the spans read (one
     filtered scan, in SQLite: :func:`traceclf.ingest.reader.overlap_clause`), and the
-    domains' creations (their names)."""
+    domains' creations (their names) from ``steps``, pass 1's rows (:func:`step_rows`),
+    which hold them all: not a second scan of the table."""
     ranges = reader.read("nvtx", list(spans)) if spans else reader.empty("nvtx")
-    domains = reader.read("nvtx", where=f'"eventType" = {NVTX_DOMAIN_CREATE}')
+    domains = steps.filter(pl.col("event_type") == NVTX_DOMAIN_CREATE)
     return pl.concat([domains, ranges], how="vertical_relaxed")

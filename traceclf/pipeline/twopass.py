@@ -433,7 +433,7 @@ def _read_plans(
         if logical in frames:
             return frames[logical]
         if logical == "nvtx":
-            return window_rows(reader, read_spans)
+            return window_rows(reader, read_spans, planner.nvtx_raw)
         if logical == "memory":
             return memory.result()
         return reader.read(logical)  # profiler overhead: small, whole
