@@ -81,12 +81,15 @@ class IdleClaims:
         cover = Busy(np.empty(0, np.int64), np.empty(0, np.int64))
         before = np.zeros(len(start), np.int64)
         got: set[str] = set()
+        last = int(kind.max())
         for i, name in enumerate(names):
             mine = kind == i
             if not mine.any():
                 continue
             runs = Busy.of_arrays(lo[mine], hi[mine])
-            cover = cover | runs
+            # the last class's union with those before it is the union of every call: one
+            # pass over the calls in start order, not a merge of two sets of millions of runs
+            cover = _every(lo, hi, kind, len(names)) if i == last else cover | runs
             # only the pieces this class's runs touch gain anything (a few calls: a few pieces)
             at = touched(self.held, runs.start, runs.end)
             del runs, mine  # (the launch class's: millions of runs, not held while summing)
@@ -141,3 +144,9 @@ class IdleClaims:
     def join(self, part: IdleClaims) -> None:
         self.parts += part.parts
         self.pieces = merged(self.pieces, part.pieces)
+
+
+def _every(lo: np.ndarray, hi: np.ndarray, kind: np.ndarray, classes: int) -> Busy:
+    """The union of the intervals of every class (``kind`` in ``range(classes)``)."""
+    valid = (kind >= 0) & (kind < classes)
+    return Busy.of_arrays(lo, hi) if valid.all() else Busy.of_arrays(lo[valid], hi[valid])
