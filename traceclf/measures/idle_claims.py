@@ -87,12 +87,17 @@ class IdleClaims:
             if not mine.any():
                 continue
             runs = Busy.of_arrays(lo[mine], hi[mine])
-            # the last class's union with those before it is the union of every call: one
-            # pass over the calls in start order, not a merge of two sets of millions of runs
-            cover = _every(lo, hi, kind, len(names)) if i == last else cover | runs
             # only the pieces this class's runs touch gain anything (a few calls: a few pieces)
             at = touched(self.held, runs.start, runs.end)
-            del runs, mine  # (the launch class's: millions of runs, not held while summing)
+            del mine  # (the runs of the launch class: millions, not held while summing)
+            if i < last:
+                cover = cover | runs
+                del runs
+            else:  # the last class's union with those before it is the union of every call:
+                # one pass over the calls in start order, not a merge of two sets of millions
+                # of runs, and neither set held beside it
+                del cover, runs
+                cover = _every(lo, hi, kind, len(names))
             if at is None:
                 now = cover.covered(start, end)
                 got |= self.record(source, [name], owner, now - before)
