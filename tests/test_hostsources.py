@@ -444,9 +444,11 @@ def test_sampled_read_keeps_host_rows_of_the_analysed_steps_only():
 def test_busy_time_before_each_instant_is_the_hand_made_unions():
     """Constructed intervals (overlapping, touching, empty, nested; instants before the first,
     inside, between and after them, sorted and not, many and few, so that both ways of
-    searching run): ``Busy.upto`` is the time the hand-made union covers before each instant,
-    and ``covered`` the time inside each query interval."""
+    searching run): the runs are the hand-made union's, from arrays and from a frame's columns
+    alike, ``Busy.upto`` is the time it covers before each instant, and ``covered`` the time
+    inside each query interval."""
     import numpy as np
+    import polars as pl
 
     from traceclf.measures.intervals import Busy
 
@@ -457,6 +459,11 @@ def test_busy_time_before_each_instant_is_the_hand_made_unions():
         hi = lo + rng.choice([0, 0, 1, 5, 30, 200], n)
         busy = Busy.of_arrays(lo.astype(np.int64), hi.astype(np.int64))
         runs = union(zip(lo.tolist(), hi.tolist(), strict=True))
+        framed = Busy.of(
+            pl.DataFrame({"start": lo, "end": hi}, schema=[("start", pl.Int64), ("end", pl.Int64)])
+        )
+        for b in (busy, framed):
+            assert list(zip(b.start.tolist(), b.end.tolist(), strict=True)) == runs
         for t in (rng.integers(-20, 1300, int(rng.integers(0, 300))), np.arange(-5, 1300, 7)):
             want = [sum(max(0, min(b, x) - a) for a, b in runs) for x in t.tolist()]
             assert busy.upto(t).tolist() == want
