@@ -614,6 +614,52 @@ def test_window_nvtx_is_the_captures_ranges_over_the_steps_read(name: str) -> No
     assert set(got["domain"].unique()) == set(want["domain"].unique())
 
 
+@pytest.mark.parametrize(("prefix", "cap"), [(False, None), (False, 0), (True, None)])
+def test_pass_one_reads_the_nvtx_rows_whose_text_may_be_a_step(
+    prefix: bool, cap: int | None, tmp_path: Path, monkeypatch
+) -> None:
+    """Pass 1's NVTX rows on the EP capture, whose ranges keep their text in the row (every
+    layer's: MoE dispatch and combine, experts) or in StringIds: the domains' creations and
+    the rows whose text matches the step pattern, as a match over every row finds them (the
+    distinct texts are matched, then their rows read by their bytes). One step's text is
+    made invalid UTF-8 (constructed): a pattern that still matches it (a prefix) reads it,
+    its text repaired. Past ``MAX_INLINE_TEXTS`` matching texts, every row with text is read
+    (matched after)."""
+    from traceclf.ingest import nvtx_rows
+    from traceclf.ingest.reader import Reader
+
+    path = tmp_path / "ep.sqlite"
+    shutil.copy(FIXTURES / "h100_comm_ep2.sqlite", path)
+    with sqlite3.connect(path) as con:
+        (rowid,) = con.execute(
+            "SELECT min(rowid) FROM NVTX_EVENTS WHERE text LIKE 'Iteration %'"
+        ).fetchone()
+        con.execute(
+            "UPDATE NVTX_EVENTS SET text = CAST(CAST(text AS BLOB) || X'FF' AS TEXT) "
+            f"WHERE rowid = {rowid}"
+        )
+    if cap is not None:
+        monkeypatch.setattr(nvtx_rows, "MAX_INLINE_TEXTS", cap)
+    pattern = r"^Iteration \d+" if prefix else bundled().nvtx["step"]
+    got = nvtx_rows.step_rows(Reader(inspect_export(path)), pattern)
+    with sqlite3.connect(path) as con:
+        rows = con.execute(
+            "SELECT n.rowid, n.start, n.eventType, CAST(coalesce(n.text, s.value) AS BLOB), "
+            "n.text IS NOT NULL FROM NVTX_EVENTS n LEFT JOIN StringIds s ON s.id = n.textId"
+        ).fetchall()
+    text = pl.Series([b.decode("utf-8", "replace") if b else None for *_, b, _ in rows])
+    step = text.str.contains(pattern).fill_null(False).to_list()
+    # (past the cap: every row with its text in the row, besides)
+    want = [
+        start
+        for (_, start, kind, _, inline), hit in zip(rows, step, strict=True)
+        if hit or kind == 75 or (cap == 0 and inline)
+    ]
+    assert sorted(got["start"].to_list()) == sorted(want)
+    assert 0 < sum(step) < len(rows) // 4
+    assert got["text"].str.ends_with("\ufffd").sum() == int(prefix or cap == 0)
+
+
 def test_steps_analysed_are_capped_however_few_rows_a_step_has(monkeypatch) -> None:
     """STEP_BUDGET caps the analysed steps per rank even where the row budget would allow
     every one (here 0.95 of the rows, which analyses all steady steps uncapped): spread in
