@@ -12,6 +12,7 @@ import ctypes
 import functools
 import itertools
 import sys
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,7 @@ class Reader:
         self.uri = _uri(info.path)
         # strings that were not UTF-8, by "TABLE.column": repaired with U+FFFD (ingest/utf8.py)
         self.repaired: dict[str, int] = {}
+        self._counting = threading.Lock()  # (the host side is read on a thread of its own)
 
     def sql(self, query: str | list[str]) -> pl.DataFrame:
         """Run a query (or several whose results are concatenated, read in parallel)."""
@@ -111,7 +113,8 @@ class Reader:
             text, repaired = decode_text(df[name])
             if repaired:
                 key = f"{table}.{source}"
-                self.repaired[key] = self.repaired.get(key, 0) + repaired
+                with self._counting:
+                    self.repaired[key] = self.repaired.get(key, 0) + repaired
             out.append(text)
         return df.with_columns(out) if out else df
 
