@@ -350,7 +350,7 @@ def build_trace(
         py_frames=host.py_frames,
         sched=host.sched,
         diagnostics=host.diagnostics,
-        host_sources=("nvtx",) * (not nvtx.is_empty()) + host.sources,
+        host_sources=(() if nvtx.is_empty() else ("nvtx",)) + host.sources,
         host_notes=host.notes,
     )
     release_read_buffers()

@@ -58,8 +58,10 @@ def _inline_matching(reader: Reader, table: str, pattern: str) -> str:
     raw = reader.sql(
         f'SELECT DISTINCT CAST("text" AS BLOB) AS text FROM {table} WHERE "text" IS NOT NULL'
     )
-    if raw.is_empty() or raw["text"].dtype != pl.Binary:
-        return '"text" IS NOT NULL' if not raw.is_empty() else "0"
+    if raw.is_empty():
+        return "0"
+    if raw["text"].dtype != pl.Binary:  # (not read as bytes: every row with text, as before)
+        return '"text" IS NOT NULL'
     text, _repaired = decode_text(raw["text"])  # (repairs are counted on the rows read)
     hits = raw["text"].filter(matches(text, pattern).fill_null(False))
     if hits.len() > MAX_INLINE_TEXTS:
