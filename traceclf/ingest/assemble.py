@@ -194,6 +194,8 @@ def build_trace(
 
     step("strings")
     strings = reader.strings
+    # (NCCL's payloads: filtered scans of the whole NVTX table, needing nothing built here)
+    nccl_read = second_lane("traceclf-nccl-payloads").submit(read_nccl_calls, reader)
 
     step("kernels")
     kernels = usable(read("kernels"), "kernels", unusable)
@@ -260,7 +262,7 @@ def build_trace(
 
     step("NCCL payloads")
     # (whole capture, like the NVTX ranges: a few per collective; no measure depends on them)
-    nccl = optional(reader, "NCCL payload values", lambda: read_nccl_calls(reader), nccl_empty())
+    nccl = optional(reader, "NCCL payload values", nccl_read.result, nccl_empty())
 
     step("memory")
     memory = read("memory")  # instants; the whole capture is needed for the peak

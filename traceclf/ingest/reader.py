@@ -67,7 +67,7 @@ class Reader:
         self.uri = _uri(info.path)
         # strings that were not UTF-8, by "TABLE.column": repaired with U+FFFD (ingest/utf8.py)
         self.repaired: dict[str, int] = {}
-        self._counting = threading.Lock()  # (the host side is read on a thread of its own)
+        self._counting = threading.Lock()  # (host side and NCCL payloads: threads of their own)
 
     def sql(self, query: str | list[str]) -> pl.DataFrame:
         """Run a query (or several whose results are concatenated, read in parallel)."""
