@@ -106,10 +106,8 @@ class Pass2:
         self.rescanned.add(logical)
         spans = merge_spans(self.tables[logical].spans)
         rows = self.reader.read(logical, spans, rowid=True)
-        starts = pl.lit(False)
-        for lo, hi in spans:
-            starts = starts | pl.col("start").is_between(lo, hi)
-        return _within(rows.filter(starts), spans)
+        inside = _span_of(rows["start"].to_numpy(), spans) >= 0
+        return _within(rows.filter(pl.Series(inside)), spans)
 
     def calls_complete(self, frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
         """The CUDA calls of ``frames`` (finished), or read again by a filtered scan where the
@@ -149,12 +147,9 @@ def unread_calls(
     none = pl.DataFrame(schema={"pid": pl.Int32, "correlation_id": pl.Int64})
     if calls.is_empty() or not merged:
         return none
-    los = np.array([lo for lo, _hi in merged], dtype=np.int64)
-    his = np.array([hi for _lo, hi in merged], dtype=np.int64)
     keys, valid = call_key(calls["pid"], calls["correlation_id"])
-    starts = calls["start"].to_numpy()
-    span = np.searchsorted(los, starts, side="right") - 1
-    inside = valid & (span >= 0) & (starts <= his[np.maximum(span, 0)])
+    span = _span_of(calls["start"].to_numpy(), merged)
+    inside = valid & (span >= 0)
     # each process's calls inside each span: one interval of keys (disjoint from the others
     # while ids follow call order; one nested in another would hide the outer's gaps)
     bounds = (
@@ -174,6 +169,18 @@ def unread_calls(
     named = gpu.filter(gpu_valid & (at >= 0) & (gpu_keys <= lasts[np.maximum(at, 0)]))
     unread = CallIndex(calls).find(named["pid"], named["correlation_id"]) < 0
     return named.filter(unread)
+
+
+def _span_of(starts: np.ndarray, spans: list[Span]) -> np.ndarray:
+    """The index of the span (``spans`` merged) each instant of ``starts`` falls in, both
+    ends included; -1 for an instant outside every span."""
+    if not spans:
+        return np.full(len(starts), -1, np.int64)
+    los = np.array([lo for lo, _hi in spans], dtype=np.int64)
+    his = np.array([hi for _lo, hi in spans], dtype=np.int64)
+    span = np.searchsorted(los, starts, side="right") - 1
+    outside = (span < 0) | (starts > his[np.maximum(span, 0)])
+    return np.where(outside, -1, span)
 
 
 def merge_spans(spans: list[Span]) -> list[Span]:
