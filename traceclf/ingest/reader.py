@@ -142,7 +142,10 @@ class Reader:
         clauses = [where] if where else []
         if spans is not None and logical in TIMED:
             end = '"end"' if "end" in present else "start"
-            clauses.append(overlap_clause(spans, end))
+            # (first: SQLite tests the terms in the order given, and the spans of analysed
+            # steps reject most rows of a long capture; the OS runtime calls' thread test
+            # first took 2.7 s of a 4.3 GB capture's scan, the spans first 2.0 s)
+            clauses.insert(0, overlap_clause(spans, end))
         try:
             df, columns = self._select(table, cols, present, clauses, rowids, limit)
         except TraceError:
