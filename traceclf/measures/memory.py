@@ -128,5 +128,9 @@ def device_memory(mem: pl.DataFrame) -> pl.DataFrame:
 def _peak(mem: pl.DataFrame) -> int:
     """The highest level of allocated bytes (allocations minus frees in time order, per
     device); 0 without events."""
-    top = mem.sort("start").select(pl.col("delta").cum_sum().over("device_id").max()).item()
+    level = pl.col("delta").cum_sum()
+    devices = mem["device_id"]
+    if devices.null_count() or devices.min() != devices.max():  # (one device: no grouping)
+        level = level.over("device_id")
+    top = mem.sort("start").select(level.max()).item()
     return int(top or 0)  # type: ignore[arg-type]
