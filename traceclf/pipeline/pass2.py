@@ -17,6 +17,7 @@ import numpy as np
 import polars as pl
 
 from traceclf.ingest import rowindex
+from traceclf.ingest.assemble import sorted_by_start
 from traceclf.ingest.reader import Reader, Span
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.tables import EVENT_TABLES
@@ -127,8 +128,9 @@ def _within(df: pl.DataFrame, spans: list[Span]) -> pl.DataFrame:
     keep = pl.lit(False)
     for lo, hi in spans:  # ends included: the row starting at ``hi`` ends the window
         keep = keep | ((pl.col("start") <= hi) & (pl.col("end") >= lo))
-    # in start order: flagged so (set_sorted), later sorts and searches are free
-    return df.filter(keep).drop("_rowid", strict=False).sort("start")
+    # in start order, flagged so (set_sorted): later sorts and searches are free, and rows
+    # read in that order are checked, not sorted (a sort gathers every column)
+    return sorted_by_start(df.filter(keep).drop("_rowid", strict=False))
 
 
 def unread_calls(
