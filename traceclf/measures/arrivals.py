@@ -19,6 +19,8 @@ beyond a step is a match that drifted: left out and counted (:func:`_drifted`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import polars as pl
 
@@ -209,6 +211,15 @@ def late_arrivals(
     if late.is_empty():
         return [], drifted
     mates = {r: [x for x in g if x != r] for g in shared for r in g}
+    # each rank's clock as arrays once, whichever late rank or median rank reads it (an
+    # ``--all-steps`` clock is rows of every collective: 14 k x 20 values a rank)
+    built: dict[int, _Clock] = {}
+
+    def clock_of(rank: int) -> _Clock:
+        if rank not in built:
+            built[rank] = _Clock(clocks.get(rank) or {})
+        return built[rank]
+
     # the waits at a step's collectives are stretches of the waiting rank's step, so a rank
     # later per step than the ranks' steps last on average is drifted matches, not lateness
     mean_step = NS_PER_MS * max((r.get("steps") or {}).get("mean_ms") or 0.0 for r in ranks)
@@ -226,7 +237,7 @@ def late_arrivals(
             "median_ranks": sorted(set(rows["m_rank"].to_list())),
             "causes": [
                 {"cause": c, "ms_per_step": round(ns / NS_PER_MS / n, 4), "detail": d} | extra
-                for c, ns, d, extra in _causes(rows, clocks, int(rank), n)
+                for c, ns, d, extra in _causes(rows, clock_of, int(rank), n)
             ],
         }
         held = sorted(set(mates.get(int(rank), [])) & set(item["median_ranks"]))
@@ -254,13 +265,13 @@ def _drifted(late: pl.DataFrame, ranks: list[dict]) -> tuple[pl.DataFrame, int]:
 
 
 def _causes(
-    rows: pl.DataFrame, clocks: dict, rank: int, steps: int
+    rows: pl.DataFrame, clock_of: Callable[[int], _Clock], rank: int, steps: int
 ) -> list[tuple[str, float, str, dict]]:
     """The late rank's extra time per state over its median ranks' (summed over instances),
     as (cause, ns, detail, extra keys: ``nvtx``, the range's name), largest first; the previous collective's later end on the late
     rank as its own cause. Instances whose previous collective the median rank did not take
     part in are left out of the causes (not of the lateness)."""
-    mine = _Clock(clocks[rank])
+    mine = clock_of(rank)
     states = mine.states
     sums: dict[str, float] = {}
     prior_end = walked = 0.0
@@ -269,7 +280,7 @@ def _causes(
     # every instance of one median rank at once (the stretches are differences of two rows
     # of each clock: whole columns, not a dict per instance)
     for (m_rank,), part in rows.with_row_index("_i").group_by("m_rank", maintain_order=True):
-        theirs = _Clock(clocks.get(m_rank) or {})
+        theirs = clock_of(m_rank)
         col = {c: part[c].fill_null(-1).to_numpy() for c in ("p_row", "row", "p_row_m", "m_row")}
         ok = mine.holds(col["p_row"], col["row"]) & theirs.holds(col["p_row_m"], col["m_row"])
         if not ok.any():
