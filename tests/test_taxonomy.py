@@ -235,3 +235,32 @@ def test_kernels_command_says_which_entry_and_why():
 def test_kernels_command_needs_a_name():
     code, _out, err = run_cli("kernels")
     assert code == 2 and "NAME" in err
+
+
+def test_classify_keeps_each_names_labels_and_gives_what_the_patterns_give(monkeypatch):
+    """A rank's measures classify the same names several times: the labels a Taxonomy keeps
+    per name give the frame the patterns give, on a second call, with names it has not seen
+    yet, and past MEMO_NAMES (where it runs the patterns again and keeps nothing more)."""
+    from traceclf.model import taxonomy
+
+    tax = bundled()
+    first = pl.DataFrame({"name": [n for n, _ in KERNELS[:20]] * 3}).with_columns(
+        pl.col("name").cast(pl.Categorical), start=pl.int_range(60)
+    )
+    more = pl.DataFrame({"name": [n for n, _ in KERNELS]}).with_columns(
+        pl.col("name").cast(pl.Categorical)
+    )
+
+    def by_patterns(frame: pl.DataFrame) -> pl.DataFrame:
+        return taxonomy.by_name(frame, tax._labelled(frame.select("name").unique()))
+
+    for frame in (first, first, more):
+        assert tax.classify(frame).equals(by_patterns(frame))
+    assert len(tax.__dict__["_labels_of_name"]) == len(KERNELS)
+    assert tax.classify(more)["family"].cast(pl.String).to_list() == [f for _, f in KERNELS]
+    monkeypatch.setattr(taxonomy, "MEMO_NAMES", len(KERNELS))
+    fresh = pl.DataFrame({"name": ["a new kernel name"]}).with_columns(
+        pl.col("name").cast(pl.Categorical)
+    )
+    assert tax.classify(fresh).equals(by_patterns(fresh))
+    assert "a new kernel name" not in tax.__dict__["_labels_of_name"]

@@ -100,19 +100,51 @@ class Taxonomy(TaxonomyTables):
         """
         import polars as pl
 
-        labels = ("family", "comm_library", "comm_kind")
-        names = (
-            kernels.select("name")
-            .unique()
-            .with_columns(family=self.family())
-            .with_columns(
-                is_comm=pl.col("family") == "communication",
-                comm_library=pl.when(pl.col("family") == "communication").then(self.comm_library()),
-                comm_kind=pl.when(pl.col("family") == "communication").then(self.comm_kind()),
-            )
-            .with_columns(pl.col(labels).cast(pl.Categorical))
+        names = kernels.select("name").unique()
+        text = names["name"].cast(pl.String)
+        # A rank's measures classify the same few hundred names several times: each name's
+        # labels are kept for the process (in the instance, which is frozen otherwise), up to
+        # MEMO_NAMES of them (a trace may name every kernel differently).
+        memo: dict[str, tuple] = self.__dict__.setdefault("_labels_of_name", {})
+        if text.null_count() or len(memo) + len(text) > MEMO_NAMES:
+            return by_name(kernels, self._labelled(names))
+        new = [n for n in text.to_list() if n not in memo]
+        if new:
+            found = self._labelled(pl.DataFrame({"name": new}, schema={"name": pl.String}))
+            memo.update(zip(new, found.select(LABELS).iter_rows(), strict=True))
+        rows = [memo[n] for n in text.to_list()]
+        labels = {c: [r[i] for r in rows] for i, c in enumerate(LABELS)}
+        return by_name(
+            kernels,
+            names.with_columns(
+                family=pl.Series(labels["family"], dtype=pl.String).cast(pl.Categorical),
+                is_comm=pl.Series(labels["is_comm"], dtype=pl.Boolean),
+                comm_library=pl.Series(labels["comm_library"], dtype=pl.String).cast(
+                    pl.Categorical
+                ),
+                comm_kind=pl.Series(labels["comm_kind"], dtype=pl.String).cast(pl.Categorical),
+            ),
         )
-        return by_name(kernels, names)
+
+    def _labelled(self, names: pl.DataFrame) -> pl.DataFrame:
+        """``names`` (distinct, column ``name``) with the columns of :data:`LABELS`."""
+        import polars as pl
+
+        communication = pl.col("family") == "communication"
+        return (
+            names.with_columns(family=self.family())
+            .with_columns(
+                is_comm=communication,
+                comm_library=pl.when(communication).then(self.comm_library()),
+                comm_kind=pl.when(communication).then(self.comm_kind()),
+            )
+            .with_columns(pl.col("family", "comm_library", "comm_kind").cast(pl.Categorical))
+        )
+
+
+# What :meth:`Taxonomy.classify` adds to each kernel, in this order.
+LABELS = ("family", "is_comm", "comm_library", "comm_kind")
+MEMO_NAMES = 100_000  # kernel names whose labels a Taxonomy keeps
 
 
 def by_name(df: pl.DataFrame, per_name: pl.DataFrame, col: str = "name") -> pl.DataFrame:
