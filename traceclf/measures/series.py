@@ -168,7 +168,7 @@ def memory_series(memory: pl.DataFrame, capacity: int | None, window: tuple[int,
         return {}
     memory = memory.sort("start")
     start = memory["start"].to_numpy()
-    level = np.cumsum(memory["delta"].to_numpy())
+    level = np.cumsum(memory["delta"].fill_null(0).to_numpy())  # (the loader drops nulls)
     lo, hi = int(start[0]), int(start[-1])
     width = max((hi - lo) // MEMORY_POINTS, 1)
     # the events in time order, so each bin's are consecutive: its highest level is a
