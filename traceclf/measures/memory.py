@@ -102,16 +102,17 @@ def recompute_frac(w: RankWindow) -> float | None:
     return repeated / forward
 
 
-def peak(w: RankWindow) -> dict[str, float | None]:
+def peak(w: RankWindow, device: pl.DataFrame) -> dict[str, float | None]:
     """Peak of allocated device memory (allocation events over the whole capture, since memory
-    allocated during warm-up is still held in the steady state), and apart from it the peak of
-    pinned host memory: the events record both, and host buffers (activations offloaded to
-    pinned memory) do not fill the GPU."""
+    allocated during warm-up is still held in the steady state; ``device``: the rank's
+    :func:`device_memory` events), and apart from it the peak of pinned host memory: the
+    events record both, and host buffers (activations offloaded to pinned memory) do not fill
+    the GPU."""
     mem = w.trace.memory
     capacity = (w.gpu or {}).get("memory_bytes")
     if mem.is_empty():
         return dict.fromkeys(("peak_memory_bytes", "peak_memory_frac", "pinned_host_peak_bytes"))
-    top = _peak(device_memory(mem))
+    top = _peak(device)
     return {
         "peak_memory_bytes": top,
         "peak_memory_frac": top / capacity if capacity else None,

@@ -140,7 +140,9 @@ def _gpu_side(w: RankWindow, gpu: dict | None, gaps: pl.DataFrame) -> _GpuSide:
     mix, mix_source = compute.kernel_mix(w)
     m |= mix
     m["recompute_frac"] = memory.recompute_frac(w)
-    m |= memory.peak(w)
+    # (the whole capture's events of the GPU's own memory: filtered once, read twice)
+    device_memory = memory.device_memory(w.trace.memory)
+    m |= memory.peak(w, device_memory)
     gpu_samples = w.trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
     m |= compute.gpu_metric_means(gpu_samples, w.steps.spans)
     phase_spans = phases.projected(w)
@@ -159,7 +161,7 @@ def _gpu_side(w: RankWindow, gpu: dict | None, gaps: pl.DataFrame) -> _GpuSide:
         phases=phases.phase_table(w, gaps, phase_spans),
         step_lanes=series.step_lanes(w, phase_spans),
         memory_series=series.memory_series(
-            w.trace.memory, (gpu or {}).get("memory_bytes"), w.steps.window
+            device_memory, (gpu or {}).get("memory_bytes"), w.steps.window
         ),
         kernel_summary=compute.kernel_summary(w),
         step_kernels=step_kernels.step_kernels(w, gaps, breakdown),

@@ -10,7 +10,6 @@ import polars as pl
 from traceclf.measures import intervals
 from traceclf.measures.compute import METRICS_OF_INTEREST
 from traceclf.measures.handoff import IDLE_CAUSES
-from traceclf.measures.memory import device_memory
 from traceclf.measures.window import RankWindow
 
 GAP_BINS_NS = [1_000 * 10 ** (i / 2) for i in range(15)]  # 1 µs .. 10 s, half-decade steps
@@ -159,11 +158,11 @@ MEMORY_POINTS = 400
 
 
 def memory_series(memory: pl.DataFrame, capacity: int | None, window: tuple[int, int]) -> dict:
-    """Device memory allocated over the capture (CUDA_GPU_MEMORY_USAGE_EVENTS of the device's
-    own memory kinds: allocations minus frees since the first event), ``MEMORY_POINTS`` bins of [time ns, highest level in the
-    bin (bytes)], summed over the devices of the process, with the GPU's capacity and the
-    steady-state window; {} without memory events."""
-    memory = device_memory(memory)
+    """Device memory allocated over the capture (``memory``: CUDA_GPU_MEMORY_USAGE_EVENTS of
+    the device's own memory kinds, :func:`traceclf.measures.memory.device_memory`:
+    allocations minus frees since the first event), ``MEMORY_POINTS`` bins of [time ns,
+    highest level in the bin (bytes)], summed over the devices of the process, with the GPU's
+    capacity and the steady-state window; {} without memory events."""
     if memory.is_empty():
         return {}
     memory = memory.sort("start")

@@ -10,7 +10,7 @@ Patterns run in polars (Rust ``regex``: linear time), once per distinct name, ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from traceclf.rulebook.taxonomy_tables import FamilyPattern, Table, TaxonomyTables
@@ -27,6 +27,12 @@ if TYPE_CHECKING:  # polars is imported where an expression is built: a cached r
 class Taxonomy(TaxonomyTables):
     """The rule files' taxonomy tables (:mod:`traceclf.rulebook.taxonomy_tables`) as polars
     expressions: what a kernel, CUDA call or NVTX range is."""
+
+    # each kernel name's LABELS, kept by :meth:`classify` for the process (not a table: left
+    # out of comparisons, hashes and the repr)
+    _labels_of_name: dict[str, tuple] = field(
+        default_factory=dict, init=False, compare=False, hash=False, repr=False
+    )
 
     @classmethod
     def of(cls, tables: TaxonomyTables) -> Taxonomy:
@@ -103,16 +109,16 @@ class Taxonomy(TaxonomyTables):
         names = kernels.select("name").unique()
         text = names["name"].cast(pl.String)
         # A rank's measures classify the same few hundred names several times: each name's
-        # labels are kept for the process (in the instance, which is frozen otherwise), up to
-        # MEMO_NAMES of them (a trace may name every kernel differently).
-        memo: dict[str, tuple] = self.__dict__.setdefault("_labels_of_name", {})
+        # labels are kept, up to MEMO_NAMES of them (a trace may name every kernel differently).
+        memo = self._labels_of_name
         if text.null_count() or len(memo) + len(text) > MEMO_NAMES:
             return by_name(kernels, self._labelled(names))
-        new = [n for n in text.to_list() if n not in memo]
+        listed = text.to_list()
+        new = [n for n in listed if n not in memo]
         if new:
             found = self._labelled(pl.DataFrame({"name": new}, schema={"name": pl.String}))
             memo.update(zip(new, found.select(LABELS).iter_rows(), strict=True))
-        rows = [memo[n] for n in text.to_list()]
+        rows = [memo[n] for n in listed]
         labels = {c: [r[i] for r in rows] for i, c in enumerate(LABELS)}
         return by_name(
             kernels,
