@@ -174,12 +174,23 @@ def _cuda_api(w: RankWindow, claims: IdleClaims, details: dict) -> None:
     start, end, _gaps = claims.pieces
     touching = _touching(lo, hi, start, end)
     taken = claims.take_in_order("cuda_api", labels, lo, hi, kind)
+    # per class, the calls touching the gaps and the name most of them have (of equals, the
+    # first by name): one count per (class, name), not a filter of every call per class
+    counts = (
+        calls.select("name", kind=pl.Series(kind))
+        .filter(pl.Series(touching))
+        .group_by("kind", "name")
+        .len()
+        .with_columns(pl.col("name").cast(pl.String))
+        .sort(["kind", "len", "name"], descending=[False, True, False])
+        .group_by("kind", maintain_order=True)
+        .agg(calls=pl.col("len").sum(), top_call=pl.col("name").first())
+    )
+    found = {row[0]: row[1:] for row in counts.iter_rows()}
     for i, label in enumerate(labels):
-        if label not in taken:
-            continue
-        named = calls["name"].filter(pl.Series(touching & (kind == i)))
-        top = named.mode().cast(pl.String).sort().first() if named.len() else None
-        details[("cuda_api", label)] = {"calls": named.len(), "top_call": top}
+        if label in taken:
+            n, top = found.get(i, (0, None))
+            details[("cuda_api", label)] = {"calls": n, "top_call": top}
 
 
 def _osrt(w: RankWindow, threads: np.ndarray, claims: IdleClaims, details: dict) -> None:
@@ -195,6 +206,7 @@ def _osrt(w: RankWindow, threads: np.ndarray, claims: IdleClaims, details: dict)
         .with_columns(call_class=tax.osrt_class())
         .select(pl.col("name").cast(pl.String), "call_class")
     )
+    class_of = dict(zip(classes["name"].to_list(), classes["call_class"].to_list(), strict=True))
     for tid in np.unique(threads):
         mine = calls.filter(pl.col("global_tid") == int(tid))
         if mine.is_empty():
@@ -205,20 +217,25 @@ def _osrt(w: RankWindow, threads: np.ndarray, claims: IdleClaims, details: dict)
         whats, codes = _labels(names)
         taken = part.take("osrt", whats, *_arrays(mine), label=codes)
         claims.join(part)
+        # the calls touching the gaps, per name: how many, and their most frequent top frame
+        # (one pass over the thread's calls, not one filter of them per name)
+        touching = {
+            name: (calls_n, top)
+            for name, calls_n, top in mine.select("what", name=names)
+            .filter(hit)
+            .group_by("name")
+            .agg(pl.len(), pl.col("what").drop_nulls().mode().sort().first())
+            .iter_rows()
+        }
         for label in sorted(taken):
-            touching = mine.filter(hit & (names == label))
             entry = details.setdefault(
                 ("osrt", label),
-                {
-                    "calls": 0,
-                    "call_class": classes.filter(pl.col("name") == label)["call_class"].first(),
-                    "top_frame": None,
-                },
+                {"calls": 0, "call_class": class_of.get(label), "top_frame": None},
             )
-            entry["calls"] += touching.height
-            frames = touching["what"].drop_nulls()
-            if frames.len() and entry["top_frame"] is None:
-                entry["top_frame"] = frames.mode().sort().first()
+            calls_n, top = touching.get(label, (0, None))
+            entry["calls"] += calls_n
+            if entry["top_frame"] is None:
+                entry["top_frame"] = top
 
 
 def _sampled(
