@@ -81,11 +81,13 @@ def measure_rank(
         longest_gaps = host.longest_gaps(gaps, w)
         idle_nvtx = host.idle_by_nvtx(gaps, w)
         arrivals_clock = arrivals.arrival_clock(w, keyed, gaps)
+        # (read from the rank's rows alone: on this lane, which ends sooner than the GPU's)
+        facts = capture.capture_facts(w)
         g = lane.result()
     m = g.budget | g.path | walls | g.starved_by_cause | g.gpu
     return RankMeasures(
         metrics={k: _round(v) for k, v in m.items()},
-        capture=g.capture,
+        capture=facts | {"kernel_mix_source": g.mix_source},
         comm_by_kind=comm_by_kind,
         top_kernels=g.top_kernels,
         step_breakdown=g.breakdown,
@@ -119,7 +121,7 @@ class _GpuSide:
     comm_blocking: list
     starved_by_cause: dict
     gpu: dict
-    capture: dict
+    mix_source: str
     top_kernels: list[dict]
     breakdown: list[dict]
     metrics_series: dict[str, list]
@@ -154,7 +156,7 @@ def _gpu_side(w: RankWindow, gpu: dict | None, gaps: pl.DataFrame) -> _GpuSide:
         comm_blocking=comm_blocking,
         starved_by_cause=critical_path.starved_by_cause(starved, gaps, w),
         gpu=m,
-        capture=capture.capture_facts(w) | {"kernel_mix_source": mix_source},
+        mix_source=mix_source,
         top_kernels=compute.top_kernels(w),
         breakdown=breakdown,
         metrics_series=series.metric_series(gpu_samples, w.steps.spans),
