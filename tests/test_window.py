@@ -28,6 +28,7 @@ from traceclf.ingest import reader, rowindex
 from traceclf.ingest.load import load_trace
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.schema import inspect_export
+from traceclf.measures import intervals
 from traceclf.model.taxonomy import bundled
 from traceclf.pipeline import pass2, twopass
 from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs
@@ -591,6 +592,37 @@ def test_overlap_clause_finds_the_rows_a_test_of_every_span_finds() -> None:
             1 for s, e in rows if e is not None and any(s < hi and e > lo for lo, hi in spans)
         )
         assert got == want, spans
+
+
+def test_clip_of_rows_in_start_order_cuts_them_as_a_search_among_the_spans_does(
+    monkeypatch,
+) -> None:
+    """``intervals.clip`` to several spans cuts rows flagged in start order span by span
+    (slices); the rows, their order and their clipped times are those of the search among the
+    spans that it makes for fewer rows or rows in any order, including rows across a gap
+    between spans (kept once per span: then it searches), rows in the gaps, rows of no length
+    and touching spans. (Constructed rows: the cases no real trace has all at once.)"""
+    rng = np.random.default_rng(11)
+    sliced = []
+    original = intervals._clip_sorted
+    monkeypatch.setattr(
+        intervals, "_clip_sorted", lambda df, spans: sliced.append(1) or original(df, spans)
+    )
+    for trial in range(2000):
+        n = int(rng.integers(1, 40))
+        start = np.sort(rng.integers(0, 100, n))
+        end = start + rng.integers(0, 30 if trial % 3 else 3, n)
+        rows = pl.DataFrame({"start": start, "end": end, "row": np.arange(n)})
+        rows = rows.with_columns(pl.col("start").set_sorted())
+        bounds = np.sort(rng.choice(np.arange(130), 2 * int(rng.integers(2, 5)), replace=False))
+        spans = [(int(a), int(b)) for a, b in zip(bounds[::2], bounds[1::2], strict=True)]
+        if trial % 7 == 0:  # touching spans
+            spans[1] = (spans[0][1], max(spans[1][1], spans[0][1] + 1))
+        monkeypatch.setattr(intervals, "CLIP_SLICED_ROWS", 0)  # sliced whatever the rows
+        cut = intervals.clip(rows, spans)
+        monkeypatch.setattr(intervals, "CLIP_SLICED_ROWS", 1 << 40)  # searched
+        assert cut.equals(intervals.clip(rows, spans)), spans
+    assert len(sliced) == 2000
 
 
 @pytest.mark.parametrize(
