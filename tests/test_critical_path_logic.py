@@ -266,3 +266,45 @@ def test_long_streams_keep_their_stream_order():
     assert deps["dep_end"].to_list() == [None, *ops["end"].to_list()[:-1]]
     assert deps["dep_op"].to_list() == [None, *range(n - 1)]
     assert not deps["unresolved_wait"].any()
+
+
+def test_per_step_rows_are_rounded_as_python_rounds_them() -> None:
+    """The per-step budget's floats are rounded in numpy where that is exact (the scaled value
+    not within its error of a half) and by ``round`` elsewhere: the same floats as ``round``,
+    sign of zero included, on values near halves, exact halves in binary, negatives, large and
+    non-finite values and nulls. (Constructed values: the edge cases of rounding.)"""
+    import math
+
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    values = np.concatenate(
+        [
+            rng.random(20_000) * 1e3,
+            rng.random(5_000) * 1e-3,
+            (rng.integers(0, 10**6, 20_000) + 0.5) / 1e4,  # scaled values at halves
+            rng.integers(0, 10**7, 20_000) / 1e4 + 5e-5,
+            -rng.random(5_000) * 50,
+            rng.random(1_000) * 1e15,
+            [0.0, -0.0, -1e-9, 2.675, 0.00005, 1.00005, -5e-5, 1e300, np.inf, -np.inf, np.nan],
+        ]
+    )
+
+    def same(a: float | None, b: float | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        if math.isnan(a):
+            return math.isnan(b)
+        return a == b and math.copysign(1, a) == math.copysign(1, b)
+
+    for digits in (1, 4, 6):
+        want = [round(float(v), digits) for v in values]
+        got = critical_path._rounded(pl.Series(values), digits)
+        assert all(same(a, b) for a, b in zip(want, got, strict=True)), digits
+    with_nulls = pl.Series([1.23456, None, -0.00004])
+    assert critical_path._rounded(with_nulls, 4) == [1.2346, None, -0.0]
+    rows = pl.DataFrame({"step_start": [0, 10], "iteration": [0.123456, 2.5e-5]})
+    assert critical_path._rounded_rows(rows, 4) == [
+        {"step_start": 0, "iteration": 0.1235},
+        {"step_start": 10, "iteration": round(2.5e-5, 4)},
+    ]

@@ -128,8 +128,36 @@ def measure(
     }
     if not w.host_traced:  # without launch calls the split is unknown, not zero
         m |= dict.fromkeys(("launch_starved_frac", "dependency_stalled_frac"))
-    rows = (per_step.with_columns(pl.col(c) / 1e6 for c in BUDGET_COLUMNS)).to_dicts()
-    return m, [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    return m, _rounded_rows(per_step.with_columns(pl.col(c) / 1e6 for c in BUDGET_COLUMNS), 4)
+
+
+def _rounded_rows(df: pl.DataFrame, digits: int) -> list[dict]:
+    """The rows of ``df`` as dicts, floats rounded to ``digits`` as Python's ``round`` does
+    (:func:`_rounded`): ``--all-steps`` has a row per step, tens of thousands of them, and
+    ``round`` costs a microsecond a value."""
+    columns = [
+        _rounded(s, digits) if s.dtype.is_float() else s.to_list() for s in df.iter_columns()
+    ]
+    return [dict(zip(df.columns, row, strict=True)) for row in zip(*columns, strict=True)]
+
+
+def _rounded(s: pl.Series, digits: int) -> list:
+    """``[round(v, digits) for v in s]`` (nulls kept), the same floats: scaled, rounded to an
+    integer and scaled back in numpy where the scaled value is not within its rounding error
+    of a half (the integer is then the one ``round`` picks, and the division gives the float
+    nearest to it, as ``round`` does); by ``round`` itself where it may be, or is too large."""
+    if s.null_count():
+        return [None if v is None else round(v, digits) for v in s.to_list()]
+    x = s.to_numpy().astype(np.float64, copy=False)
+    scale = 10.0**digits
+    y = x * scale
+    with np.errstate(invalid="ignore"):
+        doubt = np.abs(np.abs(y - np.trunc(y)) - 0.5) <= np.abs(y) * 2.0**-52
+        doubt |= ~(np.abs(y) < 2.0**52)  # (also not finite)
+    out = (np.rint(y) / scale).tolist()
+    for i in np.flatnonzero(doubt).tolist():
+        out[i] = round(float(x[i]), digits)
+    return out
 
 
 def budget_ns(
