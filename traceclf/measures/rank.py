@@ -5,7 +5,10 @@ re-analysis) does not import polars and every wall."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import polars as pl
 
@@ -35,6 +38,8 @@ from traceclf.model.trace import Trace
 from traceclf.steps.steady import Steps
 from traceclf.support.cpus import second_lane
 
+T = TypeVar("T")
+
 MEASURES: dict[str, str] = (
     budget.MEASURES
     | critical_path.MEASURES
@@ -57,14 +62,17 @@ def measure_rank(
     The GPU-side measures (:func:`_gpu_side`) run on a second thread beside the host side and
     communication (when the analysis may keep two cores busy: :func:`second_lane`): each
     lane's heavy work is numpy and polars, which mostly run without the GIL, so both cores
-    work where one did. Both read the idle gaps, found first; the lanes share nothing they
-    write; what needs both comes after, and the metrics keep their order."""
+    work where one did. Both read the idle gaps, found on this thread while the GPU side
+    measures the critical path (which needs none); the lanes share nothing they write; what
+    needs both comes after, and the metrics keep their order."""
     from traceclf.model.taxonomy import bundled
 
     w = prepare(trace, steps, gpu, taxonomy or bundled())
-    gaps = host.idle_gaps(w)
+    # (by that lane, first, when it runs on this thread: second_lane)
+    find_gaps = _once(lambda: host.idle_gaps(w))
     with second_lane("traceclf-gpu-side") as pool:
-        lane = pool.submit(_gpu_side, w, gpu, gaps)
+        lane = pool.submit(_gpu_side, w, gpu, find_gaps)
+        gaps = find_gaps()
         keyed = communicators.with_keys(communication.all_comm(w))
         comm = intervals.clip(keyed, w.spans)
         comm_by_kind = communication.by_kind(w, comm)
@@ -132,9 +140,10 @@ class _GpuSide:
     step_kernels: dict
 
 
-def _gpu_side(w: RankWindow, gpu: dict | None, gaps: pl.DataFrame) -> _GpuSide:
+def _gpu_side(w: RankWindow, gpu: dict | None, find_gaps: Callable[[], pl.DataFrame]) -> _GpuSide:
     """The measures read from the GPU's rows (and the launches of its work) and the idle
-    ``gaps``, none of which needs the host's sources or the communication keys."""
+    gaps (``find_gaps()``, asked for once the critical path is measured), none of which needs
+    the host's sources or the communication keys."""
     comm_blocking: list = []
     starved: list = []
     path, step_budget = critical_path.measure(w, comm_blocking, starved)
@@ -149,6 +158,7 @@ def _gpu_side(w: RankWindow, gpu: dict | None, gaps: pl.DataFrame) -> _GpuSide:
     m |= compute.gpu_metric_means(gpu_samples, w.steps.spans)
     phase_spans = phases.projected(w)
     breakdown = series.step_breakdown(w)
+    gaps = find_gaps()
     return _GpuSide(
         budget=budget.measure(w),
         path=path,
@@ -168,6 +178,20 @@ def _gpu_side(w: RankWindow, gpu: dict | None, gaps: pl.DataFrame) -> _GpuSide:
         kernel_summary=compute.kernel_summary(w),
         step_kernels=step_kernels.step_kernels(w, gaps, breakdown),
     )
+
+
+def _once(make: Callable[[], T]) -> Callable[[], T]:
+    """``make()`` called once, by whichever thread asks first; the others wait for it."""
+    lock = threading.Lock()
+    made: list[T] = []
+
+    def get() -> T:
+        with lock:
+            if not made:
+                made.append(make())
+        return made[0]
+
+    return get
 
 
 def _round(v):
