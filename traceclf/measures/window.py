@@ -16,6 +16,7 @@ from traceclf.measures.intervals import Busy
 from traceclf.model.taxonomy import Taxonomy, by_name, matches
 from traceclf.model.trace import Trace
 from traceclf.steps.steady import Steps
+from traceclf.support.cpus import second_lane
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,34 @@ class RankWindow:
 
 def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) -> RankWindow:
     window = steps.spans
+    with second_lane("traceclf-calls") as pool:
+        # flagged once for both: the window's calls and the steps' calls (millions of rows
+        # each), beside the kernels and the layers, which need none of them
+        calls = trace.api.select("start", "end", "name", "correlation_id")
+        flagging = pool.submit(classify_api, calls, taxonomy)
+        kern, graphs, graph_spans, node_replays, copies, layers = _gpu_work(trace, window, taxonomy)
+        flagged = flagging.result()
+    api = intervals.clip(flagged, window)
+    return RankWindow(
+        trace,
+        steps,
+        taxonomy,
+        gpu,
+        kern,
+        graphs,
+        graph_spans,
+        node_replays,
+        copies,
+        api,
+        flagged,
+        layers,
+        layers.state_times(),
+    )
+
+
+def _gpu_work(trace: Trace, window: intervals.Spans, taxonomy: Taxonomy) -> tuple:
+    """The window's kernels (classified), graph replays, their spans, node-traced replays,
+    copies, and the layers of GPU work."""
     kern = optimizer_family(
         optimizer_runs(taxonomy.classify(intervals.clip(_flag_optimizer(trace, taxonomy), window)))
     )
@@ -135,9 +164,6 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
     graph_spans = intervals.clip(trace.graph_executions, window)
     node_replays = Busy.of(intervals.clip(trace.node_replays, window))
     copies = intervals.clip(trace.copies, window)
-    # flagged once for both: the window's calls and the steps' calls (millions of rows each)
-    flagged = classify_api(trace.api.select("start", "end", "name", "correlation_id"), taxonomy)
-    api = intervals.clip(flagged, window)
     starts, ends = kern["start"].to_numpy(), kern["end"].to_numpy()
     is_comm = kern["is_comm"].fill_null(False).to_numpy()
     # Profiler overhead (CUPTI buffer flushes, ...) is a layer of its own: not GPU work, but
@@ -154,21 +180,7 @@ def prepare(trace: Trace, steps: Steps, gpu: dict | None, taxonomy: Taxonomy) ->
         copy=Busy.of(copies),
         profiler=Busy.of(intervals.clip(trace.overhead, window)),
     )
-    return RankWindow(
-        trace,
-        steps,
-        taxonomy,
-        gpu,
-        kern,
-        graphs,
-        graph_spans,
-        node_replays,
-        copies,
-        api,
-        flagged,
-        layers,
-        layers.state_times(),
-    )
+    return kern, graphs, graph_spans, node_replays, copies, layers
 
 
 def optimizer_ranges(trace: Trace, taxonomy: Taxonomy) -> pl.DataFrame:

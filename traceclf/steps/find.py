@@ -28,6 +28,7 @@ from traceclf.model.trace import Trace, outermost
 from traceclf.steps.plan import StepPlan, planned_steps
 from traceclf.steps.settings import StepSettings, bundled_settings
 from traceclf.steps.steady import Steps, choose_window, empty_steps_table
+from traceclf.support.cpus import second_lane
 from traceclf.support.errors import TraceError, TraceWarning
 from traceclf.support.regex import regex_problem
 
@@ -50,14 +51,20 @@ def find_steps(
     if plan is not None:
         return planned_steps(trace, plan, settings)
     taxonomy = taxonomy or bundled()
-    finders = (_nvtx_steps, _graph_steps, _pattern_steps)
-    for i, finder in enumerate(finders):
-        found = finder(trace, step_regex, taxonomy, settings)
-        if found is not None and len(found[0]) >= 1:
-            table, source, label = found
-            steps = choose_window(table, source, label, trace, settings)
-            second = cross_check(steps, trace, taxonomy, finders[i + 1 :], settings)
-            return replace(steps, second=second)
+    with second_lane("traceclf-steps") as pool:
+        finders = (_nvtx_steps, _graph_steps, _pattern_steps)
+        if _graph_launches(trace, taxonomy) < 2:
+            # no graph steps: the recurring kernel is asked for, as the anchor or as the
+            # cross-check, whatever the NVTX ranges show; it is found beside them
+            pattern = pool.submit(_pattern_steps, trace, None, taxonomy, settings)
+            finders = (_nvtx_steps, _no_steps, lambda *_: pattern.result())
+        for i, finder in enumerate(finders):
+            found = finder(trace, step_regex, taxonomy, settings)
+            if found is not None and len(found[0]) >= 1:
+                table, source, label = found
+                steps = choose_window(table, source, label, trace, settings)
+                second = cross_check(steps, trace, taxonomy, finders[i + 1 :], settings)
+                return replace(steps, second=second)
     lo, hi = trace.span
     return Steps("none", empty_steps_table(), (lo, hi), "")
 
@@ -121,6 +128,16 @@ def check_step_regex(pattern: str | None) -> None:
 def range_label(names: pl.Series) -> str:
     stripped = names.str.replace(r"[#:=_\-\s]*\d+\s*$", "")
     return str(stripped.mode()[0]) if len(stripped) else ""
+
+
+def _graph_launches(trace: Trace, taxonomy: Taxonomy) -> int:
+    """CUDA graph launch calls of the trace."""
+    return int(matches(trace.api["name"], taxonomy.cuda_api["graph_launch"]).sum())
+
+
+def _no_steps(*_args) -> None:
+    """A finder that finds nothing (graph steps, where the trace launches no graph)."""
+    return None
 
 
 def _graph_steps(trace: Trace, _regex: str | None, taxonomy: Taxonomy, _settings=None):
