@@ -24,8 +24,9 @@ RANK_KEY = re.compile(r"^rank$", re.IGNORECASE)
 RANK_ENV = re.compile(r"^(?:RANK|OMPI_COMM_WORLD_RANK|SLURM_PROCID|PMI_RANK|PMIX_RANK)=(\d+)$")
 
 
-def job_evidence(path: Path, trace) -> dict:
-    """:func:`session_info` plus the span of the export's GPU work (ns, session time)."""
+def job_evidence(session: dict, trace) -> dict:
+    """``session`` (:func:`session_info` of the export) plus the span of the export's GPU work
+    (ns, session time)."""
     frames = [f for f in (trace.kernels, trace.graphs, trace.copies) if f.height]
     span = (
         [int(min(f["start"].min() for f in frames)), int(max(f["end"].max() for f in frames))]
@@ -34,7 +35,7 @@ def job_evidence(path: Path, trace) -> dict:
     )
     if getattr(trace, "capture_span", None):  # a sampled trace: the capture's, not its rows'
         span = list(trace.capture_span)
-    return session_info(path) | {"gpu_span_ns": span}
+    return session | {"gpu_span_ns": span}
 
 
 def session_info(path: Path) -> dict:

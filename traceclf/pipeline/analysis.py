@@ -257,12 +257,15 @@ def _result_cached(path: Path, opts: AnalysisOptions) -> bool:
 
 
 def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
-    from traceclf.ingest.session import job_evidence
+    from traceclf.ingest.session import job_evidence, session_info
     from traceclf.measures import measure_rank
     from traceclf.pipeline.twopass import load_for_analysis
     from traceclf.steps.find import find_steps
+    from traceclf.support.cpus import second_lane
     from traceclf.support.progress import LoadProgress
 
+    # (a few small queries and a scan of the NVTX payloads, beside the load)
+    session = second_lane("traceclf-session").submit(session_info, path)
     taxonomy, settings = _taxonomy(opts), _step_settings(opts)
     with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
         read = load_for_analysis(
@@ -314,7 +317,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
         trace.schema_version,
         tuple(ranks),
         gpu_count=len(trace.gpus),
-        job=job_evidence(path, trace),
+        job=job_evidence(session.result(), trace),
         unusable_rows=trace.unusable_rows,
         repaired_strings=trace.repaired_strings,
     )
