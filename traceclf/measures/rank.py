@@ -70,8 +70,10 @@ def measure_rank(
     w = prepare(trace, steps, gpu, taxonomy or bundled())
     # (by that lane, first, when it runs on this thread: second_lane)
     find_gaps = _once(lambda: host.idle_gaps(w))
+    # (read from the rank's rows alone: by whichever lane is done with the rest first)
+    facts = _once(lambda: capture.capture_facts(w))
     with second_lane("traceclf-gpu-side") as pool:
-        lane = pool.submit(_gpu_side, w, gpu, find_gaps)
+        lane = pool.submit(_gpu_side, w, gpu, find_gaps, facts)
         gaps = find_gaps()
         keyed = communicators.with_keys(communication.all_comm(w))
         comm = intervals.clip(keyed, w.spans)
@@ -89,13 +91,12 @@ def measure_rank(
         longest_gaps = host.longest_gaps(gaps, w)
         idle_nvtx = host.idle_by_nvtx(gaps, w)
         arrivals_clock = arrivals.arrival_clock(w, keyed, gaps)
-        # (read from the rank's rows alone: on this lane, which ends sooner than the GPU's)
-        facts = capture.capture_facts(w)
+        facts()
         g = lane.result()
     m = g.budget | g.path | walls | g.starved_by_cause | g.gpu
     return RankMeasures(
         metrics={k: _round(v) for k, v in m.items()},
-        capture=facts | {"kernel_mix_source": g.mix_source},
+        capture=facts() | {"kernel_mix_source": g.mix_source},
         comm_by_kind=comm_by_kind,
         top_kernels=g.top_kernels,
         step_breakdown=g.breakdown,
@@ -140,10 +141,16 @@ class _GpuSide:
     step_kernels: dict
 
 
-def _gpu_side(w: RankWindow, gpu: dict | None, find_gaps: Callable[[], pl.DataFrame]) -> _GpuSide:
+def _gpu_side(
+    w: RankWindow,
+    gpu: dict | None,
+    find_gaps: Callable[[], pl.DataFrame],
+    facts: Callable[[], dict],
+) -> _GpuSide:
     """The measures read from the GPU's rows (and the launches of its work) and the idle
     gaps (``find_gaps()``, asked for once the critical path is measured), none of which needs
-    the host's sources or the communication keys."""
+    the host's sources or the communication keys; then the capture facts (``facts()``) if the
+    host side has not begun them."""
     comm_blocking: list = []
     starved: list = []
     path, step_budget = critical_path.measure(w, comm_blocking, starved)
@@ -159,7 +166,7 @@ def _gpu_side(w: RankWindow, gpu: dict | None, find_gaps: Callable[[], pl.DataFr
     phase_spans = phases.projected(w)
     breakdown = series.step_breakdown(w)
     gaps = find_gaps()
-    return _GpuSide(
+    side = _GpuSide(
         budget=budget.measure(w),
         path=path,
         step_budget=step_budget,
@@ -178,6 +185,8 @@ def _gpu_side(w: RankWindow, gpu: dict | None, find_gaps: Callable[[], pl.DataFr
         kernel_summary=compute.kernel_summary(w),
         step_kernels=step_kernels.step_kernels(w, gaps, breakdown),
     )
+    facts()
+    return side
 
 
 def _once(make: Callable[[], T]) -> Callable[[], T]:
