@@ -175,16 +175,17 @@ def _cuda_api(w: RankWindow, claims: IdleClaims, details: dict) -> None:
     touching = _touching(lo, hi, start, end)
     taken = claims.take_in_order("cuda_api", labels, lo, hi, kind)
     # per class, the calls touching the gaps and the name most of them have (of equals, the
-    # first by name): one count per (class, name), not a filter of every call per class
+    # first by name): the touching calls counted per name (a name is of one class), not a
+    # filter of every call per class, nor a count per (class, name) pair of every call
     counts = (
-        calls.select("name", kind=pl.Series(kind))
+        calls["name"]
         .filter(pl.Series(touching))
-        .group_by("kind", "name")
-        .len()
+        .value_counts(name="n")
+        .join(names, on="name")
         .with_columns(pl.col("name").cast(pl.String))
-        .sort(["kind", "len", "name"], descending=[False, True, False])
+        .sort(["kind", "n", "name"], descending=[False, True, False])
         .group_by("kind", maintain_order=True)
-        .agg(calls=pl.col("len").sum(), top_call=pl.col("name").first())
+        .agg(calls=pl.col("n").sum(), top_call=pl.col("name").first())
     )
     found = {row[0]: row[1:] for row in counts.iter_rows()}
     for i, label in enumerate(labels):
