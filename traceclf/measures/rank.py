@@ -68,7 +68,8 @@ def measure_rank(
     from traceclf.model.taxonomy import bundled
 
     w = prepare(trace, steps, gpu, taxonomy or bundled())
-    # (by that lane, first, when it runs on this thread: second_lane)
+    # (found below while the GPU lane starts; by that lane itself, first, when second_lane
+    # runs it on this thread)
     find_gaps = _once(lambda: host.idle_gaps(w))
     # (read from the rank's rows alone: by whichever lane is done with the rest first)
     facts = _once(lambda: capture.capture_facts(w))
