@@ -107,25 +107,19 @@ def _clip_sorted(df: pl.DataFrame, spans: list[Span]) -> pl.DataFrame | None:
     before = np.r_[0, uptos[:-1]]  # each span's rows from here: those of earlier spans end
     if len(end) and bool(np.any((before > 0) & (reach[np.maximum(before - 1, 0)] > los))):
         return None
-    parts = []
-    for lo, hi, a, first, upto in zip(
-        los.tolist(), his.tolist(), before.tolist(), firsts.tolist(), uptos.tolist(), strict=True
-    ):
-        running = df.slice(a, max(first - a, 0)).filter(pl.col("end") > lo)
-        inside = df.slice(first, max(upto - first, 0))
-        if not (inside["end"] > lo).all():  # (only an empty row at ``lo`` can fail it)
-            inside = inside.filter(pl.col("end") > lo)
-        late = (inside["end"] > hi).arg_true()  # (rows in start order: from the first on)
-        cut = int(late[0]) if len(late) else inside.height
-        parts += [
-            running.with_columns(
-                start=pl.col("start").clip(lower_bound=lo), end=pl.col("end").clip(upper_bound=hi)
-            ),
-            inside.slice(0, cut),
-            inside.slice(cut).with_columns(end=pl.col("end").clip(upper_bound=hi)),
-        ]
-    out = pl.concat(parts, rechunk=False)
-    return out.with_columns(out["start"].set_sorted()) if out.height else out
+    parts = [
+        part
+        for lo, hi, a, first, upto in zip(
+            los.tolist(),
+            his.tolist(),
+            before.tolist(),
+            firsts.tolist(),
+            uptos.tolist(),
+            strict=True,
+        )
+        for part in _cut_sorted(df, a, first, upto, lo, hi)
+    ]
+    return _in_start_order(pl.concat(parts, rechunk=False))
 
 
 def _clip_one(df: pl.DataFrame, lo: int, hi: int) -> pl.DataFrame:
@@ -134,26 +128,36 @@ def _clip_one(df: pl.DataFrame, lo: int, hi: int) -> pl.DataFrame:
         return df.filter((pl.col("start") < hi) & (pl.col("end") > lo)).with_columns(
             start=pl.col("start").clip(lower_bound=lo), end=pl.col("end").clip(upper_bound=hi)
         )
-    # Rows in start order: the window is a slice (no copy) plus the few earlier rows still
-    # running at ``lo``; only rows that cross an edge get new times (a copy of a column of
-    # millions of rows for a few clipped values would cost more than the rest of the clip).
     first = int(df["start"].search_sorted(lo, side="left"))
     upto = int(df["start"].search_sorted(hi, side="left"))
-    running = df.slice(0, first).filter(pl.col("end") > lo)
+    return _in_start_order(pl.concat(_cut_sorted(df, 0, first, upto, lo, hi), rechunk=False))
+
+
+def _cut_sorted(
+    df: pl.DataFrame, a: int, first: int, upto: int, lo: int, hi: int
+) -> list[pl.DataFrame]:
+    """Rows in start order clipped to [lo, hi): those of rows ``a`` to ``first`` (starting
+    before ``lo``) still running at ``lo``, then rows ``first`` to ``upto`` (starting in it).
+    Slices, not copies: only rows that cross an edge get new times (a copy of a column of
+    millions of rows for a few clipped values would cost more than the rest of the clip)."""
+    running = df.slice(a, max(first - a, 0)).filter(pl.col("end") > lo)
     inside = df.slice(first, max(upto - first, 0))
     if not (inside["end"] > lo).all():  # (only an empty row at ``lo`` can fail it)
         inside = inside.filter(pl.col("end") > lo)
     # rows from the first one that ends after ``hi`` on: clipped; those before: as they are
     late = (inside["end"] > hi).arg_true()
     cut = int(late[0]) if len(late) else inside.height
-    clipped = [
+    return [
         running.with_columns(
             start=pl.col("start").clip(lower_bound=lo), end=pl.col("end").clip(upper_bound=hi)
         ),
         inside.slice(0, cut),
         inside.slice(cut).with_columns(end=pl.col("end").clip(upper_bound=hi)),
     ]
-    out = pl.concat(clipped, rechunk=False)
+
+
+def _in_start_order(out: pl.DataFrame) -> pl.DataFrame:
+    """``out`` with its start flagged sorted (it is: cut from rows in start order)."""
     return out.with_columns(out["start"].set_sorted()) if out.height else out
 
 

@@ -53,7 +53,7 @@ def find_steps(
     taxonomy = taxonomy or bundled()
     with second_lane("traceclf-steps") as pool:
         finders = (_nvtx_steps, _graph_steps, _pattern_steps)
-        if _graph_launches(trace, taxonomy) < 2:
+        if len(_graph_launches(trace, taxonomy)) < 2:
             # no graph steps: the recurring kernel is asked for, as the anchor or as the
             # cross-check, whatever the NVTX ranges show; it is found beside them
             pattern = pool.submit(_pattern_steps, trace, None, taxonomy, settings)
@@ -130,9 +130,9 @@ def range_label(names: pl.Series) -> str:
     return str(stripped.mode()[0]) if len(stripped) else ""
 
 
-def _graph_launches(trace: Trace, taxonomy: Taxonomy) -> int:
-    """CUDA graph launch calls of the trace."""
-    return int(matches(trace.api["name"], taxonomy.cuda_api["graph_launch"]).sum())
+def _graph_launches(trace: Trace, taxonomy: Taxonomy) -> pl.DataFrame:
+    """The trace's CUDA calls that launch a graph."""
+    return trace.api.filter(matches(trace.api["name"], taxonomy.cuda_api["graph_launch"]))
 
 
 def _no_steps(*_args) -> None:
@@ -141,7 +141,7 @@ def _no_steps(*_args) -> None:
 
 
 def _graph_steps(trace: Trace, _regex: str | None, taxonomy: Taxonomy, _settings=None):
-    launches = trace.api.filter(matches(trace.api["name"], taxonomy.cuda_api["graph_launch"]))
+    launches = _graph_launches(trace, taxonomy)
     if len(launches) < 2:
         return None
     launched = launches["correlation_id"].implode()
