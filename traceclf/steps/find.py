@@ -51,20 +51,32 @@ def find_steps(
     if plan is not None:
         return planned_steps(trace, plan, settings)
     taxonomy = taxonomy or bundled()
-    with second_lane("traceclf-steps") as pool:
+    if len(_graph_launches(trace, taxonomy)) >= 2:
         finders = (_nvtx_steps, _graph_steps, _pattern_steps)
-        if len(_graph_launches(trace, taxonomy)) < 2:
-            # no graph steps: the recurring kernel is asked for, as the anchor or as the
-            # cross-check, whatever the NVTX ranges show; it is found beside them
-            pattern = pool.submit(_pattern_steps, trace, None, taxonomy, settings)
-            finders = (_nvtx_steps, _no_steps, lambda *_: pattern.result())
-        for i, finder in enumerate(finders):
-            found = finder(trace, step_regex, taxonomy, settings)
-            if found is not None and len(found[0]) >= 1:
-                table, source, label = found
-                steps = choose_window(table, source, label, trace, settings)
-                second = cross_check(steps, trace, taxonomy, finders[i + 1 :], settings)
-                return replace(steps, second=second)
+        return _first_found(trace, step_regex, taxonomy, settings, finders)
+    # no graph steps: the recurring kernel is asked for, as the anchor or as the cross-check,
+    # whatever the NVTX ranges show; it is found beside them
+    pattern = second_lane("traceclf-steps").submit(_pattern_steps, trace, None, taxonomy, settings)
+    finders = (_nvtx_steps, _no_steps, lambda *_: pattern.result())
+    steps = _first_found(trace, step_regex, taxonomy, settings, finders)
+    # (settled before returning, even where no finder asked for it: no thread is left at work
+    # after the call, which a fork, a --jobs worker or HTA's pool, would copy mid-lock)
+    pattern.exception()
+    return steps
+
+
+def _first_found(
+    trace: Trace, step_regex: str | None, taxonomy: Taxonomy, settings: StepSettings, finders
+) -> Steps:
+    """The steps of the first of ``finders`` that finds any, cross-checked by the finders
+    after it; the whole GPU span as one window when none does."""
+    for i, finder in enumerate(finders):
+        found = finder(trace, step_regex, taxonomy, settings)
+        if found is not None and len(found[0]) >= 1:
+            table, source, label = found
+            steps = choose_window(table, source, label, trace, settings)
+            second = cross_check(steps, trace, taxonomy, finders[i + 1 :], settings)
+            return replace(steps, second=second)
     lo, hi = trace.span
     return Steps("none", empty_steps_table(), (lo, hi), "")
 
