@@ -236,6 +236,38 @@ def test_the_second_lane_is_a_thread_only_with_two_cores_to_keep_busy(
     assert seen == [(beside, beside)]
 
 
+@pytest.mark.parametrize("share", ["1", "2"])
+def test_two_at_a_time_keeps_order_and_raises_the_first_error(share: str, monkeypatch) -> None:
+    """The ranks of one export are measured two at a time (this thread and a daemon beside
+    it) when two cores may be kept busy, one after another in a --jobs worker with one core:
+    results in the items' order either way; after an error no item is begun, and the first
+    error in order is raised once the items begun are done."""
+    monkeypatch.setattr(cpus, "cpus", lambda: 2)
+    monkeypatch.setenv(cpus.WORKER_CPUS, share)
+    threads: set[str] = set()
+    begun: list[int] = []
+    lock = threading.Lock()
+
+    def slow_square(x: int) -> int:
+        with lock:
+            threads.add(threading.current_thread().name)
+            begun.append(x)
+        time.sleep(0.02 * (x % 3))  # (items finish out of order)
+        if x in (5, 6):
+            raise ValueError(x)
+        return x * x
+
+    assert cpus.two_at_a_time(slow_square, list(range(5)), "test-rank") == [x * x for x in range(5)]
+    assert len(threads) == (2 if share == "2" else 1)
+    begun.clear()
+    with pytest.raises(ValueError, match=r"^5$"):
+        cpus.two_at_a_time(slow_square, list(range(20)), "test-rank")
+    # every item up to the failed one was begun, and after it at most the one or two the
+    # other thread took before the error was known
+    assert set(range(6)) <= set(begun) and max(begun) <= 7 and len(begun) == len(set(begun))
+    assert not any(t.name == "test-rank" for t in threading.enumerate())
+
+
 def test_a_read_on_one_thread_leaves_the_others_running() -> None:
     """Step sampling reads the memory events on a thread while pass 1 plans on another: a read
     must not hold the GIL while SQLite works (connectorx's Arrow stream did, and pass 1 stood

@@ -94,6 +94,25 @@ def test_sampled_steps_are_spread_and_keep_the_verdict(name: str) -> None:
     assert indexes[0] == steady[0] and indexes[-1] >= steady[-1] - 1
 
 
+@pytest.mark.parametrize("third", [False, True], ids=["whole", "a third"])
+def test_ranks_measured_two_at_a_time_report_as_one_at_a_time(third: bool, monkeypatch) -> None:
+    """Without --all-steps the ranks of one export are measured two at a time where two
+    cores may be kept busy (traceclf/support/cpus.py: two_at_a_time): the report is the one
+    measured a rank after another, read whole (it fits the budget) or at a third of its
+    rows."""
+    from traceclf.support import cpus
+
+    path = FIXTURES / "h100_comm_ep2.sqlite"
+    budget = event_rows(path) // 3 if third else None
+    reports = []
+    for n in (1, 2):
+        monkeypatch.setattr(cpus, "cpus", lambda n=n: n)
+        opts = AnalysisOptions(use_cache=False, quiet=True, jobs=1, row_budget=budget)
+        reports.append(analyze_inputs([str(path)], opts).to_dict())
+    assert len(reports[0]["ranks"]) == 2
+    assert reports[0] == reports[1]
+
+
 def paired_collectives(path: Path, budget: int | None, monkeypatch) -> tuple[set, Report]:
     """The collective kernels each matched instance pairs, as sets of (rank, start ns), and the
     report: what :func:`traceclf.measures.collectives.matched` returned, caught on its way."""

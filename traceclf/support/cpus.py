@@ -7,7 +7,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 WORKER_CPUS = "TRACECLF_WORKER_CPUS"  # a worker's share of the CPUs (set in the worker)
 
@@ -70,3 +75,33 @@ def second_lane(name: str) -> Executor:
     analysis may keep two cores busy, else the calling thread, at once (a ``--jobs`` worker
     with a share of one core gains nothing from a second thread but its memory)."""
     return _Beside(name) if cpu_share() >= 2 else _Here()
+
+
+def two_at_a_time(fn: Callable[[T], R], items: Sequence[T], name: str) -> list[R]:
+    """``fn`` of each of ``items``, in their order: this thread and one beside it (a daemon,
+    as :func:`second_lane`'s) each take the next item left, when this analysis may keep two
+    cores busy; else one after another here. After an error no item is begun; the first
+    error in the items' order is raised once every item begun is done, so no thread is left
+    at work after the call."""
+    if cpu_share() < 2 or len(items) < 2:
+        return [fn(item) for item in items]
+    done: list[Future] = [Future() for _ in items]
+    left = iter(range(len(items)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                failed = any(f.done() and f.exception() is not None for f in done)
+                i = None if failed else next(left, None)
+            if i is None:
+                return
+            _run(done[i], fn, (items[i],), {})
+
+    beside = threading.Thread(target=work, name=name, daemon=True)
+    beside.start()
+    work()
+    beside.join()
+    # (items are begun in order: every one before a failed one is done, and its error is
+    # raised here before any item never begun is reached)
+    return [future.result() for future in done]
