@@ -436,6 +436,34 @@ def test_host_tables_of_the_window_are_the_rows_a_filtered_scan_finds() -> None:
         assert got.equals(want), name
 
 
+def test_a_host_read_begun_early_is_taken_only_for_the_same_threads_and_spans() -> None:
+    """Step sampling begins the host side's read once the CUDA calls are read, beside the
+    GPU's rows (traceclf/ingest/assemble.py: begin_host_read). Calls read again that other
+    threads made (a rescan), or other spans, begin the read anew, after the first is done:
+    the trace holds the rows of the threads its calls name, and no read is left running."""
+    from traceclf.ingest.assemble import begin_host_read
+    from traceclf.ingest.hosttables import read_host_side
+    from traceclf.ingest.reader import Reader
+
+    path = FIXTURES / "h100_host_slow_loader.sqlite"
+    reader = Reader(inspect_export(path))
+    calls = reader.read("api")
+    threads = calls["global_tid"].unique().sort()
+    spans = ((0, 1 << 62),)
+    begun = begin_host_read(reader, calls, spans)
+    assert begun.threads == frozenset(threads.to_list())
+    assert begin_host_read(reader, calls, spans, begun) is begun
+    main = begun.future.result().osrt["global_tid"].mode()[0]  # (the busiest CUDA thread)
+    fewer = calls.filter(pl.col("global_tid") == main)
+    again = begin_host_read(reader, fewer, spans, begun)
+    assert again is not begun and begun.future.done()
+    assert again.threads == frozenset([main])
+    osrt = again.future.result().osrt
+    assert not osrt.is_empty() and osrt.equals(read_host_side(reader, [main], spans).osrt)
+    elsewhere = begin_host_read(reader, calls, ((0, 1),), begun)
+    assert elsewhere is not begun and elsewhere.future.result().osrt.is_empty()
+
+
 def test_a_late_block_of_host_rows_that_the_order_check_misses_is_read(tmp_path: Path) -> None:
     """CONSTRUCTED from the slow-loader capture: its OS runtime calls rewritten as nsys flushes
     thread buffers in a long capture, the main CUDA thread's calls in start order with a block

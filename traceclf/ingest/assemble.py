@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -29,7 +31,7 @@ from traceclf.ingest.devices import (
     read_session,
     read_threads,
 )
-from traceclf.ingest.hosttables import empty_host_side, read_host_side
+from traceclf.ingest.hosttables import HostSide, empty_host_side, read_host_side
 from traceclf.ingest.nccl_calls import empty as nccl_empty
 from traceclf.ingest.nccl_calls import read_nccl_calls
 from traceclf.ingest.reader import Reader, Span, decode_pid, release_read_buffers
@@ -184,10 +186,13 @@ def build_trace(
     read_spans: tuple[Span, ...] | None = None,
     capture: tuple[tuple[int, int] | None, dict[str, int]] = (None, {}),
     progress: Callable[[str], None] | None = None,
+    host_begun: HostRead | None = None,
 ) -> Trace:
     """The trace model from the raw frames ``read`` returns for each logical table (the whole
     capture, one time span, or the rows of chosen steps: :mod:`traceclf.pipeline.twopass`).
-    ``read_spans`` records which time spans the frames hold (None: the whole capture)."""
+    ``read_spans`` records which time spans the frames hold (None: the whole capture).
+    ``host_begun``: the host side's read begun by the caller (:func:`begin_host_read`),
+    taken where it reads the threads of the CUDA calls read here."""
     info = reader.info
     step = progress or (lambda _msg: None)
     unusable: dict[str, int] = {}
@@ -239,14 +244,8 @@ def build_trace(
     api = api.with_columns(
         name=api_names.fill_null(pl.lit("<unknown api>").cast(pl.Categorical))
     ).drop("name_id")
-    # The host side is read on the threads that made CUDA calls (only their time can leave the
-    # GPU idle), by filtered scans of whole tables (SQLite's work, without the GIL): beside
-    # the rest of the build when two cores may be kept busy.
-    host_side = second_lane("traceclf-host-side").submit(
-        read_host_side,
-        reader,
-        api["global_tid"].unique().to_list(),
-        read_spans if read_spans is not None else nvtx_span,
+    host_side = begin_host_read(
+        reader, api, read_spans if read_spans is not None else nvtx_span, host_begun
     )
 
     step("syncs")
@@ -315,7 +314,7 @@ def build_trace(
     host = optional(
         reader,
         "host side (OS runtime calls, samples, scheduling, diagnostics)",
-        host_side.result,
+        host_side.future.result,
         empty_host_side(),
     )
 
@@ -357,6 +356,36 @@ def build_trace(
     )
     release_read_buffers()
     return trace
+
+
+@dataclass(frozen=True)
+class HostRead:
+    """The host side's read (:func:`~traceclf.ingest.hosttables.read_host_side`) of
+    ``threads`` in ``spans``, under way on a lane of its own."""
+
+    threads: frozenset[int]
+    spans: Span | tuple[Span, ...] | None
+    future: Future[HostSide]
+
+
+def begin_host_read(
+    reader: Reader,
+    calls: pl.DataFrame,
+    spans: Span | tuple[Span, ...] | None,
+    begun: HostRead | None = None,
+) -> HostRead:
+    """The host side read on the threads that made ``calls`` (only their time can leave the
+    GPU idle), by filtered scans of whole tables (SQLite's work, without the GIL): on a lane
+    beside what reads and builds the rest when two cores may be kept busy. ``begun``, a read
+    begun before, when it reads those very threads and spans; else it is let finish (no
+    thread left at work) and the read begun again."""
+    threads = frozenset(int(t) for t in calls["global_tid"].unique().drop_nulls().to_list())
+    if begun is not None:
+        if begun.threads == threads and begun.spans == spans:
+            return begun
+        begun.future.exception()  # (waits: the read it began is not left running)
+    future = second_lane("traceclf-host-side").submit(read_host_side, reader, threads, spans)
+    return HostRead(threads, spans, future)
 
 
 T = TypeVar("T")

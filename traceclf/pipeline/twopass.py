@@ -30,7 +30,7 @@ from pathlib import Path
 import polars as pl
 
 from traceclf.ingest import rowindex
-from traceclf.ingest.assemble import build_trace, nvtx_ranges
+from traceclf.ingest.assemble import begin_host_read, build_trace, nvtx_ranges
 from traceclf.ingest.devices import read_gpu_metrics
 from traceclf.ingest.load import load_trace
 from traceclf.ingest.nvtx_rows import step_rows, window_rows
@@ -400,23 +400,36 @@ def _read_plans(
     """Pass 2: the rows of the planned steps, then the trace model from them (with the
     memory events that ``memory`` reads meanwhile)."""
     p2 = Pass2(reader, indexes)
-    p2.read(("api",), [calls for _gpu, calls in planner.spans])
-    p2.read(GPU_SIDE, [gpu for gpu, _calls in planner.spans])
-    frames = {logical: p2.finish(logical) for logical in EVENT_TABLES}
-    whole: set[str] = set()
-    if "graphs" in indexes:
-        # Graph-level tracing hides the replays' kernels; the measures then take kernel shapes
-        # from the eager kernels outside the window (and the calls that captured the graph),
-        # which are few: read them all.
-        for logical in ("kernels", "api"):
-            index = indexes.get(logical)
-            if index is not None and index.rows <= max(budget // 2, SMALL_ROWS):
-                frames[logical] = reader.read(logical)
-                whole.add(logical)
+    read_spans = tuple(merge_spans([span for pair in planner.spans for span in pair]))
+    # Graph-level tracing hides the replays' kernels; the measures then take kernel shapes
+    # from the eager kernels outside the window (and the calls that captured the graph),
+    # which are few: read them all.
+    whole = {
+        logical
+        for logical in ("kernels", "api")
+        if "graphs" in indexes
+        and (index := indexes.get(logical)) is not None
+        and index.rows <= max(budget // 2, SMALL_ROWS)
+    }
+    frames: dict[str, pl.DataFrame] = {}
+    if "api" in whole:
+        frames["api"] = reader.read("api")
+    else:
+        p2.read(("api",), [calls for _gpu, calls in planner.spans])
+        frames["api"] = p2.finish("api")
+    # The host side read on the threads of the calls read, beside the GPU's rows (built
+    # anew where the calls are read again below and other threads made them)
+    host = begin_host_read(reader, frames["api"], read_spans)
+    p2.read(
+        tuple(logical for logical in GPU_SIDE if logical not in whole),
+        [gpu for gpu, _calls in planner.spans],
+    )
+    for logical in EVENT_TABLES:
+        if logical not in frames:
+            frames[logical] = reader.read(logical) if logical in whole else p2.finish(logical)
     if "api" in frames and "api" not in whole:
         frames["api"] = p2.calls_complete(frames)
     gpu_spans = merge_spans([gpu for gpu, _calls in planner.spans])
-    read_spans = tuple(merge_spans([span for pair in planner.spans for span in pair]))
 
     def read_metrics() -> pl.DataFrame:
         index = (
@@ -445,6 +458,7 @@ def _read_plans(
         read_spans=read_spans,
         capture=_capture(reader, indexes),
         progress=progress,
+        host_begun=host,
     )
     return replace(trace, read_path=rowindex.read_path(indexes, rescanned=bool(p2.rescanned)))
 
