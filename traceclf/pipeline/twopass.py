@@ -46,6 +46,7 @@ from traceclf.steps.find import graph_launch_steps, range_label, recurring_kerne
 from traceclf.steps.plan import StepPlan, plan_steps, shared_steady
 from traceclf.steps.settings import StepSettings, bundled_settings
 from traceclf.steps.steady import Allocations, steady_bounds
+from traceclf.support.cpus import second_lane
 
 # Event rows (kernels, CUDA calls, copies, syncs, graph executions) analysed per export by
 # default: about 0.5 GB of memory and a second of reading on two cores.
@@ -420,6 +421,8 @@ def _read_plans(
     # The host side read on the threads of the calls read, beside the GPU's rows (built
     # anew where the calls are read again below and other threads made them)
     host = begin_host_read(reader, frames["api"], read_spans)
+    # (the NVTX ranges over the analysed steps: a filtered scan, SQLite's work, beside too)
+    nvtx = second_lane("traceclf-nvtx").submit(window_rows, reader, read_spans, planner.nvtx_raw)
     p2.read(
         tuple(logical for logical in GPU_SIDE if logical not in whole),
         [gpu for gpu, _calls in planner.spans],
@@ -446,7 +449,7 @@ def _read_plans(
         if logical in frames:
             return frames[logical]
         if logical == "nvtx":
-            return window_rows(reader, read_spans, planner.nvtx_raw)
+            return nvtx.result()
         if logical == "memory":
             return memory.result()
         return reader.read(logical)  # profiler overhead: small, whole
