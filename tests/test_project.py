@@ -74,3 +74,46 @@ def test_a_steps_first_and_last_call_ids_are_those_of_all_its_calls(
     assert most > 2 * project.Projector.EDGE_CALLS
     for con in opened:
         con.close()
+
+
+@pytest.mark.parametrize("name", ["h100_moe_megatron_ep2", "h100_host_slow_loader"])
+def test_gpu_starts_found_two_at_a_time_are_those_found_one_by_one(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """find_starts finds every other step's GPU start on a second lane with a connection of its
+    own (SQLite's work, beside the caller's): each step's start is the one gpu_start finds
+    alone, on the caller's connection."""
+    from traceclf.support import cpus
+
+    path = FIXTURES / f"{name}.sqlite"
+    made: list[project.Projector] = []
+    init = project.Projector.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    opened = []
+
+    @contextlib.contextmanager
+    def stays_open(at):  # the projectors' searches go on after the read
+        opened.append(connect_readonly(at, check_same_thread=False))
+        yield opened[-1]
+
+    monkeypatch.setattr(project.Projector, "__init__", keep)
+    monkeypatch.setattr(rowindex, "connect", stays_open)
+    monkeypatch.setattr(cpus, "cpus", lambda: 2)
+    twopass.load_sampled(path, bundled(), budget=event_rows(path) // 3)
+    projectors = [p for p in made if p.usable]
+    assert projectors
+    found = 0
+    for p in projectors:
+        steps = range(len(p.starts))
+        alone = {i: p._first_start(i) for i in steps}
+        p._starts.clear()
+        p.find_starts(steps)
+        assert p._starts == alone
+        found += sum(v is not None for v in alone.values())
+    assert found >= 10
+    for con in opened:
+        con.close()

@@ -359,11 +359,15 @@ def _read_spans(plan: StepPlan, projector: Projector | None) -> list[tuple[Span,
         step_ns = max(int(table["duration"].median() or 0), 1)  # type: ignore[arg-type]
     out = []
     last = max(starts)
-    for a, b in plan.runs:
-        # the step after the run; the last step (never steady: it has no step time) is read
-        # whole, to the end, like the rest of the capture after it: the compute that ends the
-        # window's last idle gap may lie anywhere past it
-        following = b + 1 if b + 1 in starts and b + 1 != last else None
+    # the step after each run; the last step (never steady: it has no step time) is read
+    # whole, to the end, like the rest of the capture after it: the compute that ends the
+    # window's last idle gap may lie anywhere past it
+    runs = [(a, b, b + 1 if b + 1 in starts and b + 1 != last else None) for a, b in plan.runs]
+    if projector is not None:  # (the GPU starts asked for below, two at a time)
+        projector.find_starts(
+            i for a, _b, following in runs for i in (a, following) if i is not None
+        )
+    for a, b, following in runs:
         margin = step_ns // 4  # kernels still running at the start; the work that ends the
         # window's last idle gap (the critical path looks for it past the end)
         if projector is None and not plan.exact:
