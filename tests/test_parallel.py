@@ -268,6 +268,23 @@ def test_two_at_a_time_keeps_order_and_raises_the_first_error(share: str, monkey
     assert not any(t.name == "test-rank" for t in threading.enumerate())
 
 
+def test_two_at_a_time_lets_ctrl_c_go_at_once(monkeypatch) -> None:
+    """Ctrl-C (KeyboardInterrupt) in this thread's item is raised at once: the item on the
+    daemon thread beside it is not waited for."""
+    monkeypatch.setattr(cpus, "cpus", lambda: 2)
+    monkeypatch.delenv(cpus.WORKER_CPUS, raising=False)
+
+    def item(_x: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        time.sleep(3)
+
+    began = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        cpus.two_at_a_time(item, [0, 1], "test-rank")
+    assert time.perf_counter() - began < 2
+
+
 def test_a_read_on_one_thread_leaves_the_others_running() -> None:
     """Step sampling reads the memory events on a thread while pass 1 plans on another: a read
     must not hold the GIL while SQLite works (connectorx's Arrow stream did, and pass 1 stood

@@ -82,25 +82,30 @@ def two_at_a_time(fn: Callable[[T], R], items: Sequence[T], name: str) -> list[R
     as :func:`second_lane`'s) each take the next item left, when this analysis may keep two
     cores busy; else one after another here. After an error no item is begun; the first
     error in the items' order is raised once every item begun is done, so no thread is left
-    at work after the call."""
+    at work after the call (but for Ctrl-C, raised here at once, as :func:`second_lane`'s
+    daemon lets it be)."""
     if cpu_share() < 2 or len(items) < 2:
         return [fn(item) for item in items]
     done: list[Future] = [Future() for _ in items]
     left = iter(range(len(items)))
     lock = threading.Lock()
 
+    def take() -> int | None:
+        with lock:
+            failed = any(f.done() and f.exception() is not None for f in done)
+            return None if failed else next(left, None)
+
     def work() -> None:
-        while True:
-            with lock:
-                failed = any(f.done() and f.exception() is not None for f in done)
-                i = None if failed else next(left, None)
-            if i is None:
-                return
+        while (i := take()) is not None:
             _run(done[i], fn, (items[i],), {})
 
     beside = threading.Thread(target=work, name=name, daemon=True)
     beside.start()
-    work()
+    while (i := take()) is not None:
+        try:
+            done[i].set_result(fn(items[i]))
+        except Exception as e:  # (raised below, in the items' order)
+            done[i].set_exception(e)
     beside.join()
     # (items are begun in order: every one before a failed one is done, and its error is
     # raised here before any item never begun is reached)
