@@ -17,7 +17,7 @@ import functools
 import itertools
 import sqlite3
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,8 +255,8 @@ def scan_pieces(
     through ``read`` (a query → one polars frame:
     :meth:`traceclf.ingest.reader.Reader.sql`; :func:`_scan_part`), or None when there are
     too many (:data:`MAX_PIECES`: the rows are shuffled, not written in out-of-order blocks).
-    Memory: one block's times (and rowids, where it has holes), and one row in
-    :data:`SCAN_STRIDE` of each piece."""
+    Memory: two blocks' times (and rowids, where they have holes: the next block is read while
+    one is scanned), and one row in :data:`SCAN_STRIDE` of each piece."""
     table, column = index.table, index.column
     pieces: list[tuple[np.ndarray, np.ndarray]] = []  # (rowids, times) of each piece
     run_ids: list[np.ndarray] = []
@@ -264,13 +264,22 @@ def scan_pieces(
     last_time = None
     parts = cpu_share()  # each block read on the cores in as many rowid ranges
     read_part = functools.partial(_scan_part, read, table, column)
+    blocks = list(range(index.first - 1, index.last, SCAN_ROWS))
     with ThreadPoolExecutor(parts, thread_name_prefix="traceclf-scan") as pool:
-        for after in range(index.first - 1, index.last, SCAN_ROWS):
-            cuts = [after + SCAN_ROWS * i // parts for i in range(parts + 1)]
-            ranges = [
-                (a, min(b, index.last)) for a, b in itertools.pairwise(cuts) if a < index.last
-            ]
-            got = [p for p in pool.map(read_part, ranges) if len(p[0])]
+
+        def begin(k: int) -> list[Future]:
+            """Block ``k``'s reads, its rows cut evenly among the cores (none past the last)."""
+            if k >= len(blocks):
+                return []
+            after, upto = blocks[k], min(blocks[k] + SCAN_ROWS, index.last)
+            cuts = [after + (upto - after) * i // parts for i in range(parts + 1)]
+            return [pool.submit(read_part, r) for r in itertools.pairwise(cuts) if r[0] < r[1]]
+
+        following = begin(0)
+        for k in range(len(blocks)):
+            # the next block is read while this one's pieces are found (one core's numpy)
+            reads, following = following, begin(k + 1)
+            got = [p for p in (f.result() for f in reads) if len(p[0])]
             if not got:
                 continue
             ids = np.concatenate([p[0] for p in got])
@@ -279,6 +288,8 @@ def scan_pieces(
             if last_time is not None and times[0] < last_time:
                 breaks = np.concatenate([[0], breaks])
             if len(pieces) + len(breaks) > MAX_PIECES:
+                for future in following:  # (not begun: not read)
+                    future.cancel()
                 return None
             bounds = [0, *breaks.tolist(), len(ids)]
             continues = not (len(breaks) and breaks[0] == 0)
