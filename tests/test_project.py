@@ -4,6 +4,7 @@ from the few calls at each end of its rowid range, against every call of the ste
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import polars as pl
 import pytest
@@ -14,6 +15,34 @@ from traceclf.ingest.schema import connect_readonly
 from traceclf.model.taxonomy import bundled
 from traceclf.pipeline import twopass
 from traceclf.pipeline.twopass import event_rows
+
+
+@contextlib.contextmanager
+def sampled_projectors(path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list]:
+    """The usable projectors step sampling makes of ``path`` (a third of its rows), their
+    connections kept open for searches after the read and closed at the end."""
+    made: list[project.Projector] = []
+    init = project.Projector.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    opened = []
+
+    @contextlib.contextmanager
+    def stays_open(at):  # the projectors' searches go on after the read
+        opened.append(connect_readonly(at, check_same_thread=False))
+        yield opened[-1]
+
+    monkeypatch.setattr(project.Projector, "__init__", keep)
+    monkeypatch.setattr(rowindex, "connect", stays_open)
+    twopass.load_sampled(path, bundled(), budget=event_rows(path) // 3)
+    try:
+        yield [p for p in made if p.usable]
+    finally:
+        for con in opened:
+            con.close()
 
 
 @pytest.mark.parametrize(
@@ -32,48 +61,29 @@ def test_a_steps_first_and_last_call_ids_are_those_of_all_its_calls(
     each end, equals the smallest and largest over all the rank's calls that start inside the
     step, computed here from the whole call table in polars."""
     path = FIXTURES / f"{name}.sqlite"
-    made: list[project.Projector] = []
-    init = project.Projector.__init__
-
-    def keep(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    opened = []
-
-    @contextlib.contextmanager
-    def stays_open(at):  # the projectors' searches go on after the read
-        opened.append(connect_readonly(at, check_same_thread=False))
-        yield opened[-1]
-
-    monkeypatch.setattr(project.Projector, "__init__", keep)
-    monkeypatch.setattr(rowindex, "connect", stays_open)
-    twopass.load_sampled(path, bundled(), budget=event_rows(path) // 3)
-    projectors = [p for p in made if p.usable]
-    assert projectors
-    calls = pl.read_database_uri(
-        "SELECT start, (globalTid >> 24) & 16777215 AS pid, correlationId AS c "
-        "FROM CUPTI_ACTIVITY_KIND_RUNTIME",
-        f"sqlite://{path}",
-    )
-    checked = 0
-    for p in projectors:
-        mine = calls.filter(pl.col("pid") == p.pid)
-        for i, (lo, hi) in enumerate(zip(p.starts, p.ends, strict=True)):
-            inside = mine.filter(pl.col("start").is_between(lo, hi))["c"]
-            want = None if inside.is_empty() else (int(inside.min()), int(inside.max()))
-            assert p._calls(i) == want, (p.pid, i)
-            checked += want is not None
-    assert checked >= 5
-    # the bound is reached: some step holds more calls than are read at its two ends
-    most = max(
-        calls.filter(pl.col("pid") == p.pid, pl.col("start").is_between(lo, hi)).height
-        for p in projectors
-        for lo, hi in zip(p.starts, p.ends, strict=True)
-    )
-    assert most > 2 * project.Projector.EDGE_CALLS
-    for con in opened:
-        con.close()
+    with sampled_projectors(path, monkeypatch) as projectors:
+        assert projectors
+        calls = pl.read_database_uri(
+            "SELECT start, (globalTid >> 24) & 16777215 AS pid, correlationId AS c "
+            "FROM CUPTI_ACTIVITY_KIND_RUNTIME",
+            f"sqlite://{path}",
+        )
+        checked = 0
+        for p in projectors:
+            mine = calls.filter(pl.col("pid") == p.pid)
+            for i, (lo, hi) in enumerate(zip(p.starts, p.ends, strict=True)):
+                inside = mine.filter(pl.col("start").is_between(lo, hi))["c"]
+                want = None if inside.is_empty() else (int(inside.min()), int(inside.max()))
+                assert p._calls(i) == want, (p.pid, i)
+                checked += want is not None
+        assert checked >= 5
+        # the bound is reached: some step holds more calls than are read at its two ends
+        most = max(
+            calls.filter(pl.col("pid") == p.pid, pl.col("start").is_between(lo, hi)).height
+            for p in projectors
+            for lo, hi in zip(p.starts, p.ends, strict=True)
+        )
+        assert most > 2 * project.Projector.EDGE_CALLS
 
 
 @pytest.mark.parametrize("name", ["h100_moe_megatron_ep2", "h100_host_slow_loader"])
@@ -86,34 +96,15 @@ def test_gpu_starts_found_two_at_a_time_are_those_found_one_by_one(
     from traceclf.support import cpus
 
     path = FIXTURES / f"{name}.sqlite"
-    made: list[project.Projector] = []
-    init = project.Projector.__init__
-
-    def keep(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    opened = []
-
-    @contextlib.contextmanager
-    def stays_open(at):  # the projectors' searches go on after the read
-        opened.append(connect_readonly(at, check_same_thread=False))
-        yield opened[-1]
-
-    monkeypatch.setattr(project.Projector, "__init__", keep)
-    monkeypatch.setattr(rowindex, "connect", stays_open)
     monkeypatch.setattr(cpus, "cpus", lambda: 2)
-    twopass.load_sampled(path, bundled(), budget=event_rows(path) // 3)
-    projectors = [p for p in made if p.usable]
-    assert projectors
-    found = 0
-    for p in projectors:
-        steps = range(len(p.starts))
-        alone = {i: p._first_start(i) for i in steps}
-        p._starts.clear()
-        p.find_starts(steps)
-        assert p._starts == alone
-        found += sum(v is not None for v in alone.values())
-    assert found >= 10
-    for con in opened:
-        con.close()
+    with sampled_projectors(path, monkeypatch) as projectors:
+        assert projectors
+        found = 0
+        for p in projectors:
+            steps = range(len(p.starts))
+            alone = {i: p._first_start(i) for i in steps}
+            p._starts.clear()
+            p.find_starts(steps)
+            assert p._starts == alone
+            found += sum(v is not None for v in alone.values())
+        assert found >= 10

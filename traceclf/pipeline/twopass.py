@@ -434,7 +434,7 @@ def _read_plans(
     for logical in EVENT_TABLES:
         if logical not in frames:
             frames[logical] = reader.read(logical) if logical in whole else p2.finish(logical)
-    if "api" in frames and "api" not in whole:
+    if "api" not in whole:
         frames["api"] = p2.calls_complete(frames)
     gpu_spans = merge_spans([gpu for gpu, _calls in planner.spans])
 
