@@ -285,6 +285,41 @@ def test_two_at_a_time_lets_ctrl_c_go_at_once(monkeypatch) -> None:
     assert time.perf_counter() - began < 2
 
 
+@pytest.mark.parametrize("share", ["1", "2"])
+def test_in_order_computes_ahead_and_leaves_no_thread(share: str, monkeypatch) -> None:
+    """The tables of a whole read are read one after another beside the build (a daemon when
+    two cores may be kept busy, else on the calling thread as each is taken): every key gives
+    fn's result, whatever the order it is taken in or how often; an error is raised where its
+    key is taken; leaving the block early begins no more keys and waits for the one under
+    way."""
+    monkeypatch.setattr(cpus, "cpus", lambda: 2)
+    monkeypatch.setenv(cpus.WORKER_CPUS, share)
+    threads: list[tuple[int, str]] = []
+
+    def square(x: int) -> int:
+        threads.append((x, threading.current_thread().name))
+        time.sleep(0.01)
+        if x == 3:
+            raise ValueError(x)
+        return x * x
+
+    with cpus.InOrder(square, [0, 1, 2, 3, 4], "test-reads") as reads:
+        assert [reads.take(x) for x in (0, 1, 4, 2, 2, 7)] == [0, 1, 16, 4, 4, 49]
+        with pytest.raises(ValueError, match=r"^3$"):
+            reads.take(3)
+    assert sorted(x for x, _ in threads) == [0, 1, 2, 2, 3, 4, 7]
+    ahead = {x for x, name in threads if name == "test-reads"}
+    assert ahead <= {0, 1, 2, 3, 4} and (bool(ahead) == (share == "2"))
+    assert not any(t.name == "test-reads" for t in threading.enumerate())
+
+    threads.clear()
+    with cpus.InOrder(square, list(range(100)), "test-reads") as reads:
+        assert reads.take(0) == 0
+    # the block left after one key: at most the key under way was begun after it
+    assert len(threads) <= 3
+    assert not any(t.name == "test-reads" for t in threading.enumerate())
+
+
 def test_a_read_on_one_thread_leaves_the_others_running() -> None:
     """Step sampling reads the memory events on a thread while pass 1 plans on another: a read
     must not hold the GIL while SQLite works (connectorx's Arrow stream did, and pass 1 stood

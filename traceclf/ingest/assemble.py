@@ -176,6 +176,22 @@ def sorted_by_start(df: pl.DataFrame) -> pl.DataFrame:
 ReadFn = Callable[[str], pl.DataFrame]
 
 
+# The logical tables build_trace reads, in the order it reads them (a caller may read each
+# ahead while the one before it is built).
+READ_ORDER = (
+    "kernels",
+    "graphs",
+    "memcpy",
+    "memset",
+    "api",
+    "syncs",
+    "events",
+    "nvtx",
+    "memory",
+    "overhead",
+)
+
+
 def build_trace(
     reader: Reader,
     read: ReadFn,

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from traceclf.ingest.assemble import build_trace
+from traceclf.ingest.assemble import READ_ORDER, build_trace
 from traceclf.ingest.devices import read_gpu_metrics
 from traceclf.ingest.reader import Reader, Span
 from traceclf.ingest.schema import inspect_export
 from traceclf.model.trace import Trace
+from traceclf.support.cpus import InOrder
 
 # What load_trace passes to its ``progress`` callback, in order: one call as each stage starts.
 LOAD_STAGES = (
@@ -43,10 +44,13 @@ def load_trace(
     """
     path = Path(path)
     reader = Reader(inspect_export(path, check_pages=False))
-    return build_trace(
-        reader,
-        lambda logical: reader.read(logical, span),
-        lambda: read_gpu_metrics(reader, span),
-        nvtx_span=span,
-        progress=progress,
-    )
+    # (each table read while the one before it is built: the build's single-core work, names
+    # looked up and rows checked, beside the reads)
+    with InOrder(lambda logical: reader.read(logical, span), READ_ORDER, "traceclf-reads") as r:
+        return build_trace(
+            reader,
+            r.take,
+            lambda: read_gpu_metrics(reader, span),
+            nvtx_span=span,
+            progress=progress,
+        )

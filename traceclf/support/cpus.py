@@ -110,3 +110,44 @@ def two_at_a_time(fn: Callable[[T], R], items: Sequence[T], name: str) -> list[R
     # (items are begun in order: every one before a failed one is done, and its error is
     # raised here before any item never begun is reached)
     return [future.result() for future in done]
+
+
+
+class InOrder:
+    """``fn`` of each of ``keys``, one after another on a daemon thread (as
+    :func:`second_lane`'s), begun at once: the caller takes each result with :meth:`take`
+    when it needs it and works on it meanwhile, while the next is under way. Used as a
+    ``with`` block: leaving it lets no key be begun and waits for the one under way, so no
+    thread is left at work after the block (but for Ctrl-C, raised at once). A key not
+    listed, taken twice or not yet begun is computed on the calling thread; with one core,
+    every key is."""
+
+    def __init__(self, fn: Callable[[T], R], keys: Sequence[T], name: str) -> None:
+        self.fn = fn
+        self.thread: threading.Thread | None = None
+        order = [(key, Future()) for key in dict.fromkeys(keys)] if cpu_share() >= 2 else []
+        self.left: dict[T, Future] = dict(order)
+        if order:
+            self.thread = threading.Thread(target=self._work, args=(order,), name=name, daemon=True)
+            self.thread.start()
+
+    def _work(self, order: list[tuple[T, Future]]) -> None:
+        for key, done in order:
+            if done.set_running_or_notify_cancel():  # (False: cancelled, taken or left)
+                _run(done, self.fn, (key,), {})
+
+    def take(self, key: T) -> R:
+        done = self.left.pop(key, None)
+        if done is None or done.cancel():  # (cancel: not begun yet, so begun here instead)
+            return self.fn(key)
+        return done.result()
+
+    def __enter__(self) -> InOrder:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_exc) -> None:
+        for done in self.left.values():
+            done.cancel()
+        self.left = {}
+        if self.thread is not None and not (kind and issubclass(kind, KeyboardInterrupt)):
+            self.thread.join()
