@@ -8,6 +8,7 @@ Damaged caches are constructed here by editing a real cache entry of a real expo
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -265,18 +266,29 @@ def test_tampered_model_entry_is_a_miss(export: Path, damage) -> None:
     assert cache.read_entry(entry_of(export), export) is not None  # rebuilt
 
 
+def _result_of(file: Path) -> tuple[dict, dict]:
+    """A result file's stamp line and result (results.RESULT_FORMAT 2)."""
+    head, body = file.read_text().split("\n", 1)
+    return json.loads(head), json.loads(body)
+
+
+def _stamped(stamp: dict, body: str, checksum: bool) -> str:
+    if checksum:
+        stamp = stamp | {"sha256": hashlib.sha256(body.encode()).hexdigest()}
+    return json.dumps(stamp) + "\n" + body
+
+
 def _result_types_changed(file: Path) -> None:
-    data = json.loads(file.read_text())
-    data["result"]["ranks"][0]["measures"]["metrics"] = "not a dict"
-    file.write_text(json.dumps(data))
+    stamp, result = _result_of(file)
+    result["ranks"][0]["measures"]["metrics"] = "not a dict"
+    file.write_text(_stamped(stamp, json.dumps(result), checksum=False))
 
 
 def _result_types_changed_with_checksum(file: Path) -> None:
-    data = json.loads(file.read_text())
-    data["result"]["ranks"][0]["pid"] = "1191"
-    data["result"]["ranks"][0]["measures"]["metrics"]["gpu_busy_frac"] = [1]
-    data["sha256"] = results._checksum(data["result"])
-    file.write_text(json.dumps(data))
+    stamp, result = _result_of(file)
+    result["ranks"][0]["pid"] = "1191"
+    result["ranks"][0]["measures"]["metrics"]["gpu_busy_frac"] = [1]
+    file.write_text(_stamped(stamp, json.dumps(result), checksum=True))
 
 
 def _result_truncated(file: Path) -> None:
@@ -285,7 +297,8 @@ def _result_truncated(file: Path) -> None:
 
 
 def _result_nesting_bomb(file: Path) -> None:
-    file.write_text('{"format": 1, "result": ' + "[" * 300_000 + "]" * 300_000 + "}")
+    stamp, _result = _result_of(file)
+    file.write_text(_stamped(stamp, "[" * 300_000 + "]" * 300_000, checksum=True))
 
 
 def _result_not_an_object(file: Path) -> None:

@@ -11,6 +11,7 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 from helpers.cli import run_cli
@@ -298,7 +299,7 @@ def _late_case(analysed: int, mean_ms: float) -> tuple:
     the fourth 50 ms after it, later than any step lasts (a match that drifted)."""
     import polars as pl
 
-    from traceclf.measures.arrivals import late_arrivals
+    from traceclf.measures.arrivals import late_arrivals, packed
 
     ms = 1_000_000
     starts = {0: [0, 10 * ms, 20 * ms, 30 * ms], 1: [0, 12 * ms, 22 * ms, 80 * ms]}
@@ -320,8 +321,8 @@ def _late_case(analysed: int, mean_ms: float) -> tuple:
         rank: {
             "states": ["compute"],
             "first_row": 0,
-            "at_start": [[s] for s in ss],
-            "at_end": [[s + ms // 10] for s in ss],
+            "at_start": packed(np.array([[s] for s in ss])),
+            "at_end": packed(np.array([[s + ms // 10] for s in ss])),
         }
         for rank, ss in starts.items()
     }
@@ -334,6 +335,32 @@ def _late_case(analysed: int, mean_ms: float) -> tuple:
         for rank in starts
     ]
     return late_arrivals(pl.DataFrame(rows), ranks, [], {rank: analysed for rank in starts})
+
+
+def test_arrival_clocks_travel_packed_and_come_back_exact():
+    """A rank's arrival clock (ns in each state before each collective, launches before it)
+    travels in its result packed (each column's steps, deflated, base64): the same integers
+    come back, whatever their sign or size; an inflated clock is bounded, a damaged one an
+    error, not a guess."""
+    import base64
+    import zlib
+
+    from traceclf.measures.arrivals import MAX_CLOCK_BYTES, _unpacked, packed
+
+    rng = np.random.default_rng(7)
+    rows = np.cumsum(rng.integers(0, 10**9, (2000, 5)), axis=0)
+    extremes = np.array([[2**62, -5], [-(2**62), 2**63 - 1], [0, -(2**63)]])
+    for values, width in ((rows, 5), (extremes, 2), (rows[:, 0], None)):
+        back = _unpacked(packed(values), width)
+        assert back.dtype == np.int64 and np.array_equal(back, values)
+    # a real clock's states mostly do not move from one collective to the next
+    sparse = np.cumsum(rng.integers(0, 10**6, (2000, 5)) * (rng.random((2000, 5)) < 0.1), axis=0)
+    assert len(packed(sparse)) * 10 < len(json.dumps(sparse.tolist()))
+    assert _unpacked("", 3).shape == (0, 3) and _unpacked(None).shape == (0,)
+    bomb = base64.b64encode(zlib.compress(bytes(MAX_CLOCK_BYTES + 8))).decode()
+    for damaged in (bomb, packed(rows)[:-8], "not base64!"):
+        with pytest.raises(ValueError):
+            _unpacked(damaged, 5)
 
 
 def test_a_rank_later_than_a_step_is_a_drifted_match_not_a_late_rank():

@@ -27,7 +27,10 @@ from traceclf.ingest.cachedir import (
 from traceclf.support.atomic import write_atomic
 from traceclf.support.owned import is_owned
 
-RESULT_FORMAT = 1
+# 2: a line {format, sha256} then the result as compact JSON, the checksum of its bytes as
+# written (1: one object, the checksum of the result encoded again, sorted: two encodings of
+# an --all-steps result to write it and one more to read it)
+RESULT_FORMAT = 2
 # a whole analysis's report, beside the first export's results (pipeline/analysis.py)
 RUN_PREFIX = "run-"
 RUN_FORMAT = 2  # 2: the report as --format json writes it (1: compact JSON)
@@ -70,18 +73,25 @@ def read_run_text(path: Path, key: str, run: str, cache_dir: Path | None = None)
     own before them), not of the report encoded again: an ``--all-steps`` report runs to
     megabytes."""
     try:
-        raw = _bounded(_file(path, key, f"{RUN_PREFIX}{run}.json", cache_dir))
-        if raw is None:
-            return None
-        head, _, body = raw.partition(b"\n")
-        stamp = json.loads(head)
-        if not isinstance(stamp, dict):
-            return None
-        if stamp.get("format") != RUN_FORMAT or stamp.get("sha256") != _digest(body):
-            return None
-        return body.decode()
+        body = _checked(_file(path, key, f"{RUN_PREFIX}{run}.json", cache_dir), RUN_FORMAT)
+        return None if body is None else body.decode()
     except CACHE_ERRORS:
         return None
+
+
+def _checked(file: Path | None, version: int) -> bytes | None:
+    """The body of a cache file of ours laid out as a stamp line (its format and the checksum
+    of the bytes after it) then the body; None when absent, of another format or damaged."""
+    raw = _bounded(file)
+    if raw is None:
+        return None
+    head, _, body = raw.partition(b"\n")
+    stamp = json.loads(head)
+    if not isinstance(stamp, dict):
+        return None
+    if stamp.get("format") != version or stamp.get("sha256") != _digest(body):
+        return None
+    return body
 
 
 def _file(path: Path, key: str, name: str, cache_dir: Path | None) -> Path | None:
@@ -106,16 +116,9 @@ def _bounded(file: Path | None) -> bytes | None:
 
 def _read(path: Path, key: str, name: str, cache_dir: Path | None) -> dict | None:
     try:
-        raw = _bounded(_file(path, key, name, cache_dir))
-        if raw is None:
-            return None
-        data = json.loads(raw)
-        if not isinstance(data, dict) or data.get("format") != RESULT_FORMAT:
-            return None
-        result = data.get("result")
-        if not isinstance(result, dict) or data.get("sha256") != _checksum(result):
-            return None
-        return result
+        body = _checked(_file(path, key, name, cache_dir), RESULT_FORMAT)
+        result = None if body is None else json.loads(body)
+        return result if isinstance(result, dict) else None
     except (*CACHE_ERRORS, RecursionError):  # a nesting bomb is a RecursionError
         return None
 
@@ -136,11 +139,11 @@ def write_result(
     is still that version (it may have been replaced during the analysis). Failures are
     ignored: a cache must never fail an analysis. True when stored."""
     try:
-        envelope = {"format": RESULT_FORMAT, "sha256": _checksum(result), "result": result}
-        text = json.dumps(envelope)
+        body = json.dumps(result, separators=(",", ":"))  # (one line: ASCII, escaped)
+        stamp = json.dumps({"format": RESULT_FORMAT, "sha256": _digest(body.encode())})
     except CACHE_ERRORS:
         return False
-    return _write(path, key, f"{variant}.json", text, cache_dir)
+    return _write(path, key, f"{variant}.json", stamp + "\n" + body, cache_dir)
 
 
 def write_run(path: Path, key: str, run: str, report: str, cache_dir: Path | None = None) -> bool:
@@ -175,7 +178,3 @@ def _write(path: Path, key: str, name: str, text: str, cache_dir: Path | None) -
 
 def _digest(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
-
-
-def _checksum(result: dict) -> str:
-    return _digest(json.dumps(result, sort_keys=True, separators=(",", ":")).encode())

@@ -112,7 +112,6 @@ def two_at_a_time(fn: Callable[[T], R], items: Sequence[T], name: str) -> list[R
     return [future.result() for future in done]
 
 
-
 class InOrder:
     """``fn`` of each of ``keys``, one after another on a daemon thread (as
     :func:`second_lane`'s), begun at once: the caller takes each result with :meth:`take`
