@@ -9,7 +9,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -112,7 +112,7 @@ def two_at_a_time(fn: Callable[[T], R], items: Sequence[T], name: str) -> list[R
     return [future.result() for future in done]
 
 
-class InOrder:
+class InOrder(Generic[T, R]):
     """``fn`` of each of ``keys``, one after another on a daemon thread (as
     :func:`second_lane`'s), begun at once: the caller takes each result with :meth:`take`
     when it needs it and works on it meanwhile, while the next is under way. Used as a
@@ -141,7 +141,7 @@ class InOrder:
             return self.fn(key)
         return done.result()
 
-    def __enter__(self) -> InOrder:
+    def __enter__(self) -> InOrder[T, R]:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_exc) -> None:
