@@ -83,14 +83,23 @@ def arrival_clock(w: RankWindow, keyed: pl.DataFrame, gaps: pl.DataFrame) -> dic
         idle = upto(with_work)
         at[f"nvtx:{name}"] = (idle[0] - covered[0], idle[1] - covered[1])
         covered = idle
-    for cause in IDLE_CAUSES:  # idle by its cause, less the part inside the followed ranges
-        gap = Busy.of(gaps.filter(pl.col("cause") == cause))
+    # idle by its cause, less the part inside the followed ranges: |gap ∩ ranges| = |gap| +
+    # |ranges| - |gap ∪ ranges| (each cause's gaps by a mask of their cause codes: millions of
+    # gaps, not a filter of the whole frame per cause)
+    g_start, g_end = gaps["start"].to_numpy(), gaps["end"].to_numpy()
+    g_cause = gaps["cause"].cast(pl.Enum(IDLE_CAUSES)).to_physical().to_numpy()
+    ranges_upto = upto(followed) if followed is not None else None
+    for code, cause in enumerate(IDLE_CAUSES):
+        mine = g_cause == code
+        gap = Busy.of_arrays(g_start[mine], g_end[mine])
         g = upto(gap)
-        if followed is not None:  # |gap ∩ ranges| = |gap| + |ranges| - |gap ∪ ranges|
-            r, both = upto(followed), upto(gap | followed)
+        if followed is not None and ranges_upto is not None:
+            r, both = ranges_upto, upto(gap | followed)
             g = (both[0] - r[0], both[1] - r[1])
         at[f"idle:{cause}"] = g
-    compute_kernels = w.kern.filter(~pl.col("is_comm").fill_null(False))
+    compute_kernels = w.kern.select("short_name", "start", "end", "is_comm").filter(
+        ~pl.col("is_comm").fill_null(False)
+    )
     top_kernels = (
         compute_kernels.group_by("short_name")
         .agg(ns=(pl.col("end") - pl.col("start")).sum())
@@ -100,10 +109,13 @@ def arrival_clock(w: RankWindow, keyed: pl.DataFrame, gaps: pl.DataFrame) -> dic
         .to_list()
     )
     launches = {}
+    # (each name's kernels by a mask: the names compared as categories, not cast to text)
+    short_names = compute_kernels["short_name"]
+    k_start, k_end = compute_kernels["start"].to_numpy(), compute_kernels["end"].to_numpy()
     for name in top_kernels:
-        mine = compute_kernels.filter(pl.col("short_name").cast(pl.String) == name)
-        at[f"kernel:{name}"] = upto(Busy.of(mine))
-        launches[name] = np.sort(mine["start"].to_numpy())
+        mine = (short_names == name).fill_null(False).to_numpy()
+        at[f"kernel:{name}"] = upto(Busy.of_arrays(k_start[mine], k_end[mine]))
+        launches[name] = np.sort(k_start[mine])
     names = list(at)
     return {
         "states": names,
