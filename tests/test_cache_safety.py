@@ -302,7 +302,16 @@ def _result_nesting_bomb(file: Path) -> None:
 
 
 def _result_not_an_object(file: Path) -> None:
-    file.write_text("[1, 2, 3]")
+    stamp, _result = _result_of(file)
+    file.write_text(_stamped(stamp, "[1, 2, 3]", checksum=True))
+
+
+def _result_of_format_1(file: Path) -> None:
+    """A result as format 1 wrote it: one object, its checksum of the result encoded again."""
+    _stamp, result = _result_of(file)
+    text = json.dumps(result, sort_keys=True, separators=(",", ":"))
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    file.write_text(json.dumps({"format": 1, "sha256": sha, "result": result}))
 
 
 @pytest.mark.parametrize(
@@ -313,6 +322,7 @@ def _result_not_an_object(file: Path) -> None:
         _result_truncated,
         _result_nesting_bomb,
         _result_not_an_object,
+        _result_of_format_1,
     ],
 )
 def test_tampered_result_is_a_miss(export: Path, damage, monkeypatch) -> None:

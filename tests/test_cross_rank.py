@@ -340,12 +340,20 @@ def _late_case(analysed: int, mean_ms: float) -> tuple:
 def test_arrival_clocks_travel_packed_and_come_back_exact():
     """A rank's arrival clock (ns in each state before each collective, launches before it)
     travels in its result packed (each column's steps, deflated, base64): the same integers
-    come back, whatever their sign or size; an inflated clock is bounded, a damaged one an
-    error, not a guess."""
+    come back, whatever their sign or size. Read back from a result file, a clock inflates to
+    no more than arrival_clock writes (every collective it clocks, in every state it has), its
+    columns as long as each other: a damaged or planted one is an error, not a guess."""
     import base64
     import zlib
 
-    from traceclf.measures.arrivals import MAX_CLOCK_BYTES, _unpacked, packed
+    from traceclf.measures.arrivals import (
+        MAX_COLLECTIVES,
+        MAX_STATES,
+        TOP_NAMES,
+        _Clock,
+        _unpacked,
+        packed,
+    )
 
     rng = np.random.default_rng(7)
     rows = np.cumsum(rng.integers(0, 10**9, (2000, 5)), axis=0)
@@ -353,14 +361,31 @@ def test_arrival_clocks_travel_packed_and_come_back_exact():
     for values, width in ((rows, 5), (extremes, 2), (rows[:, 0], None)):
         back = _unpacked(packed(values), width)
         assert back.dtype == np.int64 and np.array_equal(back, values)
+        assert back.flags["C_CONTIGUOUS"]
     # a real clock's states mostly do not move from one collective to the next
     sparse = np.cumsum(rng.integers(0, 10**6, (2000, 5)) * (rng.random((2000, 5)) < 0.1), axis=0)
     assert len(packed(sparse)) * 10 < len(json.dumps(sparse.tolist()))
     assert _unpacked("", 3).shape == (0, 3) and _unpacked(None).shape == (0,)
-    bomb = base64.b64encode(zlib.compress(bytes(MAX_CLOCK_BYTES + 8))).decode()
-    for damaged in (bomb, packed(rows)[:-8], "not base64!"):
+    bomb = base64.b64encode(zlib.compress(bytes(MAX_COLLECTIVES * 5 * 8 + 8))).decode()
+    for damaged in (bomb, packed(rows)[:-8], "not base64!", packed(rows) + packed(rows)):
         with pytest.raises(ValueError):
             _unpacked(damaged, 5)
+    clock = {
+        "states": [f"s{i}" for i in range(5)],
+        "at_start": packed(rows),
+        "at_end": packed(rows),
+        "launches_at_start": {"k": packed(rows[:, 0])},
+        "launches_at_end": {"k": packed(rows[:, 0])},
+    }
+    assert np.array_equal(_Clock(clock).ends["k"], rows[:, 0])
+    for planted in (
+        {"at_end": packed(rows[:-1])},  # columns of other lengths
+        {"launches_at_end": {"k": packed(rows[:-1, 0])}},
+        {"states": [f"s{i}" for i in range(MAX_STATES + 1)]},  # more than it writes
+        {"launches_at_start": {f"k{i}": packed(rows[:, 0]) for i in range(TOP_NAMES + 1)}},
+    ):
+        with pytest.raises(ValueError):
+            _Clock(clock | planted)
 
 
 def test_a_rank_later_than_a_step_is_a_drifted_match_not_a_late_rank():

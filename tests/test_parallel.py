@@ -320,6 +320,27 @@ def test_in_order_computes_ahead_and_leaves_no_thread(share: str, monkeypatch) -
     assert not any(t.name == "test-reads" for t in threading.enumerate())
 
 
+def test_a_whole_read_reads_ahead_in_the_order_the_build_takes(monkeypatch) -> None:
+    """load_trace reads a whole export's tables ahead of the build in READ_ORDER: the order in
+    which build_trace takes them, each once (a table out of that order would be read on the
+    build's thread, one never taken read for nothing)."""
+    from traceclf.ingest import load
+    from traceclf.ingest.assemble import READ_ORDER
+    from traceclf.ingest.reader import Reader
+
+    monkeypatch.setenv(cpus.WORKER_CPUS, "1")  # (every table read as the build takes it)
+    taken: list[str] = []
+    real = Reader.read
+
+    def read(self, logical, *args, **kwargs):
+        taken.append(logical)
+        return real(self, logical, *args, **kwargs)
+
+    monkeypatch.setattr(Reader, "read", read)
+    load.load_trace(trace_path(SMALL[0]))
+    assert [t for t in taken if t in READ_ORDER] == list(READ_ORDER)
+
+
 def test_a_read_on_one_thread_leaves_the_others_running() -> None:
     """Step sampling reads the memory events on a thread while pass 1 plans on another: a read
     must not hold the GIL while SQLite works (connectorx's Arrow stream did, and pass 1 stood

@@ -35,6 +35,7 @@ RESULT_FORMAT = 2
 RUN_PREFIX = "run-"
 RUN_FORMAT = 2  # 2: the report as --format json writes it (1: compact JSON)
 MAX_RESULT_BYTES = 64 << 20  # a damaged or planted file must not exhaust memory
+MAX_STAMP_BYTES = 256  # a stamp line: its format and checksum
 CACHE_ERRORS = (Exception,)  # none of it may fail an analysis
 
 
@@ -86,6 +87,8 @@ def _checked(file: Path | None, version: int) -> bytes | None:
     if raw is None:
         return None
     head, _, body = raw.partition(b"\n")
+    if len(head) > MAX_STAMP_BYTES:  # (no stamp line: not a file of this layout)
+        return None
     stamp = json.loads(head)
     if not isinstance(stamp, dict):
         return None

@@ -37,8 +37,9 @@ TOP_NAMES = 4  # NVTX ranges and compute kernels followed by name
 NCCL_DOMAIN = "NCCL"  # the NVTX domain of NCCL's own ranges (its API calls)
 MIN_NS = 1_000  # a remainder below 1 µs is rounding, not a cause
 MAX_COLLECTIVES = 100_000  # collectives of the window clocked (more: no late-arrival walk)
-# a clock's integers as read back (:func:`_unpacked`): every collective clocked, in 64 states
-MAX_CLOCK_BYTES = MAX_COLLECTIVES * 64 * 8
+# a clock's states: compute, communication, copies, the followed NVTX ranges, each idle cause
+# and the followed kernels; what a clock read back may hold (:class:`_Clock`), no more
+MAX_STATES = 3 + TOP_NAMES + len(IDLE_CAUSES) + TOP_NAMES
 NS_PER_MS = 1e6
 
 
@@ -87,13 +88,13 @@ def arrival_clock(w: RankWindow, keyed: pl.DataFrame, gaps: pl.DataFrame) -> dic
     # |ranges| - |gap ∪ ranges| (each cause's gaps by a mask of their cause codes: millions of
     # gaps, not a filter of the whole frame per cause)
     g_start, g_end = gaps["start"].to_numpy(), gaps["end"].to_numpy()
-    g_cause = gaps["cause"].cast(pl.Enum(IDLE_CAUSES)).to_physical().to_numpy()
+    g_cause = gaps["cause"].cast(pl.Enum(IDLE_CAUSES), strict=False).to_physical().to_numpy()
     ranges_upto = upto(followed) if followed is not None else None
     for code, cause in enumerate(IDLE_CAUSES):
         mine = g_cause == code
         gap = Busy.of_arrays(g_start[mine], g_end[mine])
         g = upto(gap)
-        if followed is not None and ranges_upto is not None:
+        if ranges_upto is not None and followed is not None:
             r, both = ranges_upto, upto(gap | followed)
             g = (both[0] - r[0], both[1] - r[1])
         at[f"idle:{cause}"] = g
@@ -112,8 +113,9 @@ def arrival_clock(w: RankWindow, keyed: pl.DataFrame, gaps: pl.DataFrame) -> dic
     # (each name's kernels by a mask: the names compared as categories, not cast to text)
     short_names = compute_kernels["short_name"]
     k_start, k_end = compute_kernels["start"].to_numpy(), compute_kernels["end"].to_numpy()
+    none = np.zeros(len(k_start), bool)  # (a kernel without a name: matched by none)
     for name in top_kernels:
-        mine = (short_names == name).fill_null(False).to_numpy()
+        mine = (short_names == name).fill_null(False).to_numpy() if name is not None else none
         at[f"kernel:{name}"] = upto(Busy.of_arrays(k_start[mine], k_end[mine]))
         launches[name] = np.sort(k_start[mine])
     names = list(at)
@@ -144,19 +146,25 @@ def packed(values: np.ndarray) -> str:
     return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
 
 
-def _unpacked(text: str | None, width: int | None = None) -> np.ndarray:
-    """The integers :func:`packed` wrote: rows of ``width`` values when given, else one column
-    (inflated to at most :data:`MAX_CLOCK_BYTES`: a result file is read, and bounded)."""
+def _unpacked(text: str | None, width: int | None = None, rows: int | None = None) -> np.ndarray:
+    """The integers :func:`packed` wrote: rows of ``width`` values when given, else one column;
+    ``rows`` of them when given, else at most :data:`MAX_COLLECTIVES` (a result file is read:
+    what it may inflate to is bounded, and a clock of another shape is an error)."""
     if not text:
-        return np.empty((0, width) if width is not None else 0, np.int64)
-    inflate = zlib.decompressobj()
-    raw = inflate.decompress(base64.b64decode(text, validate=True), MAX_CLOCK_BYTES)
-    if inflate.unconsumed_tail or not inflate.eof:
-        raise ValueError("a damaged or oversized arrival clock")
-    steps = np.frombuffer(raw, dtype="<i8")
-    if width is not None:
-        steps = steps.reshape(width, -1).T
-    return np.cumsum(steps, axis=0)
+        values = np.empty((0, width) if width is not None else 0, np.int64)
+    else:
+        size = (MAX_COLLECTIVES if rows is None else rows) * (width or 1) * 8
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(base64.b64decode(text, validate=True), size)
+        if inflate.unconsumed_tail or inflate.unused_data or not inflate.eof:
+            raise ValueError("a damaged or oversized arrival clock")
+        steps = np.frombuffer(raw, dtype="<i8")
+        if width is not None:
+            steps = steps.reshape(width, -1).T
+        values = np.ascontiguousarray(np.cumsum(steps, axis=0))
+    if rows is not None and len(values) != rows:
+        raise ValueError("an arrival clock whose columns differ in length")
+    return values
 
 
 def _host_ranges(w: RankWindow) -> list[tuple[str, Busy]]:
@@ -391,10 +399,15 @@ class _Clock:
         self.states: list[str] = clock.get("states") or []
         self.first = int(clock.get("first_row", 0))
         width = len(self.states)
+        starts, ends = clock.get("launches_at_start") or {}, clock.get("launches_at_end") or {}
+        # (read from a result file: no larger than arrival_clock writes, every column as long)
+        if width > MAX_STATES or len(starts) > TOP_NAMES or len(ends) > TOP_NAMES:
+            raise ValueError("an arrival clock larger than any traceclf writes")
         self.at_start = _unpacked(clock.get("at_start"), width)
-        self.at_end = _unpacked(clock.get("at_end"), width)
-        self.starts = {k: _unpacked(v) for k, v in (clock.get("launches_at_start") or {}).items()}
-        self.ends = {k: _unpacked(v) for k, v in (clock.get("launches_at_end") or {}).items()}
+        rows = len(self.at_start)
+        self.at_end = _unpacked(clock.get("at_end"), width, rows)
+        self.starts = {k: _unpacked(v, None, rows) for k, v in starts.items()}
+        self.ends = {k: _unpacked(v, None, rows) for k, v in ends.items()}
         self.launch_names = list(self.starts)
 
     def holds(self, prev: np.ndarray, this: np.ndarray) -> np.ndarray:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Generic, TypeVar
@@ -114,8 +115,10 @@ def two_at_a_time(fn: Callable[[T], R], items: Sequence[T], name: str) -> list[R
 
 class InOrder(Generic[T, R]):
     """``fn`` of each of ``keys``, one after another on a daemon thread (as
-    :func:`second_lane`'s), begun at once: the caller takes each result with :meth:`take`
-    when it needs it and works on it meanwhile, while the next is under way. Used as a
+    :func:`second_lane`'s), begun at once and as fast as the thread goes (not bounded by
+    what the caller has taken): the caller takes each result with :meth:`take` when it needs
+    it and works on it meanwhile, while the next are under way; a result taken is held here
+    no longer. Used as a
     ``with`` block: leaving it lets no key be begun and waits for the one under way, so no
     thread is left at work after the block (but for Ctrl-C, raised at once). A key not
     listed, taken twice or not yet begun is computed on the calling thread; with one core,
@@ -124,16 +127,19 @@ class InOrder(Generic[T, R]):
     def __init__(self, fn: Callable[[T], R], keys: Sequence[T], name: str) -> None:
         self.fn = fn
         self.thread: threading.Thread | None = None
-        order = [(key, Future()) for key in dict.fromkeys(keys)] if cpu_share() >= 2 else []
+        order = deque((key, Future()) for key in dict.fromkeys(keys)) if cpu_share() >= 2 else []
         self.left: dict[T, Future] = dict(order)
         if order:
             self.thread = threading.Thread(target=self._work, args=(order,), name=name, daemon=True)
             self.thread.start()
 
-    def _work(self, order: list[tuple[T, Future]]) -> None:
-        for key, done in order:
+    def _work(self, order: deque[tuple[T, Future]]) -> None:
+        # (each popped: a result is held by ``left`` only, and let go once taken)
+        while order:
+            key, done = order.popleft()
             if done.set_running_or_notify_cancel():  # (False: cancelled, taken or left)
                 _run(done, self.fn, (key,), {})
+            del done
 
     def take(self, key: T) -> R:
         done = self.left.pop(key, None)
