@@ -95,8 +95,8 @@ def arrival_clock(w: RankWindow, keyed: pl.DataFrame, gaps: pl.DataFrame) -> dic
         gap = Busy.of_arrays(g_start[mine], g_end[mine])
         g = upto(gap)
         if ranges_upto is not None and followed is not None:
-            r, both = ranges_upto, upto(gap | followed)
-            g = (both[0] - r[0], both[1] - r[1])
+            both = upto(gap | followed)
+            g = (both[0] - ranges_upto[0], both[1] - ranges_upto[1])
         at[f"idle:{cause}"] = g
     compute_kernels = w.kern.select("short_name", "start", "end", "is_comm").filter(
         ~pl.col("is_comm").fill_null(False)

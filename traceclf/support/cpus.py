@@ -115,14 +115,13 @@ def two_at_a_time(fn: Callable[[T], R], items: Sequence[T], name: str) -> list[R
 
 class InOrder(Generic[T, R]):
     """``fn`` of each of ``keys``, one after another on a daemon thread (as
-    :func:`second_lane`'s), begun at once and as fast as the thread goes (not bounded by
-    what the caller has taken): the caller takes each result with :meth:`take` when it needs
-    it and works on it meanwhile, while the next are under way; a result taken is held here
-    no longer. Used as a
-    ``with`` block: leaving it lets no key be begun and waits for the one under way, so no
-    thread is left at work after the block (but for Ctrl-C, raised at once). A key not
-    listed, taken twice or not yet begun is computed on the calling thread; with one core,
-    every key is."""
+    :func:`second_lane`'s, but joined: the thread itself is gone after the block), begun at
+    once and as fast as it goes (not bounded by what the caller has taken): the caller takes
+    each result with :meth:`take` when it needs it and works on it meanwhile, while the next
+    are under way; a result taken is held here no longer. Used as a ``with`` block: leaving
+    it lets no key be begun and waits for the one under way (but for Ctrl-C, raised at once).
+    A key not listed, taken twice or not yet begun is computed on the calling thread; with
+    one core, every key is."""
 
     def __init__(self, fn: Callable[[T], R], keys: Sequence[T], name: str) -> None:
         self.fn = fn
