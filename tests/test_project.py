@@ -108,3 +108,33 @@ def test_gpu_starts_found_two_at_a_time_are_those_found_one_by_one(
             assert p._starts == alone
             found += sum(v is not None for v in alone.values())
         assert found >= 10
+
+
+@pytest.mark.parametrize(
+    "name", ["h100_host_input_stall", "h100_moe_megatron_ep2", "h100_host_slow_loader"]
+)
+def test_whether_a_step_calls_the_allocator_is_whether_any_of_its_calls_does(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warm-up's allocator test (``Projector.allocates``: the first allocator call among the
+    step's calls answers) against every call of the rank that starts inside the step, its
+    name matched here in polars over the whole call table."""
+    path = FIXTURES / f"{name}.sqlite"
+    pattern = bundled().cuda_api["alloc"]
+    calls = pl.read_database_uri(
+        "SELECT c.start, (c.globalTid >> 24) & 16777215 AS pid, c.nameId, s.value AS name "
+        "FROM CUPTI_ACTIVITY_KIND_RUNTIME c LEFT JOIN StringIds s ON s.id = c.nameId",
+        f"sqlite://{path}",
+    ).with_columns(alloc=pl.col("name").str.contains(pattern).fill_null(False))
+    ids = calls.filter(pl.col("alloc"))["nameId"].unique().to_list()
+    with sampled_projectors(path, monkeypatch) as projectors:
+        assert projectors
+        seen = set()
+        for p in projectors:
+            mine = calls.filter(pl.col("pid") == p.pid)
+            for i, (lo, hi) in enumerate(zip(p.starts, p.ends, strict=True)):
+                want = bool(mine.filter(pl.col("start").is_between(lo, hi))["alloc"].any())
+                assert p.allocates(i, ids) is want, (p.pid, i)
+                assert p.allocates(i, []) is False
+                seen.add(want)
+    assert seen == {True, False} or name != "h100_host_input_stall"

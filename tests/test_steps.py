@@ -180,3 +180,45 @@ def test_of_two_kernels_recurring_alike_the_step_pattern_is_the_first_to_run(fir
     want = ids[first] if by_id else first
     for _ in range(5):
         assert recurring_kernel(kernels, bundled_settings()) == want
+
+
+def test_warm_up_by_allocator_calls_is_decided_as_by_their_counts_asking_only_what_it_needs():
+    """A leading step is warm-up while it calls the allocator and the median step does not.
+    Step sampling answers "does step i call it" by the first such call and the median step's
+    only when a leading step calls it: on counts drawn at random (constructed, with durations
+    that never decide), the steady range equals the rule applied to the counts themselves,
+    and the median is never asked when no leading step calls the allocator."""
+    import random
+
+    from traceclf.steps.settings import bundled_settings
+    from traceclf.steps.steady import Allocations, steady_bounds, steady_range
+
+    settings = bundled_settings()
+    rng = random.Random(7)
+    for _ in range(500):
+        n = rng.randint(3, 12)
+        counts = [rng.choice([0, 0, 0, 1, 3, None]) for _ in range(n)]
+        durations = [100] * n
+        known = sorted(c for c in counts[1:] if c is not None)
+        mid = len(known) // 2
+        median = (
+            0.0
+            if not known
+            else known[mid]
+            if len(known) % 2
+            else (known[mid - 1] + known[mid]) / 2
+        )
+        first = 1
+        while first < n - 2 and median == 0 and (counts[first] or 0) > 0:
+            first += 1
+        assert steady_range(durations, settings, counts) == (first, n - 2)
+        asked = []
+
+        def typical(counts=counts, median=median, asked=asked) -> bool:
+            asked.append(1)
+            return median > 0
+
+        growth = Allocations(lambda i, c=counts: None if c[i] is None else c[i] > 0, typical)
+        assert steady_bounds(n, durations.__getitem__, 100.0, settings, growth) == (first, n - 2)
+        if not any((c or 0) > 0 for c in counts[1 : n - 2]):
+            assert not asked

@@ -21,6 +21,7 @@ An export whose event tables fit in the budget is read whole, as ``--all-steps``
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -216,16 +217,22 @@ class _Planner:
         return plans or None
 
     def _allocations(self, projector: Projector) -> Allocations:
-        """Allocator calls per NVTX step, each counted on its own when asked (warm-up while
-        the caching allocator still grows: :func:`steady_bounds`)."""
+        """Whether each NVTX step calls the allocator, each step looked at on its own when
+        asked, and whether the median of steps sampled evenly does, once and only when asked
+        (warm-up while the caching allocator still grows: :func:`steady_bounds`)."""
         strings = self.reader.strings
         ids = strings.filter(matches(strings["value"], self.taxonomy.cuda_api["alloc"]))["id"]
         names = ids.to_list()
 
-        def count(i: int) -> int | None:
-            return projector.allocations(i, names)
+        def calls(i: int) -> bool | None:
+            return projector.allocates(i, names)
 
-        return Allocations(count, projector.sampled_median(count))
+        def some(i: int) -> float | None:
+            called = calls(i)
+            return None if called is None else float(called)
+
+        # (the median of 0s and 1s is 0 exactly where that of the counts is)
+        return Allocations(calls, functools.cache(lambda: projector.sampled_median(some) > 0))
 
     def _traced(self) -> bool:
         """Whether the export has CUDA calls and GPU rows (to project NVTX steps with)."""

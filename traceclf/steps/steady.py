@@ -130,11 +130,13 @@ def with_durations(table: pl.DataFrame) -> pl.DataFrame:
 
 @dataclass(frozen=True)
 class Allocations:
-    """Allocator calls (cudaMalloc/cudaFree) per step, where the steps' own calls are known
-    (NVTX steps): ``count(i)`` for step i (None: unknown), ``typical`` for the median step."""
+    """Whether steps call the allocator (cudaMalloc/cudaFree), where the steps' own calls are
+    known (NVTX steps): ``calls(i)`` for step i (None: unknown), ``typical()`` for the median
+    step (asked only once a leading step calls it, and once: step sampling answers it by
+    looking through the calls of several steps)."""
 
-    count: Callable[[int], int | None]
-    typical: float
+    calls: Callable[[int], bool | None]
+    typical: Callable[[], bool]
 
 
 def steady_range(
@@ -145,7 +147,10 @@ def steady_range(
     left out."""
     reference = _median(durations[1:]) if len(durations) >= 3 else 0.0
     growth = (
-        Allocations(allocs.__getitem__, _median([a for a in allocs[1:] if a is not None]))
+        Allocations(
+            lambda i: None if allocs[i] is None else allocs[i] > 0,
+            lambda: _median([a for a in allocs[1:] if a is not None]) > 0,
+        )
         if allocs and len(allocs) >= 3
         else None
     )
@@ -176,7 +181,7 @@ def steady_bounds(
         return d is not None and d > than
 
     def growing(i: int) -> bool:
-        return allocs is not None and allocs.typical == 0 and (allocs.count(i) or 0) > 0
+        return allocs is not None and bool(allocs.calls(i)) and not allocs.typical()
 
     first, last = 0, n - 1
     if n == 2 and slower(0, factor * (duration(1) or 0)):
