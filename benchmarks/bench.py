@@ -37,7 +37,8 @@ DEFAULT_SOURCES = (
 UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 PER_RUN_TIMEOUT_S = 900
 DEFAULT_INPUTS = (
-    "kernel-dense:1GB,out-of-order:1GB,ep-comm:1GB,cuda-graph:1GB,gpu-metrics:1GB,kernel-dense:4GB"
+    "kernel-dense:1GB,out-of-order:1GB,few-long-steps:1GB,ep-comm:1GB,cuda-graph:1GB,"
+    "gpu-metrics:1GB,kernel-dense:4GB"
 )
 # Inputs past this size are timed in the default mode only (and without the read-only floor).
 ALL_STEPS_MAX_BYTES = 1.5e9
@@ -66,6 +67,8 @@ REPLICATED = {
 # in one file (NCCL all-to-all), "cuda-graph" a step captured in one CUDA graph (graph-level
 # tracing); "out-of-order" is kernel-dense's twin with every pair of copies written in reverse
 # order, so no event table is in start order (as when nsys flushes buffers out of order).
+# "few-long-steps" is kernel-dense's twin with its NVTX step ranges joined LONG_STEPS at a
+# time (the same rows, each step holding about a million kernels: more than the row budget).
 NO_METRICS = tuple(t for t in REPLICATED if t != "GPU_METRICS")
 KINDS = {
     "gpu-metrics": tuple(REPLICATED),
@@ -73,6 +76,7 @@ KINDS = {
     "ep-comm": NO_METRICS,
     "cuda-graph": NO_METRICS,
     "out-of-order": NO_METRICS,
+    "few-long-steps": NO_METRICS,
 }
 # The shared trace each kind grows (host-launch for kernel-dense and its kin: --source).
 KIND_SOURCES = {
@@ -81,6 +85,10 @@ KIND_SOURCES = {
 }
 # Kinds whose copies are written in pairs in reverse order (copy 2, copy 1, copy 4, copy 3...).
 SWAPPED = {"out-of-order"}
+# Kinds made from their kernel-dense twin (same copies) rather than grown from a source.
+TWINS = SWAPPED | {"few-long-steps"}
+# Steps per thread that a few-long-steps input keeps (its twin's joined evenly into these).
+LONG_STEPS = 8
 TIME_COLUMNS = ("start", "end", "timestamp", "rawTimestamp")
 # The tables traceclf's loader reads: their rows are the "events" of events/second.
 LOADED = tuple(t for t in REPLICATED if t != "OSRT_API")
@@ -242,6 +250,49 @@ def build_input(
     os.replace(tmp, dest)
     sidecar.write_text(json.dumps(meta, indent=1))
     print(file=sys.stderr)
+    return dest, meta
+
+
+def lengthen_steps(twin: Path, twin_meta: dict, rebuild: bool) -> tuple[Path, dict]:
+    """A copy of the kernel-dense input ``twin`` whose NVTX step ranges (those the bundled step
+    pattern matches) are joined, on each thread, into :data:`LONG_STEPS` ranges of consecutive
+    steps: every row kept, few long steps (each over the row budget)."""
+    from traceclf.model.taxonomy import bundled
+
+    dest = OUT / f"few-long-steps-{twin.name.removeprefix('kernel-dense-')}"
+    sidecar = dest.with_suffix(".json")
+    if dest.exists() and sidecar.exists() and not rebuild:
+        return dest, json.loads(sidecar.read_text())
+    tmp = dest.with_suffix(".sqlite.tmp")
+    shutil.copyfile(twin, tmp)
+    step = re.compile(bundled().nvtx["step"])
+    con = sqlite3.connect(tmp, isolation_level=None)
+    con.execute("PRAGMA journal_mode=OFF")
+    con.create_function("is_step", 1, lambda t: t is not None and bool(step.search(t)))
+    rows = con.execute(
+        'SELECT n.rowid, n.globalTid, n."end" FROM NVTX_EVENTS n '
+        "LEFT JOIN StringIds s ON s.id = n.textId "
+        'WHERE n."end" IS NOT NULL AND is_step(coalesce(n.text, s.value)) '
+        "ORDER BY n.globalTid, n.start"
+    ).fetchall()
+    con.execute("BEGIN")
+    by_thread: dict[int, list[tuple[int, int]]] = {}
+    for rowid, tid, end in rows:
+        by_thread.setdefault(tid, []).append((rowid, end))
+    for ranges in by_thread.values():
+        size = -(-len(ranges) // LONG_STEPS)
+        for i in range(0, len(ranges), size):
+            group = ranges[i : i + size]
+            con.execute(
+                'UPDATE NVTX_EVENTS SET "end" = ? WHERE rowid = ?', (group[-1][1], group[0][0])
+            )
+            con.executemany("DELETE FROM NVTX_EVENTS WHERE rowid = ?", [(r,) for r, _ in group[1:]])
+    con.execute("COMMIT")
+    con.close()
+    os.replace(tmp, dest)
+    meta = {**twin_meta, "kind": "few-long-steps", "bytes": dest.stat().st_size}
+    meta["steps_joined"] = len(rows)
+    sidecar.write_text(json.dumps(meta, indent=1))
     return dest, meta
 
 
@@ -883,6 +934,7 @@ README_ROWS = (  # (kind, size, tool, mode, label)
     ("kernel-dense", 1e9, "traceclf analyze", "cold", "cold"),
     ("out-of-order", 1e9, "traceclf analyze", "cold", "cold"),
     ("ep-comm", 1e9, "traceclf analyze", "cold", "cold"),
+    ("few-long-steps", 1e9, "traceclf analyze", "cold", "cold"),
     ("cuda-graph", 1e9, "traceclf analyze", "cold", "cold"),
     ("gpu-metrics", 1e9, "traceclf analyze", "cold", "cold"),
     ("kernel-dense", 2e9, "traceclf analyze", "cold", "cold"),
@@ -1063,14 +1115,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"unknown input kind {kind!r} (one of {', '.join(KINDS)})")
         label = label.strip().upper()
         copies = None
-        if kind in SWAPPED:  # the ordered twin's copies, so that both hold the same rows
-            _twin, twin_meta = build_input(
+        if kind in TWINS:  # the ordered twin's copies, so that both hold the same rows
+            twin, twin_meta = build_input(
                 source, parse_size(label), label, args.rebuild, "kernel-dense"
             )
             copies = twin_meta["copies"]
-        path, meta = build_input(
-            source_of(kind, source), parse_size(label), label, args.rebuild, kind, copies
-        )
+        if kind == "few-long-steps":
+            path, meta = lengthen_steps(twin, twin_meta, args.rebuild)
+        else:
+            path, meta = build_input(
+                source_of(kind, source), parse_size(label), label, args.rebuild, kind, copies
+            )
         built.append(path)
         print(f"{path.name}: {meta['bytes'] / 1e6:,.0f} MB, {describe(meta)}", file=sys.stderr)
         # --all-steps reads the whole capture: past ALL_STEPS_MAX_BYTES it needs more memory
