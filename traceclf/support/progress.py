@@ -10,9 +10,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.status import Status
+if TYPE_CHECKING:  # (rich is imported only where progress may show: --quiet runs skip it)
+    from rich.console import Console
+    from rich.status import Status
 
 # A load shorter than this shows nothing; a spinner that flashes for 200 ms is just noise.
 SHOW_AFTER_S = 1.0
@@ -22,6 +24,8 @@ def stderr_console(quiet: bool = False) -> Console | None:
     """A rich console on stderr, or None when progress must stay hidden."""
     if quiet:
         return None
+    from rich.console import Console
+
     console = Console(stderr=True)
     return console if console.is_terminal else None
 
