@@ -11,14 +11,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import multiprocessing
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Executor, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +104,9 @@ def _advancing(result: R, advance: Callable[[], None]) -> R:
 def _local_pool(workers: int) -> Iterator[Executor]:
     """``workers`` "spawn" processes (started at the first submits), stopped on leaving with
     whatever they had not begun cancelled."""
+    import multiprocessing  # (with the pool's module: only an analysis of several workers)
+    from concurrent.futures import ProcessPoolExecutor
+
     pool = ProcessPoolExecutor(
         workers,
         mp_context=multiprocessing.get_context("spawn"),
@@ -126,6 +127,8 @@ def _local_pool(workers: int) -> Iterator[Executor]:
 def _map_on(
     pool: Executor, fn: Callable[[T], R], items: list[T], advance: Callable[[], None]
 ) -> list[R]:
+    from concurrent.futures.process import BrokenProcessPool
+
     futures: list = []
     try:
         with _main_hidden_from_workers(fn):  # workers not started yet start on a submit

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +31,7 @@ def dumps(data: Any, indent: int | None = 2, default: Callable[[Any], Any] | Non
         return json.dumps(_finite(data), default=default, allow_nan=False)
     rows: list[str] = []
     # a fresh nonce per call: a string read from a trace cannot spell a placeholder
-    tag = f"\x00{secrets.token_hex(8)}:"
+    tag = f"\x00{os.urandom(8).hex()}:"
     encode = _row_encoder(default)
 
     def fold(value: Any) -> Any:
