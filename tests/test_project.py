@@ -137,4 +137,5 @@ def test_whether_a_step_calls_the_allocator_is_whether_any_of_its_calls_does(
                 assert p.allocates(i, ids) is want, (p.pid, i)
                 assert p.allocates(i, []) is False
                 seen.add(want)
-    assert seen == {True, False} or name != "h100_host_input_stall"
+    if name == "h100_host_input_stall":  # (its batch 1 still grows the allocator: issue 22)
+        assert seen == {True, False}
