@@ -473,6 +473,37 @@ def test_busy_time_before_each_instant_is_the_hand_made_unions():
         assert got == [overlap([(a, b)], runs) for a, b in zip(q_lo, q_hi, strict=True)]
 
 
+@pytest.mark.parametrize("block", [3, 1 << 20])
+def test_long_gaps_are_the_unions_gaps_at_least_that_long(block: int) -> None:
+    """Constructed intervals (overlapping, touching, empty, inverted, unsorted; none at all)
+    and spans (disjoint, adjacent, reaching past every interval): the stretches
+    ``long_gaps`` gives, those at least ``min_ns`` long, are the gaps of the union
+    (``Busy.of_arrays(...).gaps``) at least that long, block by block as at once."""
+    import numpy as np
+
+    from traceclf.measures.intervals import Busy, long_gaps
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n = int(rng.integers(0, 40))
+        lo = rng.integers(0, 1000, n)
+        if rng.random() < 0.7:
+            lo = np.sort(lo)
+        hi = lo + rng.choice([0, 1, 5, 30, 200, -3], n)
+        cuts = np.sort(rng.integers(-50, 1300, 2 * int(rng.integers(1, 6))))
+        spans = [(int(a), int(b)) for a, b in zip(cuts[::2], cuts[1::2], strict=True)]
+        if rng.random() < 0.3 and len(spans) > 1:  # adjacent: a gap across the edge joins
+            spans[1] = (spans[0][1], max(spans[0][1], spans[1][1]))
+        min_ns = int(rng.choice([1, 4, 20, 60]))
+        want_s, want_e = Busy.of_arrays(lo.astype(np.int64), hi.astype(np.int64)).gaps(spans)
+        got_s, got_e = long_gaps(lo, hi, spans, min_ns, block=block)
+        assert _at_least(got_s, got_e, min_ns) == _at_least(want_s, want_e, min_ns)
+
+
+def _at_least(start, end, ns: int) -> list[tuple[int, int]]:
+    return [(a, b) for a, b in zip(start.tolist(), end.tolist(), strict=True) if b - a >= ns]
+
+
 def test_claim_splits_pieces_by_labelled_intervals():
     """Constructed intervals (logic no trace pins down alone): the parts of idle pieces that
     overlapping labelled intervals cover go to the interval reaching furthest; the rest stays,

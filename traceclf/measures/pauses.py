@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from traceclf.measures.intervals import Busy
+from traceclf.measures.intervals import Busy, long_gaps
 from traceclf.measures.window import RankWindow
 
 MEASURES: dict[str, str] = {
@@ -34,8 +34,10 @@ def pauses(w: RankWindow) -> dict[str, float | None]:
     if not w.host_traced or w.steps.source != "nvtx" or steps.is_empty():
         return out
     lo, hi = steps["cpu_start"].to_numpy(), steps["cpu_end"].to_numpy()
-    calls = Busy.of(w.trace.api.select("start", "end"))
-    start, end = calls.gaps(list(zip(lo.tolist(), hi.tolist(), strict=True)))
+    api = w.trace.api
+    spans = list(zip(lo.tolist(), hi.tolist(), strict=True))
+    # (the stretches without a call that may hold a pause: not the union of every call)
+    start, end = long_gaps(api["start"].to_numpy(), api["end"].to_numpy(), spans, PAUSE_NS)
     named = Busy.of(_activity_ranges(w)).covered(start, end)
     pause = (end - start >= PAUSE_NS) & (named * 2 < end - start)
     start, end = start[pause], end[pause]
