@@ -255,7 +255,7 @@ def _kernel_measures(
         "theoretical_occupancy_mean": (
             float(
                 (kern["occ"] * kern["dur"]).sum()
-                / kern.filter(pl.col("occ").is_not_null())["dur"].sum()
+                / kern["dur"].filter(kern["occ"].is_not_null()).sum()
             )
             if len(kern) and kern["occ"].null_count() < len(kern) and total
             else None

@@ -167,30 +167,24 @@ def launching_threads(w: RankWindow, gstart: np.ndarray, gend: np.ndarray) -> np
     if not len(gstart) or trace.api.is_empty():
         return out
     # the work starting where a gap ends (of several that start together, the first launched),
-    # taken from each frame on its own: no copy of every kernel
-    ending = (
-        pl.concat(
-            [
-                _starting_at(f, gend).select(
-                    pl.col("start").cast(pl.Int64),
-                    pl.col("pid").cast(pl.Int64),
-                    pl.col("correlation_id").cast(pl.Int64),
-                )
-                # (the capture's, not the window's: the last gap ends where the next step's
-                # first work starts, which is the window's end)
-                for f in (trace.kernels, trace.graph_executions, trace.copies)
-                if not f.is_empty()
-            ]
-            or [
-                pl.DataFrame(
-                    schema={"start": pl.Int64, "pid": pl.Int64, "correlation_id": pl.Int64}
-                )
-            ]
-        )
-    ).sort("start")
-    # of several that start together, the first launched (then the lowest pid): sorted by
-    # start alone, the few that share one sorted again (a sort by two keys of millions of rows
-    # cost ~1 s); their order no longer matters, each gap is found by its end
+    # taken from each frame on its own, its three columns only: no copy of every kernel, nor
+    # of a launch-bound window's millions of kernels' every column
+    ending = _in_start_order(
+        [
+            _starting_at(f.select("start", "pid", "correlation_id"), gend).select(
+                pl.col("start").cast(pl.Int64),
+                pl.col("pid").cast(pl.Int64),
+                pl.col("correlation_id").cast(pl.Int64),
+            )
+            # (the capture's, not the window's: the last gap ends where the next step's
+            # first work starts, which is the window's end)
+            for f in (trace.kernels, trace.graph_executions, trace.copies)
+            if not f.is_empty()
+        ]
+    )
+    # of several that start together, the first launched (then the lowest pid): in start
+    # order, the few that share one sorted again (a sort by two keys of millions of rows cost
+    # ~1 s); their order no longer matters, each gap is found by its end
     starts = ending["start"].to_numpy()
     same = starts[1:] == starts[:-1]
     tie = np.zeros(len(starts), bool)
@@ -216,6 +210,21 @@ def launching_threads(w: RankWindow, gstart: np.ndarray, gend: np.ndarray) -> np
         calls = trace.api["global_tid"].drop_nulls()
         out[:] = int(calls.mode()[0]) if len(calls) else -1
     return out
+
+
+def _in_start_order(parts: list[pl.DataFrame]) -> pl.DataFrame:
+    """``parts`` (start, pid, correlation_id) as one frame in start order: merged, where each
+    is in start order already (the trace's frames are), rather than joined and sorted, which
+    held three copies of a launch-bound window's millions of rows (0.3 GB of the kernel-dense
+    input's ``--all-steps`` run); sorted where one is not."""
+    if not parts:
+        return pl.DataFrame(schema={"start": pl.Int64, "pid": pl.Int64, "correlation_id": pl.Int64})
+    if not all(part["start"].is_sorted() for part in parts):
+        return pl.concat(parts).sort("start")
+    merged = parts[0].set_sorted("start")
+    for part in parts[1:]:
+        merged = merged.merge_sorted(part.set_sorted("start"), key="start")
+    return merged
 
 
 def _starting_at(rows: pl.DataFrame, times: np.ndarray) -> pl.DataFrame:
