@@ -481,7 +481,8 @@ def test_long_gaps_are_the_unions_gaps_at_least_that_long(block: int) -> None:
     (``Busy.of_arrays(...).gaps``) at least that long, block by block as at once."""
     import numpy as np
 
-    from traceclf.measures.intervals import Busy, long_gaps
+    from traceclf.measures.intervals import Busy
+    from traceclf.measures.pauses import long_gaps
 
     rng = np.random.default_rng(5)
     for _ in range(300):

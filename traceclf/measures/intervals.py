@@ -480,66 +480,6 @@ class Busy:
         return union_sorted(start, end) if len(spans) > 1 else (start, end)
 
 
-def long_gaps(
-    start: np.ndarray,
-    end: np.ndarray,
-    spans: Sequence[tuple[int, int]],
-    min_ns: int,
-    block: int = BLOCK,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``Busy.of_arrays(start, end).gaps(spans)`` where it holds those at least ``min_ns``
-    long (and perhaps some shorter), without the union itself: a gap of the spans is a piece
-    of a stretch no interval covers, so only the stretches at least ``min_ns`` long are cut
-    by the spans. They are found block by block from the intervals' reach (those before each
-    one, in start order): millions of CUDA calls make millions of runs, and their union with
-    its running sums held half a GB to give the few pauses of a step (``pauses``).
-
-    Intervals of no length cover nothing and split no stretch, as in :class:`Busy`. Spans
-    that overlap give what :meth:`Busy.gaps` gives only where both keep the same pieces."""
-    start, end = np.asarray(start), np.asarray(end)
-    if len(start) > 1 and not bool(np.all(start[1:] >= start[:-1])):
-        order = np.argsort(start, kind="stable")
-        start, end = start[order], end[order]
-    real = end > start
-    if not real.all():
-        start, end = start[real], end[real]
-    start, end = start.astype(np.int64, copy=False), end.astype(np.int64, copy=False)
-    # stretches no interval covers: before the first, after the last, and between each
-    # interval and the reach of those before it, where it starts past that reach
-    lo_parts = [np.array([np.iinfo(np.int64).min], np.int64)]
-    hi_parts = [start[:1]]
-    reach = np.iinfo(np.int64).min
-    for a in range(0, len(start), block):
-        s, e = start[a : a + block], end[a : a + block]
-        before = np.maximum.accumulate(e)
-        np.maximum(before, reach, out=before)
-        prior = np.empty(len(s), np.int64)
-        prior[0] = reach if a else s[0]  # (the very first: the stretch before it, below)
-        prior[1:] = before[:-1]
-        wide = s - prior >= min_ns
-        lo_parts.append(prior[wide])
-        hi_parts.append(s[wide])
-        reach = int(before[-1])
-    if len(start):
-        lo_parts.append(np.array([reach], np.int64))
-        hi_parts.append(np.array([np.iinfo(np.int64).max], np.int64))
-    else:  # (nothing covers anything: the one stretch is all time)
-        hi_parts = [np.array([np.iinfo(np.int64).max], np.int64)]
-    gap_lo, gap_hi = np.concatenate(lo_parts), np.concatenate(hi_parts)
-    starts, ends = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
-    for lo, hi in spans:
-        a = int(np.searchsorted(gap_hi, lo, side="right"))  # first stretch ending after lo
-        b = int(np.searchsorted(gap_lo, hi, side="left"))  # ... starting before hi
-        edge = np.maximum(gap_lo[a:b], lo)
-        nxt = np.minimum(gap_hi[a:b], hi)
-        keep = nxt > edge
-        starts.append(edge[keep])
-        ends.append(nxt[keep])
-    gs = starts[1] if len(starts) == 2 else np.concatenate(starts)
-    ge = ends[1] if len(ends) == 2 else np.concatenate(ends)
-    return union_sorted(gs, ge) if len(spans) > 1 else (gs, ge)
-
-
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:
     """The arrays one after another; one array as it is (a frame's column, read-only: never
     copied for a union that only reads it, millions of calls)."""
