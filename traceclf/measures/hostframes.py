@@ -169,7 +169,7 @@ def launching_threads(w: RankWindow, gstart: np.ndarray, gend: np.ndarray) -> np
     # the work starting where a gap ends (of several that start together, the first launched),
     # taken from each frame on its own, its three columns only: no copy of every kernel, nor
     # of a launch-bound window's millions of kernels' every column
-    ending = _in_start_order(
+    ending = _merged_by_start(
         [
             _starting_at(f.select("start", "pid", "correlation_id"), gend).select(
                 pl.col("start").cast(pl.Int64),
@@ -212,7 +212,7 @@ def launching_threads(w: RankWindow, gstart: np.ndarray, gend: np.ndarray) -> np
     return out
 
 
-def _in_start_order(parts: list[pl.DataFrame]) -> pl.DataFrame:
+def _merged_by_start(parts: list[pl.DataFrame]) -> pl.DataFrame:
     """``parts`` (start, pid, correlation_id) as one frame in start order: merged, where each
     is in start order already (the trace's frames are), rather than joined and sorted, which
     held three copies of a launch-bound window's millions of rows (0.3 GB of the kernel-dense

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import polars as pl
 
-from traceclf.measures.intervals import BLOCK, Busy, union_sorted
+from traceclf.measures.intervals import BLOCK, Busy
 from traceclf.measures.window import RankWindow
 
 MEASURES: dict[str, str] = {
@@ -73,14 +73,13 @@ def long_gaps(
     block: int = BLOCK,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``Busy.of_arrays(start, end).gaps(spans)`` where it holds those at least ``min_ns``
-    long (and perhaps some shorter), without the union itself: a gap of the spans is a piece
-    of a stretch no interval covers, so only the stretches at least ``min_ns`` long are cut
-    by the spans. They are found block by block from the intervals' reach (those before each
-    one, in start order): millions of CUDA calls make millions of runs, and their union with
-    its running sums held half a GB to give the few pauses of a step (:func:`pauses`).
+    long (and perhaps some shorter, cut by a span's edge): the gaps of the union with every
+    stretch between the intervals shorter than ``min_ns`` filled in. That coarse union's runs
+    are found block by block from the intervals' reach (that of those before each one, in
+    start order): millions of CUDA calls make millions of runs, and their union with its
+    running sums held half a GB to give the few pauses of a step (:func:`pauses`).
 
-    Intervals of no length cover nothing and split no stretch, as in :class:`Busy`. Spans
-    that overlap give what :meth:`Busy.gaps` gives only where both keep the same pieces."""
+    Intervals of no length cover nothing and split no stretch, as in :class:`Busy`."""
     start, end = np.asarray(start), np.asarray(end)
     if len(start) > 1 and not bool(np.all(start[1:] >= start[:-1])):
         order = np.argsort(start, kind="stable")
@@ -89,37 +88,24 @@ def long_gaps(
     if not real.all():
         start, end = start[real], end[real]
     start, end = start.astype(np.int64, copy=False), end.astype(np.int64, copy=False)
-    # stretches no interval covers: before the first, after the last, and between each
-    # interval and the reach of those before it, where it starts past that reach
-    lo_parts = [np.array([np.iinfo(np.int64).min], np.int64)]
-    hi_parts = [start[:1]]
-    reach = np.iinfo(np.int64).min
+    # a coarse run begins at the first interval and at each one that starts at least min_ns
+    # past the reach of those before it, where the run before ends
+    run_start, run_end = [start[:1]], []
+    reach = None
     for a in range(0, len(start), block):
         s, e = start[a : a + block], end[a : a + block]
         before = np.maximum.accumulate(e)
-        np.maximum(before, reach, out=before)
         prior = np.empty(len(s), np.int64)
-        prior[0] = reach if a else s[0]  # (the very first: the stretch before it, below)
+        if reach is None:
+            prior[0] = s[0]  # (the first interval begins the first run)
+        else:
+            np.maximum(before, reach, out=before)
+            prior[0] = reach
         prior[1:] = before[:-1]
         wide = s - prior >= min_ns
-        lo_parts.append(prior[wide])
-        hi_parts.append(s[wide])
+        run_end.append(prior[wide])
+        run_start.append(s[wide])
         reach = int(before[-1])
-    if len(start):
-        lo_parts.append(np.array([reach], np.int64))
-        hi_parts.append(np.array([np.iinfo(np.int64).max], np.int64))
-    else:  # (nothing covers anything: the one stretch is all time)
-        hi_parts = [np.array([np.iinfo(np.int64).max], np.int64)]
-    gap_lo, gap_hi = np.concatenate(lo_parts), np.concatenate(hi_parts)
-    starts, ends = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
-    for lo, hi in spans:
-        a = int(np.searchsorted(gap_hi, lo, side="right"))  # first stretch ending after lo
-        b = int(np.searchsorted(gap_lo, hi, side="left"))  # ... starting before hi
-        edge = np.maximum(gap_lo[a:b], lo)
-        nxt = np.minimum(gap_hi[a:b], hi)
-        keep = nxt > edge
-        starts.append(edge[keep])
-        ends.append(nxt[keep])
-    gs = starts[1] if len(starts) == 2 else np.concatenate(starts)
-    ge = ends[1] if len(ends) == 2 else np.concatenate(ends)
-    return union_sorted(gs, ge) if len(spans) > 1 else (gs, ge)
+    if reach is not None:
+        run_end.append(np.array([reach], np.int64))
+    return Busy(np.concatenate(run_start), np.concatenate(run_end or [start[:0]])).gaps(spans)
