@@ -699,11 +699,11 @@ def test_pass_one_reads_the_nvtx_rows_whose_text_may_be_a_step(
 ) -> None:
     """Pass 1's NVTX rows on the EP capture, whose ranges keep their text in the row (every
     layer's: MoE dispatch and combine, experts) or in StringIds: the domains' creations and
-    the rows whose text matches the step pattern, as a match over every row finds them (the
-    distinct texts are matched, then their rows read by their bytes). One step's text is
-    made invalid UTF-8 (constructed): a pattern that still matches it (a prefix) reads it,
-    its text repaired. Past ``MAX_INLINE_TEXTS`` matching texts, every row with text is read
-    (matched after)."""
+    the rows whose text matches the step pattern, as a match over every row finds them (one
+    scan reads each row's text as bytes and matches it, then the rows found are read by
+    rowid). One step's text is made invalid UTF-8 (constructed): a pattern that still
+    matches it (a prefix) reads it, its text repaired. Past ``MAX_INLINE_STEPS`` matching
+    rows, every row with text is read (matched after)."""
     from traceclf.ingest import nvtx_rows
     from traceclf.ingest.reader import Reader
 
@@ -718,7 +718,7 @@ def test_pass_one_reads_the_nvtx_rows_whose_text_may_be_a_step(
             f"WHERE rowid = {rowid}"
         )
     if cap is not None:
-        monkeypatch.setattr(nvtx_rows, "MAX_INLINE_TEXTS", cap)
+        monkeypatch.setattr(nvtx_rows, "MAX_INLINE_STEPS", cap)
     pattern = r"^Iteration \d+" if prefix else bundled().nvtx["step"]
     got = nvtx_rows.step_rows(Reader(inspect_export(path)), pattern)
     with sqlite3.connect(path) as con:
@@ -737,6 +737,41 @@ def test_pass_one_reads_the_nvtx_rows_whose_text_may_be_a_step(
     assert sorted(got["start"].to_list()) == sorted(want)
     assert 0 < sum(step) < len(rows) // 4
     assert got["text"].str.ends_with("\ufffd").sum() == int(prefix or cap == 0)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "cap"), [(r"^Iteration 1$", 3), (r"^Iteration \d+$", None)], ids=["picked", "all"]
+)
+def test_pass_one_scans_the_nvtx_table_a_block_at_a_time(pattern, cap, monkeypatch) -> None:
+    """Pass 1's one scan of the NVTX table in blocks of 64 rowids (the EP capture's 514 rows:
+    nine queries, two at a time, matched in rowid order): the same rows as one match over
+    every row. With the cap under the domains' creations (4) but over the steps found (2,
+    constructed pattern), those are read by their SQL and the steps by rowid."""
+    from traceclf.ingest import nvtx_rows
+    from traceclf.ingest.reader import Reader
+
+    path = FIXTURES / "h100_comm_ep2.sqlite"
+    monkeypatch.setattr(nvtx_rows, "SCAN_ROWS", 64)
+    if cap is not None:
+        monkeypatch.setattr(nvtx_rows, "MAX_INLINE_STEPS", cap)
+    reader = Reader(inspect_export(path))
+    asked: list[str | None] = []
+    read = reader.read
+    monkeypatch.setattr(
+        reader, "read", lambda *a, **k: asked.append(k.get("where")) or read(*a, **k)
+    )
+    got = nvtx_rows.step_rows(reader, pattern)
+    assert len(asked) == 1 and asked[0].startswith("rowid IN" if cap is None else '"eventType"')
+    with sqlite3.connect(path) as con:
+        rows = con.execute(
+            "SELECT n.start, n.eventType, coalesce(n.text, s.value) FROM NVTX_EVENTS n "
+            "LEFT JOIN StringIds s ON s.id = n.textId"
+        ).fetchall()
+    text = pl.Series([t for *_, t in rows], dtype=pl.String)
+    step = text.str.contains(pattern).fill_null(False).to_list()
+    want = [start for (start, kind, _), hit in zip(rows, step, strict=True) if hit or kind == 75]
+    assert sorted(got["start"].to_list()) == sorted(want)
+    assert sum(step) == (2 if cap else 20)
 
 
 def test_steps_analysed_are_capped_however_few_rows_a_step_has(monkeypatch) -> None:

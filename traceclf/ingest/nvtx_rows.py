@@ -4,7 +4,10 @@ rows that may be steps; pass 2 the ranges over the analysed steps."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
 
@@ -12,19 +15,24 @@ from traceclf.ingest.assemble import NVTX_DOMAIN_CREATE
 from traceclf.ingest.reader import Reader, Span
 from traceclf.ingest.utf8 import decode_text
 from traceclf.model.taxonomy import matches
+from traceclf.support.cpus import cpu_share
 
-# Distinct texts matching the step pattern compared in SQL at most (step names numbered one
-# by one: one per step); more, and every row with text is read and matched after.
-MAX_INLINE_TEXTS = 20_000
+# Rows whose own text matches the step pattern read by rowid at most (one per step and
+# thread); more, and every row with text is read and matched after.
+MAX_INLINE_STEPS = 100_000
+# NVTX rows per query of pass 1's scan (:func:`_inline_steps`): its memory is bounded on any
+# export (a block's rowids and texts, ~50 MB where every row keeps its text).
+SCAN_ROWS = 1 << 20
 
 
 def step_rows(reader: Reader, pattern: str) -> pl.DataFrame:
     """The NVTX rows that may be step ranges (their text matches ``pattern``) and the domains'
     creations (their names): what pass 1 needs of a table that may hold a range for every
-    layer of every step. Text kept in StringIds is matched there, and only the rows of the
-    matching ids are read; text kept in the row (as older nsys versions write it) is matched
-    once per distinct text, and only the rows of the matching texts are read. A pattern that
-    matches no text at all would match rows without any: then every row is read."""
+    layer of every step, or for every op (PyTorch's emit_nvtx: millions of texts, each
+    numbered). Text kept in StringIds is matched there; text kept in the row (as nsys keeps
+    strings that were not registered) is matched as the table is scanned once, a block at a
+    time: then only the rows found are read. A pattern that matches no text at all would
+    match rows without any: then every row is read."""
     table = reader.table_of("nvtx")
     columns = reader.info.columns.get(table or "", ())
     if table is None or matches(pl.Series([""]), pattern).any():
@@ -32,11 +40,20 @@ def step_rows(reader: Reader, pattern: str) -> pl.DataFrame:
     strings = reader.strings
     ids = strings.filter(matches(strings["value"], pattern))["id"].drop_nulls().to_list()
     wanted = [f'"eventType" = {NVTX_DOMAIN_CREATE}']
-    if "text" in columns:
-        wanted.append(_inline_matching(reader, table, pattern))
     if ids and "textId" in columns:
         wanted.append(f'"textId" IN ({", ".join(str(int(i)) for i in ids)})')
-    return reader.read("nvtx", where=" OR ".join(wanted))
+    if "text" not in columns:
+        return reader.read("nvtx", where=" OR ".join(wanted))
+    picked, steps = _scan(reader, table, " OR ".join(wanted), pattern)
+    if steps is None:  # (past the cap: every row with text, matched after)
+        return reader.read("nvtx", where=" OR ".join([*wanted, '"text" IS NOT NULL']))
+    if picked is None:  # (past the cap: what ``wanted`` picks, by a second scan)
+        return reader.read("nvtx", where=" OR ".join([*wanted, _rowid_in(steps)]))
+    return reader.read("nvtx", where=_rowid_in(sorted(picked + steps)))
+
+
+def _rowid_in(rowids: list[int]) -> str:
+    return f"rowid IN ({', '.join(map(str, rowids))})" if rowids else "0"
 
 
 def window_rows(reader: Reader, spans: Sequence[Span], steps: pl.DataFrame) -> pl.DataFrame:
@@ -49,24 +66,56 @@ def window_rows(reader: Reader, spans: Sequence[Span], steps: pl.DataFrame) -> p
     return pl.concat([domains, ranges], how="vertical_relaxed")
 
 
-def _inline_matching(reader: Reader, table: str, pattern: str) -> str:
-    """SQL: the row's own text is one of the distinct texts of the table's rows that match
-    ``pattern``, compared as bytes (hex literals: nothing read from the trace enters the SQL
-    as text). One scan brings each text once, where reading every row with text brought the
-    ranges of every layer (NCCL's, MoE's: 0.17 M rows of 16 texts on the EP input, 0.6 s).
-    Past :data:`MAX_INLINE_TEXTS` matching texts, every row with text (matched after)."""
-    raw = reader.sql(
-        f'SELECT DISTINCT CAST("text" AS BLOB) AS text FROM {table} WHERE "text" IS NOT NULL'
-    )
-    if raw.is_empty():
-        return "0"
-    if raw["text"].dtype != pl.Binary:  # (not read as bytes: every row with text, as before)
-        return '"text" IS NOT NULL'
-    text, _repaired = decode_text(raw["text"])  # (repairs are counted on the rows read)
-    hits = raw["text"].filter(matches(text, pattern).fill_null(False))
-    if hits.len() > MAX_INLINE_TEXTS:
-        return '"text" IS NOT NULL'
-    if hits.is_empty():
-        return "0"
-    literals = ", ".join(f"X'{h}'" for h in hits.bin.encode("hex"))
-    return f'CAST("text" AS BLOB) IN ({literals})'
+def _scan(
+    reader: Reader, table: str, wanted: str, pattern: str
+) -> tuple[list[int] | None, list[int] | None]:
+    """One scan of ``table``, :data:`SCAN_ROWS` rows a query, as many at once as this analysis
+    may keep cores busy (:func:`_blocks`): the rowids of the rows that ``wanted`` (SQL)
+    picks, and of those whose own text matches ``pattern`` (each row with text read as its
+    rowid and bytes, matched here by the regex engine polars runs, as for StringIds); either
+    None past :data:`MAX_INLINE_STEPS` rows. Where every row keeps its own text, each
+    numbered (``aten::mm, seq = 7``), the distinct texts are as many as the rows: comparing
+    them in SQL took 7 s of a 1.4 GB export."""
+    picked: list[int] | None = []
+    steps: list[int] | None = []
+    for raw in _blocks(reader, table, wanted):
+        if raw["text"].dtype != pl.Binary:  # (not read as bytes: every row with text)
+            return picked, None
+        text, _repaired = decode_text(raw["text"])  # (repairs are counted on the rows read)
+        step = text.str.contains(pattern).fill_null(False)
+        rowids = raw["r"].cast(pl.Int64)
+        if picked is not None:
+            picked += rowids.filter(raw["wanted"] == 1).to_list()
+            picked = picked if len(picked) <= MAX_INLINE_STEPS else None
+        steps += rowids.filter(step & (raw["wanted"] == 0)).to_list()
+        if len(steps) > MAX_INLINE_STEPS:
+            return picked, None  # (what ``wanted`` picks is then read by its SQL)
+    return picked, steps
+
+
+def _blocks(reader: Reader, table: str, wanted: str) -> Iterator[pl.DataFrame]:
+    """The rows of ``table`` that ``wanted`` picks or that keep their own text, as (rowid
+    ``r``, ``wanted`` 1 or 0, ``text`` bytes, empty for none), :data:`SCAN_ROWS` rowids a
+    query, in rowid order; the next queries run while a block is matched (no more blocks
+    held than there are queries at once)."""
+    first, last = reader.sql(
+        f"SELECT coalesce((SELECT min(rowid) FROM {table}), 0) AS a, "
+        f"coalesce((SELECT max(rowid) FROM {table}), 0) AS b"
+    ).row(0)
+
+    def block(after: int) -> pl.DataFrame:
+        # (no value read is null: connectorx types an expression's column by its first row)
+        return reader.sql(
+            f'SELECT rowid AS r, iif({wanted}, 1, 0) AS wanted, coalesce(CAST("text" AS BLOB), '
+            f"X'') AS text FROM {table} WHERE rowid > {after} AND rowid <= {after + SCAN_ROWS} "
+            f'AND ({wanted} OR "text" IS NOT NULL)'
+        )
+
+    starts = iter(range(first - 1, last, SCAN_ROWS))
+    with ThreadPoolExecutor(cpu_share(), thread_name_prefix="traceclf-nvtx-scan") as pool:
+        pending = deque(pool.submit(block, a) for a in itertools.islice(starts, cpu_share()))
+        while pending:
+            raw = pending.popleft().result()
+            pending.extend(pool.submit(block, a) for a in itertools.islice(starts, 1))
+            if not raw.is_empty():
+                yield raw
