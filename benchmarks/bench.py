@@ -69,7 +69,9 @@ REPLICATED = {
 # order, so no event table is in start order (as when nsys flushes buffers out of order).
 # "few-long-steps" is kernel-dense's twin with its NVTX step ranges joined LONG_STEPS at a
 # time (the same rows; at 1 GB each step holds 0.6 M kernels and 1.4 M CUDA calls, more than
-# the row budget).
+# the row budget). "nvtx-dense" is kernel-dense's twin with one NVTX range around each kernel
+# launch, as PyTorch's emit_nvtx (nsys --pytorch=autograd-nvtx) writes: each op's name with
+# its sequence number, kept in the row, so nearly every range's text differs (OP_NAMES).
 NO_METRICS = tuple(t for t in REPLICATED if t != "GPU_METRICS")
 KINDS = {
     "gpu-metrics": tuple(REPLICATED),
@@ -78,6 +80,7 @@ KINDS = {
     "cuda-graph": NO_METRICS,
     "out-of-order": NO_METRICS,
     "few-long-steps": NO_METRICS,
+    "nvtx-dense": NO_METRICS,
 }
 # The shared trace each kind grows (host-launch for kernel-dense and its kin: --source).
 KIND_SOURCES = {
@@ -87,9 +90,22 @@ KIND_SOURCES = {
 # Kinds whose copies are written in pairs in reverse order (copy 2, copy 1, copy 4, copy 3...).
 SWAPPED = {"out-of-order"}
 # Kinds made from their kernel-dense twin (same copies) rather than grown from a source.
-TWINS = SWAPPED | {"few-long-steps"}
+TWINS = SWAPPED | {"few-long-steps", "nvtx-dense"}
 # Steps per thread that a few-long-steps input keeps (its twin's joined evenly into these).
 LONG_STEPS = 8
+# The ops an nvtx-dense input's ranges name, one per launch in turn (by correlation id).
+OP_NAMES = (
+    "aten::mm",
+    "aten::add_",
+    "aten::mul",
+    "aten::copy_",
+    "aten::_softmax",
+    "aten::native_layer_norm",
+    "aten::gelu",
+    "aten::bmm",
+    "aten::addmm",
+    "aten::sum",
+)
 TIME_COLUMNS = ("start", "end", "timestamp", "rawTimestamp")
 # The tables traceclf's loader reads: their rows are the "events" of events/second.
 LOADED = tuple(t for t in REPLICATED if t != "OSRT_API")
@@ -293,6 +309,37 @@ def lengthen_steps(twin: Path, twin_meta: dict, rebuild: bool) -> tuple[Path, di
     os.replace(tmp, dest)
     meta = {**twin_meta, "kind": "few-long-steps", "bytes": dest.stat().st_size}
     meta["steps_joined"] = len(rows)
+    sidecar.write_text(json.dumps(meta, indent=1))
+    return dest, meta
+
+
+def add_op_ranges(twin: Path, twin_meta: dict, rebuild: bool) -> tuple[Path, dict]:
+    """A copy of the kernel-dense input ``twin`` with an NVTX range around each kernel launch
+    call (0.5 us before it to 0.2 us after it, on its thread), its text the op's name and a
+    sequence number kept in the row, as PyTorch's emit_nvtx ranges are ("aten::mm, seq = 7"):
+    written after the other rows, in start order, as one thread's buffers would be."""
+    dest = OUT / f"nvtx-dense-{twin.name.removeprefix('kernel-dense-')}"
+    sidecar = dest.with_suffix(".json")
+    if dest.exists() and sidecar.exists() and not rebuild:
+        return dest, json.loads(sidecar.read_text())
+    tmp = dest.with_suffix(".sqlite.tmp")
+    shutil.copyfile(twin, tmp)
+    con = sqlite3.connect(tmp, isolation_level=None)
+    con.execute("PRAGMA journal_mode=OFF")
+    con.execute("PRAGMA synchronous=OFF")
+    ops = " ".join(f"WHEN {i} THEN '{name}'" for i, name in enumerate(OP_NAMES))
+    con.execute("BEGIN")
+    added = con.execute(
+        'INSERT INTO NVTX_EVENTS (start, "end", eventType, text, globalTid, domainId) '
+        f'SELECT r.start - 500, r."end" + 200, 59, '
+        f"(CASE r.correlationId % {len(OP_NAMES)} {ops} END) || ', seq = ' || r.correlationId, "
+        "r.globalTid, 0 FROM CUPTI_ACTIVITY_KIND_RUNTIME r JOIN StringIds s ON s.id = r.nameId "
+        "WHERE s.value LIKE 'cudaLaunchKernel%' ORDER BY r.start"
+    ).rowcount
+    con.execute("COMMIT")
+    con.close()
+    os.replace(tmp, dest)
+    meta = {**twin_meta, "kind": "nvtx-dense", "bytes": dest.stat().st_size, "op_ranges": added}
     sidecar.write_text(json.dumps(meta, indent=1))
     return dest, meta
 
@@ -1123,6 +1170,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             copies = twin_meta["copies"]
         if kind == "few-long-steps":
             path, meta = lengthen_steps(twin, twin_meta, args.rebuild)
+        elif kind == "nvtx-dense":
+            path, meta = add_op_ranges(twin, twin_meta, args.rebuild)
         else:
             path, meta = build_input(
                 source_of(kind, source), parse_size(label), label, args.rebuild, kind, copies
