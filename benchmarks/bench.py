@@ -37,8 +37,8 @@ DEFAULT_SOURCES = (
 UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 PER_RUN_TIMEOUT_S = 900
 DEFAULT_INPUTS = (
-    "kernel-dense:1GB,out-of-order:1GB,few-long-steps:1GB,ep-comm:1GB,cuda-graph:1GB,"
-    "gpu-metrics:1GB,kernel-dense:4GB"
+    "kernel-dense:1GB,out-of-order:1GB,few-long-steps:1GB,nvtx-dense:1GB,ep-comm:1GB,"
+    "cuda-graph:1GB,gpu-metrics:1GB,kernel-dense:4GB"
 )
 # Inputs past this size are timed in the default mode only (and without the read-only floor).
 ALL_STEPS_MAX_BYTES = 1.5e9
@@ -983,6 +983,7 @@ README_ROWS = (  # (kind, size, tool, mode, label)
     ("out-of-order", 1e9, "traceclf analyze", "cold", "cold"),
     ("ep-comm", 1e9, "traceclf analyze", "cold", "cold"),
     ("few-long-steps", 1e9, "traceclf analyze", "cold", "cold"),
+    ("nvtx-dense", 1.4e9, "traceclf analyze", "cold", "cold"),
     ("cuda-graph", 1e9, "traceclf analyze", "cold", "cold"),
     ("gpu-metrics", 1e9, "traceclf analyze", "cold", "cold"),
     ("kernel-dense", 2e9, "traceclf analyze", "cold", "cold"),
