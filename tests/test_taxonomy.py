@@ -264,3 +264,53 @@ def test_classify_keeps_each_names_labels_and_gives_what_the_patterns_give(monke
     )
     assert tax.classify(fresh).equals(by_patterns(fresh))
     assert "a new kernel name" not in tax.__dict__["_labels_of_name"]
+
+
+def _nvtx_texts() -> list[str | None]:
+    """Every NVTX text of the shared fixtures (in the row or in StringIds), PyTorch-numbered
+    op texts as emit_nvtx writes them (constructed), and a missing one."""
+    import sqlite3
+
+    from conftest import FIXTURES
+
+    texts: set[str] = set()
+    for path in sorted(FIXTURES.glob("*.sqlite")):
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+            if not con.execute("SELECT 1 FROM sqlite_master WHERE name = 'NVTX_EVENTS'").fetchone():
+                continue
+            texts |= {
+                t
+                for (t,) in con.execute(
+                    "SELECT DISTINCT coalesce(n.text, s.value) FROM NVTX_EVENTS n "
+                    "LEFT JOIN StringIds s ON s.id = n.textId"
+                )
+                if isinstance(t, str)
+            }
+    numbered = [f"aten::{op}, seq = {i}" for i in range(200) for op in ("mm", "copy_", "to")]
+    return [*sorted(texts), *numbered, "DataLoader next batch", "torch.compile", None]
+
+
+@pytest.mark.parametrize("default", [None, "other"])
+def test_first_match_of_labels_as_first_match_does(default) -> None:
+    """The alternation that picks which texts the table's regexes run on (each in a group of
+    its own) labels every text as the chain of regexes does: the bundled host activities and
+    a constructed table whose patterns carry their own flags and alternations, over every
+    NVTX text of the fixtures and numbered op texts."""
+    from traceclf.model.taxonomy import first_match, first_match_of
+
+    texts = pl.Series("text", _nvtx_texts(), dtype=pl.String)
+    tables = [
+        bundled().host_activities,
+        (
+            ("ops", r"(?i)ATEN::(mm|to)\b"),
+            ("copy", r"copy_|^cudaMemcpy"),
+            ("step", r"(?i)^\s*step\s*\d+$"),
+            ("late", r"seq = 1\d$"),
+        ),
+        (),
+    ]
+    for table in tables:
+        want = pl.DataFrame({"text": texts}).with_columns(label=first_match("text", table, default))
+        got = first_match_of(texts.cast(pl.Categorical), table, default)
+        assert got.to_list() == want["label"].to_list()
+        assert got.name == "text"

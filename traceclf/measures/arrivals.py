@@ -177,14 +177,15 @@ def _host_ranges(w: RankWindow) -> list[tuple[str, Busy]]:
         return []
     generic = "|".join(f"(?:{tax.nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
     step_names = w.steps.table["name"].unique().implode() if w.steps.count else []
+    named = nvtx.filter(
+        ~pl.col("text").is_in(step_names)
+        & ~matches(nvtx["text"], generic)
+        & (pl.col("domain") != NCCL_DOMAIN)
+    )
     ranges = intervals.clip(
-        nvtx.filter(
-            ~pl.col("text").is_in(step_names)
-            & ~matches(nvtx["text"], generic)
-            & (pl.col("domain") != NCCL_DOMAIN)
-        )
-        .with_columns(activity=tax.host_activity())
-        .filter(pl.col("activity").fill_null("") != "communication"),
+        named.with_columns(activity=tax.host_activity_of(named["text"])).filter(
+            pl.col("activity").fill_null("") != "communication"
+        ),
         w.spans,
     )
     if ranges.is_empty():

@@ -426,7 +426,8 @@ def idle_by_nvtx(gaps: pl.DataFrame, w: RankWindow) -> list[dict]:
 def _by_activity(long: pl.DataFrame, w: RankWindow) -> list[dict]:
     """Per host activity, the long gaps' time under the union of its NVTX ranges."""
     ranges = _host_ranges(w)
-    texts = ranges.select("text").unique().with_columns(activity=w.taxonomy.host_activity())
+    texts = ranges.select("text").unique()
+    texts = texts.with_columns(activity=w.taxonomy.host_activity_of(texts["text"]))
     ranges = ranges.join(texts.drop_nulls("activity"), on="text")
     gstart, gend = long["start"].to_numpy(), long["end"].to_numpy()
     idle = Busy.of_arrays(gstart, gend)

@@ -60,8 +60,8 @@ def _activity_ranges(w: RankWindow) -> pl.DataFrame:
     """The process's NVTX ranges of a known host activity (taxonomy ``host_activities``):
     a stretch they cover is that activity, not a pause."""
     nvtx = w.trace.nvtx
-    texts = nvtx.select("text").unique().with_columns(activity=w.taxonomy.host_activity())
-    named = texts.filter(pl.col("activity").is_not_null())["text"].implode()
+    texts = nvtx["text"].unique()
+    named = texts.filter(w.taxonomy.host_activity_of(texts).is_not_null()).implode()
     return nvtx.filter(pl.col("text").is_in(named)).select("start", "end")
 
 

@@ -83,6 +83,11 @@ class Taxonomy(TaxonomyTables):
         """What an NVTX range says the host was doing (compile, data, ...; null: unknown)."""
         return first_match(col, self.host_activities, None)
 
+    def host_activity_of(self, texts: pl.Series) -> pl.Series:
+        """:meth:`host_activity` of each of ``texts`` (NVTX texts, maybe each numbered:
+        :func:`first_match_of`)."""
+        return first_match_of(texts, self.host_activities, None)
+
     def osrt_class(self, col: str = "name") -> pl.Expr:
         """What an OS runtime call does to its thread (io, poll, lock, sleep, ...; "other")."""
         return first_match(col, self.osrt_calls, "other")
@@ -227,6 +232,26 @@ def first_match(col: str, table: Table, default: str | None) -> pl.Expr:
             .otherwise(expr)
         )
     return expr
+
+
+def first_match_of(values: pl.Series, table: Table, default: str | None) -> pl.Series:
+    """What :func:`first_match` labels each of ``values`` (text or a Categorical), the table's
+    regexes run only on the distinct values that one of them matches, which their alternation
+    finds in one pass (each in a group of its own, so that its flags stay its own): the texts
+    of NVTX ranges that PyTorch numbers (``aten::mm, seq = 7``) each differ, and every regex
+    of the table over each of 0.4 M of them took 20x the alternation."""
+    import polars as pl
+
+    text = values.cast(pl.String)
+    if not table:
+        return pl.repeat(default, len(text), dtype=pl.String, eager=True).alias(values.name)
+    anyone = "|".join(f"(?:{pattern})" for _label, pattern in table)
+    distinct = text.unique().drop_nulls()
+    hits = pl.DataFrame({"t": distinct.filter(distinct.str.contains(anyone))})
+    labels = hits.select(first_match("t", table, default)).to_series()
+    labelled = text.replace_strict(hits["t"], labels, default=default, return_dtype=pl.String)
+    # (a missing text: no regex matches it, so the default, as first_match gives it)
+    return (labelled if default is None else labelled.fill_null(default)).alias(values.name)
 
 
 def bundled() -> Taxonomy:
