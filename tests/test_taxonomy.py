@@ -291,14 +291,20 @@ def _nvtx_texts() -> list[str | None]:
 
 
 @pytest.mark.parametrize("default", [None, "other"])
-def test_first_match_of_labels_as_first_match_does(default) -> None:
+@pytest.mark.parametrize("repeated", [False, True], ids=["each-differs", "repeated"])
+def test_first_match_of_labels_as_first_match_does(default, repeated) -> None:
     """The alternation that picks which texts the table's regexes run on (each in a group of
     its own) labels every text as the chain of regexes does: the bundled host activities and
     a constructed table whose patterns carry their own flags and alternations, over every
-    NVTX text of the fixtures and numbered op texts."""
-    from traceclf.model.taxonomy import first_match, first_match_of
+    NVTX text of the fixtures and numbered op texts, each once (labelled row by row) or each
+    three times in a row (labelled once per distinct text)."""
+    from traceclf.model.taxonomy import MATCH_PROBE, first_match, first_match_of
 
     texts = pl.Series("text", _nvtx_texts(), dtype=pl.String)
+    if repeated:
+        texts = texts.gather([i for i in range(len(texts)) for _ in range(3)])
+    distinct = texts.head(MATCH_PROBE).n_unique()
+    assert (distinct * 2 > MATCH_PROBE) == (not repeated)  # (which way first_match_of goes)
     tables = [
         bundled().host_activities,
         (

@@ -265,13 +265,17 @@ def _returned_in(ends: np.ndarray, gstart: np.ndarray, gend: np.ndarray, slack: 
     return returned
 
 
-def _host_ranges(w: RankWindow) -> pl.DataFrame:
+def _host_ranges(w: RankWindow, covering: int = 0) -> pl.DataFrame:
     """The process's NVTX ranges (text, start, end) that can say what the host was doing:
-    step ranges and forward/backward/optimizer phases say nothing ("in step 7")."""
+    step ranges and forward/backward/optimizer phases say nothing ("in step 7"). With
+    ``covering``, only those long enough to cover half of that many ns (tested first: an op's
+    range of a few us, one per kernel launch, covers no long gap)."""
     nvtx = w.taxonomy.nvtx
     generic = "|".join(f"(?:{nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
     step_names = w.steps.table["name"].unique().implode()
     ranges = w.trace.nvtx
+    if covering > 0:
+        ranges = ranges.filter((pl.col("end") - pl.col("start")) * 2 >= covering)
     return ranges.filter(
         ~pl.col("text").is_in(step_names) & ~matches(ranges["text"], generic)
     ).select("text", "start", "end")
@@ -313,7 +317,9 @@ def nvtx_cover(long: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     Step ranges and forward/backward/optimizer phases are skipped: that the host is "in step
     7" says nothing about what it is doing."""
     tax = w.taxonomy
-    ranges = _host_ranges(w).select("text", r_start="start", r_end="end")
+    # (a range covers half of a gap only if it is half as long: of the shortest gap, at least)
+    shortest = int(long["dur"].min() or 0) if long.height else 0  # type: ignore[arg-type]
+    ranges = _host_ranges(w, covering=shortest).select("text", r_start="start", r_end="end")
     schema = {
         "start": pl.Int64,
         "nvtx": pl.String,
@@ -375,9 +381,13 @@ def longest_gaps(gaps: pl.DataFrame, w: RankWindow, n: int = LONGEST_GAPS) -> li
     if top.is_empty():
         return []
     step_names = w.steps.table["name"].unique().implode()
-    ranges = w.trace.nvtx.filter(~pl.col("text").is_in(step_names)).select(
-        "text", r_start="start", r_end="end"
-    )
+    # (the ranges open at one of the few middles, found by a test of each before the join:
+    # an inequality join sorts every range of the capture, millions with PyTorch's op ranges)
+    mids = top["mid"].to_list()
+    ranges = w.trace.nvtx.filter(
+        pl.any_horizontal([(pl.col("start") <= m) & (pl.col("end") > m) for m in mids])
+        & ~pl.col("text").is_in(step_names)
+    ).select("text", r_start="start", r_end="end")
     if ranges.is_empty():
         top = top.with_columns(nvtx=pl.lit(None, pl.String))
     else:
@@ -426,9 +436,8 @@ def idle_by_nvtx(gaps: pl.DataFrame, w: RankWindow) -> list[dict]:
 def _by_activity(long: pl.DataFrame, w: RankWindow) -> list[dict]:
     """Per host activity, the long gaps' time under the union of its NVTX ranges."""
     ranges = _host_ranges(w)
-    texts = ranges.select("text").unique()
-    texts = texts.with_columns(activity=w.taxonomy.host_activity_of(texts["text"]))
-    ranges = ranges.join(texts.drop_nulls("activity"), on="text")
+    ranges = ranges.with_columns(activity=w.taxonomy.host_activity_of(ranges["text"]))
+    ranges = ranges.drop_nulls("activity")
     gstart, gend = long["start"].to_numpy(), long["end"].to_numpy()
     idle = Busy.of_arrays(gstart, gend)
     rows = []
