@@ -720,7 +720,7 @@ def test_pass_one_reads_the_nvtx_rows_whose_text_may_be_a_step(
     if cap is not None:
         monkeypatch.setattr(nvtx_rows, "MAX_INLINE_STEPS", cap)
     pattern = r"^Iteration \d+" if prefix else bundled().nvtx["step"]
-    got = nvtx_rows.step_rows(Reader(inspect_export(path)), pattern)
+    got, _payloads = nvtx_rows.step_rows(Reader(inspect_export(path)), pattern)
     with sqlite3.connect(path) as con:
         rows = con.execute(
             "SELECT n.rowid, n.start, n.eventType, CAST(coalesce(n.text, s.value) AS BLOB), "
@@ -760,7 +760,7 @@ def test_pass_one_scans_the_nvtx_table_a_block_at_a_time(pattern, cap, monkeypat
     monkeypatch.setattr(
         reader, "read", lambda *a, **k: asked.append(k.get("where")) or read(*a, **k)
     )
-    got = nvtx_rows.step_rows(reader, pattern)
+    got, _payloads = nvtx_rows.step_rows(reader, pattern)
     assert len(asked) == 1 and asked[0].startswith("rowid IN" if cap is None else '"eventType"')
     with sqlite3.connect(path) as con:
         rows = con.execute(

@@ -19,6 +19,8 @@ from traceclf.ingest.schema import connect_readonly
 
 # NCCL payload JSON is small; more rows than this would only repeat communicator inits.
 MAX_PAYLOAD_ROWS = 256
+# The NVTX rows whose payload may carry a rank id (SQL, on NVTX_EVENTS).
+RANK_PAYLOAD_SQL = '"jsonText" IS NOT NULL AND "jsonText" LIKE \'%Rank%\''
 RANK_KEY = re.compile(r"^rank$", re.IGNORECASE)
 # Global-rank variables of torchrun, Open MPI, Slurm, MPICH/PMI.
 RANK_ENV = re.compile(r"^(?:RANK|OMPI_COMM_WORLD_RANK|SLURM_PROCID|PMI_RANK|PMIX_RANK)=(\d+)$")
@@ -38,9 +40,10 @@ def job_evidence(session: dict, trace) -> dict:
     return session | {"gpu_span_ns": span}
 
 
-def session_info(path: Path) -> dict:
+def session_info(path: Path, payloads: bool = True) -> dict:
     """``{"session_uuid", "start_utc_ns", "hostname", "nccl_ranks", "env_ranks"}`` of an
-    export (values None or empty when the export does not say)."""
+    export (values None or empty when the export does not say); without ``payloads``, no
+    ``nccl_ranks`` (a scan of the NVTX table: :func:`nccl_ranks` gives them)."""
     info: dict = {
         "session_uuid": None,
         "start_utc_ns": None,
@@ -69,19 +72,40 @@ def session_info(path: Path) -> dict:
             info["env_ranks"] = sorted(
                 {int(m.group(1)) for _n, v in capture if (m := RANK_ENV.match(str(v or "")))}
             )
-        with contextlib.suppress(sqlite3.Error):
-            info["nccl_ranks"] = _nccl_ranks(con)
+        if payloads:
+            with contextlib.suppress(sqlite3.Error):
+                info["nccl_ranks"] = _nccl_ranks(con)
     finally:
         con.close()
     return info
 
 
-def _nccl_ranks(con: sqlite3.Connection) -> list[int]:
+def nccl_ranks(path: Path, rowids: list[int] | None = None) -> list[int]:
+    """The ``nccl_ranks`` of :func:`session_info`: from the NVTX rows ``rowids`` (the first of
+    those :data:`RANK_PAYLOAD_SQL` picks, in rowid order, as step sampling's first pass finds
+    them in its scan of the table), else from a scan of its own."""
+    if rowids is not None and not rowids:
+        return []
+    try:
+        con = connect_readonly(path)
+    except sqlite3.Error:
+        return []
+    try:
+        with contextlib.suppress(sqlite3.Error):
+            return _nccl_ranks(con, rowids)
+        return []
+    finally:
+        con.close()
+
+
+def _nccl_ranks(con: sqlite3.Connection, rowids: list[int] | None = None) -> list[int]:
     """Rank ids from NCCL's communicator-init payloads ({"Rank": 3, "No. of ranks": 8}),
-    present only when nsys exported NVTX payloads as JSON."""
+    present only when nsys exported NVTX payloads as JSON: those of ``rowids``, else of the
+    first :data:`MAX_PAYLOAD_ROWS` rows with one, by a scan."""
+    at = "" if rowids is None else f"rowid IN ({', '.join(str(int(r)) for r in rowids)}) AND "
     rows = con.execute(
-        "SELECT jsonText FROM NVTX_EVENTS WHERE jsonText IS NOT NULL AND jsonText LIKE '%Rank%' "
-        f"LIMIT {MAX_PAYLOAD_ROWS}"
+        f"SELECT jsonText FROM NVTX_EVENTS WHERE {at}{RANK_PAYLOAD_SQL} "
+        f"ORDER BY rowid LIMIT {MAX_PAYLOAD_ROWS}"
     ).fetchall()
     ranks: set[int] = set()
     for (text,) in rows:

@@ -257,15 +257,16 @@ def _result_cached(path: Path, opts: AnalysisOptions) -> bool:
 
 
 def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
-    from traceclf.ingest.session import job_evidence, session_info
+    from traceclf.ingest.session import job_evidence, nccl_ranks, session_info
     from traceclf.measures import measure_rank
     from traceclf.pipeline.twopass import load_for_analysis
     from traceclf.steps.find import find_steps
     from traceclf.support.cpus import second_lane, two_at_a_time
     from traceclf.support.progress import LoadProgress
 
-    # (a few small queries and a scan of the NVTX payloads, beside the load)
-    session = second_lane("traceclf-session").submit(session_info, path)
+    # (a few small queries beside the load; the NCCL payloads' rows, where step sampling's
+    # first pass did not find them in its scan of the NVTX table, by a scan beside the rest)
+    session = second_lane("traceclf-session").submit(session_info, path, payloads=False)
     taxonomy, settings = _taxonomy(opts), _step_settings(opts)
     with LoadProgress(path.name, quiet=opts.quiet or not show_progress) as progress:
         read = load_for_analysis(
@@ -280,6 +281,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
             progress=progress,
         )
     trace, plans = read.trace, read.plans
+    ranks_named = second_lane("traceclf-nccl-ranks").submit(nccl_ranks, path, read.payloads)
     names = dict(
         zip(
             trace.processes["pid"].to_list(), trace.processes["process_name"].to_list(), strict=True
@@ -324,7 +326,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
         trace.schema_version,
         tuple(ranks),
         gpu_count=len(trace.gpus),
-        job=job_evidence(session.result(), trace),
+        job=job_evidence(session.result() | {"nccl_ranks": ranks_named.result()}, trace),
         unusable_rows=trace.unusable_rows,
         repaired_strings=trace.repaired_strings,
     )

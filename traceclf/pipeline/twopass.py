@@ -77,6 +77,9 @@ class SampledRead:
 
     trace: Trace
     plans: dict[int, StepPlan]
+    # rowids of the NVTX rows whose payload may name an NCCL rank, as pass 1's scan of the
+    # table found them (ingest/session.py: nccl_ranks); None: not looked for
+    payloads: list[int] | None = None
 
 
 def load_for_analysis(
@@ -140,7 +143,7 @@ def load_sampled(
             if plans is None:  # some rank's steps cannot be found cheaply: read it all
                 return SampledRead(load_trace(path, progress=progress), {})
             trace = _read_plans(reader, con, indexes, planner, budget, progress, memory)
-    return SampledRead(trace, plans)
+    return SampledRead(trace, plans, planner.payloads)
 
 
 def event_indexes(reader: Reader, con: sqlite3.Connection) -> dict[str, RowIndex]:
@@ -171,7 +174,7 @@ class _Planner:
         self.taxonomy, self.budget = taxonomy, budget
         self.settings: StepSettings = settings
         self.pattern = step_regex or taxonomy.nvtx["step"]
-        self.nvtx_raw = step_rows(reader, self.pattern)
+        self.nvtx_raw, self.payloads = step_rows(reader, self.pattern)
         self.spans: list[tuple[Span, Span]] = []  # (GPU rows, CUDA calls) to read per run
 
     def plans(self) -> dict[int, StepPlan] | None:
