@@ -8,7 +8,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import polars as pl
 
@@ -22,7 +22,7 @@ from traceclf.support.cpus import cpu_share
 # Rows whose own text matches the step pattern read by rowid at most (one per step and
 # thread); more, and every row with text is read and matched after.
 MAX_INLINE_STEPS = 100_000
-# NVTX rows per query of pass 1's scan (:func:`_inline_steps`): its memory is bounded on any
+# NVTX rows per query of pass 1's scan (:func:`_scan`): its memory is bounded on any
 # export (a block's rowids and texts, ~50 MB where every row keeps its text).
 SCAN_ROWS = 1 << 20
 
@@ -75,13 +75,13 @@ def window_rows(reader: Reader, spans: Sequence[Span], steps: pl.DataFrame) -> p
     return pl.concat([domains, ranges], how="vertical_relaxed")
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Found:
     """What pass 1's scan of the NVTX table found, by rowid (None: past its cap)."""
 
-    picked: list[int] | None = field(default_factory=list)  # by the SQL condition
-    steps: list[int] | None = field(default_factory=list)  # by their own text
-    payloads: list[int] = field(default_factory=list)  # payloads that may name a rank
+    picked: list[int] | None  # by the SQL condition
+    steps: list[int] | None  # by their own text
+    payloads: list[int]  # rows whose payload may name a rank
 
 
 def _scan(reader: Reader, table: str, wanted: str, pattern: str, payload: str | None) -> _Found:
@@ -93,23 +93,24 @@ def _scan(reader: Reader, table: str, wanted: str, pattern: str, payload: str | 
     every row keeps its own text, each numbered (``aten::mm, seq = 7``), the distinct texts
     are as many as the rows: comparing them in SQL took 7 s of a 1.4 GB export. Also the
     first :data:`MAX_PAYLOAD_ROWS` rows that ``payload`` (SQL) picks."""
-    found = _Found()
+    picked: list[int] | None = []
+    steps: list[int] = []
+    payloads: list[int] = []
     for raw in _blocks(reader, table, wanted, payload):
         if raw["text"].dtype != pl.Binary:  # (not read as bytes: every row with text)
-            return replace(found, steps=None)
+            return _Found(picked, None, payloads)
         text, _repaired = decode_text(raw["text"])  # (repairs are counted on the rows read)
         step = text.str.contains(pattern).fill_null(False)
         rowids = raw["r"].cast(pl.Int64)
-        if found.picked is not None:
-            found.picked += rowids.filter(raw["wanted"] == 1).to_list()
-            if len(found.picked) > MAX_INLINE_STEPS:
-                found.picked = None
-        found.steps += rowids.filter(step & (raw["wanted"] == 0)).to_list()  # type: ignore[operator]
-        if len(found.steps) > MAX_INLINE_STEPS:  # type: ignore[arg-type]
-            return replace(found, steps=None)  # (what ``wanted`` picks is then read by its SQL)
-        room = MAX_PAYLOAD_ROWS - len(found.payloads)
-        found.payloads += rowids.filter(raw["payload"] == 1).head(room).to_list()
-    return found
+        if picked is not None:
+            picked += rowids.filter(raw["wanted"] == 1).to_list()
+            picked = picked if len(picked) <= MAX_INLINE_STEPS else None
+        steps += rowids.filter(step & (raw["wanted"] == 0)).to_list()
+        if len(steps) > MAX_INLINE_STEPS:  # (what ``wanted`` picks is then read by its SQL)
+            return _Found(picked, None, payloads)
+        room = MAX_PAYLOAD_ROWS - len(payloads)
+        payloads += rowids.filter(raw["payload"] == 1).head(room).to_list()
+    return _Found(picked, steps, payloads)
 
 
 def _blocks(reader: Reader, table: str, wanted: str, payload: str | None) -> Iterator[pl.DataFrame]:

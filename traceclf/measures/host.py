@@ -318,7 +318,7 @@ def nvtx_cover(long: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     7" says nothing about what it is doing."""
     tax = w.taxonomy
     # (a range covers half of a gap only if it is half as long: of the shortest gap, at least)
-    shortest = int(long["dur"].min() or 0) if long.height else 0  # type: ignore[arg-type]
+    shortest = int(long["dur"].min() or 0)  # type: ignore[arg-type]
     ranges = _host_ranges(w, covering=shortest).select("text", r_start="start", r_end="end")
     schema = {
         "start": pl.Int64,
