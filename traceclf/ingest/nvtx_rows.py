@@ -100,6 +100,8 @@ def _scan(reader: Reader, table: str, wanted: str, pattern: str, payload: str | 
         if raw["text"].dtype != pl.Binary:  # (not read as bytes: every row with text)
             return _Found(picked, None, payloads)
         text, _repaired = decode_text(raw["text"])  # (repairs are counted on the rows read)
+        # (row by row, not by matches(): a block may open with repeated texts and go on with
+        # numbered ones, and its distinct texts then cost more than the regex over its rows)
         step = text.str.contains(pattern).fill_null(False)
         rowids = raw["r"].cast(pl.Int64)
         if picked is not None:

@@ -175,7 +175,7 @@ def _host_ranges(w: RankWindow) -> list[tuple[str, Busy]]:
     nvtx, tax = w.trace.nvtx, w.taxonomy
     if nvtx.is_empty():
         return []
-    generic = "|".join(f"(?:{tax.nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
+    generic = tax.step_or_phase()
     step_names = w.steps.table["name"].unique().implode() if w.steps.count else []
     named = nvtx.filter(
         ~pl.col("text").is_in(step_names)

@@ -270,8 +270,7 @@ def _host_ranges(w: RankWindow, covering: int = 0) -> pl.DataFrame:
     step ranges and forward/backward/optimizer phases say nothing ("in step 7"). With
     ``covering``, only those long enough to cover half of that many ns (tested first: an op's
     range of a few us, one per kernel launch, covers no long gap)."""
-    nvtx = w.taxonomy.nvtx
-    generic = "|".join(f"(?:{nvtx[k]})" for k in ("step", "forward", "backward", "optimizer"))
+    generic = w.taxonomy.step_or_phase()
     step_names = w.steps.table["name"].unique().implode()
     ranges = w.trace.nvtx
     if covering > 0:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import polars as pl
 
-from traceclf.measures.intervals import BLOCK, Busy
+from traceclf.measures.intervals import BLOCK, Busy, is_sorted
 from traceclf.measures.window import RankWindow
 
 MEASURES: dict[str, str] = {
@@ -81,7 +81,7 @@ def long_gaps(
 
     Intervals of no length cover nothing and split no stretch, as in :class:`Busy`."""
     start, end = np.asarray(start), np.asarray(end)
-    if len(start) > 1 and not bool(np.all(start[1:] >= start[:-1])):
+    if not is_sorted(start):
         order = np.argsort(start, kind="stable")
         start, end = start[order], end[order]
     real = end > start

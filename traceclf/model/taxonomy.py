@@ -17,7 +17,7 @@ from traceclf.rulebook.taxonomy_tables import FamilyPattern, Table, TaxonomyTabl
 
 if TYPE_CHECKING:  # polars is imported where an expression is built: a cached re-analysis
     # reads the taxonomy (the rule set's) without building any
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     import numpy as np
     import polars as pl
@@ -82,6 +82,11 @@ class Taxonomy(TaxonomyTables):
     def host_activity(self, col: str = "text") -> pl.Expr:
         """What an NVTX range says the host was doing (compile, data, ...; null: unknown)."""
         return first_match(col, self.host_activities, None)
+
+    def step_or_phase(self) -> str:
+        """One regex for the NVTX ranges that name a step or a forward, backward or optimizer
+        phase: being in one says nothing of what the host was doing ("in step 7")."""
+        return any_of(self.nvtx[k] for k in ("step", "forward", "backward", "optimizer"))
 
     def host_activity_of(self, texts: pl.Series) -> pl.Series:
         """:meth:`host_activity` of each of ``texts`` (NVTX texts, maybe each numbered:
@@ -208,13 +213,25 @@ def _gather(values: pl.Series, at: np.ndarray) -> pl.Series:
 MATCH_PROBE = 1000  # rows whose distinct texts say whether a text repeats
 
 
+def any_of(patterns: Iterable[str]) -> str:
+    """One regex that matches where any of ``patterns`` does (each in a group of its own, so
+    that its flags stay its own)."""
+    return "|".join(f"(?:{pattern})" for pattern in patterns)
+
+
+def _numbered(values: pl.Series) -> bool:
+    """Whether the texts of ``values`` number their rows (nearly each differs), as the first
+    :data:`MATCH_PROBE` say."""
+    return values.head(MATCH_PROBE).n_unique() * 2 > MATCH_PROBE
+
+
 def matches(values: pl.Series, pattern: str) -> pl.Series:
     """``values.str.contains(pattern)`` for a column of text or a Categorical, the regex run
     once per distinct value: NVTX texts repeat each step (a 2 GB export: 850 k ranges, 18
     texts), and a regex over every row cost 5x a lookup (null stays null)."""
     import polars as pl
 
-    if values.head(MATCH_PROBE).n_unique() * 2 > MATCH_PROBE:  # (texts that number their rows)
+    if _numbered(values):
         return values.cast(pl.String).str.contains(pattern)
     distinct = values.unique().drop_nulls()
     hits = distinct.filter(distinct.cast(pl.String).str.contains(pattern))
@@ -247,8 +264,8 @@ def first_match_of(values: pl.Series, table: Table, default: str | None) -> pl.S
     text = values.cast(pl.String)
     if not table:
         return pl.repeat(default, len(text), dtype=pl.String, eager=True).alias(values.name)
-    anyone = "|".join(f"(?:{pattern})" for _label, pattern in table)
-    numbered = text.head(MATCH_PROBE).n_unique() * 2 > MATCH_PROBE
+    anyone = any_of(pattern for _label, pattern in table)
+    numbered = _numbered(text)
     candidates = text if numbered else text.unique().drop_nulls()
     hit = candidates.str.contains(anyone).fill_null(False)
     hits = pl.DataFrame({"t": candidates.filter(hit)})
