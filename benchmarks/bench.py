@@ -22,7 +22,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,21 +270,40 @@ def build_input(
     return dest, meta
 
 
-def lengthen_steps(twin: Path, twin_meta: dict, rebuild: bool) -> tuple[Path, dict]:
-    """A copy of the kernel-dense input ``twin`` whose NVTX step ranges (those the bundled step
-    pattern matches) are joined, on each thread, into :data:`LONG_STEPS` ranges of consecutive
-    steps: every row kept, few long steps (each over the row budget)."""
-    from traceclf.model.taxonomy import bundled
-
-    dest = OUT / f"few-long-steps-{twin.name.removeprefix('kernel-dense-')}"
+def edited_twin(
+    twin: Path,
+    twin_meta: dict,
+    kind: str,
+    rebuild: bool,
+    edit: Callable[[sqlite3.Connection], dict],
+) -> tuple[Path, dict]:
+    """A copy of the kernel-dense input ``twin`` for input ``kind``, changed by ``edit`` (on
+    an autocommit connection to the copy; it returns what the sidecar adds), reused until
+    ``rebuild``."""
+    dest = OUT / f"{kind}-{twin.name.removeprefix('kernel-dense-')}"
     sidecar = dest.with_suffix(".json")
     if dest.exists() and sidecar.exists() and not rebuild:
         return dest, json.loads(sidecar.read_text())
     tmp = dest.with_suffix(".sqlite.tmp")
     shutil.copyfile(twin, tmp)
-    step = re.compile(bundled().nvtx["step"])
     con = sqlite3.connect(tmp, isolation_level=None)
     con.execute("PRAGMA journal_mode=OFF")
+    con.execute("PRAGMA synchronous=OFF")
+    added = edit(con)
+    con.close()
+    os.replace(tmp, dest)
+    meta = {**twin_meta, "kind": kind, "bytes": dest.stat().st_size, **added}
+    sidecar.write_text(json.dumps(meta, indent=1))
+    return dest, meta
+
+
+def join_steps(con: sqlite3.Connection) -> dict:
+    """few-long-steps: the NVTX step ranges (those the bundled step pattern matches) joined,
+    on each thread, into :data:`LONG_STEPS` ranges of consecutive steps: every row kept, few
+    long steps (each over the row budget)."""
+    from traceclf.model.taxonomy import bundled
+
+    step = re.compile(bundled().nvtx["step"])
     con.create_function("is_step", 1, lambda t: t is not None and bool(step.search(t)))
     rows = con.execute(
         'SELECT n.rowid, n.globalTid, n."end" FROM NVTX_EVENTS n '
@@ -305,28 +324,14 @@ def lengthen_steps(twin: Path, twin_meta: dict, rebuild: bool) -> tuple[Path, di
             )
             con.executemany("DELETE FROM NVTX_EVENTS WHERE rowid = ?", [(r,) for r, _ in group[1:]])
     con.execute("COMMIT")
-    con.close()
-    os.replace(tmp, dest)
-    meta = {**twin_meta, "kind": "few-long-steps", "bytes": dest.stat().st_size}
-    meta["steps_joined"] = len(rows)
-    sidecar.write_text(json.dumps(meta, indent=1))
-    return dest, meta
+    return {"steps_joined": len(rows)}
 
 
-def add_op_ranges(twin: Path, twin_meta: dict, rebuild: bool) -> tuple[Path, dict]:
-    """A copy of the kernel-dense input ``twin`` with an NVTX range around each kernel launch
-    call (0.5 us before it to 0.2 us after it, on its thread), its text the op's name and a
-    sequence number kept in the row, as PyTorch's emit_nvtx ranges are ("aten::mm, seq = 7"):
-    written after the other rows, in start order, as one thread's buffers would be."""
-    dest = OUT / f"nvtx-dense-{twin.name.removeprefix('kernel-dense-')}"
-    sidecar = dest.with_suffix(".json")
-    if dest.exists() and sidecar.exists() and not rebuild:
-        return dest, json.loads(sidecar.read_text())
-    tmp = dest.with_suffix(".sqlite.tmp")
-    shutil.copyfile(twin, tmp)
-    con = sqlite3.connect(tmp, isolation_level=None)
-    con.execute("PRAGMA journal_mode=OFF")
-    con.execute("PRAGMA synchronous=OFF")
+def add_op_ranges(con: sqlite3.Connection) -> dict:
+    """nvtx-dense: an NVTX range around each kernel launch call (0.5 us before it to 0.2 us
+    after it, on its thread), its text the op's name and a sequence number kept in the row,
+    as PyTorch's emit_nvtx ranges are ("aten::mm, seq = 7"): written after the other rows, in
+    start order, as one thread's buffers would be."""
     ops = " ".join(f"WHEN {i} THEN '{name}'" for i, name in enumerate(OP_NAMES))
     con.execute("BEGIN")
     added = con.execute(
@@ -337,11 +342,14 @@ def add_op_ranges(twin: Path, twin_meta: dict, rebuild: bool) -> tuple[Path, dic
         "WHERE s.value LIKE 'cudaLaunchKernel%' ORDER BY r.start"
     ).rowcount
     con.execute("COMMIT")
-    con.close()
-    os.replace(tmp, dest)
-    meta = {**twin_meta, "kind": "nvtx-dense", "bytes": dest.stat().st_size, "op_ranges": added}
-    sidecar.write_text(json.dumps(meta, indent=1))
-    return dest, meta
+    return {"op_ranges": added}
+
+
+# How each kind built from its kernel-dense twin by editing a copy changes it.
+EDITS: dict[str, Callable[[sqlite3.Connection], dict]] = {
+    "few-long-steps": join_steps,
+    "nvtx-dense": add_op_ranges,
+}
 
 
 def build_ranks(source: Path, spec: str, rebuild: bool) -> tuple[Path, dict]:
@@ -1169,10 +1177,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 source, parse_size(label), label, args.rebuild, "kernel-dense"
             )
             copies = twin_meta["copies"]
-        if kind == "few-long-steps":
-            path, meta = lengthen_steps(twin, twin_meta, args.rebuild)
-        elif kind == "nvtx-dense":
-            path, meta = add_op_ranges(twin, twin_meta, args.rebuild)
+        if kind in EDITS:
+            path, meta = edited_twin(twin, twin_meta, kind, args.rebuild, EDITS[kind])
         else:
             path, meta = build_input(
                 source_of(kind, source), parse_size(label), label, args.rebuild, kind, copies
