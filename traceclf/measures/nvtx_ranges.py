@@ -30,7 +30,6 @@ MAX_PER_STEP = 64
 # Recurring ranges nested deeper than this among themselves are not projected (each level is
 # one pass over the kernels' launches); a name with a range that deep is left out whole.
 MAX_DEPTH = 8
-SKIPPED = ("step", "forward", "backward", "optimizer")  # the step and the phase table's
 
 
 def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
@@ -54,10 +53,8 @@ def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
         )
         .filter(pl.col("name").is_not_null() & (pl.col("name") != ""))
     )
-    skip = pl.Series(np.zeros(len(texts), bool))
-    for key in SKIPPED:
-        skip = skip | matches(texts["name"], w.taxonomy.nvtx[key]).fill_null(False)
-    texts = texts.filter(~skip)
+    # (the step's and the phase table's ranges)
+    texts = texts.filter(~matches(texts["name"], w.taxonomy.step_or_phase()).fill_null(False))
     # a name needs as many ranges as half the analysed steps to recur in half of them; the
     # capture's NVTX ranges span all its steps, analysed or not (step sampling)
     counts = texts.group_by("name").agg(pl.col("len").sum())
