@@ -389,6 +389,7 @@ def main() -> None:
         Terminated,
         end_on_sigterm,
         escape_unencodable_output,
+        exit_without_collecting,
     )
 
     # numpy's OpenBLAS starts a thread per core that spins a while after start-up; traceclf
@@ -398,6 +399,7 @@ def main() -> None:
     show_warnings()
     escape_unencodable_output()
     end_on_sigterm()
+    exit_without_collecting()
     try:
         cli.main(standalone_mode=False, prog_name="traceclf")
     except click.exceptions.Exit as e:

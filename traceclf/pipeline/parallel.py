@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from traceclf.support.cpus import WORKER_CPUS, cpus
 from traceclf.support.errors import TraceError, show_warnings, warnings_quiet
+from traceclf.support.process import exit_without_collecting
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -169,6 +170,7 @@ def _start_worker(workers: int, users_decay: bool, quiet: bool) -> None:
     # otherwise each print a traceback from their idle wait.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     show_warnings(quiet)
+    exit_without_collecting()
     _share_cores(workers)
     if not users_decay:
         _keep_freed_pages()
