@@ -758,10 +758,12 @@ def test_pass_one_scans_the_nvtx_table_a_block_at_a_time(pattern, cap, monkeypat
     asked: list[str | None] = []
     read = reader.read
     monkeypatch.setattr(
-        reader, "read", lambda *a, **k: asked.append(k.get("where")) or read(*a, **k)
+        reader,
+        "read",
+        lambda *a, **k: asked.append(k.get("where") or "listed" * ("listed" in k)) or read(*a, **k),
     )
     got, _payloads = nvtx_rows.step_rows(reader, pattern)
-    assert len(asked) == 1 and asked[0].startswith("rowid IN" if cap is None else '"eventType"')
+    assert len(asked) == 1 and asked[0].startswith("listed" if cap is None else '"eventType"')
     with sqlite3.connect(path) as con:
         rows = con.execute(
             "SELECT n.start, n.eventType, coalesce(n.text, s.value) FROM NVTX_EVENTS n "
@@ -772,6 +774,33 @@ def test_pass_one_scans_the_nvtx_table_a_block_at_a_time(pattern, cap, monkeypat
     want = [start for (start, kind, _), hit in zip(rows, step, strict=True) if hit or kind == 75]
     assert sorted(got["start"].to_list()) == sorted(want)
     assert sum(step) == (2 if cap else 20)
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_rows_listed_by_rowid_are_read_by_their_list_alone(many: bool, monkeypatch) -> None:
+    """A read of rows listed by rowid (pass 1's NVTX rows found by its scan) asks SQLite for
+    the list alone, never beside a rowid range, which SQLite prefers to a list of thousands
+    and scans; a long list (here from 4 rowids on, constructed) is cut among the cores. The
+    rows are those a query of the list finds."""
+    from traceclf.ingest.reader import Reader
+
+    path = FIXTURES / "h100_comm_ep2.sqlite"
+    with sqlite3.connect(path) as con:
+        listed = [r for (r,) in con.execute("SELECT rowid FROM NVTX_EVENTS WHERE rowid % 7 = 1")]
+        want = con.execute(
+            f"SELECT start FROM NVTX_EVENTS WHERE rowid IN ({', '.join(map(str, listed))})"
+        ).fetchall()
+    if many:
+        monkeypatch.setattr(reader, "PARTITION_MIN_ROWS", 40)
+        monkeypatch.setattr(reader, "cpu_share", lambda: 2)
+    r = Reader(inspect_export(path))
+    queries: list[str] = []
+    sql = r.sql
+    monkeypatch.setattr(r, "sql", lambda q: queries.extend(q) or sql(q))
+    got = r.read("nvtx", listed=listed)
+    assert sorted(got["start"].to_list()) == sorted(s for (s,) in want) and len(want) > 50
+    assert len(queries) == 1 + many and not any("rowid >" in q for q in queries)
+    assert r.read("nvtx", listed=[]).is_empty()
 
 
 def test_steps_analysed_are_capped_however_few_rows_a_step_has(monkeypatch) -> None:

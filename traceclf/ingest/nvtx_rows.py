@@ -57,7 +57,7 @@ def step_rows(reader: Reader, pattern: str) -> tuple[pl.DataFrame, list[int] | N
     if found.picked is None:  # (past the cap: what ``wanted`` picks, by a second scan)
         rows = reader.read("nvtx", where=" OR ".join([*wanted, _rowid_in(found.steps)]))
     else:
-        rows = reader.read("nvtx", where=_rowid_in(sorted(found.picked + found.steps)))
+        rows = reader.read("nvtx", listed=sorted(found.picked + found.steps))
     return rows, found.payloads
 
 

@@ -125,13 +125,15 @@ class Reader:
         where: str | None = None,
         *,
         rowids: Sequence[tuple[int, int]] | None = None,
+        listed: Sequence[int] | None = None,
         rowid: bool = False,
         limit: int | None = None,
     ) -> pl.DataFrame:
         """The rows of ``logical`` overlapping ``spans`` (one time span or several), with
-        ``where``; only those in the rowid ranges ``(after, upto]`` of ``rowids`` when given;
-        with their rowid as ``_rowid`` when ``rowid``; at most ``limit`` rows from each of the
-        queries the read is split in (a cap checked on what came back, with no count first)."""
+        ``where``; only those in the rowid ranges ``(after, upto]`` of ``rowids`` when given,
+        or only the rows ``listed`` by rowid (sorted); with their rowid as ``_rowid`` when
+        ``rowid``; at most ``limit`` rows from each of the queries the read is split in (a cap
+        checked on what came back, with no count first)."""
         cols = TABLES[logical][1]
         if rowid:
             cols = (*cols, Col("_rowid", ("rowid",)))
@@ -147,13 +149,15 @@ class Reader:
             # first took 2.7 s of a 4.3 GB capture's scan, the spans first 2.0 s)
             clauses.insert(0, overlap_clause(spans, end))
         try:
-            df, columns = self._select(table, cols, present, clauses, rowids, limit)
+            df, columns = self._select(table, cols, present, clauses, rowids, limit, listed)
         except TraceError:
             # A value of another type than the column's (a TEXT or REAL time, as a damaged or
             # hand-edited export holds) fails the whole read: read again with every value
             # type-checked in SQL, the odd ones read as missing. Honest exports never pay
             # for the checks (~0.1 us a row).
-            df, columns = self._select(table, cols, present, clauses, rowids, limit, checked=True)
+            df, columns = self._select(
+                table, cols, present, clauses, rowids, limit, listed, checked=True
+            )
         if df.is_empty():
             return empty_frame(cols)
         df = (
@@ -181,6 +185,7 @@ class Reader:
         clauses: list[str],
         rowids: Sequence[tuple[int, int]] | None,
         limit: int | None = None,
+        listed: Sequence[int] | None = None,
         *,
         checked: bool = False,
     ) -> tuple[pl.DataFrame, _Columns]:
@@ -217,11 +222,12 @@ class Reader:
             else:
                 columns.missing.append(col)
         query = f"SELECT {', '.join(select)} FROM {table}"
-        queries = (
-            self.partitioned(query, table, clauses)
-            if rowids is None
-            else in_ranges(query, rowids, clauses)
-        )
+        if listed is not None:
+            queries = in_list(query, listed, clauses)
+        elif rowids is not None:
+            queries = in_ranges(query, rowids, clauses)
+        else:
+            queries = self.partitioned(query, table, clauses)
         if limit is not None:
             tail = f" LIMIT {int(limit)}"
             queries = queries + tail if isinstance(queries, str) else [q + tail for q in queries]
@@ -352,6 +358,27 @@ def in_ranges(
         + " AND ".join([f"rowid > {int(lo)} AND rowid <= {int(hi)}", *(f"({c})" for c in clauses)])
         for lo, hi in pieces
         if hi > lo
+    ]
+
+
+def in_list(select: str, rowids: Sequence[int], clauses: list[str]) -> list[str]:
+    """Queries for the rows ``rowids`` (sorted), one B-tree seek each: in as many lists as
+    there are cores where they are many. Never beside a rowid range, which SQLite prefers to
+    a list of thousands and scans: pass 1 read 3.5 k NVTX rows of a 4.3 GB export in
+    0.35-0.45 s that way, in 0.02 s by the list alone."""
+    parts = cpu_share() if len(rowids) >= PARTITION_MIN_ROWS // 10 else 1
+    cuts = [len(rowids) * i // parts for i in range(parts + 1)]
+    return [
+        select
+        + " WHERE "
+        + " AND ".join(
+            [
+                f"rowid IN ({', '.join(str(int(r)) for r in rowids[a:b])})",
+                *(f"({c})" for c in clauses),
+            ]
+        )
+        for a, b in itertools.pairwise(cuts)
+        if b > a
     ]
 
 
