@@ -320,3 +320,29 @@ def test_first_match_of_labels_as_first_match_does(default, repeated) -> None:
         got = first_match_of(texts.cast(pl.Categorical), table, default)
         assert got.to_list() == want["label"].to_list()
         assert got.name == "text"
+
+
+@pytest.mark.parametrize("repeated", [False, True], ids=["each-differs", "repeated"])
+def test_match_counts_count_as_each_pattern_does(repeated) -> None:
+    """The counts of several patterns taken together (their alternation picks the rows where
+    texts number them) equal each pattern's own count: the bundled training-evidence and
+    phase patterns and constructed ones with their own flags, over every NVTX text of the
+    fixtures and numbered op texts, each once or three times in a row, nulls among them."""
+    from traceclf.model.taxonomy import match_counts, matches
+
+    texts = pl.Series("text", [*_nvtx_texts(), None], dtype=pl.String)
+    if repeated:
+        texts = texts.gather([i for i in range(len(texts)) for _ in range(3)])
+    tax = bundled()
+    patterns = [
+        tax.training["backward_nvtx"],
+        tax.nvtx["optimizer"],
+        tax.moe["nvtx"],
+        tax.nvtx["forward"],
+        r"(?i)ATEN::(mm|to)\b",
+        r"seq = 1\d$",
+    ]
+    want = [int(matches(texts, p).sum()) for p in patterns]
+    assert match_counts(texts.cast(pl.Categorical), patterns) == want
+    assert match_counts(texts, patterns) == want
+    assert sum(want) > 0

@@ -11,7 +11,7 @@ import polars as pl
 from traceclf.measures import intervals
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow, optimizer_ranges
-from traceclf.model.taxonomy import by_name, matches
+from traceclf.model.taxonomy import by_name, match_counts
 from traceclf.steps.find import step_ranges
 
 
@@ -172,16 +172,19 @@ def _training_evidence(w: RankWindow) -> dict:
     # kernels launched from an autograd thread (the launch found by correlationId)
     launcher = trace.launch_column("global_tid", trace.kernels)
     autograd_launches = int(launcher.is_in(autograd.implode()).sum())
-    nvtx = trace.nvtx["text"]
+    backward_ranges, optimizer_ranges, moe_ranges = match_counts(
+        trace.nvtx["text"],
+        [patterns["backward_nvtx"], w.taxonomy.nvtx["optimizer"], w.taxonomy.moe["nvtx"]],
+    )
     total = int(names["dur"].sum())
     return {
         "backward_kernels": int(names["backward"].sum()),
         "autograd_launches": autograd_launches,
-        "backward_ranges": int(matches(nvtx, patterns["backward_nvtx"]).sum()),
+        "backward_ranges": backward_ranges,
         # optimizer kernels as the window counts them (window.py: _optimizer_family): named so,
         # or launched inside an optimizer NVTX range (communication excepted)
         "optimizer_kernels": optimizer_kernel_count(w, names),
-        "optimizer_ranges": int(matches(nvtx, w.taxonomy.nvtx["optimizer"]).sum()),
+        "optimizer_ranges": optimizer_ranges,
         "framework_kernel_frac": (
             round(int(names.filter("framework")["dur"].sum()) / total, 4) if total else None
         ),
@@ -191,5 +194,5 @@ def _training_evidence(w: RankWindow) -> dict:
             .join(names.select("name"), on="name")
             .height
         ),
-        "moe_ranges": int(matches(nvtx, w.taxonomy.moe["nvtx"]).sum()),
+        "moe_ranges": moe_ranges,
     }

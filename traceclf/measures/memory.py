@@ -7,7 +7,7 @@ import polars as pl
 
 from traceclf.measures import intervals
 from traceclf.measures.window import RankWindow
-from traceclf.model.taxonomy import matches
+from traceclf.model.taxonomy import first_match_of
 from traceclf.model.trace import HOST_MEMORY_KINDS, PINNED_MEMORY_KIND
 
 MEASURES: dict[str, str] = {
@@ -74,10 +74,9 @@ def recompute_frac(w: RankWindow) -> float | None:
     Without recompute, backward runs different GEMMs (dgrad/wgrad shapes and layouts)."""
     trace, nvtx = w.trace, w.taxonomy.nvtx
     phases = trace.nvtx.with_columns(
-        phase=pl.when(matches(trace.nvtx["text"], nvtx["forward"]))
-        .then(pl.lit("fwd"))
-        .when(matches(trace.nvtx["text"], nvtx["backward"]))
-        .then(pl.lit("bwd"))
+        phase=first_match_of(
+            trace.nvtx["text"], [("fwd", nvtx["forward"]), ("bwd", nvtx["backward"])], None
+        )
     ).filter(pl.col("phase").is_not_null())
     if (
         phases.filter(pl.col("phase") == "fwd").is_empty()

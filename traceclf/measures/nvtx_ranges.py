@@ -19,7 +19,7 @@ import polars as pl
 from traceclf.measures import intervals
 from traceclf.measures.host import NVTX_COUNTERS
 from traceclf.measures.window import RankWindow
-from traceclf.model.taxonomy import matches
+from traceclf.model.taxonomy import matches, numbered
 from traceclf.model.trace import outermost
 
 RANGE_ROWS = 12
@@ -40,34 +40,7 @@ def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
     n = len(starts)
     if trace.nvtx.is_empty() or not w.host_traced or not n:
         return []
-    # names per distinct text, counted (a regex per text, not per range: hundreds of
-    # thousands of ranges over a long capture, a few dozen texts)
-    texts = (
-        trace.nvtx.group_by("text")
-        .len()
-        .with_columns(
-            name=pl.col("text")
-            .cast(pl.String)
-            .str.replace_all(NVTX_COUNTERS, "")
-            .str.strip_chars(" ,")
-        )
-        .filter(pl.col("name").is_not_null() & (pl.col("name") != ""))
-    )
-    # (the step's and the phase table's ranges)
-    texts = texts.filter(~matches(texts["name"], w.taxonomy.step_or_phase()).fill_null(False))
-    # a name needs as many ranges as half the analysed steps to recur in half of them; the
-    # capture's NVTX ranges span all its steps, analysed or not (step sampling)
-    counts = texts.group_by("name").agg(pl.col("len").sum())
-    frequent = counts.filter(
-        (pl.col("len") * 2 >= n) & (pl.col("len") <= MAX_PER_STEP * max(w.steps.count, n))
-    )
-    chosen = texts.join(frequent.select("name"), on="name", how="semi").select("text", "name")
-    candidates = (
-        trace.nvtx.select("start", "end", "text")
-        .join(chosen, on="text", how="inner")
-        .drop("text")
-        .with_row_index("range_id")
-    )
+    candidates = _candidates(w, n)
     spans = _projected(trace, candidates.with_columns(pl.col("range_id").cast(pl.Int64)))
     runs = _united(intervals.clip(spans, w.spans)).sort("start")  # (queries in time order)
     if runs.is_empty():
@@ -100,6 +73,46 @@ def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
         }
         for r in table.to_dicts()
     ]
+
+
+def _candidates(w: RankWindow, n: int) -> pl.DataFrame:
+    """The ranges (range_id, start, end, name) of the names that may recur in ``n`` analysed
+    steps: named, the step's and the phase table's left out, counted per name."""
+    nvtx = w.trace.nvtx
+    name = pl.col("text").cast(pl.String).str.replace_all(NVTX_COUNTERS, "").str.strip_chars(" ,")
+    if numbered(nvtx["text"]):
+        # texts that number their ranges (PyTorch's emit_nvtx: "aten::mm, seq = 7") each
+        # differ: each range is named (4.8 M: 1.4 s), not each distinct text (3.6 s)
+        named = nvtx.select("start", "end", name=name)
+        counts = _names(named.group_by("name").len(), w)
+        frequent = _frequent(counts, w, n)
+        return named.join(frequent, on="name", how="semi").with_row_index("range_id")
+    # names per distinct text, counted (a regex per text, not per range: hundreds of
+    # thousands of ranges over a long capture, a few dozen texts)
+    texts = _names(nvtx.group_by("text").len().with_columns(name=name), w)
+    frequent = _frequent(texts.group_by("name").agg(pl.col("len").sum()), w, n)
+    chosen = texts.join(frequent, on="name", how="semi").select("text", "name")
+    return (
+        nvtx.select("start", "end", "text")
+        .join(chosen, on="text", how="inner")
+        .drop("text")
+        .with_row_index("range_id")
+    )
+
+
+def _names(named: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
+    """``named``'s rows whose name is one (not the step's or a phase table's range)."""
+    named = named.filter(pl.col("name").is_not_null() & (pl.col("name") != ""))
+    return named.filter(~matches(named["name"], w.taxonomy.step_or_phase()).fill_null(False))
+
+
+def _frequent(counts: pl.DataFrame, w: RankWindow, n: int) -> pl.DataFrame:
+    """The names of ``counts`` (name, len) with enough ranges to recur in ``n`` analysed steps:
+    as many as half of them to recur in half of them (the capture's NVTX ranges span all its
+    steps, analysed or not: step sampling), and at most MAX_PER_STEP a step."""
+    return counts.filter(
+        (pl.col("len") * 2 >= n) & (pl.col("len") <= MAX_PER_STEP * max(w.steps.count, n))
+    ).select("name")
 
 
 def _projected(trace, ranges: pl.DataFrame) -> pl.DataFrame:

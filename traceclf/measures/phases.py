@@ -20,7 +20,7 @@ import polars as pl
 from traceclf.measures import intervals
 from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.measures.window import RankWindow
-from traceclf.model.taxonomy import matches
+from traceclf.model.taxonomy import first_match_of
 
 PHASES = ("forward", "backward", "optimizer")
 OUTSIDE = "outside phases"
@@ -34,13 +34,8 @@ def projected(w: RankWindow) -> pl.DataFrame:
     trace, patterns = w.trace, w.taxonomy.nvtx
     if trace.nvtx.is_empty() or not w.host_traced:
         return pl.DataFrame(schema=schema)
-    label = pl.lit(None, dtype=pl.String)
-    for phase in reversed(PHASES):
-        label = (
-            pl.when(matches(trace.nvtx["text"], patterns[phase]))
-            .then(pl.lit(phase))
-            .otherwise(label)
-        )
+    # (the first phase whose pattern a range's text matches)
+    label = first_match_of(trace.nvtx["text"], [(p, patterns[p]) for p in PHASES], None)
     ranges = (
         trace.nvtx.with_columns(phase=label)
         .filter(pl.col("phase").is_not_null())

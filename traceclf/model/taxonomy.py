@@ -17,7 +17,7 @@ from traceclf.rulebook.taxonomy_tables import FamilyPattern, Table, TaxonomyTabl
 
 if TYPE_CHECKING:  # polars is imported where an expression is built: a cached re-analysis
     # reads the taxonomy (the rule set's) without building any
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Sequence
 
     import numpy as np
     import polars as pl
@@ -219,7 +219,7 @@ def any_of(patterns: Iterable[str]) -> str:
     return "|".join(f"(?:{pattern})" for pattern in patterns)
 
 
-def _numbered(values: pl.Series) -> bool:
+def numbered(values: pl.Series) -> bool:
     """Whether the texts of ``values`` number their rows (nearly each differs), as the first
     :data:`MATCH_PROBE` say."""
     return values.head(MATCH_PROBE).n_unique() * 2 > MATCH_PROBE
@@ -231,11 +231,24 @@ def matches(values: pl.Series, pattern: str) -> pl.Series:
     texts), and a regex over every row cost 5x a lookup (null stays null)."""
     import polars as pl
 
-    if _numbered(values):
+    if numbered(values):
         return values.cast(pl.String).str.contains(pattern)
     distinct = values.unique().drop_nulls()
     hits = distinct.filter(distinct.cast(pl.String).str.contains(pattern))
     return values.is_in(hits.implode()).alias(values.name)
+
+
+def match_counts(values: pl.Series, patterns: Sequence[str]) -> list[int]:
+    """How many of ``values`` each of ``patterns`` matches (``matches(values, p).sum()``):
+    where texts number their rows, the patterns' alternation picks in one pass the rows any
+    of them matches, and each pattern runs on those alone."""
+    import polars as pl
+
+    if not numbered(values):
+        return [int(matches(values, pattern).sum()) for pattern in patterns]
+    text = values.cast(pl.String)
+    hits = text.filter(text.str.contains(any_of(patterns)).fill_null(False))
+    return [int(hits.str.contains(pattern).sum()) for pattern in patterns]
 
 
 def first_match(col: str, table: Table, default: str | None) -> pl.Expr:
@@ -265,12 +278,12 @@ def first_match_of(values: pl.Series, table: Table, default: str | None) -> pl.S
     if not table:
         return pl.repeat(default, len(text), dtype=pl.String, eager=True).alias(values.name)
     anyone = any_of(pattern for _label, pattern in table)
-    numbered = _numbered(text)
-    candidates = text if numbered else text.unique().drop_nulls()
+    each = numbered(text)
+    candidates = text if each else text.unique().drop_nulls()
     hit = candidates.str.contains(anyone).fill_null(False)
     hits = pl.DataFrame({"t": candidates.filter(hit)})
     labels = hits.select(first_match("t", table, default)).to_series()
-    if numbered:
+    if each:
         labelled = pl.repeat(default, len(text), dtype=pl.String, eager=True)
         return labelled.scatter(hit.arg_true(), labels).alias(values.name)
     labelled = text.replace_strict(hits["t"], labels, default=default, return_dtype=pl.String)
