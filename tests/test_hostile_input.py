@@ -274,6 +274,9 @@ def test_kernels_without_names_render_in_every_format(tmp_path: Path, case: str)
 
 
 def test_non_utf8_file_name_is_analysed(tmp_path: Path) -> None:
+    """A file name that is not UTF-8 is reported with its byte written out (``\\xff``) in
+    every format, the per-rank tables (CSV, --export-dir) and valid JSON included: polars and
+    JSON cannot hold the lone surrogate Python keeps for the byte."""
     folder = tmp_path / "run"
     folder.mkdir()
     name = os.fsdecode(b"rank\xff.sqlite")
@@ -281,6 +284,21 @@ def test_non_utf8_file_name_is_analysed(tmp_path: Path) -> None:
     result = run_cli_process("analyze", folder / name, "-q", "--no-cache")
     assert result.code == 0, result.stderr
     assert "HOST-bound" in result.stdout
+    shown = "rank\\xff.sqlite"
+    for fmt in ("csv", "json", "md"):
+        result = run_cli_process("analyze", folder / name, "-q", "--no-cache", "-f", fmt)
+        assert result.code == 0, (fmt, result.stderr)
+        assert shown in result.stdout.replace("\\\\", "\\"), fmt
+    report = json.loads(
+        run_cli_process("analyze", folder / name, "-q", "--no-cache", "-f", "json").stdout
+    )
+    assert report["ranks"][0]["file"].endswith(shown)
+    tables = tmp_path / "tables"
+    result = run_cli_process(
+        "analyze", folder / name, "-q", "--no-cache", "--export-dir", tables, "-f", "json"
+    )
+    assert result.code == 0, result.stderr
+    assert shown in (tables / "ranks.csv").read_text()
 
 
 def saved_report(folder: Path) -> Path:

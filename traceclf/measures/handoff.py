@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
+from traceclf.support.escape import path_text
 from traceclf.support.records import from_json
 
 # What the host was doing while the GPU idled (measures/host.py: idle_gaps), in the order every
@@ -130,8 +131,9 @@ class ExportResult:
 
     def named(self, path: Path) -> ExportResult:
         """The same result under the path the user gave this time (a cache hit may have been
-        written under another spelling of it)."""
-        name = str(path)
+        written under another spelling of it), as text the report can hold
+        (:func:`traceclf.support.escape.path_text`)."""
+        name = path_text(path)
         ranks = tuple(replace(rank, path=name) for rank in self.ranks)
         return replace(self, path=name, ranks=ranks)
 

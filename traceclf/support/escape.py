@@ -37,6 +37,16 @@ def _shown(match: re.Match[str]) -> str:
     return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
+_UNDECODED = re.compile("[\udc80-\udcff]")
+
+
+def path_text(path: Any) -> str:
+    """A file name as the report holds it: each byte that is not UTF-8 (kept by Python as a
+    lone surrogate, which JSON, polars and a UTF-8 stream cannot hold) written as ``\\xff``,
+    as every renderer shows it."""
+    return _UNDECODED.sub(_shown, str(path))
+
+
 def visible(value: Any, *, multiline: bool = False) -> str:
     """``value`` as text with every control character written out (``\\x1b``, ``\\n``), so
     it reads as what it is and cannot act on a terminal. ``multiline`` keeps newlines and
