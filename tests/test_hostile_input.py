@@ -326,12 +326,35 @@ MALFORMED_REPORTS: dict[str, Callable[[dict], object]] = {
     "classification is a list": lambda d: d.update(classification=["host"]),
     "gpus hold a string": lambda d: d.update(gpus=["H100"]),
     "metrics hold text": lambda d: d.update(metrics="fast"),
+    # step times no run can have (under nsys's 1 ns): an "improvement" from a negative
+    # baseline, a percentage of 300 digits from 1e-300 ms, before they were refused
+    "step times are negative": lambda d: d["steps"].update(mean_ms=-5, median_ms=-5),
+    "step times are zero": lambda d: d["steps"].update(mean_ms=0, median_ms=0),
+    "step times are 1e-300 ms": lambda d: d["steps"].update(mean_ms=1e-300, median_ms=1e-300),
 }
 
 
 # A broken mean step time must make the verdict "inconclusive" (said so, in every format),
 # never a silent "no significant change" (an infinite CV only loses the noise band).
-GATE_CASES = ("steps is a list", "mean_ms is a string", "mean_ms is NaN")
+GATE_CASES = (
+    "steps is a list",
+    "mean_ms is a string",
+    "mean_ms is NaN",
+    "step times are negative",
+    "step times are zero",
+    "step times are 1e-300 ms",
+)
+
+
+@pytest.mark.parametrize("case", [c for c in GATE_CASES if c.startswith("step times")])
+def test_compare_refuses_a_baseline_with_a_step_time_no_run_can_have(
+    tmp_path: Path, case: str
+) -> None:
+    """The baseline side too: inconclusive (exit 3), the report named in the one line."""
+    after = saved_report(tmp_path)
+    before = edited(after, tmp_path / "before-edited.json", MALFORMED_REPORTS[case])
+    gate = run_cli("compare", before, after)
+    assert gate.code == 3 and "before-edited.json" in gate.stderr, gate.stderr
 
 
 @pytest.mark.parametrize("case", MALFORMED_REPORTS)

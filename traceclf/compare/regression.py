@@ -112,8 +112,8 @@ def run_of(source: str, report: Report) -> Run:
         source=source,
         bound=bound if isinstance(bound, str) else None,
         confidence=_float(cls_.get("confidence")),
-        step_mean_ms=_float(s.get("mean_ms")),
-        step_median_ms=_float(s.get("median_ms")),
+        step_mean_ms=_step_ms(s.get("mean_ms")),
+        step_median_ms=_step_ms(s.get("median_ms")),
         step_cv=_float(s.get("cv")),
         steps_used=int(_float(s.get("used")) or 0),
         step_source=str(s.get("source", "none")) + (f' "{label}"' if label else ""),
@@ -266,7 +266,8 @@ def _summary(
         missing = " and ".join(r.source for r in (b, a) if r.step_mean_ms is None)
         if missing:
             return (
-                f"Inconclusive: no step time for {missing} (no steps found), so nothing to gate on."
+                f"Inconclusive: no step time for {missing} (no steps found, or a step time no "
+                "run can have), so nothing to gate on."
             )
         abstained = "; ".join(
             r.source + (f" ({r.abstain_reason})" if r.abstain_reason else "")
@@ -317,13 +318,24 @@ def _float(v) -> float | None:
     return float(v) if _number(v) else None
 
 
+# A step time a run can have: at least the 1 ns nsys counts in, at most the 2^62 ns its clock
+# reaches. A saved report with another (zero, negative, 1e-300 ms) has no usable step time:
+# the verdict is inconclusive, never an "improvement" from a negative baseline.
+STEP_MS = (1e-6, float(1 << 62) / 1e6)
+
+
+def _step_ms(v) -> float | None:
+    ms = _float(v)
+    return ms if ms is not None and STEP_MS[0] <= ms <= STEP_MS[1] else None
+
+
 def _comparability(b: Run, a: Run) -> list[str]:
     notes = []
     if b.gpus != a.gpus:
         notes.append(f"different GPUs: {', '.join(b.gpus) or '?'} vs {', '.join(a.gpus) or '?'}")
     for run in (b, a):
         if run.step_mean_ms is None:
-            notes.append(f"{run.source}: no steps found, so no step time")
+            notes.append(f"{run.source}: no steps found (or a step time no run can have)")
     if b.step_mean_ms is not None and a.step_mean_ms is not None and b.step_source != a.step_source:
         notes.append(f"steps found differently: {b.step_source} vs {a.step_source}")
     if b.ranks != a.ranks:
