@@ -106,6 +106,27 @@ def test_an_export_folder_appears_whole_or_not_at_all(tmp_path: Path, folder: st
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+@pytest.mark.parametrize("to_file", [True, False], ids=["-o", "stdout"])
+def test_a_run_whose_tables_fail_leaves_no_report(tmp_path: Path, to_file: bool) -> None:
+    """Constructed: a link planted where a table goes. The report was written (or printed)
+    first and the run then exited 2; now the report, its figures and its tables appear
+    together or not at all, and nothing reaches stdout."""
+    export = tiny(tmp_path / "run")
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("not a table\n")
+    (tables / "steps.csv").symlink_to(precious)
+    out = ["-o", tmp_path / "report.md"] if to_file else []
+    result = run_cli("analyze", export, "-f", "md", *out, "--export-dir", tables, "-q",
+                     "--no-cache")  # fmt: skip
+    one_line_error(result, "steps.csv", "symbolic link")
+    assert result.stdout == ""
+    assert precious.read_text() == "not a table\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious.txt", "run", "tables"]
+    assert [p.name for p in tables.iterdir()] == ["steps.csv"]
+
+
 def test_an_existing_export_folder_keeps_its_old_tables_on_failure(tmp_path: Path) -> None:
     export = tiny(tmp_path / "run")
     tables = tmp_path / "tables"

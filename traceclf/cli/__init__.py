@@ -142,6 +142,7 @@ def analyze(
     check_address_space()
     from traceclf.pipeline.analysis import AnalysisOptions, analyze_inputs, chosen_inputs
     from traceclf.render import render, render_json_text
+    from traceclf.support.atomic import written_together
 
     if fmt == "html" and output is None:
         raise click.UsageError("--format html needs -o/--output FILE")
@@ -178,17 +179,22 @@ def analyze(
             return
     if report is None:
         report = analyze_inputs(list(inputs), opts, chosen)
-    render(report, fmt, out, written)
-    if export_dir is not None:
-        from traceclf.export.files import export_tables
+    # The report, its tables and its trace file appear together or not at all: a run that
+    # exits 2 leaves none of them, nor a report on stdout (printed once the rest is staged).
+    with written_together(written):
+        if export_dir is not None:
+            from traceclf.export.files import export_tables
 
-        export_tables(report, export_dir, export_format, written)
-    if trace_out is not None:
-        from traceclf.export.perfetto import write_trace
-        from traceclf.report.runset import RunSet
+            export_tables(report, export_dir, export_format, written)
+        if trace_out is not None:
+            from traceclf.export.perfetto import write_trace
+            from traceclf.report.runset import RunSet
 
-        runs = report.runs if isinstance(report, RunSet) else [report]
-        write_trace(runs, trace_out, inputs=written, use_cache=not no_cache, cache_dir=cache_dir)
+            runs = report.runs if isinstance(report, RunSet) else [report]
+            write_trace(
+                runs, trace_out, inputs=written, use_cache=not no_cache, cache_dir=cache_dir
+            )
+        render(report, fmt, out, written)
 
 
 @cli.command()

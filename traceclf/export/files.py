@@ -12,7 +12,6 @@ and the rest (RFC 4180).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import re
 from collections.abc import Iterable
@@ -54,19 +53,14 @@ def export_tables(
     """Write every table of ``report`` (:data:`traceclf.report.frames.TABLES`) into ``folder``
     (created if missing) as ``<table>.csv`` or ``<table>.parquet``; returns the files written."""
     folder = Path(folder)
-    made = make_folder(folder)
     written = []
-    try:
-        with written_together(inputs) as files:
-            for name, df in report.tables().items():
-                path = folder / f"{name}.{fmt}"
-                files.add(path, table_bytes(df, fmt))
-                written.append(path)
-    except BaseException:
-        for created in made:  # innermost first: only the folders made here, if still empty
-            with contextlib.suppress(OSError):
-                created.rmdir()
-        raise
+    with written_together(inputs) as files:
+        # (on failure, removed with the tables: only the folders made here, if still empty)
+        files.made(make_folder(folder))
+        for name, df in report.tables().items():
+            path = folder / f"{name}.{fmt}"
+            files.add(path, table_bytes(df, fmt))
+            written.append(path)
     return written
 
 

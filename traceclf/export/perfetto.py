@@ -22,7 +22,6 @@ is the encoder's.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -146,25 +145,18 @@ def write_trace(
     }
     text, count = trace_json(reports, traces)
     tracks = rank_tracks(reports)
-    made: list[Path] = []
-    try:
-        with written_together(inputs) as files:
-            files.add(path, text, named=True)
-            if len(tracks) > 1:
-                from traceclf.export.files import make_folder
+    with written_together(inputs) as files:
+        files.add(path, text, named=True)
+        if len(tracks) > 1:
+            from traceclf.export.files import make_folder
 
-                folder = per_rank_folder(path)
-                for i, report in enumerate(reports, 1):
-                    sub = folder / f"run{i}" if len(reports) > 1 else folder
-                    made += make_folder(sub)
-                    for rank in report.ranks:
-                        one, _ = trace_json([report], traces, ranks=[("", rank)])
-                        files.add(sub / f"rank{rank['rank']}.json", one)
-    except BaseException:
-        for created in made:
-            with contextlib.suppress(OSError):
-                created.rmdir()
-        raise
+            folder = per_rank_folder(path)
+            for i, report in enumerate(reports, 1):
+                sub = folder / f"run{i}" if len(reports) > 1 else folder
+                files.made(make_folder(sub))  # (removed on failure, if still empty)
+                for rank in report.ranks:
+                    one, _ = trace_json([report], traces, ranks=[("", rank)])
+                    files.add(sub / f"rank{rank['rank']}.json", one)
     return count
 
 

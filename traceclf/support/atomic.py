@@ -14,7 +14,8 @@
 - Files that belong together (a report and its figures, the tables of ``--export-dir``) are
   written with :func:`written_together`: every one to its temporary first, then all renamed
   into place; a failure (a full disk) removes the temporaries, so they appear whole or not
-  at all.
+  at all. Opened inside another, its files join the outer one's: the CLI opens one for the
+  report, its tables and its trace file, so that a run that fails leaves none of them.
 
 Every problem is a one-line :class:`~traceclf.support.errors.TraceError` naming the output.
 """
@@ -22,6 +23,7 @@ Every problem is a one-line :class:`~traceclf.support.errors.TraceError` naming 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import os
 import stat
@@ -58,6 +60,11 @@ class Together:
         self.inputs = list(inputs)
         self.staged: list[tuple[Path, Path]] = []  # (temporary, target)
         self.through: list[tuple[Path, bytes]] = []  # FIFOs and devices, written at the end
+        self.folders: list[Path] = []  # made for the files: removed with them, if empty
+
+    def made(self, folders: Iterable[Path]) -> None:
+        """Folders made for these files (innermost first): removed, if empty, on discard."""
+        self.folders = [*folders, *self.folders]
 
     def add(self, path: str | Path, data: str | bytes, *, named: bool = False) -> None:
         """Stage ``data`` for ``path``: ``named`` when the user named it (``-o``: links are
@@ -91,18 +98,38 @@ class Together:
         for tmp, _target in self.staged:
             tmp.unlink(missing_ok=True)
         self.staged = []
+        for folder in self.folders:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        self.folders = []
+
+
+# the files being written together in this thread's context (None: none)
+_STAGING: contextvars.ContextVar[Together | None] = contextvars.ContextVar(
+    "traceclf_written_together", default=None
+)
 
 
 @contextlib.contextmanager
 def written_together(inputs: Iterable[Path] = ()) -> Iterator[Together]:
     """Stage files with ``.add`` in the body; they are renamed into place when it ends, or
-    all removed when it fails, so that they appear whole or not at all."""
+    all removed when it fails, so that they appear whole or not at all. Inside another
+    ``written_together``, the files are staged with the outer one's (``inputs`` refused
+    there too) and appear when it ends."""
+    outer = _STAGING.get()
+    if outer is not None:
+        outer.inputs += [p for p in inputs if p not in outer.inputs]
+        yield outer
+        return
     files = Together(inputs)
+    token = _STAGING.set(files)
     try:
         yield files
     except BaseException:
         files.discard()
         raise
+    finally:
+        _STAGING.reset(token)
     files.publish()
 
 
