@@ -301,6 +301,40 @@ def test_non_utf8_file_name_is_analysed(tmp_path: Path) -> None:
     assert shown in (tables / "ranks.csv").read_text()
 
 
+def test_names_of_a_megabyte_cost_what_a_long_name_costs(tmp_path: Path) -> None:
+    """Constructed: four kernel names, the GPU's name and NVTX ranges' text of 1 MB each
+    (markup, newlines, escapes). Each was kept whole in every row that repeats it: a 411 MB
+    JSON report from a 14 MB export. Now any text over MAX_TEXT characters is cut there, with
+    a mark saying how long it was."""
+    from traceclf.ingest.utf8 import MAX_TEXT
+
+    export = tiny_copy(tmp_path / "run")
+    big = '<&|`"\n\x1b' * 150_000  # (1.05 M characters)
+    with sqlite3.connect(export) as con:
+        ids = [i for (i,) in con.execute(
+            "SELECT DISTINCT demangledName FROM CUPTI_ACTIVITY_KIND_KERNEL LIMIT 4")]  # fmt: skip
+        con.executemany(
+            "UPDATE StringIds SET value = ? WHERE id = ?", [("K" + big, i) for i in ids]
+        )
+        con.execute(
+            "INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid, domainId) "
+            "SELECT start + 1000, end - 1000, eventType, ?, globalTid, domainId FROM NVTX_EVENTS "
+            "WHERE end IS NOT NULL",
+            ("N" + big,),
+        )
+        con.execute("UPDATE TARGET_INFO_GPU SET name = ?", ("G" + big,))
+    result = run_cli("analyze", export, "-f", "json", "-q", "--no-cache")
+    assert result.code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert len(result.stdout) < 10_000_000
+    names = [k["name"] for k in report["ranks"][0]["top_kernels"]]
+    cut = [n for n in names if n.startswith("K")]
+    assert cut and all(len(n) <= MAX_TEXT + 30 for n in cut)
+    mark = f"… ({len(big) + 1} characters)"
+    assert all(n.endswith(mark) for n in cut)
+    assert report["gpus"][0]["name"].endswith(mark)
+
+
 def saved_report(folder: Path) -> Path:
     path = folder / "before.json"
     result = run_cli(
