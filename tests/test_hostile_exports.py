@@ -155,6 +155,33 @@ def test_a_time_of_another_type_is_left_out_and_counted(tmp_path: Path, case: st
     assert report["classification"]["bound"] == "host"
 
 
+def test_rows_unusable_for_several_reasons_count_once(tmp_path: Path) -> None:
+    """Constructed: 64 kernels with start and end negated (an end before the start, and
+    times no capture has). Each was counted under both reasons (128 for 64 rows dropped);
+    now under the first it has."""
+    report = analysed(
+        edited(
+            tmp_path,
+            'UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = -start, "end" = -"end" '
+            "WHERE rowid <= 64",
+        )
+    )
+    assert report["capture"]["unusable_rows"] == {"kernels.end_before_start": 64}
+
+
+def test_an_export_whose_kernel_rows_are_all_unusable_says_so(tmp_path: Path) -> None:
+    """Constructed: every kernel ends before it starts. The run was refused as one where
+    "no kernel ran (only 140 memcpy/memset rows)"; now the rows left out, and why."""
+    path = edited(tmp_path, 'UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET "end" = start - 5')
+    with sqlite3.connect(path) as con:
+        (kernels,) = con.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchone()
+    result = run_cli("analyze", path, "-q", "--no-cache")
+    assert result.code == 2 and len(result.stderr.splitlines()) == 1
+    assert f"no usable kernel row in this capture ({kernels} left out: end before start: " in (
+        result.stderr
+    )
+
+
 def test_a_kernel_spanning_every_time_is_left_out(tmp_path: Path) -> None:
     """Constructed: one kernel from -2^63 to 2^63-1. It covered every step: the host-bound
     trace (0.92) read compute-bound (0.95)."""

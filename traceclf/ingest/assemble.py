@@ -139,9 +139,9 @@ MAX_TIME_NS = 1 << 62
 
 def usable(df: pl.DataFrame, logical: str, counts: dict[str, int]) -> pl.DataFrame:
     """``df`` without the rows no measure can use: no start or end (or one of another type),
-    an end before the start, times no capture has, no process. How many of each are dropped
-    is added to ``counts`` (the Trace's ``unusable_rows``), so the report can say so rather
-    than judge silently on fewer rows."""
+    an end before the start, times no capture has, no process. How many are dropped, each
+    under the first of these reasons it has, is added to ``counts`` (the Trace's
+    ``unusable_rows``), so the report can say so rather than judge silently on fewer rows."""
     if df.is_empty():
         return df
     timed = "end" in df.columns
@@ -154,13 +154,16 @@ def usable(df: pl.DataFrame, logical: str, counts: dict[str, int]) -> pl.DataFra
         ).fill_null(False),
         "no_process": pl.col("pid").is_null() if "pid" in df.columns else pl.lit(False),
     }
-    found = df.select(**{k: v.sum() for k, v in checks.items()}).row(0, named=True)
-    if not any(found.values()):
+    unusable = pl.any_horizontal(*checks.values())
+    if not df.select(unusable.any()).item():
         return df
-    for reason, n in found.items():
-        if n:
-            counts[f"{logical}.{reason}"] = counts.get(f"{logical}.{reason}", 0) + int(n)
-    return df.filter(~pl.any_horizontal(*checks.values()))
+    reason = pl.lit(None, pl.String)
+    for name, check in reversed(checks.items()):  # (the first reason a row has is its own)
+        reason = pl.when(check).then(pl.lit(name)).otherwise(reason)
+    found = df.select(reason=reason).drop_nulls()["reason"].value_counts()
+    for name, n in found.iter_rows():
+        counts[f"{logical}.{name}"] = counts.get(f"{logical}.{name}", 0) + int(n)
+    return df.filter(~unusable)
 
 
 def sorted_by_start(df: pl.DataFrame) -> pl.DataFrame:

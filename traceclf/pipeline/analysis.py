@@ -291,11 +291,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     if not pids:
         raise TraceError(path, "no process ran GPU work (kernel and copy rows name no process)")
     if trace.kernels.is_empty() and trace.graphs.is_empty():
-        raise TraceError(
-            path,
-            f"no kernel ran in this capture (only {len(trace.copies)} memcpy/memset rows): "
-            "nothing to judge",
-        )
+        raise TraceError(path, _no_kernel(trace))
 
     def rank(pid: int) -> RankResult:
         rank_trace = trace.for_pid(pid)
@@ -330,6 +326,19 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
         unusable_rows=trace.unusable_rows,
         repaired_strings=trace.repaired_strings,
     )
+
+
+def _no_kernel(trace) -> str:
+    """Why there is nothing to judge: no kernel row, or none a measure can use (each reason
+    and how many rows: a damaged or hand-edited table is not an export without kernels)."""
+    bad = {k: n for k, n in trace.unusable_rows.items() if k.split(".")[0] in ("kernels", "graphs")}
+    if bad:
+        why = ", ".join(f"{k.split('.', 1)[1].replace('_', ' ')}: {n:,}" for k, n in bad.items())
+        return (
+            f"no usable kernel row in this capture ({sum(bad.values()):,} left out: {why}): "
+            "nothing to judge"
+        )
+    return f"no kernel ran in this capture (only {len(trace.copies)} memcpy/memset rows): nothing to judge"
 
 
 def _placement(trace, pid: int, gpu: dict | None, path: Path) -> Placement:
