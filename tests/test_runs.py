@@ -71,6 +71,20 @@ def test_unrelated_runs_get_one_report_each(tmp_path: Path) -> None:
     assert rows == runs.to_dict()["summary"]
 
 
+def test_the_same_capture_given_twice_is_analysed_once(tmp_path: Path) -> None:
+    """Constructed: a copy of an export beside it. The two were merged into a job of two
+    ranks with one pid sharing one GPU; now the copy is said to be the same capture and the
+    report is the export's own."""
+    first, again = tmp_path / "run.sqlite", tmp_path / "run-copy.sqlite"
+    copy_export(fixture_trace("h100_host_input_stall"), first)
+    copy_export(first, again)
+    with pytest.warns(UserWarning, match=r"run(-copy)?\.sqlite: the same capture as .*run"):
+        report = analyze(tmp_path, jobs=1)
+    alone = analyze(first)
+    assert isinstance(report, Report) and len(report.ranks) == len(alone.ranks) == 1
+    assert report.metrics == alone.metrics
+
+
 def test_runs_come_in_the_order_they_were_named(tmp_path: Path) -> None:
     """Files named one by one keep their order (a folder's files come in natural order); the
     summary is a polars frame keyed by file names, and its text takes string operations."""

@@ -95,7 +95,7 @@ def analyze_inputs(
         cached = _cached_run(files[0], run, opts)
         if cached is not None:
             return cached
-    from traceclf.pipeline.grouping import group, split_unrelated_ranks
+    from traceclf.pipeline.grouping import group, split_unrelated_ranks, without_repeats
     from traceclf.pipeline.parallel import started_workers
     from traceclf.pipeline.reduce import build_report
     from traceclf.report.runset import RunSet
@@ -112,7 +112,7 @@ def analyze_inputs(
             [r.path for r in results],
             opts.step_regex,
         )
-    results = split_unrelated_ranks(results, opts.grouping)
+    results = split_unrelated_ranks(without_repeats(results), opts.grouping)
     grouping = group(results, opts.grouping)
     reports = []
     for members in grouping.groups:

@@ -135,6 +135,40 @@ class Grouping:
         return {"mode": self.mode, "decided_by": self.decided_by, "reason": self.reason}
 
 
+def without_repeats(results: list[ExportResult]) -> list[ExportResult]:
+    """``results`` with each capture once: an export whose capture started and ran its GPU
+    work at the same ns as an earlier one's, with the same processes, is that capture again
+    (a copy, or a folder holding a copy and a link), said so, not a second rank of a job."""
+    import warnings
+
+    from traceclf.support.errors import TraceWarning
+
+    seen: dict[tuple, str] = {}
+    out = []
+    for result in results:
+        key = _capture_key(result)
+        if key is not None and key in seen:
+            warnings.warn(
+                f"{result.path}: the same capture as {seen[key]} (its start, GPU span and "
+                "processes): analysed once",
+                TraceWarning,
+                stacklevel=2,
+            )
+            continue
+        if key is not None:
+            seen[key] = result.path
+        out.append(result)
+    return out
+
+
+def _capture_key(result: ExportResult) -> tuple | None:
+    job = result.job or {}
+    start, span = job.get("start_utc_ns"), job.get("gpu_span_ns")
+    if start is None or not span:
+        return None
+    return (start, *span, tuple(sorted(r.pid for r in result.ranks)))
+
+
 def split_unrelated_ranks(results: list[ExportResult], how: str = "auto") -> list[ExportResult]:
     """Processes of one export that cannot be ranks of one job (another GPU model, steps found
     another way, step times more than ``STEP_TOLERANCE`` apart) are split into one result
