@@ -380,6 +380,17 @@ GATE_CASES = (
 )
 
 
+def test_compare_names_a_report_of_several_runs_as_such(tmp_path: Path) -> None:
+    """A saved report of several runs (--runs) was refused as "not a traceclf report"."""
+    before = saved_report(tmp_path)
+    runs = tmp_path / "runs.json"
+    made = run_cli("analyze", "--runs", before.parent / "run", fixture_trace("h100_comm_ep2"),
+                   "-f", "json", "-o", runs, "-q", "--no-cache")  # fmt: skip
+    assert made.code == 0, made.stderr
+    result = run_cli("compare", before, runs)
+    assert_one_line_error(result, "runs.json", "a report of 2 runs")
+
+
 @pytest.mark.parametrize("case", [c for c in GATE_CASES if c.startswith("step times")])
 def test_compare_refuses_a_baseline_with_a_step_time_no_run_can_have(
     tmp_path: Path, case: str

@@ -117,6 +117,12 @@ class Report:
     @classmethod
     def from_dict(cls, data: dict) -> Report:
         missing = {"report_version", "metrics", "classification"} - set(data)
+        if missing and isinstance(data.get("runs"), list):
+            raise TraceError(
+                None,
+                f"a report of {len(data['runs'])} runs (analysed with --runs, or inputs that "
+                "are not one job): compare takes one run's report (analyse that run alone)",
+            )
         if missing:
             raise TraceError(None, f"not a traceclf report (missing {', '.join(sorted(missing))})")
         names = {f.name for f in fields(cls)}
