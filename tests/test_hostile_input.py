@@ -380,6 +380,18 @@ GATE_CASES = (
 )
 
 
+def test_compare_says_a_saved_report_is_of_a_newer_contract(tmp_path: Path) -> None:
+    """Constructed: a saved report claiming report_version 99 was compared without a word."""
+    before = saved_report(tmp_path)
+    after = edited(before, tmp_path / "v99.json", lambda d: d.update(report_version=99))
+    result = run_cli("compare", before, after, "-f", "json")
+    assert result.code == 0, result.stderr
+    notes = json.loads(result.stdout)["notes"]
+    assert any("v99.json: report version 99, newer than this traceclf's (2)" in n for n in notes)
+    same = json.loads(run_cli("compare", before, before, "-f", "json").stdout)["notes"]
+    assert not any("newer" in n for n in same)
+
+
 def test_compare_names_a_report_of_several_runs_as_such(tmp_path: Path) -> None:
     """A saved report of several runs (--runs) was refused as "not a traceclf report"."""
     before = saved_report(tmp_path)

@@ -58,7 +58,7 @@ from traceclf.compare.changes import (
 from traceclf.compare.parts import breakdown
 from traceclf.pipeline.analysis import AnalysisOptions
 from traceclf.report.comparison import Comparison, MeasureChange, MultiComparison, Run
-from traceclf.report.contract import Report
+from traceclf.report.contract import REPORT_VERSION, Report
 from traceclf.rulebook.entries import ComparisonSettings
 from traceclf.support.errors import TraceError
 from traceclf.support.units import fmt_ms, signed_pct
@@ -344,6 +344,12 @@ def _comparability(b: Run, a: Run) -> list[str]:
         if run.bound is None:
             why = f" ({run.abstain_reason})" if run.abstain_reason else ""
             notes.append(f"{run.source}: traceclf did not name a bound{why}")
+    for run in (b, a):
+        if run.report_version is not None and run.report_version > REPORT_VERSION:
+            notes.append(
+                f"{run.source}: report version {run.report_version}, newer than this "
+                f"traceclf's ({REPORT_VERSION}): what it does not know is left out"
+            )
     return notes
 
 

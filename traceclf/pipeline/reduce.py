@@ -15,14 +15,13 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from traceclf.report.contract import Report
+from traceclf.report.contract import REPORT_VERSION, Report
 from traceclf.support.version import __version__
 
 if TYPE_CHECKING:
     from traceclf.measures.handoff import ExportResult, RankResult
 
 GPU_KEYS = ("name", "chip", "sm_count", "memory_bytes")
-REPORT_VERSION = 2
 
 
 def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> Report:

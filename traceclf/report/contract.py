@@ -18,6 +18,8 @@ from traceclf.support.readfile import read_bounded
 # few MB): reading it could exhaust memory (a 3 GB file took every byte there was).
 MAX_REPORT_BYTES = 64 << 20
 
+# The report contract's version (docs/report-contract.md) that this traceclf writes and reads.
+REPORT_VERSION = 2
 WALLS = ("memory", "communication", "host", "compute")
 ORDER = (
     "report_version",
