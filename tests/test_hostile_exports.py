@@ -169,6 +169,20 @@ def test_rows_unusable_for_several_reasons_count_once(tmp_path: Path) -> None:
     assert report["capture"]["unusable_rows"] == {"kernels.end_before_start": 64}
 
 
+def test_nvtx_ranges_never_closed_are_counted(tmp_path: Path) -> None:
+    """Constructed: every other NVTX range's end NULL (as a range still open when the capture
+    stopped has). They were left out without a word, though the step ranges among them
+    merged two steps into one; now the report counts them (``nvtx.no_end``)."""
+    path = edited(tmp_path, 'UPDATE NVTX_EVENTS SET "end" = NULL WHERE rowid % 2 = 0')
+    with sqlite3.connect(path) as con:
+        (open_ranges,) = con.execute(
+            'SELECT count(*) FROM NVTX_EVENTS WHERE "end" IS NULL AND eventType IN (59, 60)'
+        ).fetchone()
+    report = analysed(path)
+    assert open_ranges > 0
+    assert report["capture"]["unusable_rows"] == {"nvtx.no_end": open_ranges}
+
+
 def test_an_export_whose_kernel_rows_are_all_unusable_says_so(tmp_path: Path) -> None:
     """Constructed: every kernel ends before it starts. The run was refused as one where
     "no kernel ran (only 140 memcpy/memset rows)"; now the rows left out, and why."""

@@ -273,6 +273,14 @@ def build_trace(
 
     step("NVTX")
     raw_nvtx = read("nvtx")  # (step sampling: the ranges over the analysed steps)
+    # ranges never closed (open when the capture stopped, or their end not written) have no
+    # span to measure: counted, as left out (a step range among them merges two steps)
+    if raw_nvtx.height and (
+        n := raw_nvtx.filter(
+            pl.col("event_type").is_in(NVTX_RANGE_TYPES) & pl.col("end").is_null()
+        ).height
+    ):
+        unusable["nvtx.no_end"] = n
     if nvtx is None:
         nvtx = nvtx_ranges(reader, raw_nvtx)
     if nvtx_span is not None:
