@@ -5,8 +5,9 @@ the wrong type are skipped, never trusted)."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
+
+from traceclf.compare.side import number
 
 if TYPE_CHECKING:
     from traceclf.report.comparison import Run
@@ -30,9 +31,9 @@ def graph_tracing(report: Report) -> str | None:
             if isinstance(mode, str) and mode.lower() in ("graph", "node"):
                 return mode.lower()
     m = metrics_of(report)
-    if not m.get("uses_cuda_graphs") and not (_float(m.get("graph_frac")) or 0) > 0:
+    if not m.get("uses_cuda_graphs") and not (number(m.get("graph_frac")) or 0) > 0:
         return None
-    return "graph" if (_float(m.get("graph_launches_per_step")) or 0) > 0 else "node"
+    return "graph" if (number(m.get("graph_launches_per_step")) or 0) > 0 else "node"
 
 
 def metrics_of(report: Report) -> dict:
@@ -42,8 +43,8 @@ def metrics_of(report: Report) -> dict:
     graph runs: calls clipped to the GPU window by time) has the executions stand in."""
     m = dict(report.metrics) if isinstance(report.metrics, dict) else {}
     launches, graphs = (
-        _float(m.get("launch_calls_per_step")),
-        _float(m.get("graph_launches_per_step")),
+        number(m.get("launch_calls_per_step")),
+        number(m.get("graph_launches_per_step")),
     )
     if launches is not None or graphs is not None:
         m["launches_per_step"] = max(launches or 0.0, graphs or 0.0)
@@ -101,8 +102,3 @@ def tracing_note(b: Run, a: Run) -> str | None:
             "different things, so they are not compared; busy time and step time are"
         )
     return None
-
-
-def _float(v) -> float | None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    return float(v) if ok else None

@@ -56,6 +56,7 @@ from traceclf.compare.changes import (
     tracing_note,
 )
 from traceclf.compare.parts import breakdown
+from traceclf.compare.side import number
 from traceclf.pipeline.analysis import AnalysisOptions
 from traceclf.report.comparison import Comparison, MeasureChange, MultiComparison, Run
 from traceclf.report.contract import REPORT_VERSION, Report
@@ -111,11 +112,11 @@ def run_of(source: str, report: Report) -> Run:
     return Run(
         source=source,
         bound=bound if isinstance(bound, str) else None,
-        confidence=_float(cls_.get("confidence")),
+        confidence=number(cls_.get("confidence")),
         step_mean_ms=_step_ms(s.get("mean_ms")),
         step_median_ms=_step_ms(s.get("median_ms")),
-        step_cv=_float(s.get("cv")),
-        steps_used=int(_float(s.get("used")) or 0),
+        step_cv=number(s.get("cv")),
+        steps_used=int(number(s.get("used")) or 0),
         step_source=str(s.get("source", "none")) + (f' "{label}"' if label else ""),
         ranks=len(report.ranks) if isinstance(report.ranks, list) else 0,
         gpus=sorted({str(g.get("name") or "unknown GPU") for g in gpus}),
@@ -298,8 +299,8 @@ def _measure_change(
     m: Measure, before: dict, after: dict, settings: ComparisonSettings, comparable: bool = True
 ) -> MeasureChange:
     b, a = before.get(m.key), after.get(m.key)
-    if not _number(b) or not _number(a) or not comparable:
-        return MeasureChange(m.key, m.label, m.unit, _float(b), _float(a), None, False)
+    if number(b) is None or number(a) is None or not comparable:
+        return MeasureChange(m.key, m.label, m.unit, number(b), number(a), None, False)
     if m.unit == "frac":
         change = a - b
         material = abs(change) >= settings.material_points
@@ -310,14 +311,6 @@ def _measure_change(
     return MeasureChange(m.key, m.label, m.unit, b, a, change, material)
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _float(v) -> float | None:
-    return float(v) if _number(v) else None
-
-
 # A step time a run can have: at least the 1 ns nsys counts in, at most the 2^62 ns its clock
 # reaches. A saved report with another (zero, negative, 1e-300 ms) has no usable step time:
 # the verdict is inconclusive, never an "improvement" from a negative baseline.
@@ -325,7 +318,7 @@ STEP_MS = (1e-6, float(1 << 62) / 1e6)
 
 
 def _step_ms(v) -> float | None:
-    ms = _float(v)
+    ms = number(v)
     return ms if ms is not None and STEP_MS[0] <= ms <= STEP_MS[1] else None
 
 

@@ -48,12 +48,12 @@ def side_of(report: Report) -> Side | None:
         account=account,
         idle_sd_ms=None if None in sds else sum(sds) / count,
         idle_by_cause={
-            c: sum(_num(b["idle_by_cause_ms"].get(c)) or 0.0 for b in blocks) / count
+            c: sum(number(b["idle_by_cause_ms"].get(c)) or 0.0 for b in blocks) / count
             for c in causes
         },
         kernels=_kernels([b["kernels"] for b in blocks]),
-        other_ms=sum(_num(b["other"].get("ms")) or 0.0 for b in blocks) / count,
-        truncated=any((_num(b["other"].get("kernels")) or 0) > 0 for b in blocks),
+        other_ms=sum(number(b["other"].get("ms")) or 0.0 for b in blocks) / count,
+        truncated=any((number(b["other"].get("kernels")) or 0) > 0 for b in blocks),
         phases=_phases([r.get("phases") for r in ranks], "phase", "ms_per_step"),
         ranges=_phases([b.get("ranges") for b in blocks], "name", "ms"),
         exposed_by_kind=_exposed([(r, b) for r, b in zip(ranks, blocks, strict=True)]),
@@ -65,7 +65,7 @@ def peak_memory(report: Report) -> tuple[int | None, int | None]:
     """The largest rank's peak of allocated device memory, and the GPU's capacity (bytes)."""
     ranks = report.ranks if isinstance(report.ranks, list) else []
     peaks = [
-        _num((r.get("metrics") or {}).get("peak_memory_bytes"))
+        number((r.get("metrics") or {}).get("peak_memory_bytes"))
         for r in ranks
         if isinstance(r, dict) and isinstance(r.get("metrics"), dict)
     ]
@@ -73,7 +73,7 @@ def peak_memory(report: Report) -> tuple[int | None, int | None]:
     gpus = report.gpus if isinstance(report.gpus, list) else []
     capacity = next(
         (
-            _num(g.get("memory_bytes"))
+            number(g.get("memory_bytes"))
             for g in gpus
             if isinstance(g, dict) and g.get("memory_bytes")
         ),
@@ -90,13 +90,13 @@ def _block(rank: dict) -> dict | None:
     b = rank.get("step_kernels")
     if not isinstance(b, dict) or not isinstance(b.get("steps"), int) or b["steps"] < 1:
         return None
-    if any(_num(b.get(k)) is None for k in ACCOUNT):
+    if any(number(b.get(k)) is None for k in ACCOUNT):
         return None
     if not isinstance(b.get("kernels"), list) or not isinstance(b.get("other"), dict):
         return None
     if not isinstance(b.get("idle_by_cause_ms"), dict):
         return None
-    return b | {k: _num(b[k]) for k in ACCOUNT} | {"idle_sd_ms": _num(b.get("idle_sd_ms"))}
+    return b | {k: number(b[k]) for k in ACCOUNT} | {"idle_sd_ms": number(b.get("idle_sd_ms"))}
 
 
 def _kernels(per_rank: list[list]) -> dict[str, dict]:
@@ -106,7 +106,7 @@ def _kernels(per_rank: list[list]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for rows in per_rank:
         for row in rows:
-            ms = _num(row.get("ms")) if isinstance(row, dict) else None
+            ms = number(row.get("ms")) if isinstance(row, dict) else None
             if ms is None or not isinstance(row.get("name"), str):
                 continue
             k = out.setdefault(
@@ -121,8 +121,8 @@ def _kernels(per_rank: list[list]) -> dict[str, dict]:
                 },
             )
             k["ms"] += ms / count
-            k["instances"] += (_num(row.get("instances")) or 0.0) / count
-            sd = _num(row.get("sd_ms"))
+            k["instances"] += (number(row.get("instances")) or 0.0) / count
+            sd = number(row.get("sd_ms"))
             k["sd_ms"] = None if sd is None or k["sd_ms"] is None else k["sd_ms"] + sd / count
             for shape in row.get("shapes") or []:
                 if _shape(shape):
@@ -139,8 +139,8 @@ def _shape(shape) -> bool:
     return (
         isinstance(shape, list)
         and len(shape) == 3
-        and all(v is None or _num(v) is not None for v in shape[:2])
-        and _num(shape[2]) is not None
+        and all(v is None or number(v) is not None for v in shape[:2])
+        and number(shape[2]) is not None
     )
 
 
@@ -153,7 +153,7 @@ def _phases(per_rank: list, key: str, time: str) -> dict[str, dict[str, float]]:
         for row in rows if isinstance(rows, list) else []:
             if not isinstance(row, dict) or not isinstance(row.get(key), str):
                 continue
-            values = [_num(row.get(k)) for k in (time, "busy_ms", "idle_ms")]
+            values = [number(row.get(k)) for k in (time, "busy_ms", "idle_ms")]
             if None in values:
                 continue
             phase = out.setdefault(row[key], dict.fromkeys(PHASE_VALUES, 0.0))
@@ -169,7 +169,7 @@ def _exposed(ranks: list[tuple[dict, dict]]) -> dict[str, float]:
     for rank, block in ranks:
         kinds = rank.get("comm_by_kind")
         for kind, row in (kinds if isinstance(kinds, dict) else {}).items():
-            frac = _num(row.get("exposed_frac")) if isinstance(row, dict) else None
+            frac = number(row.get("exposed_frac")) if isinstance(row, dict) else None
             if frac is not None:
                 out[str(kind)] = out.get(str(kind), 0.0) + frac * block["step_ms"] / len(ranks)
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
@@ -178,7 +178,7 @@ def _exposed(ranks: list[tuple[dict, dict]]) -> dict[str, float]:
 def _blocking(ranks: list[tuple[dict, dict]]) -> float | None:
     """Compute-absent time per step blocked on a communication kernel, mean over ranks."""
     values = [
-        _num((rank.get("metrics") or {}).get("blocking_comm_frac"))
+        number((rank.get("metrics") or {}).get("blocking_comm_frac"))
         if isinstance(rank.get("metrics"), dict)
         else None
         for rank, _ in ranks
@@ -188,6 +188,8 @@ def _blocking(ranks: list[tuple[dict, dict]]) -> float | None:
     return sum(v * b["step_ms"] for v, (_, b) in zip(values, ranks, strict=True)) / len(ranks)
 
 
-def _num(v) -> float | None:
+def number(v) -> float | None:
+    """A value of a saved report as a number, if it is a finite one (not a bool, a string,
+    NaN or an infinity); else None. Every reader of a comparison's sides uses this."""
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     return float(v) if ok else None
