@@ -19,9 +19,12 @@ it matches, else starts a run of its own. ``--job`` (all inputs are one job) and
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from traceclf.support.errors import TraceWarning
 
 if TYPE_CHECKING:
     from traceclf.measures.handoff import ExportResult
@@ -139,14 +142,11 @@ def without_repeats(results: list[ExportResult]) -> list[ExportResult]:
     """``results`` with each capture once: an export whose capture started and ran its GPU
     work at the same ns as an earlier one's, with the same processes, is that capture again
     (a copy, or a folder holding a copy and a link), said so, not a second rank of a job."""
-    import warnings
-
-    from traceclf.support.errors import TraceWarning
-
     seen: dict[tuple, str] = {}
     out = []
     for result in results:
-        key = _capture_key(result)
+        capture = evidence(result).capture_utc_ns  # (when its GPU work ran, in UTC ns)
+        key = None if capture is None else (capture, tuple(sorted(r.pid for r in result.ranks)))
         if key is not None and key in seen:
             warnings.warn(
                 f"{result.path}: the same capture as {seen[key]} (its start, GPU span and "
@@ -159,14 +159,6 @@ def without_repeats(results: list[ExportResult]) -> list[ExportResult]:
             seen[key] = result.path
         out.append(result)
     return out
-
-
-def _capture_key(result: ExportResult) -> tuple | None:
-    job = result.job or {}
-    start, span = job.get("start_utc_ns"), job.get("gpu_span_ns")
-    if start is None or not span:
-        return None
-    return (start, *span, tuple(sorted(r.pid for r in result.ranks)))
 
 
 def split_unrelated_ranks(results: list[ExportResult], how: str = "auto") -> list[ExportResult]:
