@@ -7,7 +7,6 @@ import polars as pl
 
 from traceclf.measures import intervals
 from traceclf.measures.window import RankWindow
-from traceclf.model.taxonomy import first_match_of
 from traceclf.model.trace import HOST_MEMORY_KINDS, PINNED_MEMORY_KIND
 
 MEASURES: dict[str, str] = {
@@ -69,22 +68,18 @@ def _gbps(copies: pl.DataFrame) -> float | None:
     return int(big["bytes"].sum()) / ns if ns else None  # bytes per ns = GB/s
 
 
-def recompute_frac(w: RankWindow) -> float | None:
+def recompute_frac(w: RankWindow, phase_ranges: pl.DataFrame) -> float | None:
     """Forward GEMM/attention kernels seen again in backward: a full-recompute signature.
-    Without recompute, backward runs different GEMMs (dgrad/wgrad shapes and layouts)."""
-    trace, nvtx = w.trace, w.taxonomy.nvtx
-    phases = trace.nvtx.with_columns(
-        phase=first_match_of(
-            trace.nvtx["text"], [("fwd", nvtx["forward"]), ("bwd", nvtx["backward"])], None
-        )
-    ).filter(pl.col("phase").is_not_null())
+    Without recompute, backward runs different GEMMs (dgrad/wgrad shapes and layouts).
+    ``phase_ranges``: the rank's NVTX ranges of a phase (measures/phases.py: ``labelled``)."""
+    phases = phase_ranges.filter(pl.col("phase").is_in(["forward", "backward"]))
     if (
-        phases.filter(pl.col("phase") == "fwd").is_empty()
-        or phases.filter(pl.col("phase") == "bwd").is_empty()
+        phases.filter(pl.col("phase") == "forward").is_empty()
+        or phases.filter(pl.col("phase") == "backward").is_empty()
     ):
         return None
     heavy = w.kern.filter(pl.col("family").is_in(["gemm", "attention"]))
-    heavy = heavy.with_columns(trace.launched_in(heavy, phases, "phase")).drop_nulls("phase")
+    heavy = heavy.with_columns(w.trace.launched_in(heavy, phases, "phase")).drop_nulls("phase")
     sig = ["name", "grid_blocks", "block_threads"]
     counts = (
         heavy.group_by([*sig, "phase"])
@@ -92,12 +87,12 @@ def recompute_frac(w: RankWindow) -> float | None:
         .pivot(on="phase", index=sig, values="len")
         .fill_null(0)
     )
-    if "fwd" not in counts.columns or "bwd" not in counts.columns:
-        return 0.0 if "fwd" in counts.columns else None
-    forward = int(counts["fwd"].sum())
+    if "forward" not in counts.columns or "backward" not in counts.columns:
+        return 0.0 if "forward" in counts.columns else None
+    forward = int(counts["forward"].sum())
     if not forward:
         return None
-    repeated = int(counts.select(pl.min_horizontal("fwd", "bwd")).to_series().sum())
+    repeated = int(counts.select(pl.min_horizontal("forward", "backward")).to_series().sum())
     return repeated / forward
 
 

@@ -27,24 +27,24 @@ OUTSIDE = "outside phases"
 STATES = ("compute", "exposed_comm", "copy")  # busy = their sum (step_breakdown's states)
 
 
-def projected(w: RankWindow) -> pl.DataFrame:
-    """GPU spans (phase, start, end) of the outermost phase ranges of this rank, unclipped and
-    sorted by start; empty when no range matches a phase pattern or the CUDA API is untraced."""
+def labelled(w: RankWindow) -> pl.DataFrame:
+    """This rank's NVTX ranges of a phase, each with its ``phase``: the first of PHASES whose
+    pattern its text matches (what :func:`projected` projects, and recompute's forward and
+    backward ranges: labelled once for both)."""
+    nvtx, patterns = w.trace.nvtx, w.taxonomy.nvtx
+    label = first_match_of(nvtx["text"], [(p, patterns[p]) for p in PHASES], None)
+    return nvtx.with_columns(phase=label).filter(pl.col("phase").is_not_null())
+
+
+def projected(w: RankWindow, phase_ranges: pl.DataFrame) -> pl.DataFrame:
+    """GPU spans (phase, start, end) of the outermost phase ranges of this rank
+    (``phase_ranges``: :func:`labelled`), unclipped and sorted by start; empty when no range
+    matches a phase pattern or the CUDA API is untraced."""
     schema = {"phase": pl.String, "start": pl.Int64, "end": pl.Int64}
-    trace, patterns = w.trace, w.taxonomy.nvtx
-    if trace.nvtx.is_empty() or not w.host_traced:
+    if phase_ranges.is_empty() or not w.host_traced:
         return pl.DataFrame(schema=schema)
-    # (the first phase whose pattern a range's text matches)
-    label = first_match_of(trace.nvtx["text"], [(p, patterns[p]) for p in PHASES], None)
-    ranges = (
-        trace.nvtx.with_columns(phase=label)
-        .filter(pl.col("phase").is_not_null())
-        .with_row_index("range_id")
-        .with_columns(pl.col("range_id").cast(pl.Int64))
-    )
-    if ranges.is_empty():
-        return pl.DataFrame(schema=schema)
-    spans = trace.gpu_spans(ranges.select("start", "end", "range_id"), "range_id").join(
+    ranges = phase_ranges.with_row_index("range_id").with_columns(pl.col("range_id").cast(pl.Int64))
+    spans = w.trace.gpu_spans(ranges.select("start", "end", "range_id"), "range_id").join(
         ranges.select("range_id", "phase"), on="range_id"
     )
     return spans.select("phase", start="gpu_start", end="gpu_end").sort("start")

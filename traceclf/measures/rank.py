@@ -158,13 +158,15 @@ def _gpu_side(
     m = pauses.pauses(w)
     mix, mix_source = compute.kernel_mix(w)
     m |= mix
-    m["recompute_frac"] = memory.recompute_frac(w)
+    # (the NVTX ranges of a phase: recompute's forward and backward, and the phase spans)
+    phase_ranges = phases.labelled(w)
+    m["recompute_frac"] = memory.recompute_frac(w, phase_ranges)
     # (the whole capture's events of the GPU's own memory: filtered once, read twice)
     device_memory = memory.device_memory(w.trace.memory)
     m |= memory.peak(w, device_memory)
     gpu_samples = w.trace.metrics_of_gpu((gpu or {}).get("gpu_id"))
     m |= compute.gpu_metric_means(gpu_samples, w.steps.spans)
-    phase_spans = phases.projected(w)
+    phase_spans = phases.projected(w, phase_ranges)
     breakdown = series.step_breakdown(w)
     gaps = find_gaps()
     side = _GpuSide(
