@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from traceclf.ingest.assemble import NVTX_DOMAIN_CREATE
-from traceclf.ingest.reader import Reader, Span
+from traceclf.ingest.reader import Reader, Span, rowid_in
 from traceclf.ingest.session import MAX_PAYLOAD_ROWS, RANK_PAYLOAD_SQL
 from traceclf.ingest.utf8 import decode_text
 from traceclf.model.taxonomy import matches
@@ -55,14 +55,10 @@ def step_rows(reader: Reader, pattern: str) -> tuple[pl.DataFrame, list[int] | N
     if found.steps is None:  # (past the cap: every row with text, matched after)
         return reader.read("nvtx", where=" OR ".join([*wanted, '"text" IS NOT NULL'])), None
     if found.picked is None:  # (past the cap: what ``wanted`` picks, by a second scan)
-        rows = reader.read("nvtx", where=" OR ".join([*wanted, _rowid_in(found.steps)]))
+        rows = reader.read("nvtx", where=" OR ".join([*wanted, rowid_in(found.steps)]))
     else:
         rows = reader.read("nvtx", listed=sorted(found.picked + found.steps))
     return rows, found.payloads
-
-
-def _rowid_in(rowids: list[int]) -> str:
-    return f"rowid IN ({', '.join(map(str, rowids))})" if rowids else "0"
 
 
 def window_rows(reader: Reader, spans: Sequence[Span], steps: pl.DataFrame) -> pl.DataFrame:

@@ -369,17 +369,15 @@ def in_list(select: str, rowids: Sequence[int], clauses: list[str]) -> list[str]
     parts = cpu_share() if len(rowids) >= PARTITION_MIN_ROWS // 10 else 1
     cuts = [len(rowids) * i // parts for i in range(parts + 1)]
     return [
-        select
-        + " WHERE "
-        + " AND ".join(
-            [
-                f"rowid IN ({', '.join(str(int(r)) for r in rowids[a:b])})",
-                *(f"({c})" for c in clauses),
-            ]
-        )
+        select + " WHERE " + " AND ".join([rowid_in(rowids[a:b]), *(f"({c})" for c in clauses)])
         for a, b in itertools.pairwise(cuts)
         if b > a
     ]
+
+
+def rowid_in(rowids: Sequence[int]) -> str:
+    """SQL that holds for the rows ``rowids`` (for none: never)."""
+    return f"rowid IN ({', '.join(str(int(r)) for r in rowids)})" if rowids else "0"
 
 
 def _contiguous(df: pl.DataFrame) -> pl.DataFrame:
