@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import statistics
+
 import polars as pl
 import pytest
 from realtraces import measured, trace_path
@@ -153,6 +156,37 @@ def test_a_second_anchor_cross_checks_the_step_on_real_traces():
         steps = find_steps(trace.for_pid(trace.rank_pids[0]))
         assert steps.source == "nvtx"
         assert steps.second["agrees"] and steps.second["ratio"] == pytest.approx(1, abs=0.01)
+
+
+def test_a_second_anchor_at_a_whole_multiple_says_how_often_it_recurs():
+    """The megatron-core MoE trace: a GEMM recurs once in two NVTX steps (its period, from the
+    export's own launches, about twice the step); the capture block says so, where its time
+    beside the step's read as a mismatch that "agrees"."""
+    import sqlite3
+
+    import traceclf
+    from traceclf.render.capture_text import capture_rows
+
+    export = trace_path("h100_moe_megatron_ep2.sqlite")
+    report = traceclf.analyze(export)
+    second = report.capture["second_anchor"]
+    with sqlite3.connect(f"file:{export}?mode=ro", uri=True) as db:
+        starts = [
+            start
+            for (start,) in db.execute(
+                "SELECT k.start FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s "
+                "ON s.id = k.shortName WHERE s.value = ? "
+                "AND (k.globalPid >> 24) & 16777215 = ? "
+                "ORDER BY k.start",
+                (second["label"], report.ranks[0]["pid"]),
+            )
+        ]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    period_ms = statistics.median(gaps) / 1e6
+    assert period_ms == pytest.approx(2 * report.steps["median_ms"], rel=0.08)
+    assert second["agrees"] and second["median_ms"] == pytest.approx(period_ms, rel=0.05)
+    text = dict(capture_rows(report))["Steps"]
+    assert "agrees: it recurs once in 2 steps" in text
 
 
 @pytest.mark.parametrize("first", ["a_kernel", "b_kernel"])

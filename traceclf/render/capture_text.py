@@ -26,15 +26,20 @@ def _over_ranks(c: dict) -> str:
 
 
 def _second_anchor(second: dict, other: str) -> str:
-    """Whether the second anchor's step time agrees; one that recurs many times per step (or
-    once in many steps) is near a whole multiple whatever the step: it checks nothing."""
+    """Whether the second anchor's step time agrees, and how often it recurs where that is a
+    whole multiple of the step (its time alone, beside the step's, would read as a mismatch);
+    one that recurs many times per step (or once in many steps) is near a whole multiple
+    whatever the step: it checks nothing."""
     every = fmt_ms(second.get("median_ms"))
+    ratio = second.get("ratio") or 0
+    often = f"{1 / ratio:.0f} times per step" if 0 < ratio < 1 else f"once in {ratio:.0f} steps"
     if second.get("comparable") is False:
-        ratio = second.get("ratio") or 0
-        often = f"{1 / ratio:.0f} times per step" if 0 < ratio < 1 else f"once in {ratio:.0f} steps"
         return f"no second anchor: {other} recurs every {every} ({often}), no check of the step"
+    if not second.get("agrees"):
+        return f"a second anchor ({other}, {every}) DISAGREES: the step time is ambiguous"
+    multiple = round(max(ratio, 1 / ratio)) if ratio > 0 else 1
     return f"a second anchor ({other}, {every}) " + (
-        "agrees" if second.get("agrees") else "DISAGREES: the step time is ambiguous"
+        f"agrees: it recurs {often}" if multiple >= 2 else "agrees"
     )
 
 
