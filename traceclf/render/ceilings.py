@@ -73,9 +73,9 @@ def combined_row(report: Report) -> tuple[str, str] | None:
         else ""
     )
     if together.get("throughput_gain") is None:
-        head = f"up to {fmt_ms(ms)} per step, no throughput figure"
-    else:
-        head = f"{fmt_ms(ms)} per step, throughput {gain(together['throughput_gain'])} at most"
+        head = f"up to {fmt_ms(ms)} per step back, no throughput figure"
+    else:  # ("back": time saved, as each fix's line says, not the step it would leave)
+        head = f"{fmt_ms(ms)} per step back, throughput {gain(together['throughput_gain'])} at most"
     return (
         "Ceiling, all fixes",
         f"{head} ({', '.join(together.get('fixes') or [])}; disjoint classes only: "
