@@ -768,7 +768,8 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     host activity covers half of it); graph inside a node-traced replay; sync when a
     synchronising call returned inside it or at most 20 µs before it, or allocator calls
     (which synchronise the device) cover at least half of it; launch when the host started
-    CUDA calls in it; other otherwise."""
+    CUDA calls in it; other otherwise. With them, the share in sync gaps inside which a call
+    that only waits (taxonomy cuda_api wait) returned."""
     busy = merged(w.compute, w.comm, w.copies)
     s = np.concatenate([[w.lo], busy[:, 1]])
     e = np.concatenate([busy[:, 0], [w.hi]])
@@ -806,7 +807,14 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
         ["other", "graph", "input", "host", "sync", "launch"],
         "other",
     )
-    return {f"idle_{c}_frac": int(dur[cause == c].sum()) / w.wall for c in IDLE_CAUSES}
+    # of the sync gaps, those in which a call that only waits returned (inside, no slack)
+    waits = np.sort([a["end"] for a in w.api if api_is("wait", a["name"])]).astype(np.int64)
+    k = np.searchsorted(waits, s)
+    waited = k < len(waits)
+    waited[waited] = waits[k[waited]] <= e[waited]
+    return {f"idle_{c}_frac": int(dur[cause == c].sum()) / w.wall for c in IDLE_CAUSES} | {
+        "idle_after_wait_frac": int(dur[(cause == "sync") & waited].sum()) / w.wall
+    }
 
 
 def _kernel_mix(w: Window) -> dict:
