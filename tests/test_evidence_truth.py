@@ -793,3 +793,20 @@ def test_ulysses_sendrecv_is_all_to_all() -> None:
         assert mine["a2a_frac"] == pytest.approx(mine["comm_frac"], abs=1e-9)
         assert rank["metrics"]["a2a_frac"] == pytest.approx(mine["a2a_frac"], abs=FRACTION_TOL)
     assert list(rep["comm_by_kind"]) == ["all_to_all"]
+
+
+@pytest.mark.parametrize("name", ["h100_host_launch_gpumetrics_trimmed", "h100_moe_megatron_ep2"])
+def test_cuda_graphs_ceiling_states_what_it_assumes_of_the_hosts_other_work(name: str) -> None:
+    """The CUDA-graphs ceiling takes every launch-starved ns, also those of long gaps where the
+    host did other work, which a graph removes only if that work is inside the captured step:
+    its assumption quotes that share, the launch-starved time of "host" gaps, which is at most
+    the idle time of those gaps recomputed here (averaged over the ranks, as the text is)."""
+    path = FIXTURES / f"{name}.sqlite"
+    rep = report(path)
+    (fix,) = [f for f in rep["fixes"] if f["id"] == "cuda-graphs"]
+    ranks = [r["metrics"] for r in rep["ranks"]]
+    host = statistics.mean(m["launch_starved_host_frac"] for m in ranks)
+    assert 0 < host < statistics.mean(m["launch_starved_frac"] for m in ranks)
+    assert f"{host:.0%} of the step in gaps of 1 ms or more" in fix["ceiling"]["assumes"]
+    for m, mine in zip(ranks, recomputed(path), strict=True):
+        assert m["launch_starved_host_frac"] <= mine["idle_host_frac"] + FRACTION_TOL
