@@ -777,10 +777,7 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     dur = e - s
     call_starts = np.sort([a["start"] for a in w.api]).astype(np.int64)
     n_calls = np.searchsorted(call_starts, e) - np.searchsorted(call_starts, s)
-    sync_ends = np.sort([a["end"] for a in syncs]).astype(np.int64)
-    i = np.searchsorted(sync_ends, s - SYNC_SLACK_NS)  # the first sync returning since then
-    after_sync = i < len(sync_ends)
-    after_sync[after_sync] = sync_ends[i[after_sync]] <= e[after_sync]
+    after_sync = _returned_in([a["end"] for a in syncs], s - SYNC_SLACK_NS, e)
     allocs = [a for a in w.api if api_is("alloc", a["name"])]
     after_sync |= covered(spans(allocs), s, e) * 2 >= dur
     profiler = covered(spans(w.rows["overhead"]), s, e) * 2 >= dur
@@ -808,13 +805,19 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
         "other",
     )
     # of the sync gaps, those in which a call that only waits returned (inside, no slack)
-    waits = np.sort([a["end"] for a in w.api if api_is("wait", a["name"])]).astype(np.int64)
-    k = np.searchsorted(waits, s)
-    waited = k < len(waits)
-    waited[waited] = waits[k[waited]] <= e[waited]
+    waited = _returned_in([a["end"] for a in w.api if api_is("wait", a["name"])], s, e)
     return {f"idle_{c}_frac": int(dur[cause == c].sum()) / w.wall for c in IDLE_CAUSES} | {
         "idle_after_wait_frac": int(dur[(cause == "sync") & waited].sum()) / w.wall
     }
+
+
+def _returned_in(ends: list[int], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per span [lo, hi]: whether one of the calls ending at ``ends`` returned inside it."""
+    ends_sorted = np.sort(np.asarray(ends, dtype=np.int64))
+    i = np.searchsorted(ends_sorted, lo)  # the first call returning since lo
+    out = i < len(ends_sorted)
+    out[out] = ends_sorted[i[out]] <= hi[out]
+    return out
 
 
 def _kernel_mix(w: Window) -> dict:
