@@ -649,3 +649,28 @@ def test_ceilings_keep_their_invariants(snapshot: Path):
         assert together["recoverable_ms"] <= sum(c["recoverable_ms"] for c in taken) + 1e-3
         for a in together["fixes"]:  # never two fixes that share time
             assert not set(ceilings[a]["shares_with"]) & set(together["fixes"])
+
+
+def test_cuda_graphs_leave_the_waits_for_input_to_the_input_pipeline():
+    """A graph replays the step's launches; the host's input work before a batch lies outside
+    it. The CUDA-graphs ceiling takes the launch-starved time less the part in gaps where the
+    host was loading input (launch_starved_input_frac), which is the input-pipeline fix's.
+    Constructed numbers (no shared trace has both: slow_loader and nccl_groups starve on input
+    and propose no graphs; host_launch and the MoE run propose graphs and starve on no input)."""
+    from traceclf.judge.vocabulary import load_rules
+
+    graphs = load_rules().fixes["cuda-graphs"]
+    env = {
+        "step_time_ms": 100.0,
+        "launch_starved_frac": 0.6,
+        "launch_starved_input_frac": 0.45,
+        "launch_starved_host_frac": 0.05,
+        "launch_calls_per_step": 900,
+    }
+    c = ceil.ceiling(graphs, env)
+    assert c["recoverable_ms"] == pytest.approx(15.0)
+    assert "(15% of the step, waits for input not counted" in c["assumes"]
+    assert c["bound_by"]["launch_starved_input_frac"] == 0.45
+    # a capture whose idle causes are unknown: every launch-starved ns, as before
+    unknown = ceil.ceiling(graphs, env | {"launch_starved_input_frac": None})
+    assert unknown["recoverable_ms"] == pytest.approx(60.0)
