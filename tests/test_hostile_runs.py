@@ -110,6 +110,33 @@ def test_sigterm_stops_every_worker_and_the_resource_tracker(tmp_path: Path) -> 
     assert len(workers) == 2
 
 
+@pytest.mark.parametrize(
+    ("interrupt", "code", "word"), [("term", 143, "terminated"), ("int", 130, "aborted")]
+)
+def test_a_signal_that_lands_while_a_class_is_made_is_still_a_signal(
+    interrupt: str, code: int, word: str, monkeypatch, capsys
+) -> None:
+    """SIGTERM during an import (a loaded machine: the signal came while RuleSet, a dataclass,
+    was being made) reached the user as "internal error: RuntimeError: Error calling
+    __set_name__ on 'Field' instance" and exit 2: Python 3.11 wraps what a signal handler
+    raises there. It is the signal's exit. CONSTRUCTED: the CLI raises that wrapped error."""
+    import traceclf.cli as cli_module
+    from traceclf.support.process import Terminated
+
+    def wrapped(*_args, **_kwargs):
+        try:
+            raise Terminated() if interrupt == "term" else KeyboardInterrupt()
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance 'x'") from e
+
+    monkeypatch.setattr(cli_module.cli, "main", wrapped)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # (leave pytest's handlers be)
+    with pytest.raises(SystemExit) as stop:
+        cli_module.main()
+    assert stop.value.code == code
+    assert capsys.readouterr().err.strip() == f"traceclf: {word}"
+
+
 def test_sigterm_stops_nsys_and_removes_the_temporary_export(tmp_path: Path) -> None:
     """SIGTERM during `nsys export` left nsys, its helper and a temporary file (SIGINT did
     not)."""

@@ -391,7 +391,6 @@ NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 def main() -> None:
     from traceclf.support.process import (
-        TERMINATED_EXIT,
         Terminated,
         end_on_sigterm,
         escape_unencodable_output,
@@ -419,11 +418,7 @@ def main() -> None:
     except click.ClickException as e:
         fail(" ".join(e.format_message().split()))
     except click.Abort as e:
-        if isinstance(e.__cause__, Terminated):  # SIGTERM: cleaned up like Ctrl-C
-            click.echo("traceclf: terminated", err=True)
-            sys.exit(TERMINATED_EXIT)
-        click.echo("traceclf: aborted", err=True)
-        sys.exit(130)
+        _stopped(isinstance(e.__cause__, Terminated))
     except TraceErrors as e:  # every faulty entry of a rule folder, one line each
         fail(*(str(error) for error in e.errors))
     except TraceError as e:
@@ -435,9 +430,32 @@ def main() -> None:
     except ImportError as e:  # a library that cannot load: memory limits or a broken install
         fail(f"cannot load {e.name or 'a library'}: {' '.join(str(e).split())[:200]}")
     except Exception as e:  # a bug, not bad input: keep the traceback one env var away
+        if (interrupt := _interrupt_behind(e)) is not None:
+            # (Ctrl-C or SIGTERM while a class is being made, in an import: Python 3.11 wraps
+            # it in "RuntimeError: Error calling __set_name__", which is no bug of ours)
+            _stopped(isinstance(interrupt, Terminated))
         if os.environ.get("TRACECLF_DEBUG"):
             raise
         fail(f"internal error: {type(e).__name__}: {e} (set TRACECLF_DEBUG=1 for a traceback)")
+
+
+def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or SIGTERM, a subclass) an exception was raised from, if any."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:  # (a chain can loop back on itself)
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _stopped(terminated: bool) -> None:
+    """End a run that SIGTERM or Ctrl-C stopped, its cleanup done: one line, 143 or 130."""
+    from traceclf.support.process import TERMINATED_EXIT
+
+    click.echo(f"traceclf: {'terminated' if terminated else 'aborted'}", err=True)
+    sys.exit(TERMINATED_EXIT if terminated else 130)
 
 
 if __name__ == "__main__":
