@@ -425,7 +425,8 @@ RUN_BREAKS = ("gemm", "attention", "communication")
 def optimizer_runs(kernels: list[dict]) -> None:
     """docs/measures.md: every kernel between the first and the last optimizer-named kernel of
     a stretch no GEMM, attention or communication kernel breaks — in one node-traced graph
-    replay (one correlationId), or on one stream — is the optimizer's (family set in place)."""
+    replay (one correlationId), or on one stream — is the optimizer's (family set in place;
+    ``by_position`` on those neither their name nor an optimizer NVTX range made its)."""
     groups: dict[tuple, list[dict]] = {}
     for k in sorted(kernels, key=lambda k: k["start"]):
         key = ("replay", k["corr"]) if k.get("node") is not None else ("stream", k.get("stream"))
@@ -436,6 +437,7 @@ def optimizer_runs(kernels: list[dict]) -> None:
             if k is None or k["family"] in RUN_BREAKS:
                 named = [i for i, r in enumerate(run) if r["family"] == "optimizer"]
                 for r in run[named[0] : named[-1] + 1] if named else ():
+                    r["by_position"] = r["family"] != "optimizer"
                     r["family"] = "optimizer"
                 run = []
             else:
@@ -794,10 +796,13 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     batch = long & np.isin(e, batches)
     recurs = w.source != "none" and batch.sum() >= 0.5 * w.steps
     loading = np.zeros(len(s), bool)
+    ranged, copied = np.zeros(len(s), bool), np.zeros(len(s), bool)  # which sign made it
     for j in np.flatnonzero(long):
         # the innermost range of a known activity over half of the gap says what the host did
         over = [act for a, b, act in named if min(b, e[j]) - max(a, s[j]) >= dur[j] / 2]
-        loading[j] = over[-1] == "data" if over else bool(batch[j] and recurs)
+        ranged[j] = bool(over) and over[-1] == "data"
+        copied[j] = not over and bool(batch[j] and recurs)
+        loading[j] = ranged[j] or copied[j]
     in_graph = covered(w.node_replays, s, e) > 0
     cause = np.select(
         [profiler, in_graph, long & loading, long, after_sync, n_calls > 0],
@@ -807,7 +812,9 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     # of the sync gaps, those in which a call that only waits returned (inside, no slack)
     waited = _returned_in([a["end"] for a in w.api if api_is("wait", a["name"])], s, e)
     return {f"idle_{c}_frac": int(dur[cause == c].sum()) / w.wall for c in IDLE_CAUSES} | {
-        "idle_after_wait_frac": int(dur[(cause == "sync") & waited].sum()) / w.wall
+        "idle_after_wait_frac": int(dur[(cause == "sync") & waited].sum()) / w.wall,
+        "idle_input_copy_frac": int(dur[(cause == "input") & copied].sum()) / w.wall,
+        "idle_input_nvtx_frac": int(dur[(cause == "input") & ranged].sum()) / w.wall,
     }
 
 
@@ -849,6 +856,8 @@ def _kernel_mix(w: Window) -> dict:
     for fam in [f for f, _ in taxonomy()["families"]] + ["other"]:
         fam_ns = sum(d for k, d in zip(shape, dur, strict=True) if k["family"] == fam)
         out[f"{fam}_time_frac"] = fam_ns / total if total else 0.0
+    placed = sum(d for k, d in zip(shape, dur, strict=True) if k.get("by_position"))
+    out["optimizer_by_position_frac"] = placed / total if total else 0.0
     gemm = [k for k in shape if k["family"] == "gemm"]
     gemm_ns = sum(k["end"] - k["start"] for k in gemm)
     small = [k for k in gemm if sm_count and k["grid"] < sm_count]

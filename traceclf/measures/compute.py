@@ -59,6 +59,9 @@ MEASURES: dict[str, str] = {
     "gemm_kernels_per_step": "GEMM kernel launches per step",
     "small_gemm_repeats_per_step": "launches per step of the most repeated GEMM shape (name and "
     "grid) whose grid has fewer blocks than SMs: a loop over experts repeats one small GEMM",
+    "optimizer_by_position_frac": "share of kernel time in kernels counted as the optimizer's "
+    "only by where they run, inside an optimizer's run (not by name, nor by an optimizer NVTX "
+    "range): part of optimizer_time_frac, a premise to check",
     "optimizer_kernels_per_step": "optimizer kernels per step (by name, launched inside an "
     "optimizer NVTX range, or inside an optimizer's run; graph-level tracing: the eager "
     "iteration's): dozens mean a per-tensor, unfused optimizer (null when neither an optimizer "
@@ -84,6 +87,7 @@ KERNEL_SHAPE_MEASURES = (
     "median_kernel_us",
     "small_grid_kernel_frac",
     "theoretical_occupancy_mean",
+    "optimizer_by_position_frac",
     *(f"{fam}_time_frac" for fam in FAMILY_NAMES),
 )
 
@@ -236,11 +240,13 @@ def _kernel_measures(
 ) -> dict[str, float | bool | None]:
     gpu = w.gpu
     sm_count = (gpu or {}).get("sm_count")
+    positioned = "optimizer_by_position" in kern.columns
     kern = kern.select(  # (only what is read here: no frame of every column)
         "family",
         "grid_blocks",
         dur=pl.col("end") - pl.col("start"),
         occ=theoretical_occupancy(gpu),
+        by_position=pl.col("optimizer_by_position") if positioned else pl.lit(False),
     )
     total = int(kern["dur"].sum())
     # (busy time inside replays: with node-level tracing the gaps between nodes are idle)
@@ -267,6 +273,8 @@ def _kernel_measures(
     by_family = dict(zip(shares["family"].to_list(), shares["dur"].to_list(), strict=True))
     for fam in families(w.taxonomy):
         out[f"{fam}_time_frac"] = by_family.get(fam, 0) / total if total else 0.0
+    placed = int(kern["dur"].filter(kern["by_position"]).sum())
+    out["optimizer_by_position_frac"] = placed / total if total else 0.0
     return out
 
 

@@ -33,6 +33,13 @@ MEASURES: dict[str, str] = {
     "of data loading: an NVTX data range over the gap, the gap ends with a host->device copy "
     "of >= 1 MiB (the next batch), or the launching thread's samples in the gap show "
     "data-loading frames (input-bound)",
+    "idle_input_copy_frac": "the part of idle_input_frac in gaps that end with a host->device "
+    "copy of the next batch (>= 1 MiB, recurring in half of the steps or more)",
+    "idle_input_nvtx_frac": "the part of idle_input_frac in gaps an NVTX data-loading range "
+    "covers at least half of",
+    "idle_input_samples_frac": "the part of idle_input_frac in gaps where the launching "
+    "thread's samples show data-loading frames (a gap may show several signs: the three parts "
+    "can add up to more than idle_input_frac)",
     "idle_host_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them and no "
     "evidence of data loading: the host is busy elsewhere (see idle_nvtx for what NVTX says)",
     "idle_host_nvtx_frac": "the part of idle_input_frac + idle_host_frac that an NVTX range "
@@ -61,6 +68,9 @@ BATCH_COPY_BYTES = 1 << 20  # a host->device copy this big after a gap is the ne
 # ... when such gaps recur: in at least this share of the steady steps (one upload before the
 # loop, a checkpoint restore, is setup, not an input pipeline)
 BATCH_RECUR_SHARE = 0.5
+# The signs that make a long gap count as loading, as bits of idle_gaps' ``signs``: the next
+# batch's copy at its end, an NVTX data-loading range over it, loader frames in its samples.
+INPUT_SIGNS = {"copy": 1, "nvtx": 2, "samples": 4}
 TOP_NVTX = 5
 CALL_BLOCK = 1 << 20  # CUDA calls per block of the host-coverage count
 NVTX_COUNTERS = r",?\s*\b(seq|op_id|id|step)\s*=\s*\d+"
@@ -101,6 +111,16 @@ def idle(gaps: pl.DataFrame, w: RankWindow) -> dict[str, float | None]:
         f"idle_{cause}_frac": float(ns[cause]) / w.wall for cause in IDLE_CAUSES
     }
     out["idle_host_nvtx_frac"] = float(gaps["nvtx_ns"].sum()) / w.wall
+    # (which sign made the input gaps count as loading: the evidence names each)
+    signs = gaps.select(
+        **{
+            name: pl.col("dur")
+            .filter((pl.col("cause") == "input") & (pl.col("signs").and_(bit) > 0))
+            .sum()
+            for name, bit in INPUT_SIGNS.items()
+        }
+    ).row(0, named=True)
+    out |= {f"idle_input_{name}_frac": float(signs[name]) / w.wall for name in INPUT_SIGNS}
     out["idle_after_wait_frac"] = _after_wait(gaps, w)
     return out
 
@@ -140,6 +160,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
         "nvtx": pl.String,
         "activity": pl.String,
         "nvtx_ns": pl.Int64,
+        "signs": pl.UInt8,  # what made a long gap count as loading: INPUT_SIGNS bits
     }
     if gaps.is_empty():
         return pl.DataFrame(schema=schema)
@@ -153,6 +174,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
             nvtx=pl.lit(None, pl.String),
             activity=pl.lit(None, pl.String),
             nvtx_ns=pl.lit(0, pl.Int64),
+            signs=pl.lit(0, pl.UInt8),
         ).select(list(schema))
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
     dur = gend - gstart
@@ -178,8 +200,15 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     # a big copy after the gap is the next batch only where batches recur, and a named host
     # activity (compile, checkpoint, ...) over the gap says what the host did instead
     batch = pl.col("batch_copy") & pl.col("activity").is_null() & _recurs(gaps, w)
-    data = (pl.col("activity") == "data").fill_null(False) | batch | pl.Series(loading)
+    ranged = (pl.col("activity") == "data").fill_null(False)
+    sampled = pl.Series(loading)
+    data = ranged | batch | sampled
+    signs = pl.sum_horizontal(
+        pl.when(sign).then(pl.lit(bit, pl.UInt8)).otherwise(pl.lit(0, pl.UInt8))
+        for sign, bit in zip((batch, ranged, sampled), INPUT_SIGNS.values(), strict=True)
+    )
     return gaps.with_columns(
+        signs=pl.when(pl.col("long")).then(signs).otherwise(pl.lit(0, pl.UInt8)),
         cause=pl.when(pl.col("profiler_flush"))
         .then(pl.lit("other", CAUSE))  # a profiler flush, not the host's doing
         .when(in_graph)
@@ -192,7 +221,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
         .then(pl.lit("sync", CAUSE))
         .when(pl.col("any_call"))
         .then(pl.lit("launch", CAUSE))
-        .otherwise(pl.lit("other", CAUSE))
+        .otherwise(pl.lit("other", CAUSE)),
     ).select(list(schema))
 
 

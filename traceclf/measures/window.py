@@ -210,16 +210,19 @@ def optimizer_runs(kern: pl.DataFrame) -> pl.DataFrame:
     """``kern`` (classified, in start order) with ``in_optimizer`` also set on every kernel of
     an optimizer's run: between the first and the last optimizer-named kernel of a stretch
     that no GEMM, attention or communication kernel breaks, in one CUDA-graph replay
-    (node-level tracing: its kernels share the launch's correlationId) or on one stream.
+    (node-level tracing: its kernels share the launch's correlationId) or on one stream; and
+    ``optimizer_by_position`` on those that only where they run makes the optimizer's (not
+    their name, nor an optimizer NVTX range), a premise the report states.
 
     A foreach Adam step interleaves its multi_tensor_apply kernels with per-tensor kernels
     named like any elementwise kernel (``div_`` between the foreach kernels of a captured
     step): without an optimizer NVTX range, only where they run says whose they are."""
     if kern.is_empty():
-        return kern.with_columns(in_optimizer=pl.lit(False))
+        return kern.with_columns(in_optimizer=pl.lit(False), optimizer_by_position=pl.lit(False))
     if not (kern["family"] == "optimizer").any():  # no run to find: no window functions
         # over millions of kernels (~1 s at 5 M; an optimizer NVTX range flags its own)
-        return kern if "in_optimizer" in kern.columns else kern.with_columns(in_optimizer=False)
+        flagged = kern if "in_optimizer" in kern.columns else kern.with_columns(in_optimizer=False)
+        return flagged.with_columns(optimizer_by_position=pl.lit(False))
     family = pl.col("family")  # (a Categorical: compared by its few names, not per kernel)
     node = pl.col("graph_node_id").is_not_null()
     group = [  # a replay's kernels, or a stream's (a replay may run on several streams)
@@ -237,8 +240,11 @@ def optimizer_runs(kern: pl.DataFrame) -> pl.DataFrame:
         .select(~pl.col("_break") & pl.col("_row").is_between("_first", "_last").fill_null(False))
         .to_series()
     )
-    flagged = pl.col("in_optimizer") | flags if "in_optimizer" in kern.columns else flags
-    return kern.with_columns(in_optimizer=flagged)
+    ranged = pl.col("in_optimizer") if "in_optimizer" in kern.columns else pl.lit(False)
+    return kern.with_columns(
+        in_optimizer=ranged | flags,
+        optimizer_by_position=flags & (family != "optimizer") & ~ranged,
+    )
 
 
 def optimizer_family(kern: pl.DataFrame) -> pl.DataFrame:
