@@ -637,6 +637,39 @@ def test_graph_level_mix_is_the_replays_mix(families: tuple[str, ...]) -> None:
     assert share["graph"] == pytest.approx(share["node"], abs=TWIN_TOL)
 
 
+@pytest.mark.parametrize(
+    ("name", "pinned"),
+    [
+        ("h100_moe_megatron_ep2", False),
+        ("h100_host_slow_loader", True),
+        ("h100_host_input_stall", True),
+    ],
+)
+def test_pinning_is_proposed_for_pageable_copies_that_move_data(name: str, pinned: bool) -> None:
+    """The Megatron MoE run copies 8 KB per step to pageable memory (a scalar read: its cost
+    is the sync, which the sync rule names), and was told to pin host memory and use a
+    DataLoader with pin_memory; the loaders copy a 2 MiB and a 64 MiB batch. Pinning is
+    proposed, and the pageable bullet said, from 1 MiB per step (thresholds.yaml
+    pageable_min_bytes). Independent: the window's pageable host<->device bytes in plain SQL
+    (the host side of kind 0, pageable, in the export's ENUM_CUDA_MEM_KIND)."""
+    path = FIXTURES / f"{name}.sqlite"
+    rep = report(path)
+    lo, hi = rep["steps"]["window_ns"]
+    ((moved,),) = raw(
+        path,
+        "SELECT coalesce(sum(bytes), 0) FROM CUPTI_ACTIVITY_KIND_MEMCPY WHERE "
+        "((copyKind = 1 AND srcKind = 0) OR (copyKind = 2 AND dstKind = 0)) "
+        "AND start >= ? AND start < ?",
+        lo,
+        hi,
+    )
+    per_step = moved / rep["steps"]["analysed"] / len(rep["ranks"])
+    assert (per_step >= 1 << 20) is pinned, per_step
+    assert ("pinned-memory" in [f["id"] for f in rep["fixes"]]) is pinned
+    said = " ".join(rep["classification"]["evidence"])
+    assert ("use pageable memory" in said) is pinned
+
+
 def test_the_optimizer_share_says_what_only_its_run_counts() -> None:
     """The 24 bf16 div_ kernels per step between the foreach kernels are the optimizer's only
     by where they run (no optimizer NVTX range in these captures): 25-26% of kernel time, what
