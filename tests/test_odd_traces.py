@@ -311,3 +311,24 @@ NCCL_RANGE = (
 def test_nccl_payload_is_seen_on_nccl_ranges_only(tmp_path, sql, expected):
     r = report(edited(tmp_path, "h100_comm_ep2", *sql))
     assert r["capture"]["nccl_payload"] == expected
+
+
+@pytest.mark.filterwarnings("error")  # (the CLI runs in this process: a warning fails it)
+def test_a_window_the_gpu_never_leaves_idle_reports_no_gap_and_no_warning(tmp_path):
+    """One kernel and nothing else on the GPU (a public Julia export, TrixiCUDA.jl's, is one
+    2 µs kernel): the window is that kernel, with no idle gap, and the report listed its
+    longest gaps with a comparison against null, which polars warned about on stderr above
+    the report."""
+    path = edited(
+        tmp_path,
+        "h100_host_input_stall",
+        "DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE rowid > (SELECT min(rowid) FROM "
+        "CUPTI_ACTIVITY_KIND_KERNEL)",
+        "DELETE FROM CUPTI_ACTIVITY_KIND_MEMCPY",
+        "DELETE FROM CUPTI_ACTIVITY_KIND_MEMSET",
+    )
+    code, out, err = run_cli("analyze", path, "--no-cache")
+    assert code == 0 and not err.strip(), err
+    assert "traceclf abstains" in out
+    r = report(path)
+    assert all(not s["longest_gaps"] for s in r["series"])

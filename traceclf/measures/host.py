@@ -390,10 +390,12 @@ def longest_gaps(gaps: pl.DataFrame, w: RankWindow, n: int = LONGEST_GAPS) -> li
     earlier first), one by one as ``nsys analyze``'s gpu_gaps lists them: ``start_ns`` (the
     export's clock), ``duration_ns``, ``cause``, and ``nvtx``: the innermost NVTX range of the
     process open at the middle of the gap, other than a step range (``None`` when none)."""
+    if not gaps.height:  # (a window the GPU never leaves idle)
+        return []
     order = {"by": ["dur", "start"], "descending": [True, False]}
     # the n longest: every gap as long as the n-th longest (ties included), then sorted; one
     # column's top_k, not a two-key top_k of millions of gaps (15x slower)
-    shortest = gaps["dur"].top_k(n).min() if gaps.height else None
+    shortest = gaps["dur"].top_k(n).min()
     top = (
         gaps.filter(pl.col("dur") >= shortest)
         .select("start", "dur", "cause")
@@ -406,8 +408,6 @@ def longest_gaps(gaps: pl.DataFrame, w: RankWindow, n: int = LONGEST_GAPS) -> li
             mid=pl.col("start") + pl.col("dur") // 2,
         )
     )
-    if top.is_empty():
-        return []
     step_names = w.steps.table["name"].unique().implode()
     # (the ranges open at one of the few middles, found by a test of each before the join:
     # an inequality join sorts every range of the capture, millions with PyTorch's op ranges)
