@@ -649,7 +649,7 @@ def test_pinning_is_proposed_for_pageable_copies_that_move_data(name: str, pinne
     """The Megatron MoE run copies 8 KB per step to pageable memory (a scalar read: its cost
     is the sync, which the sync rule names), and was told to pin host memory and use a
     DataLoader with pin_memory; the loaders copy a 2 MiB and a 64 MiB batch. Pinning is
-    proposed, and the pageable bullet said, from 1 MiB per step (thresholds.yaml
+    proposed, and the pageable-copies rule fires, from 1 MiB per step (thresholds.yaml
     pageable_min_bytes). Independent: the window's pageable host<->device bytes in plain SQL
     (the host side of kind 0, pageable, in the export's ENUM_CUDA_MEM_KIND)."""
     path = FIXTURES / f"{name}.sqlite"
@@ -665,9 +665,12 @@ def test_pinning_is_proposed_for_pageable_copies_that_move_data(name: str, pinne
     )
     per_step = moved / rep["steps"]["analysed"] / len(rep["ranks"])
     assert (per_step >= 1 << 20) is pinned, per_step
-    assert ("pinned-memory" in [f["id"] for f in rep["fixes"]]) is pinned
-    said = " ".join(rep["classification"]["evidence"])
-    assert ("use pageable memory" in said) is pinned
+    fixes = {f["id"]: f for f in rep["fixes"]}
+    assert ("pinned-memory" in fixes) is pinned
+    if pinned:  # (the fix names the copies it is for)
+        assert fixes["pinned-memory"]["ceiling"]["bound_by"]["pageable_copies_per_step"] >= 1
+    rules = [r["id"] for r in rep["classification"]["rules"]]
+    assert ("memory-pageable-copies" in rules) is pinned
 
 
 def test_the_optimizer_share_says_what_only_its_run_counts() -> None:

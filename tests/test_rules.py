@@ -560,3 +560,66 @@ def test_disagreeing_step_anchors_halve_the_window_reliability():
     assert d["confidence_basis"]["reliability"] == pytest.approx(
         a["confidence_basis"]["reliability"] * 0.5
     )
+
+
+def test_copies_to_the_host_and_back_outside_training_are_memory_not_offload():
+    """A public OpenMP-offload heat solver (SC23 tutorial, a T4) maps 1 GB to the GPU and
+    back every iteration from pageable memory: 96% of the step is copies. It read as
+    HOST-bound with "the GPU waits for the host 0% of the step" (the pageable-copies rule
+    scored the copies' time on the host wall, whose share counts launch starvation), and
+    the copies as "activation offload". Here: the memory_offload trace's own measures, its
+    loop told apart as training or not (CONSTRUCTED: the capture's loop verdict and, for the
+    pageable case, its copies made pageable in the facts)."""
+    facts = facts_of("h100_memory_offload")
+    fired = [r["id"] for r in evaluate(facts).classification["rules"]]
+    assert "memory-activation-offload" in fired and "memory-round-trip-copies" not in fired
+    other = dict(facts, capture=dict(facts["capture"], training_loop="unknown"))
+    m = other["metrics"] = dict(facts["metrics"])
+    m |= {"pageable_copies_per_step": 4.0, "pageable_bytes_per_step": m["h2d_bytes_per_step"]}
+    m["pageable_copy_frac"] = m["offload_copy_frac"]
+    verdict = evaluate(other)
+    rules = [r["id"] for r in verdict.classification["rules"]]
+    assert "memory-round-trip-copies" in rules and "memory-activation-offload" not in rules
+    assert "memory-pageable-copies" in rules
+    assert verdict.classification["bound"] == "memory"
+    said = " ".join(verdict.classification["evidence"])
+    assert "activation offload" not in said and "in a loop with no training step" in said
+    assert {"reduce-host-traffic", "pinned-memory"} <= set(ids(verdict))
+
+
+def test_pinned_copies_still_cross_the_link():
+    """Pinning makes copies run at the link's rate; it does not make the bytes vanish. The
+    SC23 solver's 1.02 GB each way per 549 ms step over a T4's PCIe Gen3 x16 (16 GB/s per
+    direction, rules/hardware.yaml) leaves a step of at least 64 ms: ×8.6 at most, where the
+    ceiling said ×25.6. CONSTRUCTED numbers, the real rule."""
+    from traceclf.judge import ceiling as ceil
+
+    pinned = load_rules().fixes["pinned-memory"]
+    env = {
+        "step_time_ms": 549.4,
+        "blocking_copy_bound": 0.469,
+        "blocking_copy_frac": 0.469,
+        "blocking_host_sync_frac": 0.492,
+        "pageable_copies_per_step": 4,
+        "h2d_bytes_per_step": 1.024e9,
+        "d2h_bytes_per_step": 1.024e9,
+        "link_gbps": 16,
+    }
+    c = ceil.ceiling(pinned, env)
+    assert c["floor_ms"] == pytest.approx(64.0) and c["step_after_ms"] == pytest.approx(64.0)
+    assert 1 + c["throughput_gain"] == pytest.approx(549.4 / 64.0, rel=1e-3)
+    assert c["bound_by"]["link_gbps"] == 16
+    # a GPU whose host link is unknown: no floor, the ceiling as before
+    assert ceil.ceiling(pinned, env | {"link_gbps": None})["floor_ms"] is None
+    from traceclf.judge.engine import host_link
+
+    links = {
+        gpu: tuple(host_link({"name": gpu}, load_rules()).values())
+        for gpu in ("Tesla T4", "Tesla V100-SXM2-16GB", "NVIDIA A100-SXM4-80GB", "RTX 4090")
+    }
+    assert links == {
+        "Tesla T4": ("PCIe Gen3 x16", 16),
+        "Tesla V100-SXM2-16GB": ("PCIe Gen3 x16", 16),
+        "NVIDIA A100-SXM4-80GB": ("PCIe Gen4 x16", 32),
+        "RTX 4090": (None, None),  # (no "T4" inside "RTX 4090")
+    }
