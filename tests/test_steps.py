@@ -216,6 +216,25 @@ def test_of_two_kernels_recurring_alike_the_step_pattern_is_the_first_to_run(fir
         assert recurring_kernel(kernels, bundled_settings()) == want
 
 
+@pytest.mark.parametrize(("gap_us", "want"), [(2.5, None), (500.0, "copy")])
+def test_a_regular_burst_that_holds_a_sliver_of_the_work_marks_no_loop(gap_us, want):
+    """A public TensorRT export (one inference: 36 kernels, 6.4 ms of convolutions at
+    irregular times) holds 12 reformat copies 2.5 µs apart: regular, so they were taken for
+    the loop, and the report judged a 26 µs "steady state" (0.4% of the capture) and proposed
+    training fixes. A recurring kernel marks steps only where its occurrences span at least
+    recurring_kernel_min_work_share (10%) of the kernel time. Constructed kernels in that
+    shape; the same copies spread over the convolutions mark the loop."""
+    from traceclf.steps.find import recurring_kernel
+    from traceclf.steps.settings import bundled_settings
+
+    copies = [1_000_000 + int(i * gap_us * 1_000) for i in range(12)]
+    waits = [100, 900, 300, 700, 150, 1200, 400, 60, 800, 250, 1000, 500]  # µs: irregular
+    convs = list(itertools.accumulate((w * 1_000 for w in waits), initial=1_050_000))[:12]
+    rows = [("copy", t, t + 1_600) for t in copies] + [("conv", t, t + 50_000) for t in convs]
+    kernels = pl.DataFrame(rows, schema=["name", "start", "end"], orient="row").sort("start")
+    assert recurring_kernel(kernels, bundled_settings()) == want
+
+
 def test_warm_up_by_allocator_calls_is_decided_as_by_their_counts_asking_only_what_it_needs():
     """A leading step is warm-up while it calls the allocator and the median step does not.
     Step sampling answers "does step i call it" by the first such call and the median step's

@@ -46,7 +46,9 @@ def nsys_rows(report: Report) -> list[tuple[str, str]]:
     several = len(report.inputs) > 1
     first = Path(report.inputs[0]["path"]).name if report.inputs else ""
     where = f" of {first} (rank 0)" if several else ""
-    rows = [("Window", f"open in nsys at t = {seconds(lo, hi)}{where} (steady state)")]
+    # (no steps found: the window is the whole GPU span, no steady state of anything)
+    what = "steady state" if steps.get("source") not in (None, "none") else "the whole GPU span"
+    rows = [("Window", f"open in nsys at t = {seconds(lo, hi)}{where} ({what})")]
     worst = steps.get("worst")
     if worst:
         where = f" of {Path(worst['file']).name}" if several and worst.get("file") else ""

@@ -225,14 +225,35 @@ def recurring_kernel(kernels: pl.DataFrame, settings: StepSettings):
     mean is at most ``recurring_kernel_max_mean_ratio`` times their median. A kernel launched
     in a burst once per step (a per-tensor optimizer kernel, 12 launches 0.2 ms apart, then a
     200 ms gap) has a small robust spread too, but its median period covers a sliver of the
-    time: it marks no step."""
+    time: it marks no step. Nor does a regular burst that spans under
+    ``recurring_kernel_min_work_share`` of the kernel time (a TensorRT engine's reformat copies
+    in one inference): the loop is where the work is."""
     if len(kernels) < 6:
         return None
     candidates = (
         kernels.with_columns(gap=pl.col("start").diff().over("name"))
         .group_by("name")
-        .agg(n=pl.len(), first=pl.col("start").min(), gaps=pl.col("gap").drop_nulls())
+        .agg(
+            n=pl.len(),
+            first=pl.col("start").min(),
+            last=pl.col("start").max(),
+            gaps=pl.col("gap").drop_nulls(),
+        )
         .filter(pl.col("n") >= 4)
+    )
+    if candidates.is_empty():
+        return None
+    # the kernel time that starts between a candidate's first and last occurrence (a prefix
+    # sum over the kernels in start order, looked up at both ends)
+    starts = kernels["start"]
+    done = (kernels["end"] - kernels["start"]).cum_sum()
+    total = done[-1] if len(done) else 0
+    lo = starts.search_sorted(candidates["first"], side="left")
+    hi = starts.search_sorted(candidates["last"], side="right")
+    before = pl.Series([0], dtype=done.dtype).append(done)
+    spanned = before.gather(hi) - before.gather(lo)
+    candidates = candidates.filter(
+        pl.Series(spanned >= settings.recurring_kernel_min_work_share * total)
     )
     if candidates.is_empty():
         return None

@@ -16,6 +16,7 @@ class StepSettings:
     recurring_kernel_max_spread: float  # spread of a recurring kernel's later periods
     recurring_kernel_robust_periods: float  # from this many periods on, their robust spread
     recurring_kernel_max_mean_ratio: float  # mean period over median at most (periods tile time)
+    recurring_kernel_min_work_share: float  # its occurrences span this share of kernel time
     anchor_same_frac: float  # a second anchor's step time equal within this share
     anchor_multiple_frac: float  # ... or a whole multiple within this share of the multiple
     anchor_max_multiple: float  # ... up to this multiple (beyond: no second anchor at all)
