@@ -79,7 +79,23 @@ KERNELS = [
         "void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false, false, cublasGemvParamsEx<int, cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float>, float>>(cublasGemvParamsEx<int, cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float>, float>, float, float)",
         "gemm",
     ),
-    ("splitKreduce_kernel", "reduction"),
+    ("splitKreduce_kernel", "gemm"),  # (a split-K GEMM's own second kernel)
+    # public TensorRT/cuDNN exports: families by the function, not its parameter types
+    (
+        "void genericReformat::copyVectorizedKernel<double, __half, __half, (bool)1, (bool)0, (int)1>(unsigned int, const void *, genericReformat::ArrayN<T6>, genericReformat::ArrayNWithReducedDivisors<T6>, genericReformat::ArrayN<T6>, int)",
+        "elementwise",
+    ),
+    (
+        "void fft2d_r2c_32x32<float, (bool)0, (unsigned int)1, (bool)0>(float2 *, const T1 *, int, int, int, int, int, int, int, int, int, cudnn::reduced_divisor, bool, int2, int, int)",
+        "convolution",
+    ),
+    ("volta_scudnn_128x32_relu_interior_nn_v1", "convolution"),
+    (
+        "sm80_xmma_fprop_implicit_gemm_f16f16_f16f16_f16_nhwckrsc_nhwc_tilesize128x128x32_stage4_warpsize2x2x1_g1_tensor16x8x16_execute_kernel_trt",
+        "convolution",
+    ),
+    ("sm50_xmma_pooling_coalescedC_NHWC_kMAX_3_False_execute_kernel_trt", "reduction"),
+    ("trt_ampere_h16816gemm_64x64_ldg8_relu_stages_64x5_tn_v1", "gemm"),
     ("triton_tem_fused_addmm_0", "gemm"),
     ("triton_tem_fused_mm_1", "gemm"),
     ("triton_tem_fused__to_copy_addmm_view_3", "gemm"),

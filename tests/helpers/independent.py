@@ -79,8 +79,22 @@ def first(table: Table, text: str, default: str | None = None) -> str | None:
 
 
 @cache
+def callee(name: str) -> str:
+    """docs/measures.md: what a kernel name is matched on, without its parameter list (the
+    parenthesised group that closes the name, found by counting parentheses back from it)."""
+    if not name.endswith(")"):
+        return name
+    depth = 0
+    for i in range(len(name) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(name[i], 0)
+        if depth == 0:
+            return name[:i]
+    return name
+
+
+@cache
 def family(name: str) -> str:
-    return first(taxonomy()["families"], name, "other") or "other"
+    return first(taxonomy()["families"], callee(name), "other") or "other"
 
 
 @cache
@@ -419,7 +433,7 @@ class Window:
 
 
 # A GEMM, attention or communication kernel ends an optimizer's run (docs/measures.md)
-RUN_BREAKS = ("gemm", "attention", "communication")
+RUN_BREAKS = ("gemm", "attention", "convolution", "communication")
 
 
 def optimizer_runs(kernels: list[dict]) -> None:
@@ -634,7 +648,7 @@ def _communication(w: Window) -> dict:
     sources = list(dict.fromkeys(src for src, _, _ in tax["nvtx_collectives"]))
     kinds = []
     for k in w.comm_kernels:
-        kind = first(tax["comm_kinds"], k["name"], "other")
+        kind = first(tax["comm_kinds"], callee(k["name"]), "other")
         call = launch.get(k["corr"])
         if kind in ("send_recv_or_all_to_all", "send_recv", "other") and call:
             around = [r for r in ranges.get(call["tid"], ()) if r[0] <= call["start"] <= r[1]]
@@ -662,7 +676,7 @@ def _communication(w: Window) -> dict:
         "dp_tp_exposed_frac": (length(dp_tp, w.compute) - comp) / w.wall,
         "comm_kinds": sorted(set(kinds)),
         "comm_libraries": sorted(
-            {first(tax["comm_libraries"], k["name"]) for k in w.comm_kernels} - {None}
+            {first(tax["comm_libraries"], callee(k["name"])) for k in w.comm_kernels} - {None}
         ),
     }
 

@@ -21,6 +21,7 @@ from traceclf.model.taxonomy import Taxonomy, matches, theoretical_occupancy
 FAMILY_NAMES = (
     "gemm",
     "attention",
+    "convolution",
     "elementwise",
     "reduction",
     "permute_moe",
@@ -38,8 +39,10 @@ WARMUP_PAUSE_MIN_NS = 20_000_000
 # (measures/window.py: prepare)
 FAMILY_NOTES = {
     "optimizer": " (by name, launched inside an optimizer NVTX range, or inside an optimizer's "
-    "run: between the first and last optimizer-named kernel of a stretch no GEMM, attention or "
-    "communication kernel breaks, in one graph replay or on one stream)"
+    "run: between the first and last optimizer-named kernel of a stretch no GEMM, attention, "
+    "convolution or communication kernel breaks, in one graph replay or on one stream)",
+    "convolution": " (cuDNN, TensorRT and CUTLASS implicit-GEMM, Winograd, FFT and direct "
+    "convolutions)",
 }
 MEASURES: dict[str, str] = {
     "kernels_per_step": "kernel rows per step (kernels inside graph-level traced graphs "

@@ -201,15 +201,15 @@ def _flag_optimizer(trace: Trace, taxonomy: Taxonomy) -> pl.DataFrame:
     )
 
 
-# Kernels that end an optimizer's run: the model's own work (GEMMs, attention) and
+# Kernels that end an optimizer's run: the model's own work (GEMMs, attention, convolutions) and
 # communication never run inside the optimizer step's sequence of elementwise kernels.
-RUN_BREAKS = ("gemm", "attention", "communication")
+RUN_BREAKS = ("gemm", "attention", "convolution", "communication")
 
 
 def optimizer_runs(kern: pl.DataFrame) -> pl.DataFrame:
     """``kern`` (classified, in start order) with ``in_optimizer`` also set on every kernel of
     an optimizer's run: between the first and the last optimizer-named kernel of a stretch
-    that no GEMM, attention or communication kernel breaks, in one CUDA-graph replay
+    that no GEMM, attention, convolution or communication kernel breaks, in one CUDA-graph replay
     (node-level tracing: its kernels share the launch's correlationId) or on one stream; and
     ``optimizer_by_position`` on those that only where they run makes the optimizer's (not
     their name, nor an optimizer NVTX range), a premise the report states.

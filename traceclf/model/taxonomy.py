@@ -13,7 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from traceclf.rulebook.taxonomy_tables import FamilyPattern, Table, TaxonomyTables
+from traceclf.rulebook.taxonomy_tables import (
+    PARAMETER_LIST,
+    FamilyPattern,
+    Table,
+    TaxonomyTables,
+    callee,
+)
 
 if TYPE_CHECKING:  # polars is imported where an expression is built: a cached re-analysis
     # reads the taxonomy (the rule set's) without building any
@@ -38,22 +44,24 @@ class Taxonomy(TaxonomyTables):
     def of(cls, tables: TaxonomyTables) -> Taxonomy:
         return cls(**{f.name: getattr(tables, f.name) for f in fields(TaxonomyTables)})
 
+    # (kernel names are matched without their parameter list: taxonomy_tables.callee)
     def family(self, col: str = "name") -> pl.Expr:
-        return first_match(col, tuple((p.family, p.pattern) for p in self.families), "other")
+        families = tuple((p.family, p.pattern) for p in self.families)
+        return first_match(col, families, "other", callee)
 
     def family_patterns(self, name: str) -> list[FamilyPattern]:
         """Every family entry that matches the kernel name ``name``, in the order they are
         tried: the first decides its family (``traceclf kernels`` shows why)."""
         import polars as pl
 
-        text = pl.Series([name], dtype=pl.String)
+        text = pl.Series([name], dtype=pl.String).str.replace(PARAMETER_LIST, "")
         return [p for p in self.families if text.str.contains(p.pattern)[0]]
 
     def comm_library(self, col: str = "name") -> pl.Expr:
-        return first_match(col, self.comm_libraries, None)
+        return first_match(col, self.comm_libraries, None, callee)
 
     def comm_kind(self, col: str = "name") -> pl.Expr:
-        return first_match(col, self.comm_kinds, "other")
+        return first_match(col, self.comm_kinds, "other", callee)
 
     @property
     def collective_sources(self) -> tuple[str, ...]:
@@ -251,16 +259,17 @@ def match_counts(values: pl.Series, patterns: Sequence[str]) -> list[int]:
     return [int(hits.str.contains(pattern).sum()) for pattern in patterns]
 
 
-def first_match(col: str, table: Table, default: str | None) -> pl.Expr:
+def first_match(
+    col: str, table: Table, default: str | None, text: Callable[[pl.Expr], pl.Expr] | None = None
+) -> pl.Expr:
+    """The label of the first of ``table``'s patterns that the text of ``col`` matches (as
+    ``text`` makes it from the column, when given), else ``default``."""
     import polars as pl
 
+    subject = text(pl.col(col)) if text is not None else pl.col(col).cast(pl.String)
     expr = pl.lit(default, dtype=pl.String)
     for label, pattern in reversed(table):
-        expr = (
-            pl.when(pl.col(col).cast(pl.String).str.contains(pattern))
-            .then(pl.lit(label))
-            .otherwise(expr)
-        )
+        expr = pl.when(subject.str.contains(pattern)).then(pl.lit(label)).otherwise(expr)
     return expr
 
 

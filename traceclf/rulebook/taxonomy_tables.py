@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from traceclf.rulebook import stamp
 from traceclf.rulebook.yamlfile import section
 from traceclf.support.errors import TraceError
 from traceclf.support.regex import regex_problem
+
+if TYPE_CHECKING:
+    import polars as pl
 
 Table = tuple[tuple[str, str], ...]  # (label, pattern), first match wins
 
@@ -185,6 +188,21 @@ def _families(raw: Any, path: Path) -> list[FamilyPattern]:
     return out
 
 
+# A demangled kernel name's parameter list: the last parenthesised group, at the end, with
+# parentheses nested one deep inside it (``(ArgsStorage<(unsigned long)4096>)``). Families are
+# matched on what comes before it, the function and its template arguments: parameter types
+# name what a kernel takes, not what it does (TensorRT's copyVectorizedKernel takes an
+# ``ArrayNWithReducedDivisors``, cuDNN's FFT a ``cudnn::reduced_divisor``: no reduction).
+PARAMETER_LIST = r"\((?:[^()]|\([^()]*\))*\)$"
+
+
+def callee(names: pl.Expr) -> pl.Expr:
+    """The kernel names ``names`` without their parameter list (:data:`PARAMETER_LIST`)."""
+    import polars as pl
+
+    return names.cast(pl.String).str.replace(PARAMETER_LIST, "")
+
+
 def _check_examples(entries: list[FamilyPattern]) -> None:
     """Each example of one folder's family entries is classified by its own entry: matched by
     it and by none tried before it (an entry of another folder may still override it)."""
@@ -193,7 +211,7 @@ def _check_examples(entries: list[FamilyPattern]) -> None:
     examples = [(i, e) for i, entry in enumerate(entries) for e in entry.examples]
     if not examples:
         return
-    names = pl.Series([e for _, e in examples], dtype=pl.String)
+    names = pl.Series([e for _, e in examples], dtype=pl.String).str.replace(PARAMETER_LIST, "")
     hits = [names.str.contains(entry.pattern).to_list() for entry in entries]
     for k, (i, example) in enumerate(examples):
         first = next((j for j in range(len(entries)) if hits[j][k]), None)
