@@ -125,9 +125,9 @@ def test_bundled_rules_define_the_contract_vocabulary_and_the_pitfalls():
     overlap = rs.fixes["ep-overlap"]
     assert "overlap_moe_expert_parallel_comm = True" in overlap.config
     assert "moe_shared_expert_overlap = False" in overlap.config
-    text = " ".join(overlap.preconditions + overlap.pitfalls)
+    text = " ".join(overlap.preconditions + tuple(p.text for p in overlap.pitfalls))
     assert "virtual_pipeline_model_parallel_size" in text and "full" in text
-    assert any("silently skipped" in p.lower() for p in rs.fixes["deepep"].pitfalls)
+    assert any("silently skipped" in p.text.lower() for p in rs.fixes["deepep"].pitfalls)
     assert "reduce-overhead" in rs.fixes["cuda-graphs"].pytorch
     assert "num_workers" in rs.fixes["input-pipeline"].pytorch
     assert "fused=True" in rs.fixes["fused-optimizer"].pytorch
@@ -623,3 +623,77 @@ def test_pinned_copies_still_cross_the_link():
         "NVIDIA A100-SXM4-80GB": ("PCIe Gen4 x16", 32),
         "RTX 4090": (None, None),  # (no "T4" inside "RTX 4090")
     }
+
+
+def test_framework_and_moe_premises_are_said_only_where_the_trace_shows_them(capsys):
+    """A public kNN benchmark (framework fixes off) was told to remove syncs with "Drop-and-pad
+    changes which tokens are processed" to check first and clip_grad_norm as the pitfall. A
+    premise or pitfall with `when` is said only where it holds: the MoE run keeps its MoE and
+    framework ones; the host-launch MoE loop's facts without their MoE evidence keep the
+    framework one; made a loop of no framework ("not_a_loop"), none (both CONSTRUCTED from
+    the run's own facts). `traceclf rules --explain` shows each with its condition."""
+
+    def sync_fix(facts: dict) -> dict:
+        return next(f for f in evaluate(facts).fixes if f["id"] == "remove-host-syncs")
+
+    moe = sync_fix(facts_of("h100_moe_megatron_ep2"))
+    assert moe["advice"] == "framework"
+    assert any("Drop-and-pad" in p for p in moe["preconditions"])
+    assert any("clip_grad_norm" in p for p in moe["pitfalls"])
+    launch = facts_of(first_available("h100_host_launch_gpumetrics_trimmed"))
+    assert any("Drop-and-pad" in p for p in sync_fix(launch)["preconditions"])
+    dense = dict(launch, capture=dict(launch["capture"], moe_evidence=False))
+    assert not any("Drop-and-pad" in p for p in sync_fix(dense)["preconditions"])
+    assert any("clip_grad_norm" in p for p in sync_fix(dense)["pitfalls"])
+    plain = dict(dense, capture=dict(dense["capture"], training_loop="not_a_loop"))
+    generic = sync_fix(plain)
+    assert generic["advice"] == "generic"
+    assert generic["preconditions"] == [] and generic["pitfalls"] == []
+    assert ".item()" not in generic["config"]
+    explain_fix("remove-host-syncs")
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(said when framework_loop and moe_seen)" in out
+
+
+def test_a_fix_the_trace_measures_as_winning_nothing_is_not_proposed():
+    """A public kNN code idles in gaps that its cudaMalloc/cudaFree calls end, not a call that
+    only waits: remove-host-syncs' ceiling is 0 ms per step, and it was proposed first. Here
+    the host-launch run's facts with no wait-only sync gap (CONSTRUCTED): its sync rule still
+    fires and says so, the fix is not proposed."""
+    facts = facts_of(first_available("h100_host_launch_gpumetrics_trimmed"))
+    assert "remove-host-syncs" in ids(evaluate(facts))
+    none = dict(facts, metrics=dict(facts["metrics"], idle_after_wait_frac=0.0))
+    verdict = evaluate(none)
+    assert "remove-host-syncs" not in ids(verdict)
+    assert "host-syncs" in [r["id"] for r in verdict.classification["rules"]]
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ({"pitfalls": [{"text": "x", "whenever": "a"}]}, "mapping of text and when"),
+        ({"pitfalls": [{"when": "a"}]}, "mapping of text and when"),
+        ({"preconditions": [{"text": "x", "if": "a"}]}, "mapping of text, when and contradicted"),
+        ({"pitfalls": [{"text": "x", "when": "no_such_name"}]}, "no_such_name"),
+    ],
+)
+def test_a_conditional_premise_or_pitfall_is_checked_when_the_rules_load(entry, problem):
+    from traceclf.rulebook.entries import parse_fix
+
+    raw = {"id": "x", "wall": "host", "title": "t", "why": "w", "config": "c"} | entry
+    with pytest.raises(TraceError, match=problem):
+        parse_fix(raw, Path("rules/fixes.yaml"), 0, frozenset({"a"}))
+
+
+def test_allocator_churn_outside_a_framework_gets_plain_cuda_advice():
+    """cudaMalloc/cudaFree inside the loop of a plain CUDA code (a public kNN benchmark frees
+    2,136 buffers in its loop) left the allocator fix out: it had only framework advice. The
+    memory_offload run's facts as a loop of no framework (CONSTRUCTED): the fix is proposed
+    with the CUDA-level advice, its framework pitfall left out."""
+    facts = facts_of("h100_memory_offload")
+    plain = dict(facts, capture=dict(facts["capture"], training_loop="not_a_loop"))
+    fix = next(f for f in evaluate(plain).fixes if f["id"] == "keep-allocator-cache")
+    assert fix["advice"] == "generic" and "cudaMallocAsync" in fix["config"]
+    assert "empty_cache" not in fix["config"] and fix["pitfalls"] == []
+    framework = next(f for f in evaluate(facts).fixes if f["id"] == "keep-allocator-cache")
+    assert "empty_unused_memory_level = 0" in framework["config"] and framework["pitfalls"]

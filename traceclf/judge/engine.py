@@ -277,6 +277,8 @@ def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any
         obj = _fix_object(fix, entry, env, framework, rs)
         if entry["beside"] and not _worth_doing(obj, env, rs):
             continue
+        if _wins_nothing(obj):
+            continue
         out.append(obj)
     # Beside the bound last; by workflow wall, then what the trace contradicts last, then by
     # what each can recover (stable: rule order breaks ties).
@@ -305,11 +307,22 @@ def _worth_doing(fix: dict, env: dict[str, Any], rs: RuleSet) -> bool:
     return c["recoverable_ms"] >= rs.thresholds["worth_doing_frac"] * step
 
 
+def _wins_nothing(fix: dict) -> bool:
+    """Whether the trace measures the time a fix can win back and it is none: the syncs of a
+    loop whose idle gaps the allocator's calls end, not a call that only waits (a kNN code's
+    cudaFree per step), leave remove-host-syncs nothing; its evidence still shows."""
+    c = fix.get("ceiling") or {}
+    return c.get("unit") == "step" and c.get("recoverable_ms") == 0
+
+
 def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs: RuleSet) -> dict:
     config = fix.config if framework else fix.generic
     held = [(when, lines) for when, lines in fix.config_when if framework and when.holds(env)]
     extra = [lines for _, lines in held]
-    contradicted = [(p, _contradiction(p, env)) for p in fix.premises]
+    # (premises and pitfalls of a case the trace does not show are left out: no MoE routing
+    # advice for a kNN code)
+    premises = [p for p in fix.premises if p.when is None or p.when.holds(env)]
+    contradicted = [(p, _contradiction(p, env)) for p in premises]
     obj = {
         "id": fix.id,
         "wall": entry["wall"],
@@ -323,7 +336,7 @@ def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs:
             for p, shows in contradicted
             if shows is not None
         ],
-        "pitfalls": list(fix.pitfalls),
+        "pitfalls": [p.text for p in fix.pitfalls if p.when is None or p.when.holds(env)],
         "evidence": _evidence(fix, entry["rules"], env, rs, [when for when, _ in held]),
         "rule_ids": list(dict.fromkeys(entry["rules"])),
         "score": round(entry["score"], 3),

@@ -12,6 +12,7 @@ from traceclf.judge.engine import by_workflow
 from traceclf.judge.vocabulary import load_rules
 from traceclf.rulebook.entries import Fix
 from traceclf.rulebook.expr import Template
+from traceclf.rulebook.fixparts import Pitfall, Precondition
 from traceclf.support.errors import TraceError
 from traceclf.support.escape import for_terminal, visible
 
@@ -88,7 +89,8 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
         Text(""),
         CodeBlock(visible(fix.config.strip(), multiline=True), indent=INDENT),
     ]
-    for label, items in (("Preconditions", fix.preconditions), ("Pitfalls", fix.pitfalls)):
+    conditional = (("Preconditions", fix.premises), ("Pitfalls", fix.pitfalls))
+    for label, items in ((label, [_said_when(i) for i in said]) for label, said in conditional):
         if items:
             parts += [
                 Text(""),
@@ -234,3 +236,9 @@ def _console():
     from traceclf.render.fit import new_console
 
     return new_console()
+
+
+def _said_when(item: Precondition | Pitfall) -> str:
+    """A premise or pitfall as ``traceclf rules --explain`` lists it: with the condition under
+    which a report says it."""
+    return item.text if item.when is None else f"{item.text} (said when {item.when.source})"

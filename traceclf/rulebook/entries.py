@@ -12,7 +12,14 @@ from typing import Any
 
 from traceclf.rulebook import stamp
 from traceclf.rulebook.expr import Expr, ExprError, Template
-from traceclf.rulebook.fixparts import Precondition, Recovers, parse_preconditions, parse_recovers
+from traceclf.rulebook.fixparts import (
+    Pitfall,
+    Precondition,
+    Recovers,
+    parse_pitfalls,
+    parse_preconditions,
+    parse_recovers,
+)
 from traceclf.support.errors import TraceError
 from traceclf.support.regex import regex_problem
 
@@ -40,7 +47,7 @@ class Fix:
     why: Template
     config: str
     premises: tuple[Precondition, ...]  # preconditions, some of which a capture can contradict
-    pitfalls: tuple[str, ...]
+    pitfalls: tuple[Pitfall, ...]
     pytorch: str | None
     requires: Expr | None
     applied_when: Expr | None
@@ -280,7 +287,7 @@ def parse_fix(raw: Any, path: Path, index: int, names: frozenset[str]) -> Fix:
         why=e.template("why"),
         config=e.text("config").strip("\n"),
         premises=parse_preconditions(e),
-        pitfalls=tuple(" ".join(p.split()) for p in e.texts("pitfalls")),
+        pitfalls=parse_pitfalls(e),
         pytorch=e.text("pytorch"),
         requires=e.expr("requires"),
         applied_when=applied_when,

@@ -43,10 +43,21 @@ class Precondition:
     """A premise the user checks before applying a fix (the trace cannot show it).
     ``contradicted``: (condition, what the trace shows) pairs, the first that holds says the
     capture shows the opposite (both ranks on one GPU where the premise is an EP group across
-    nodes), in a sentence rendered with its numbers."""
+    nodes), in a sentence rendered with its numbers. ``when``: the premise is said only where
+    it holds (a MoE premise for a MoE run, a framework's for a framework's loop)."""
 
     text: str
     contradicted: tuple[tuple[Expr, Template], ...] = ()
+    when: Expr | None = None
+
+
+@dataclass(frozen=True)
+class Pitfall:
+    """A mistake to avoid when applying a fix, said only where ``when`` holds (always
+    without one)."""
+
+    text: str
+    when: Expr | None = None
 
 
 class Entry(Protocol):
@@ -101,19 +112,43 @@ def parse_recovers(e: Entry) -> Recovers | None:
 
 
 def parse_preconditions(e: Entry) -> tuple[Precondition, ...]:
-    """``preconditions``: each a sentence, or ``{text, contradicted: [{when, shows}]}``."""
+    """``preconditions``: each a sentence, or ``{text, when, contradicted: [{when, shows}]}``
+    (``when`` and ``contradicted`` optional)."""
     raw = e.raw.get("preconditions") or []
     if not isinstance(raw, list):
         e.fail("'preconditions' must be a list")
     return tuple(_precondition(e, item) for item in raw)
 
 
+def parse_pitfalls(e: Entry) -> tuple[Pitfall, ...]:
+    """``pitfalls``: each a sentence, or ``{text, when}``."""
+    raw = e.raw.get("pitfalls") or []
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list):
+        e.fail("'pitfalls' must be a list")
+    out = []
+    for item in raw:
+        if isinstance(item, str):
+            out.append(Pitfall(" ".join(item.split())))
+            continue
+        if not isinstance(item, dict) or not set(item) <= {"text", "when"} or "text" not in item:
+            e.fail("'pitfalls' entries are text or a mapping of text and when")
+        sub = e.part(item, ("text",), ("when",))
+        out.append(Pitfall(" ".join(sub.text("text").split()), sub.expr("when")))
+    return tuple(out)
+
+
 def _precondition(e: Entry, item: Any) -> Precondition:
     if isinstance(item, str):
         return Precondition(" ".join(item.split()))
-    if not isinstance(item, dict) or set(item) != {"text", "contradicted"}:
-        e.fail("'preconditions' entries are text or a mapping of text and contradicted")
-    sub = e.part(item, ("text",), ("contradicted",))
+    keys = {"text", "contradicted", "when"}
+    if not isinstance(item, dict) or not set(item) <= keys or "text" not in item:
+        e.fail("'preconditions' entries are text or a mapping of text, when and contradicted")
+    sub = e.part(item, ("text",), ("contradicted", "when"))
+    text = " ".join(sub.text("text").split())
+    if "contradicted" not in item:
+        return Precondition(text, when=sub.expr("when"))
     cases = item["contradicted"]
     if not isinstance(cases, list) or not cases:
         e.fail("'preconditions': 'contradicted' must be a list of {when, shows}")
@@ -123,4 +158,4 @@ def _precondition(e: Entry, item: Any) -> Precondition:
             e.fail("'preconditions': 'contradicted' entries need exactly 'when' and 'shows'")
         part = e.part(case, ("when", "shows"), ())
         pairs.append((part.expr("when"), part.template("shows")))
-    return Precondition(" ".join(sub.text("text").split()), tuple(pairs))
+    return Precondition(text, tuple(pairs), sub.expr("when"))
