@@ -4,6 +4,7 @@ to anything on disk: through the Python API and through ``traceclf analyze``."""
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from helpers.files import (
 
 from traceclf.ingest.inputs import resolve_inputs
 from traceclf.ingest.load import load_trace
-from traceclf.ingest.schema import GPU_ACTIVITY_TABLES, inspect_export
+from traceclf.ingest.schema import GPU_ACTIVITY_TABLES, META_TABLES, inspect_export
 from traceclf.support.errors import TraceError
 
 
@@ -52,6 +53,21 @@ def without_gpu_tables(d: Path) -> Path:
     return drop_tables(copy_export(real(), d / "cpu_only.sqlite"), GPU_ACTIVITY_TABLES)
 
 
+def without_gpu_or_api_tables(d: Path) -> Path:
+    """An export of a capture without CUDA tracing: no activity table at all."""
+    path = copy_export(real(), d / "no_cuda.sqlite")
+    with sqlite3.connect(path) as con:
+        tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    return drop_tables(path, [t for t in tables if t.startswith("CUPTI_ACTIVITY_KIND_")])
+
+
+def bare_nsys_tables(d: Path) -> Path:
+    """What a public DynamicViT export holds (written by the nsys_cli wrapper of a capture
+    that recorded nothing): nsys's string, thread and GPU tables, no metadata, no activity."""
+    path = without_gpu_or_api_tables(d)
+    return drop_tables(path, META_TABLES)
+
+
 def fake_report(d: Path) -> Path:
     return write_fake_report(d / "run.nsys-rep", real())
 
@@ -74,6 +90,11 @@ CASES = {
     "garbled header page": Case(lambda d: garbled_header_page(real(), d / "hdr.sqlite"), "corrupt"),
     "SQLite but not nsys": Case(lambda d: plain_sqlite(d / "recipes.db"), "not an Nsight Systems"),
     "no GPU activity": Case(without_gpu_tables, "no GPU activity"),
+    # CUDA calls traced, their GPU records lost (a public MPI export: 5,745 launches, no
+    # kernel table): not "profile with CUDA tracing on"
+    "GPU records lost": Case(without_gpu_tables, "CUDA API calls were traced but no kernel"),
+    "no CUDA tracing": Case(without_gpu_or_api_tables, "profile with CUDA tracing on"),
+    "nsys tables without metadata": Case(bare_nsys_tables, "export has no GPU activity"),
     "random .nsys-rep": Case(
         written("random.nsys-rep", os.urandom(4096)), "cannot open report file", nsys="export"
     ),
@@ -93,6 +114,7 @@ SQLITE_CASES = (
     "garbled header page",
     "SQLite but not nsys",
     "no GPU activity",
+    "nsys tables without metadata",
 )
 
 

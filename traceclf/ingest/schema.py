@@ -243,24 +243,48 @@ def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
         raise TraceError(path, f"corrupt SQLite database ({e})") from None
     finally:
         con.close()
-    if not any(t in columns for t in META_TABLES) and not any(
-        t.startswith("CUPTI_ACTIVITY_KIND_") for t in columns
-    ):
+    if not _written_by_nsys(columns):
         raise TraceError(
             path, "SQLite database, but not an Nsight Systems export (no META_DATA_EXPORT table)"
         )
     if not any(t in columns for t in GPU_ACTIVITY_TABLES):
-        raise TraceError(
-            path,
-            "export has no GPU activity (no kernel, CUDA graph or memcpy tables; "
-            "profile with CUDA tracing on: nsys profile -t cuda,nvtx)",
-        )
+        raise TraceError(path, _no_gpu_activity(columns))
     return ExportInfo(
         path=path,
         nsys_version=meta.get("EXPORT_PRODUCT_VERSION"),
         schema_version=_schema_version(meta),
         columns=columns,
         identity=identity,
+    )
+
+
+# Tables every nsys export has, with or without metadata (an export of a capture that recorded
+# nothing, or one written by a wrapper such as the nsys_cli package, may lack META_DATA_*).
+NSYS_TABLES = ("StringIds", "ThreadNames", "TARGET_INFO_GPU", "ANALYSIS_DETAILS")
+
+
+def _written_by_nsys(columns: dict[str, tuple[str, ...]]) -> bool:
+    """Whether the tables are an nsys export's: its metadata, activity tables, or its string
+    table beside another table nsys always writes."""
+    return (
+        any(t in columns for t in META_TABLES)
+        or any(t.startswith("CUPTI_ACTIVITY_KIND_") for t in columns)
+        or ("StringIds" in columns and any(t in columns for t in NSYS_TABLES[1:]))
+    )
+
+
+def _no_gpu_activity(columns: dict[str, tuple[str, ...]]) -> str:
+    """Why an export holds no GPU activity, and what to do: CUDA calls traced without the
+    GPU records they launched means the records were lost, not that tracing was off."""
+    if "CUPTI_ACTIVITY_KIND_RUNTIME" in columns:
+        return (
+            "export has no GPU activity: CUDA API calls were traced but no kernel, CUDA graph "
+            "or memcpy record reached the export (lost when a process ends before nsys "
+            "collects its GPU records: let every process exit normally and profile again)"
+        )
+    return (
+        "export has no GPU activity (no kernel, CUDA graph or memcpy tables; "
+        "profile with CUDA tracing on: nsys profile -t cuda,nvtx)"
     )
 
 
