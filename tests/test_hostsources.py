@@ -830,3 +830,21 @@ def joined(pieces):
     new[1:] = (start[1:] != end[:-1]) | (owner[1:] != owner[:-1])
     last = np.append(np.flatnonzero(new)[1:] - 1, len(start) - 1)
     return start[new], end[last], owner[new]
+
+
+def test_the_top_host_row_names_one_thing_not_the_rest_summed():
+    """A public clustering code's CPU samples fall in dozens of frames; the five largest are
+    rows and the rest is summed as "other", which was the largest and read "the launching
+    thread was in other". The top row the evidence names is the largest that names one thing.
+    CONSTRUCTED rows."""
+    from traceclf.judge.hostverdict import top_context
+
+    rows = [
+        {"source": "sampling", "what": "other", "ms_per_step": 2.5, "detail": {}},
+        {"source": "sampling", "what": "~_Vector_base (main)", "ms_per_step": 0.6,
+         "detail": {"samples": 5, "data_loading_samples": 0}},
+        {"source": "cuda_api", "what": "synchronisation", "ms_per_step": 0.9, "detail": {}},
+    ]  # fmt: skip
+    top = top_context(rows, 7.3)
+    assert top["idle_top_what"] == "~_Vector_base (main)"
+    assert top["idle_top_what_frac"] == pytest.approx(0.6 / 7.3)

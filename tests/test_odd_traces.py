@@ -332,3 +332,37 @@ def test_a_window_the_gpu_never_leaves_idle_reports_no_gap_and_no_warning(tmp_pa
     assert "traceclf abstains" in out
     r = report(path)
     assert all(not s["longest_gaps"] for s in r["series"])
+
+
+def test_unified_memory_migrations_are_named_and_never_called_pinned(tmp_path):
+    """A public clustering code's copies are all unified-memory migrations (copy kinds 11/12,
+    memory kind "unknown", cudaMallocManaged and cudaMemPrefetchAsync in the API), and the
+    report said its copies "already use pinned memory". The offload trace's copies made
+    migrations (CONSTRUCTED: copy kinds 11/12, memory kinds 7): they are named, the prefetch
+    fix proposed, and pinned memory never said to be in use. Independent: the bytes per step
+    from the edited rows in plain SQL."""
+    path = edited(
+        tmp_path,
+        "h100_memory_offload",
+        "UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET copyKind = copyKind + 10, srcKind = 7, "
+        "dstKind = 7 WHERE copyKind IN (1, 2)",
+    )
+    r = report(path)
+    m = r["metrics"]
+    lo, hi = r["steps"]["window_ns"]
+    with sqlite3.connect(path) as con:
+        ((moved,),) = con.execute(
+            "SELECT sum(bytes) FROM CUPTI_ACTIVITY_KIND_MEMCPY WHERE copyKind IN (11, 12) "
+            "AND start >= ? AND start < ?",
+            (lo, hi),
+        ).fetchall()
+    assert m["uvm_bytes_per_step"] == pytest.approx(moved / r["steps"]["analysed"], rel=0.01)
+    assert m["uvm_copy_frac"] == pytest.approx(m["offload_copy_frac"], abs=1e-6)
+    assert m["uvm_copy_frac"] > 0.4
+    said = " ".join(r["classification"]["evidence"])
+    assert "unified-memory page migrations take" in said
+    assert "prefetch-managed-memory" in [f["id"] for f in r["fixes"]]
+    assert not any("pinned memory" in a for a in r.get("applied") or [])
+    plain = report(trace_path("h100_memory_offload"))
+    assert plain["metrics"]["uvm_bytes_per_step"] == 0
+    assert any("pinned memory" in a for a in plain.get("applied") or [])

@@ -235,6 +235,7 @@ def read_export(path: Path) -> dict[str, list[dict]]:
         kind = copy_kinds.get(c["copyKind"], "")  # CUDA_MEMCPY_KIND_HTOD, ..._UVM_HTOD, ...
         c["h2d"], c["d2h"] = kind.endswith("_HTOD"), kind.endswith("_DTOH")
         c["peer"] = kind.endswith("_PTOP")
+        c["uvm"] = "_UVM_" in kind
         c["pageable"] = any(
             mem_kinds.get(c[k], "").endswith("_PAGEABLE") for k in ("srcKind", "dstKind")
         )
@@ -724,6 +725,7 @@ def _copies(w: Window) -> dict:
     h2d = [c for c in w.memcpy if c["h2d"]]
     d2h = [c for c in w.memcpy if c["d2h"]]
     pageable = [c for c in w.memcpy if c["pageable"]]
+    uvm = [c for c in h2d + d2h if c["uvm"]]
     kernels = w.compute + w.comm
 
     def gbps(copies: list[dict]) -> float | None:
@@ -743,6 +745,8 @@ def _copies(w: Window) -> dict:
         "pageable_copies_per_step": w.per_step(len(pageable)),
         "pageable_bytes_per_step": w.per_step(sum(c["bytes"] for c in pageable)),
         "pageable_copy_frac": length(spans(pageable)) / w.wall,
+        "uvm_bytes_per_step": w.per_step(sum(c["bytes"] for c in uvm)),
+        "uvm_copy_frac": length(spans(uvm)) / w.wall,
         "small_d2h_per_step": w.per_step(sum(c["bytes"] <= SMALL_D2H_BYTES for c in d2h)),
         "h2d_gbps": gbps(h2d),
         "d2h_gbps": gbps(d2h),

@@ -82,8 +82,10 @@ def evidence_words(row: dict) -> str:
 
 
 def top_context(rows: list[dict], step_ms: float | None) -> dict[str, Any]:
-    """The ``idle_top_*`` context names from the job's largest thread-source row."""
-    mine = [r for r in rows if r["source"] in THREAD_SOURCES]
+    """The ``idle_top_*`` context names from the job's largest thread-source row, of those that
+    name one thing: the "other" row of a source sums what its listed rows leave (a public
+    clustering code's CPU samples in dozens of frames) and names nothing the thread was in."""
+    mine = [r for r in rows if r["source"] in THREAD_SOURCES and r["what"] != "other"]
     best = max(mine, key=lambda r: r["ms_per_step"], default=None)
     if best is None:
         return {"idle_top_what_frac": 0.0, "idle_top_what_ms": 0.0}

@@ -18,6 +18,10 @@ MEASURES: dict[str, str] = {
     "pageable_bytes_per_step": "bytes of those copies per step",
     "small_d2h_per_step": "device->host copies of <= 1 KiB per step (.item(), nonzero results)",
     "pageable_copy_frac": "union of the time of copies from/to pageable host memory",
+    "uvm_bytes_per_step": "bytes of unified-memory page migrations per step (host<->device, "
+    "copy kinds UVM_HtoD/UVM_DtoH: cudaMallocManaged memory moved as the GPU or the host "
+    "touches it); part of h2d_d2h_bytes_per_step",
+    "uvm_copy_frac": "union of the time of those migrations (part of offload_copy_frac)",
     "h2d_frac": "union of host->device copy time",
     "d2h_frac": "union of device->host copy time",
     "exposed_offload_frac": "host<->device copy time with no kernel (compute or communication) "
@@ -45,6 +49,7 @@ def copies(w: RankWindow) -> dict[str, float]:
     d2h = memcpy.filter(pl.col("direction").is_in(["DtoH", "UVM_DtoH"]))
     offload = pl.concat([h2d, d2h])
     pageable = memcpy.filter(pl.col("pageable"))
+    uvm = offload.filter(pl.col("direction").is_in(["UVM_HtoD", "UVM_DtoH"]))
     return {
         "h2d_d2h_bytes_per_step": int(offload["bytes"].sum()) / n_steps,
         "h2d_bytes_per_step": int(h2d["bytes"].sum()) / n_steps,
@@ -54,6 +59,8 @@ def copies(w: RankWindow) -> dict[str, float]:
         "pageable_bytes_per_step": int(pageable["bytes"].sum()) / n_steps,
         "small_d2h_per_step": len(d2h.filter(pl.col("bytes") <= SMALL_D2H_BYTES)) / n_steps,
         "pageable_copy_frac": intervals.total(pageable) / w.wall,
+        "uvm_bytes_per_step": int(uvm["bytes"].sum()) / n_steps,
+        "uvm_copy_frac": intervals.total(uvm) / w.wall,
         "h2d_frac": intervals.total(h2d) / w.wall,
         "d2h_frac": intervals.total(d2h) / w.wall,
         "exposed_offload_frac": w.uncovered(offload, w.layers.compute_comm) / w.wall,
