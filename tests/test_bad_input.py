@@ -61,6 +61,18 @@ def without_gpu_or_api_tables(d: Path) -> Path:
     return drop_tables(path, [t for t in tables if t.startswith("CUPTI_ACTIVITY_KIND_")])
 
 
+def set_up_calls_only(d: Path) -> Path:
+    """What three public exports hold (a CUDA-Q tutorial, a cuBLASLt sample, a PyTorch run
+    traced before its first kernel): CUDA calls that set up, none that issues GPU work."""
+    path = without_gpu_tables(d)
+    with sqlite3.connect(path) as con:
+        con.execute(
+            "DELETE FROM CUPTI_ACTIVITY_KIND_RUNTIME WHERE nameId NOT IN (SELECT id FROM "
+            "StringIds WHERE value IN ('cuInit', 'cudaGetDeviceProperties_v12000'))"
+        )
+    return path
+
+
 def bare_nsys_tables(d: Path) -> Path:
     """What a public DynamicViT export holds (written by the nsys_cli wrapper of a capture
     that recorded nothing): nsys's string, thread and GPU tables, no metadata, no activity."""
@@ -94,6 +106,7 @@ CASES = {
     # kernel table): not "profile with CUDA tracing on"
     "GPU records lost": Case(without_gpu_tables, "CUDA API calls were traced but no kernel"),
     "no CUDA tracing": Case(without_gpu_or_api_tables, "profile with CUDA tracing on"),
+    "no GPU work issued": Case(set_up_calls_only, "the CUDA calls traced issued no kernel"),
     "nsys tables without metadata": Case(bare_nsys_tables, "export has no GPU activity"),
     "random .nsys-rep": Case(
         written("random.nsys-rep", os.urandom(4096)), "cannot open report file", nsys="export"

@@ -236,6 +236,7 @@ def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
         # files it reads in well under a second (~4 ms/MB) are checked up front.
         if check_pages and path.stat().st_size <= PAGE_CHECK_MAX_BYTES:
             _check_pages(con)
+        issued = _issued_gpu_work(con, columns)
     # Garbage where a table name or metadata text should be fails UTF-8 decoding, not SQLite.
     except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
         if _changing(path, identity):
@@ -248,7 +249,7 @@ def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
             path, "SQLite database, but not an Nsight Systems export (no META_DATA_EXPORT table)"
         )
     if not any(t in columns for t in GPU_ACTIVITY_TABLES):
-        raise TraceError(path, _no_gpu_activity(columns))
+        raise TraceError(path, _no_gpu_activity(columns, issued))
     return ExportInfo(
         path=path,
         nsys_version=meta.get("EXPORT_PRODUCT_VERSION"),
@@ -273,9 +274,33 @@ def _written_by_nsys(columns: dict[str, tuple[str, ...]]) -> bool:
     )
 
 
-def _no_gpu_activity(columns: dict[str, tuple[str, ...]]) -> str:
-    """Why an export holds no GPU activity, and what to do: CUDA calls traced without the
-    GPU records they launched means the records were lost, not that tracing was off."""
+def _issued_gpu_work(con: sqlite3.Connection, columns: dict[str, tuple[str, ...]]) -> bool:
+    """Whether an export without GPU activity tables traced a CUDA call that issues GPU work
+    (a launch, a copy, a memset). Asked only of such exports: one indexed lookup per name."""
+    if (
+        any(t in columns for t in GPU_ACTIVITY_TABLES)
+        or "CUPTI_ACTIVITY_KIND_RUNTIME" not in columns
+    ):
+        return False
+    if "StringIds" not in columns or "nameId" not in columns["CUPTI_ACTIVITY_KIND_RUNTIME"]:
+        return True  # (cannot tell: the message for lost records names what to check)
+    issuing = (
+        "SELECT 1 FROM CUPTI_ACTIVITY_KIND_RUNTIME WHERE nameId IN (SELECT id FROM StringIds "
+        "WHERE value LIKE '%Launch%' OR value LIKE '%Memcpy%' OR value LIKE '%Memset%' "
+        "OR value LIKE 'cuGraph%' OR value LIKE 'cudaGraph%') LIMIT 1"
+    )
+    return con.execute(issuing).fetchone() is not None
+
+
+def _no_gpu_activity(columns: dict[str, tuple[str, ...]], issued: bool) -> str:
+    """Why an export holds no GPU activity, and what to do: CUDA calls traced that issued GPU
+    work without the records of that work means the records were lost, not that tracing was
+    off; CUDA calls that issued none mean the process gave the GPU nothing while traced."""
+    if "CUPTI_ACTIVITY_KIND_RUNTIME" in columns and not issued:
+        return (
+            "export has no GPU activity: the CUDA calls traced issued no kernel, copy or "
+            "memset (the process gave the GPU no work while nsys traced it)"
+        )
     if "CUPTI_ACTIVITY_KIND_RUNTIME" in columns:
         return (
             "export has no GPU activity: CUDA API calls were traced but no kernel, CUDA graph "
