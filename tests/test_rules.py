@@ -697,3 +697,17 @@ def test_allocator_churn_outside_a_framework_gets_plain_cuda_advice():
     assert "empty_cache" not in fix["config"] and fix["pitfalls"] == []
     framework = next(f for f in evaluate(facts).fixes if f["id"] == "keep-allocator-cache")
     assert "empty_unused_memory_level = 0" in framework["config"] and framework["pitfalls"]
+
+
+def test_one_launch_per_step_leaves_graphs_and_fusion_nothing():
+    """A public OpenACC loop launches one kernel per step, after an allocation and before a
+    copy and a sync: CUDA graphs were proposed at ×6.1 and kernel fusion at +4.6%, from a
+    "chain" of the same kernel in consecutive steps. A graph needs launches to batch and a
+    fusion two kernels in a step. The host-launch run's facts with one launch and one kernel
+    per step (CONSTRUCTED): neither is proposed; with its own counts, both are."""
+    facts = facts_of(first_available("h100_host_launch_gpumetrics_trimmed"))
+    assert {"cuda-graphs", "kernel-fusion"} <= set(ids(evaluate(facts)))
+    one = dict(
+        facts, metrics=dict(facts["metrics"], launch_calls_per_step=1.0, kernels_per_step=1.0)
+    )
+    assert not {"cuda-graphs", "kernel-fusion"} & set(ids(evaluate(one)))

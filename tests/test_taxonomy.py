@@ -362,3 +362,31 @@ def test_match_counts_count_as_each_pattern_does(repeated) -> None:
     assert match_counts(texts.cast(pl.Categorical), patterns) == want
     assert match_counts(texts, patterns) == want
     assert sum(want) > 0
+
+
+@pytest.mark.parametrize(
+    ("call", "alloc"),
+    [
+        ("cudaMalloc_v3020", True),
+        ("cudaFree_v3020", True),
+        # a public kNN code allocates pitched and array memory every step: 19.5% of it idle
+        ("cudaMallocPitch_v3020", True),
+        ("cudaMallocArray_v3020", True),
+        ("cudaFreeArray_v3020", True),
+        ("cuMemAlloc_v2", True),
+        ("cuMemFree_v2", True),
+        ("cudaMallocManaged_v6000", True),
+        # stream-ordered pools synchronise nothing; host allocations are not the device's
+        ("cudaMallocAsync_v11020", False),
+        ("cudaFreeAsync_v11020", False),
+        ("cudaMallocHost_v3020", False),
+        ("cudaHostAlloc_v3020", False),
+    ],
+)
+def test_device_allocations_of_every_kind_are_allocator_calls(call: str, alloc: bool) -> None:
+    import polars as pl
+
+    from traceclf.model.taxonomy import bundled
+
+    got = pl.DataFrame({"name": [call]}).select(bundled().is_api("alloc")).item()
+    assert got is alloc
