@@ -366,3 +366,20 @@ def test_unified_memory_migrations_are_named_and_never_called_pinned(tmp_path):
     plain = report(trace_path("h100_memory_offload"))
     assert plain["metrics"]["uvm_bytes_per_step"] == 0
     assert any("pinned memory" in a for a in plain.get("applied") or [])
+
+
+def test_copies_to_and_from_cuda_arrays_cross_the_host_link_too(tmp_path):
+    """A public kNN code copies its input to CUDA arrays (copy kind 3, host to array): its
+    report counted them as pageable copies (11 MB per step) but not as host->device traffic
+    (2.6 MB per step). The offload trace's copies edited into array copies (CONSTRUCTED: kinds
+    3 and 4) move the same bytes as before, both ways."""
+    before = report(trace_path("h100_memory_offload"))["metrics"]
+    path = edited(
+        tmp_path,
+        "h100_memory_offload",
+        "UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET copyKind = copyKind + 2 WHERE copyKind IN (1, 2)",
+    )
+    after = report(path)["metrics"]
+    for name in ("h2d_bytes_per_step", "d2h_bytes_per_step", "offload_copy_frac"):
+        assert after[name] == pytest.approx(before[name], rel=1e-6), name
+    assert after["h2d_bytes_per_step"] > 2e9

@@ -233,7 +233,9 @@ def read_export(path: Path) -> dict[str, list[dict]]:
         r["host"] = r["pinned"] or kind.endswith("_PAGEABLE")
     for c in out["memcpy"]:
         kind = copy_kinds.get(c["copyKind"], "")  # CUDA_MEMCPY_KIND_HTOD, ..._UVM_HTOD, ...
-        c["h2d"], c["d2h"] = kind.endswith("_HTOD"), kind.endswith("_DTOH")
+        # (to or from a CUDA array crosses the host link too)
+        c["h2d"] = kind.endswith(("_HTOD", "_HTOA"))
+        c["d2h"] = kind.endswith(("_DTOH", "_ATOH"))
         c["peer"] = kind.endswith("_PTOP")
         c["uvm"] = "_UVM_" in kind
         c["pageable"] = any(

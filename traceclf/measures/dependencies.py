@@ -24,11 +24,12 @@ import numpy as np
 import polars as pl
 
 from traceclf.model.correlation import CallIndex
+from traceclf.model.trace import DEVICE_TO_HOST, HOST_TO_DEVICE
 
 # ("graph": a graph-level traced replay; "nodes": the span of a node-traced replay's kernels)
 COMPUTE_KINDS = ("compute", "graph", "nodes")
 KIND = pl.Enum(["compute", "graph", "nodes", "collective", "copy"])
-TRANSFER_DIRECTIONS = ("HtoD", "DtoH", "PtoP", "UVM_HtoD", "UVM_DtoH")
+TRANSFER_DIRECTIONS = (*HOST_TO_DEVICE, *DEVICE_TO_HOST, "PtoP")
 MAX_RELAY_HOPS = 8  # event waits relayed through this many streams are followed
 NO_EVENT = 0xFFFFFFFF  # eventId / eventSyncId of a sync record that names no event
 KEY = ("pid", "device_id", "stream_id")

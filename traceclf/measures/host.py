@@ -12,7 +12,7 @@ from traceclf.measures.hostframes import loading_gaps
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import matches
-from traceclf.model.trace import outermost
+from traceclf.model.trace import HOST_TO_DEVICE, outermost
 
 MEASURES: dict[str, str] = {
     "sync_calls_per_step": "cudaStream/Device/EventSynchronize and blocking cudaMemcpy per step "
@@ -318,7 +318,7 @@ def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     # the capture's copies, not the window's: the last gap ends where the next step's copy
     # starts, which is the window's end
     batch = w.trace.copies.filter(
-        pl.col("direction").is_in(["HtoD", "UVM_HtoD"]) & (pl.col("bytes") >= BATCH_COPY_BYTES)
+        pl.col("direction").is_in(HOST_TO_DEVICE) & (pl.col("bytes") >= BATCH_COPY_BYTES)
     )["start"]
     # the few long gaps' ranges put in place by position (gaps are in start order), not by a
     # join that copies every column of millions of gaps

@@ -7,7 +7,12 @@ import polars as pl
 
 from traceclf.measures import intervals
 from traceclf.measures.window import RankWindow
-from traceclf.model.trace import HOST_MEMORY_KINDS, PINNED_MEMORY_KIND
+from traceclf.model.trace import (
+    DEVICE_TO_HOST,
+    HOST_MEMORY_KINDS,
+    HOST_TO_DEVICE,
+    PINNED_MEMORY_KIND,
+)
 
 MEASURES: dict[str, str] = {
     "offload_copy_frac": "union of host<->device copy time",
@@ -45,8 +50,8 @@ BANDWIDTH_MIN_BYTES = 1 << 20  # smaller copies are latency-bound: their rate sa
 def copies(w: RankWindow) -> dict[str, float]:
     n_steps = w.n_steps
     memcpy = w.copies.filter(pl.col("op") == "memcpy")
-    h2d = memcpy.filter(pl.col("direction").is_in(["HtoD", "UVM_HtoD"]))
-    d2h = memcpy.filter(pl.col("direction").is_in(["DtoH", "UVM_DtoH"]))
+    h2d = memcpy.filter(pl.col("direction").is_in(HOST_TO_DEVICE))
+    d2h = memcpy.filter(pl.col("direction").is_in(DEVICE_TO_HOST))
     offload = pl.concat([h2d, d2h])
     pageable = memcpy.filter(pl.col("pageable"))
     uvm = offload.filter(pl.col("direction").is_in(["UVM_HtoD", "UVM_DtoH"]))

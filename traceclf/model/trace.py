@@ -70,6 +70,10 @@ LAUNCH_BLOCK = 1 << 20  # rows of GPU work per block when their launches are pla
 # array, managed, device static, managed static, unknown) counts as the GPU's memory.
 HOST_MEMORY_KINDS = (0, 1)
 PINNED_MEMORY_KIND = 1
+# Copy directions over the host link (ingest/assemble.py COPY_KINDS): to a device buffer, a
+# CUDA array or unified memory, and back (a public kNN code copies its input to arrays).
+HOST_TO_DEVICE = ("HtoD", "HtoA", "UVM_HtoD")
+DEVICE_TO_HOST = ("DtoH", "AtoH", "UVM_DtoH")
 
 # The Categorical columns of the model, by frame (ingest/assemble.py, ingest/devices.py)
 NAME_COLUMNS = {"kernels": ("name", "short_name"), "api": ("name",), "gpu_metrics": ("metric",)}
