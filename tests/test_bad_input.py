@@ -73,6 +73,13 @@ def set_up_calls_only(d: Path) -> Path:
     return path
 
 
+def graph_set_up_only(d: Path) -> Path:
+    path = set_up_calls_only(d)
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE StringIds SET value = 'cudaGraphCreate_v10000' WHERE value = 'cuInit'")
+    return path
+
+
 def bare_nsys_tables(d: Path) -> Path:
     """What a public DynamicViT export holds (written by the nsys_cli wrapper of a capture
     that recorded nothing): nsys's string, thread and GPU tables, no metadata, no activity."""
@@ -107,6 +114,8 @@ CASES = {
     "GPU records lost": Case(without_gpu_tables, "CUDA API calls were traced but no kernel"),
     "no CUDA tracing": Case(without_gpu_or_api_tables, "profile with CUDA tracing on"),
     "no GPU work issued": Case(set_up_calls_only, "the CUDA calls traced issued no kernel"),
+    # (a graph built but never launched issues no work: cudaGraphCreate is no launch)
+    "graph built, never launched": Case(graph_set_up_only, "the CUDA calls traced issued no"),
     "nsys tables without metadata": Case(bare_nsys_tables, "export has no GPU activity"),
     "random .nsys-rep": Case(
         written("random.nsys-rep", os.urandom(4096)), "cannot open report file", nsys="export"

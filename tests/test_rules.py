@@ -583,7 +583,7 @@ def test_copies_to_the_host_and_back_outside_training_are_memory_not_offload():
     assert "memory-pageable-copies" in rules
     assert verdict.classification["bound"] == "memory"
     said = " ".join(verdict.classification["evidence"])
-    assert "activation offload" not in said and "in a loop with no training step" in said
+    assert "activation offload" not in said and "no backward pass to keep activations for" in said
     assert {"reduce-host-traffic", "pinned-memory"} <= set(ids(verdict))
 
 
@@ -711,3 +711,16 @@ def test_one_launch_per_step_leaves_graphs_and_fusion_nothing():
         facts, metrics=dict(facts["metrics"], launch_calls_per_step=1.0, kernels_per_step=1.0)
     )
     assert not {"cuda-graphs", "kernel-fusion"} & set(ids(evaluate(one)))
+
+
+def test_a_floor_that_leaves_nothing_keeps_the_fix():
+    """A ceiling cut to 0 by a floor from rule data (a host link slower than the copies the
+    trace measured: a V100 on POWER9 reaches its host over NVLink, not the PCIe Gen3 its name
+    matches) says the data is off, not that the fix wins nothing: the fix stays, its ceiling
+    says 0. A ceiling the trace itself measures as 0 drops the fix. CONSTRUCTED ceilings."""
+    from traceclf.judge.engine import _wins_nothing
+
+    measured = {"ceiling": {"unit": "step", "recoverable_ms": 0.0, "floor_ms": None}}
+    floored = {"ceiling": {"unit": "step", "recoverable_ms": 0.0, "floor_ms": 70.0}}
+    assert _wins_nothing(measured) and not _wins_nothing(floored)
+    assert not _wins_nothing({"ceiling": None}) and not _wins_nothing({})

@@ -275,3 +275,17 @@ def test_warm_up_by_allocator_calls_is_decided_as_by_their_counts_asking_only_wh
         assert steady_bounds(n, durations.__getitem__, 100.0, settings, growth) == (first, n - 2)
         if not any((c or 0) > 0 for c in counts[1 : n - 2]):
             assert not asked
+
+
+def test_a_kernel_without_an_end_adds_no_time_to_a_recurring_kernels_span():
+    """A damaged export's probe may read a kernel whose end is no number (null): the work
+    share then summed to null and the step finder failed with an internal error. CONSTRUCTED
+    kernels: a regular kernel, the last row without an end."""
+    from traceclf.steps.find import recurring_kernel
+    from traceclf.steps.settings import bundled_settings
+
+    starts = [i * 1_000_000 for i in range(12)]
+    kernels = pl.DataFrame(
+        {"name": ["k"] * 12, "start": starts, "end": [s + 500_000 for s in starts[:-1]] + [None]}
+    )
+    assert recurring_kernel(kernels, bundled_settings()) == "k"

@@ -276,18 +276,19 @@ def _written_by_nsys(columns: dict[str, tuple[str, ...]]) -> bool:
 
 def _issued_gpu_work(con: sqlite3.Connection, columns: dict[str, tuple[str, ...]]) -> bool:
     """Whether an export without GPU activity tables traced a CUDA call that issues GPU work
-    (a launch, a copy, a memset). Asked only of such exports: one indexed lookup per name."""
+    (a launch, graph launches included, a copy, a memset). Asked only of such exports: a scan
+    of the CUDA calls that stops at the first such call."""
     if (
         any(t in columns for t in GPU_ACTIVITY_TABLES)
         or "CUPTI_ACTIVITY_KIND_RUNTIME" not in columns
     ):
         return False
-    if "StringIds" not in columns or "nameId" not in columns["CUPTI_ACTIVITY_KIND_RUNTIME"]:
+    readable = {"id", "value"} <= set(columns.get("StringIds", ()))
+    if not readable or "nameId" not in columns["CUPTI_ACTIVITY_KIND_RUNTIME"]:
         return True  # (cannot tell: the message for lost records names what to check)
     issuing = (
         "SELECT 1 FROM CUPTI_ACTIVITY_KIND_RUNTIME WHERE nameId IN (SELECT id FROM StringIds "
-        "WHERE value LIKE '%Launch%' OR value LIKE '%Memcpy%' OR value LIKE '%Memset%' "
-        "OR value LIKE 'cuGraph%' OR value LIKE 'cudaGraph%') LIMIT 1"
+        "WHERE value LIKE '%Launch%' OR value LIKE '%Memcpy%' OR value LIKE '%Memset%') LIMIT 1"
     )
     return con.execute(issuing).fetchone() is not None
 

@@ -312,7 +312,10 @@ def _wins_nothing(fix: dict) -> bool:
     loop whose idle gaps the allocator's calls end, not a call that only waits (a kNN code's
     cudaFree per step), leave remove-host-syncs nothing; its evidence still shows."""
     c = fix.get("ceiling") or {}
-    return c.get("unit") == "step" and c.get("recoverable_ms") == 0
+    # (a floor that leaves nothing says the rule data's assumption is off, e.g. a host link
+    # slower than the copies the trace measured: the fix stays, its ceiling says 0)
+    measured = c.get("floor_ms") is None
+    return c.get("unit") == "step" and c.get("recoverable_ms") == 0 and measured
 
 
 def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs: RuleSet) -> dict:

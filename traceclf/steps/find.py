@@ -246,7 +246,8 @@ def recurring_kernel(kernels: pl.DataFrame, settings: StepSettings):
     # the kernel time that starts between a candidate's first and last occurrence (a prefix
     # sum over the kernels in start order, looked up at both ends)
     starts = kernels["start"]
-    done = (kernels["end"] - kernels["start"]).cum_sum()
+    # (a row without an end, which a damaged export's probe may hold, adds no time)
+    done = (kernels["end"] - kernels["start"]).fill_null(0).cum_sum()
     total = done[-1] if len(done) else 0
     lo = starts.search_sorted(candidates["first"], side="left")
     hi = starts.search_sorted(candidates["last"], side="right")
