@@ -51,6 +51,10 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
     b, a = result.before, result.after
     console.print(for_terminal(f"{Path(b.source).name} → {Path(a.source).name}", "bold"))
     console.print(for_terminal(result.summary, VERDICT_STYLE.get(result.verdict, "bold")))
+    # (right under the verdict, which they qualify: two programs on two GPUs are no regression
+    # of one another, whatever their step times say)
+    for note in result.notes:
+        console.print(for_terminal(f"Not directly comparable: {note}", "yellow"))
     steps = Table(show_edge=False, title="Step time", title_justify="left")
     for col in ("", "before", "after", "change"):
         steps.add_column(col, justify="left" if not col else "right")
@@ -70,8 +74,6 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
         console.print(Text("What changed besides the measures", style="bold"))
         for line in result.explanations:
             console.print(for_terminal(f"• {line}"))
-    for note in result.notes:
-        console.print(for_terminal(f"Not directly comparable: {note}", "yellow"))
     return output_of(console)
 
 
@@ -113,6 +115,11 @@ def comparison_markdown(result: Comparison) -> str:
         "",
         f"**{for_markdown(result.summary)}**",
         "",
+        *(
+            ["## Not directly comparable", "", *(f"- {for_markdown(n)}" for n in result.notes), ""]
+            if result.notes
+            else []
+        ),
         "## Step time",
         "",
         "|  | before | after | change |",
@@ -152,9 +159,6 @@ def comparison_markdown(result: Comparison) -> str:
     if result.explanations:
         lines += ["", "## What changed besides the measures", ""]
         lines += [f"- {_md(line)}" for line in result.explanations]
-    if result.notes:
-        lines += ["", "## Not directly comparable", ""]
-        lines += [f"- {for_markdown(n)}" for n in result.notes]
     lines += [
         "",
         "## Runs",

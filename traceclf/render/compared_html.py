@@ -45,6 +45,7 @@ def _body(c: Comparison, level: int, n: int) -> str:
         f"<{h}>{escape(Path(b.source).name)} → {escape(Path(a.source).name)}: "
         f"{escape(c.verdict)}</{h}>",
         f"<p><b>{escape(c.summary)}</b></p>",
+        *([f"<{h2}>Not directly comparable</{h2}>" + _list(c.notes)] if c.notes else []),
         f"<{h2}>Step time</{h2}>",
         _table(("", "before", "after", "change"), step_rows(c), numeric={1, 2, 3}),
         f"<p>{escape(bound_line(c))}</p>",
@@ -70,8 +71,6 @@ def _body(c: Comparison, level: int, n: int) -> str:
     out.append(_list(parts.lines(breakdown)))
     if c.explanations:
         out.append(f"<{h2}>What changed besides the measures</{h2}>" + _list(c.explanations))
-    if c.notes:
-        out.append(f"<{h2}>Not directly comparable</{h2}>" + _list(c.notes))
     out.append(
         f"<{h2}>Runs</{h2}>"
         + _list(
