@@ -43,6 +43,17 @@ def _second_anchor(second: dict, other: str) -> str:
     )
 
 
+def _rest_left_out(c: dict) -> str:
+    """The found steps neither used nor warm-up, so that the counts add up: a step runs to the
+    next one's start, so the last has none to end it; beyond it, outliers."""
+    rest = c.get("steps_found", 0) - c.get("steps_used", 0) - c.get("warmup_dropped", 0)
+    if rest <= 0:
+        return ""
+    if rest == 1:
+        return ", the last left out (no next step ends it)"
+    return f", {rest} more left out (the last, which no next step ends, and outliers)"
+
+
 def capture_rows(report: Report) -> list[tuple[str, str]]:
     """What the trace can support, shown before any number that depends on it."""
     c = report.capture or {}
@@ -55,7 +66,7 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     steps = (
         f"{c.get('steps_used', 0)} steady{noun} of {c.get('steps_found', 0)} found, from "
         f"{anchor.get('source', 'none')}{label}{sampled(s)}; "
-        f"{c.get('warmup_dropped', 0)} warm-up dropped; "
+        f"{c.get('warmup_dropped', 0)} warm-up dropped{_rest_left_out(c)}; "
         f"window {window_text(report)}, {pct(c.get('window_share_of_capture'))} of the capture"
         if c.get("steps_found")
         else "no repeating step found: the whole capture is one window"
