@@ -16,7 +16,7 @@ from traceclf.judge.hostverdict import capture_context, capture_options, distort
 from traceclf.judge.vocabulary import COMMUNICATION_FACTS, load_rules
 from traceclf.rulebook.entries import WALLS, Fix, GpuFamily, Rule, Scoring
 from traceclf.rulebook.expr import Expr
-from traceclf.rulebook.fixparts import Precondition
+from traceclf.rulebook.fixparts import Pitfall, Precondition
 from traceclf.rulebook.layers import RuleSet
 
 
@@ -324,7 +324,7 @@ def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs:
     extra = [lines for _, lines in held]
     # (premises and pitfalls of a case the trace does not show are left out: no MoE routing
     # advice for a kNN code)
-    premises = [p for p in fix.premises if p.when is None or p.when.holds(env)]
+    premises = [p for p in fix.premises if _said(p, env)]
     contradicted = [(p, _contradiction(p, env)) for p in premises]
     obj = {
         "id": fix.id,
@@ -339,7 +339,7 @@ def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs:
             for p, shows in contradicted
             if shows is not None
         ],
-        "pitfalls": [p.text for p in fix.pitfalls if p.when is None or p.when.holds(env)],
+        "pitfalls": [p.text for p in fix.pitfalls if _said(p, env)],
         "evidence": _evidence(fix, entry["rules"], env, rs, [when for when, _ in held]),
         "rule_ids": list(dict.fromkeys(entry["rules"])),
         "score": round(entry["score"], 3),
@@ -352,6 +352,11 @@ def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs:
     if fix.pytorch and framework:
         obj["pytorch"] = " ".join(fix.pytorch.split())
     return obj
+
+
+def _said(item: Precondition | Pitfall, env: dict[str, Any]) -> bool:
+    """Whether a premise or pitfall applies to this trace: it has no ``when``, or it holds."""
+    return item.when is None or item.when.holds(env)
 
 
 def _contradiction(premise: Precondition, env: dict[str, Any]) -> tuple[str, dict] | None:

@@ -13,13 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from traceclf.rulebook.taxonomy_tables import (
-    PARAMETER_LIST,
-    FamilyPattern,
-    Table,
-    TaxonomyTables,
-    callee,
-)
+from traceclf.rulebook.taxonomy_tables import FamilyPattern, Table, TaxonomyTables, callee
 
 if TYPE_CHECKING:  # polars is imported where an expression is built: a cached re-analysis
     # reads the taxonomy (the rule set's) without building any
@@ -54,7 +48,7 @@ class Taxonomy(TaxonomyTables):
         tried: the first decides its family (``traceclf kernels`` shows why)."""
         import polars as pl
 
-        text = pl.Series([name], dtype=pl.String).str.replace(PARAMETER_LIST, "")
+        text = callee(pl.Series([name], dtype=pl.String))
         return [p for p in self.families if text.str.contains(p.pattern)[0]]
 
     def comm_library(self, col: str = "name") -> pl.Expr:

@@ -196,8 +196,9 @@ def _families(raw: Any, path: Path) -> list[FamilyPattern]:
 PARAMETER_LIST = r"\((?:[^()]|\([^()]*\))*\)$"
 
 
-def callee(names: pl.Expr) -> pl.Expr:
-    """The kernel names ``names`` without their parameter list (:data:`PARAMETER_LIST`)."""
+def callee(names: pl.Expr | pl.Series) -> pl.Expr | pl.Series:
+    """The kernel names ``names`` (an expression, or the names themselves) without their
+    parameter list (:data:`PARAMETER_LIST`)."""
     import polars as pl
 
     return names.cast(pl.String).str.replace(PARAMETER_LIST, "")
@@ -211,7 +212,7 @@ def _check_examples(entries: list[FamilyPattern]) -> None:
     examples = [(i, e) for i, entry in enumerate(entries) for e in entry.examples]
     if not examples:
         return
-    names = pl.Series([e for _, e in examples], dtype=pl.String).str.replace(PARAMETER_LIST, "")
+    names = callee(pl.Series([e for _, e in examples], dtype=pl.String))
     hits = [names.str.contains(entry.pattern).to_list() for entry in entries]
     for k, (i, example) in enumerate(examples):
         first = next((j for j in range(len(entries)) if hits[j][k]), None)
