@@ -356,10 +356,11 @@ def _read_spans(plan: StepPlan, projector: Projector | None) -> list[tuple[Span,
 
     GPU rows from a little before the run's first GPU work (kernels still running then) to the
     first GPU work of the step after the run (which ends the run's last step), or to the end
-    of the capture after the last step. CUDA calls: those made inside the runs' steps and the
-    next one (their correlation ids project the steps onto the GPU) and while the GPU runs
-    the window (launch, sync and idle-cause measures); with exact (GPU-timed) steps, from a
-    step before the run (the calls that launched its first work)."""
+    of the capture after the last step. CUDA calls: those made inside the runs' steps (their
+    correlation ids project the steps onto the GPU) and until the GPU rows read end (launch,
+    sync and idle-cause measures; the following step's first work, which ends the run, was
+    launched before it ran); with exact (GPU-timed) steps, from a step before the run (the
+    calls that launched its first work)."""
     table = plan.table
     starts = dict(zip(table["index"].to_list(), table["start"].to_list(), strict=True))
     ends = dict(zip(table["index"].to_list(), table["end"].to_list(), strict=True))
@@ -393,7 +394,9 @@ def _read_spans(plan: StepPlan, projector: Projector | None) -> list[tuple[Span,
         first = projector.gpu_start(a) or starts[a]
         nxt = projector.gpu_start(following) if following is not None else None
         gpu_hi = nxt + margin if nxt is not None else _END
-        calls_hi = max(ends[following], nxt) if nxt is not None and following else _END
+        # (not the following step's later calls: they launch work past the GPU rows read; in
+        # runs of three host-bound steps they were a sixth of the calls read)
+        calls_hi = max(ends[b], nxt + margin) if nxt is not None else _END
         out.append(
             (
                 (min(first, starts[a]) - margin, gpu_hi),
