@@ -295,6 +295,8 @@ def _split_at(parts: Pieces, bounds: np.ndarray) -> Pieces:
 
 def merged(a: Pieces, b: Pieces) -> Pieces:
     """Two sets of disjoint sorted pieces, disjoint from each other, as one in order."""
+    if not len(a[0]) or not len(b[0]):  # (one thread's gaps are often all of them)
+        return b if not len(a[0]) else a
     joined = [np.concatenate([x, y]) for x, y in zip(a, b, strict=True)]
     order = np.argsort(joined[0], kind="stable")
     return joined[0][order], joined[1][order], joined[2][order]

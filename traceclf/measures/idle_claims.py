@@ -143,6 +143,9 @@ class IdleClaims:
         """The pieces ``keep`` selects (the gaps of one thread), taken out to claim from on
         their own; :meth:`join` puts back what they leave."""
         start, end, owner = self.pieces
+        if keep.all():  # (one launching thread: every gap, no copy)
+            self.pieces = (start[:0], end[:0], owner[:0])
+            return IdleClaims((start, end, owner), self.cause)
         self.pieces = (start[~keep], end[~keep], owner[~keep])
         return IdleClaims((start[keep], end[keep], owner[keep]), self.cause)
 
