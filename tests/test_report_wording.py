@@ -107,3 +107,24 @@ def test_megatron_config_is_labelled_and_the_pytorch_hint_shown():
     assert dict(fix_facts(fusion))["In PyTorch"].startswith("torch.compile")
     for text in (render_markdown(r), render_html(r)):
         assert "Megatron-Bridge config:" in text and "In PyTorch" in text
+
+
+def test_a_window_without_steps_is_not_called_a_step():
+    """nvFuser's test compiles and runs 19 kernels once: no step is found and the whole GPU
+    span is the window, so no format speaks of a steady state or of figures per step (the
+    rank table's step column shows '–'); the figures are over the window, and the idle time
+    per window in the attribution's title is the window's length times its idle share."""
+    import re
+
+    from traceclf.render.html import render_html
+    from traceclf.render.markdown import render_markdown
+    from traceclf.render.terminal import render_terminal
+
+    r = traceclf.analyze(trace_path("nvfuser_matmul_test_h100"), use_cache=False)
+    assert r.steps.get("count") in (0, None)
+    lo, hi = r.steps["window_ns"][:2]
+    idle_ms = r.metrics["gpu_idle_frac"] * (hi - lo) / 1e6
+    for text in (render_terminal(r, True, 200), render_markdown(r), render_html(r)):
+        assert not re.search(r"steady.state|/step|per step|of the step|share of step", text)
+        assert "Where the window goes" in text and "kernels/window" in text
+        assert f"{idle_ms:.0f} ms per window idle" in text

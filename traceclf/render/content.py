@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceclf.render.ceilings import ceiling_rows, combined_row
-from traceclf.render.text import anchor_label, sampled, window_text
+from traceclf.render.text import anchor_label, sampled, span_title, unit, window_text
 from traceclf.report.contract import Report
 from traceclf.support.escape import visible
 from traceclf.support.units import fmt_bytes, fmt_ms, pct
@@ -27,7 +27,6 @@ RANK_COLUMNS = (
     "graph",
     "other",
 )
-KERNEL_COLUMNS = ("kernel", "family", "count", "median", "share of step")
 TOP_KERNELS = 8
 
 
@@ -49,6 +48,18 @@ CAPTIONS = {
     "memory": "Device memory allocated over the capture (CUDA memory events), against the "
     "GPU's capacity; the steady-state window is shaded.",
 }
+# The captions of the figures drawn where no step was found (the whole GPU span one window).
+WINDOW_CAPTIONS = {
+    "idle_gaps": CAPTIONS["idle_gaps"].replace("per step", "in the window"),
+    "gpu_metrics": "GPU metrics sampled by Nsight Systems over the window.",
+    "memory": CAPTIONS["memory"].replace("steady-state window", "window"),
+}
+
+
+def caption(report: Report, name: str) -> str:
+    """The caption of figure ``name``, in the report's terms (steps, or the window)."""
+    window = WINDOW_CAPTIONS if unit(report) == "window" else {}
+    return window.get(name) or CAPTIONS.get(name, "")
 
 
 def verdict_title(report: Report) -> str:
@@ -134,9 +145,33 @@ def rank_rows(report: Report) -> list[list[str]]:
     ]
 
 
+def kernel_columns(report: Report) -> tuple[str, ...]:
+    return ("kernel", "family", "count", "median", f"share of {unit(report)}")
+
+
+def kernels_title(report: Report) -> str:
+    span = "the window" if unit(report) == "window" else "steady state"
+    return f"Top kernels (rank 0, {span})"
+
+
+def ranks_title(report: Report) -> str:
+    """'Where the steady-state step goes' (or 'the window', where no step was found)."""
+    return f"Where {span_title(report)} goes"
+
+
+def ranks_note(report: Report) -> str:
+    span = "the window's" if unit(report) == "window" else "the steady-state"
+    return f"Share of {span} wall time, per rank."
+
+
+def details_head(report: Report) -> str:
+    return "measures over the window" if unit(report) == "window" else "steady-state measures"
+
+
 def detail_rows(report: Report) -> list[tuple[str, str]]:
-    """(wall, what the measures say) lines, as in the terminal's details table."""
-    m = report.metrics
+    """(wall, what the measures say) lines, as in the terminal's details table; per step, or
+    over the window where no step was found."""
+    m, u = report.metrics, unit(report)
     comm = ", ".join(
         f"{kind} {pct(v['frac'])} ({pct(v['exposed_frac'])} exposed)"
         for kind, v in report.comm_by_kind.items()
@@ -144,7 +179,7 @@ def detail_rows(report: Report) -> list[tuple[str, str]]:
     rows = [
         (
             "Communication",
-            f"{pct(m.get('comm_frac'))} of the step, {pct(m.get('exposed_comm_frac'))} exposed"
+            f"{pct(m.get('comm_frac'))} of the {u}, {pct(m.get('exposed_comm_frac'))} exposed"
             f" · {comm or 'none'}",
         )
     ]
@@ -161,20 +196,20 @@ def detail_rows(report: Report) -> list[tuple[str, str]]:
     rows.append(
         (
             "Launches",
-            f"{num(m.get('kernels_per_step'))} kernels/step, median kernel "
+            f"{num(m.get('kernels_per_step'))} kernels/{u}, median kernel "
             f"{num(m.get('median_kernel_us'))} µs vs launch {num(m.get('median_launch_us'))} µs, "
-            f"{num(m.get('sync_calls_per_step'))} syncs/step, "
-            f"{num(m.get('small_d2h_per_step'))} tiny D2H copies/step, "
+            f"{num(m.get('sync_calls_per_step'))} syncs/{u}, "
+            f"{num(m.get('small_d2h_per_step'))} tiny D2H copies/{u}, "
             f"CUDA graphs {pct(m.get('graph_frac'))} of busy time",
         )
     )
     rows.append(
         (
             "Memory",
-            f"H2D+D2H {fmt_bytes(m.get('h2d_d2h_bytes_per_step'))}/step "
-            f"({pct(m.get('offload_copy_frac'))} of the step), "
-            f"{num(m.get('pageable_copies_per_step'))} pageable copies/step, "
-            f"{num(m.get('alloc_calls_per_step'))} cudaMalloc/Free per step, "
+            f"H2D+D2H {fmt_bytes(m.get('h2d_d2h_bytes_per_step'))}/{u} "
+            f"({pct(m.get('offload_copy_frac'))} of the {u}), "
+            f"{num(m.get('pageable_copies_per_step'))} pageable copies/{u}, "
+            f"{num(m.get('alloc_calls_per_step'))} cudaMalloc/Free per {u}, "
             f"recompute {pct(m.get('recompute_frac'))}, "
             f"peak device memory {pct(m.get('peak_memory_frac'))} of capacity",
         )
@@ -195,12 +230,15 @@ def _host_line(report: Report) -> str:
         long_gaps = (m.get("idle_input_frac") or 0) + (m.get("idle_host_frac") or 0)
         if not long_gaps:
             return "no long idle gaps (1 ms or more with almost no CUDA calls)"
-        return f"no NVTX range covers the GPU's long idle gaps ({pct(long_gaps)} of the step)"
+        return (
+            f"no NVTX range covers the GPU's long idle gaps ({pct(long_gaps)} of the "
+            f"{unit(report)})"
+        )
     parts = [
         f"NVTX '{_short(row['name'], 50)}'"
         + (f" → '{_short(row['detail'], 50)}'" if row.get("detail") else "")
         + (f" ({row['activity']})" if row.get("activity") else "")
-        + f" {pct(row['frac'])} of the step"
+        + f" {pct(row['frac'])} of the {unit(report)}"
         for row in rows[:3]
     ]
     return "GPU idle while the host was in " + "; ".join(parts)
@@ -306,7 +344,7 @@ def budget_rows(report: Report) -> list[tuple[str, str]]:
 
 
 def kernel_rows(report: Report) -> list[list[str]]:
-    """Top kernels of rank 0 (KERNEL_COLUMNS)."""
+    """Top kernels of rank 0 (:func:`kernel_columns`)."""
     rows = report.ranks[0].get("top_kernels", []) if report.ranks else []
     return [
         [
@@ -333,7 +371,7 @@ def provenance_rows(report: Report) -> list[tuple[str, str]]:
         ),
         ("GPU", "; ".join(_gpu(g) for g in report.gpus) or "unknown"),
         ("Steps", _steps_source(report)),
-        ("Steady-state window", window_text(report)),
+        ("Window" if unit(report) == "window" else "Steady-state window", window_text(report)),
         ("traceclf", report.traceclf_version or "?"),
     ]
     if grouping_line(report):

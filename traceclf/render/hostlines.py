@@ -5,6 +5,7 @@ and the capture options that would attribute the rest. Trace text is escaped by 
 
 from __future__ import annotations
 
+from traceclf.render.text import unit
 from traceclf.report.contract import Report
 from traceclf.support.units import fmt_ms, pct
 
@@ -19,7 +20,6 @@ SOURCE_NAMES = {
     "unattributed": "unattributed",
 }
 HOST_SOURCES = ("nvtx", "cuda_api", "osrt", "sampling", "python_sampling", "sched")
-ATTRIBUTION_COLUMNS = ("source", "what", "ms/step", "of idle", "evidence")
 # The table is shown when the GPU idles at least this share of the step (the JSON always has
 # it): below, where idle time went does not bear on the verdict (scoring.noteworthy).
 SHOWN_FROM_IDLE = 0.05
@@ -71,19 +71,26 @@ def attribution_shown(report: Report) -> bool:
     )
 
 
+def attribution_columns(report: Report) -> tuple[str, ...]:
+    return ("source", "what", f"ms/{unit(report)}", "of idle", "evidence")
+
+
 def attribution_title(report: Report) -> str:
     idle = report.metrics.get("gpu_idle_frac")
     step = report.metrics.get("step_time_ms")
+    if step is None and unit(report) == "window":  # (no step: the window's own length)
+        lo, hi = (report.steps.get("window_ns") or [0, 0])[:2]
+        step = (hi - lo) / 1e6 if hi > lo else None
     ms = fmt_ms(idle * step) if idle is not None and step is not None else "–"
     return (
-        f"Where the GPU's idle time went on the host ({ms} per step idle; each ns to one "
+        f"Where the GPU's idle time went on the host ({ms} per {unit(report)} idle; each ns to one "
         "source: nsys overhead, NVTX, CUDA API, OS runtime, Python samples, scheduling, "
         "CPU samples)"
     )
 
 
 def attribution_rows(report: Report) -> list[list[str]]:
-    """One row per (source, what) of the job (ATTRIBUTION_COLUMNS)."""
+    """One row per (source, what) of the job (:func:`attribution_columns`)."""
     return [
         [
             SOURCE_NAMES.get(r["source"], r["source"]),
@@ -143,7 +150,8 @@ def option_rows(report: Report) -> list[tuple[str, str]]:
 def options_title(report: Report) -> str:
     share = report.metrics.get("idle_unattributed_frac")
     return (
-        f"To attribute the rest ({pct(share)} of the step idle with no host source), capture with"
+        f"To attribute the rest ({pct(share)} of the {unit(report)} idle with no host source), "
+        "capture with"
     )
 
 

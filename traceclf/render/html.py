@@ -11,25 +11,29 @@ from traceclf.render import comm_table
 from traceclf.render.capture_text import capture_rows
 from traceclf.render.ceilings import contradicted_lines
 from traceclf.render.content import (
-    CAPTIONS,
     CONTRADICTED_NOTE,
-    KERNEL_COLUMNS,
     PRECONDITIONS_NOTE,
     RANK_COLUMNS,
     beside_bound_line,
     budget_rows,
+    caption,
     config_caption,
     detail_rows,
+    details_head,
     fix_facts,
+    kernel_columns,
     kernel_rows,
+    kernels_title,
     no_fixes_line,
     provenance_rows,
     rank_rows,
+    ranks_note,
+    ranks_title,
     verdict_line,
     verdict_title,
 )
 from traceclf.render.hostlines import (
-    ATTRIBUTION_COLUMNS,
+    attribution_columns,
     attribution_rows,
     attribution_shown,
     attribution_title,
@@ -164,10 +168,8 @@ def _facts(title: str, rows: list[tuple[str, str]]) -> str | None:
 
 
 def _ranks(report: Report) -> str:
-    return (
-        "<h2>Where the steady-state step goes</h2>"
-        "<p>Share of the steady-state wall time, per rank.</p>"
-        + _table(RANK_COLUMNS, rank_rows(report), numeric=set(range(len(RANK_COLUMNS))))
+    return f"<h2>{ranks_title(report)}</h2><p>{ranks_note(report)}</p>" + _table(
+        RANK_COLUMNS, rank_rows(report), numeric=set(range(len(RANK_COLUMNS)))
     )
 
 
@@ -178,10 +180,10 @@ def _figures(report: Report) -> str:
     items = []
     for name, fig in figures.items():
         data = base64.b64encode(figure_png(fig)).decode("ascii")
-        caption = for_html(CAPTIONS.get(name, ""))
         items.append(
             f'<figure id="fig-{name}"><img alt="{for_html(name.replace("_", " "))}" '
-            f'src="data:image/png;base64,{data}"><figcaption>{caption}</figcaption></figure>'
+            f'src="data:image/png;base64,{data}"><figcaption>{for_html(caption(report, name))}'
+            "</figcaption></figure>"
         )
     return "<h2>Figures</h2>" + "".join(items)
 
@@ -201,7 +203,7 @@ def _host_attribution(report: Report) -> str | None:
     if attribution_shown(report):
         parts.append(
             f"<p>{for_html(attribution_title(report))}</p>"
-            + _table(ATTRIBUTION_COLUMNS, attribution_rows(report), numeric={2, 3})
+            + _table(attribution_columns(report), attribution_rows(report), numeric={2, 3})
         )
     options = option_rows(report)
     if options:
@@ -237,7 +239,7 @@ def _communication(report: Report) -> str | None:
 
 def _details(report: Report) -> str:
     return "<h2>Details</h2>" + _table(
-        ("area", "steady-state measures"), [list(r) for r in detail_rows(report)], bold_first=True
+        ("area", details_head(report)), [list(r) for r in detail_rows(report)], bold_first=True
     )
 
 
@@ -245,8 +247,8 @@ def _kernels(report: Report) -> str | None:
     rows = kernel_rows(report)
     if not rows:
         return None
-    return "<h2>Top kernels (rank 0, steady state)</h2>" + _table(
-        KERNEL_COLUMNS, rows, numeric={2, 3, 4}, code_first=True
+    return f"<h2>{kernels_title(report)}</h2>" + _table(
+        kernel_columns(report), rows, numeric={2, 3, 4}, code_first=True
     )
 
 

@@ -14,25 +14,29 @@ from traceclf.render import comm_table
 from traceclf.render.capture_text import capture_rows
 from traceclf.render.ceilings import contradicted_lines
 from traceclf.render.content import (
-    CAPTIONS,
     CONTRADICTED_NOTE,
-    KERNEL_COLUMNS,
     PRECONDITIONS_NOTE,
     RANK_COLUMNS,
     beside_bound_line,
     budget_rows,
+    caption,
     config_caption,
     detail_rows,
+    details_head,
     fix_facts,
+    kernel_columns,
     kernel_rows,
+    kernels_title,
     no_fixes_line,
     provenance_rows,
     rank_rows,
+    ranks_note,
+    ranks_title,
     verdict_line,
     verdict_title,
 )
 from traceclf.render.hostlines import (
-    ATTRIBUTION_COLUMNS,
+    attribution_columns,
     attribution_rows,
     attribution_shown,
     attribution_title,
@@ -48,7 +52,7 @@ from traceclf.support.escape import for_markdown, markdown_code, markdown_fence
 def render_markdown(report: Report, figures: dict[str, str] | None = None) -> str:
     """The report as Markdown; ``figures`` (name -> relative path of a PNG written beside the
     file, render/files.py) are linked under "Figures"."""
-    figures = _figures(figures) if figures else None
+    figures = _figures(report, figures) if figures else None
     parts = [
         _title(report),
         _verdict(report),
@@ -73,13 +77,13 @@ def render_markdown(report: Report, figures: dict[str, str] | None = None) -> st
             ),
         ),
         _communication(report),
-        _section("Where the steady-state step goes", _ranks_table(report)),
+        _section(ranks_title(report), _ranks_table(report)),
         _phases(report),
         _host_attribution(report),
         figures,
         _section(
             "Details",
-            _table(("area", "steady-state measures"), detail_rows(report), bold_first=True),
+            _table(("area", details_head(report)), detail_rows(report), bold_first=True),
         ),
         _top_kernels(report),
         _section("What to change, in order", _fixes(report)),
@@ -117,7 +121,7 @@ def _verdict(report: Report) -> str:
 
 
 def _ranks_table(report: Report) -> str:
-    return "Share of the steady-state wall time, per rank.\n\n" + _table(
+    return f"{ranks_note(report)}\n\n" + _table(
         RANK_COLUMNS, rank_rows(report), align=("right",) * len(RANK_COLUMNS)
     )
 
@@ -136,7 +140,7 @@ def _host_attribution(report: Report) -> str | None:
         parts.append(
             f"{_md(attribution_title(report))}\n\n"
             + _table(
-                ATTRIBUTION_COLUMNS,
+                attribution_columns(report),
                 attribution_rows(report),
                 align=("left", "left", "right", "right", "left"),
             )
@@ -174,9 +178,9 @@ def _communication(report: Report) -> str | None:
     return _section(comm_table.TITLE, "\n\n".join(parts))
 
 
-def _figures(figures: dict[str, str]) -> str:
+def _figures(report: Report, figures: dict[str, str]) -> str:
     items = [
-        f"![{_md(name.replace('_', ' '))}]({quote(path)})\n\n{_md(CAPTIONS.get(name, ''))}"
+        f"![{_md(name.replace('_', ' '))}]({quote(path)})\n\n{_md(caption(report, name))}"
         for name, path in figures.items()
     ]
     return _section("Figures", "\n\n".join(items))
@@ -188,8 +192,8 @@ def _top_kernels(report: Report) -> str | None:
         return None
     rows = [[Markdown(markdown_code(r[0])), *r[1:]] for r in rows]
     return _section(
-        "Top kernels (rank 0, steady state)",
-        _table(KERNEL_COLUMNS, rows, align=("left", "left", "right", "right", "right")),
+        kernels_title(report),
+        _table(kernel_columns(report), rows, align=("left", "left", "right", "right", "right")),
     )
 
 

@@ -15,7 +15,6 @@ from traceclf.render.capture_text import capture_rows
 from traceclf.render.ceilings import contradicted_lines
 from traceclf.render.code_wrap import CodeBlock
 from traceclf.render.content import (
-    KERNEL_COLUMNS,
     RANK_COLUMNS,
     beside_bound_line,
     budget_rows,
@@ -23,15 +22,18 @@ from traceclf.render.content import (
     detail_rows,
     fix_facts,
     grouping_line,
+    kernel_columns,
     kernel_rows,
+    kernels_title,
     no_fixes_line,
     rank_rows,
+    ranks_title,
     verdict_line,
     verdict_title,
 )
 from traceclf.render.fit import FoldedTable, hanging, new_console, output_of
 from traceclf.render.hostlines import (
-    ATTRIBUTION_COLUMNS,
+    attribution_columns,
     attribution_rows,
     attribution_shown,
     attribution_title,
@@ -132,7 +134,7 @@ def _ranks_table(report: Report) -> FoldedTable:
     return FoldedTable(
         RANK_COLUMNS,
         [list(map(for_terminal, row)) for row in rank_rows(report)],
-        title="Where the steady-state step goes (share of wall time)",
+        title=f"{ranks_title(report)} (share of wall time)",
     )
 
 
@@ -156,7 +158,7 @@ def _host_attribution(report: Report) -> Group | None:
     parts: list[RenderableType] = []
     if attribution_shown(report):
         table = Table(title=attribution_title(report), title_justify="left", show_edge=False)
-        for col in ATTRIBUTION_COLUMNS:
+        for col in attribution_columns(report):
             # numbers keep their width; names and evidence wrap (a narrow terminal folds them)
             text = col in ("what", "evidence")
             table.add_column(
@@ -226,8 +228,8 @@ def _top_kernels(report: Report) -> Table | None:
     rows = kernel_rows(report)
     if not rows:
         return None
-    table = Table(title="Top kernels (rank 0, steady state)", title_justify="left", show_edge=False)
-    for col in KERNEL_COLUMNS:
+    table = Table(title=kernels_title(report), title_justify="left", show_edge=False)
+    for col in kernel_columns(report):
         # numbers keep their width; a narrow terminal folds the kernel name onto more lines
         table.add_column(
             col,

@@ -27,6 +27,19 @@ def provenance(report: Report) -> str:
     )
 
 
+def unit(report: Report) -> str:
+    """What the report's per-step figures are taken over: "step", or "window" where no
+    repeating step was found (the whole GPU span is then analysed as one window: a "step"
+    there would be a claim the trace does not support)."""
+    s = report.steps
+    return "window" if s.get("source") in (None, "none") or not s.get("count") else "step"
+
+
+def span_title(report: Report) -> str:
+    """'the steady-state step', or 'the window' where no repeating step was found."""
+    return "the window" if unit(report) == "window" else "the steady-state step"
+
+
 def anchor_label(source: str | None, label: str | None, width: int = 60) -> str:
     """' "label"' for a step anchor: a recurring kernel's demangled name is shortened to its
     function name (no return type, template arguments or parameters)."""
