@@ -128,3 +128,22 @@ def test_a_window_without_steps_is_not_called_a_step():
         assert not re.search(r"steady.state|/step|per step|of the step|share of step", text)
         assert "Where the window goes" in text and "kernels/window" in text
         assert f"{idle_ms:.0f} ms per window idle" in text
+
+
+def test_sort_and_routing_kernels_are_named_for_what_they_do():
+    """The family ``permute_moe`` (its JSON name) holds MoE routing and any sort, gather or
+    scatter: a report calls it 'permute/sort/gather', so a CUDA sample's radix sort is not
+    read as MoE. On the all-to-all trace (permute kernels a share of kernel time, recomputed
+    here from its top kernels' family) the Compute row and the kernel table say so."""
+    from traceclf.render.content import kernel_rows
+    from traceclf.render.markdown import render_markdown
+
+    r = traceclf.analyze(trace_path("h100_comm_a2a_gpumetrics"), use_cache=False)
+    assert r.metrics["permute_moe_time_frac"] > 0.01
+    assert "permute/sort/gather" in rows(r)["Compute"]
+    top = r.ranks[0]["top_kernels"][:8]
+    shown = [row[1] for row in kernel_rows(r)]
+    assert [s == "permute/sort/gather" for s in shown] == [
+        k["family"] == "permute_moe" for k in top
+    ]
+    assert "permute_moe" not in render_markdown(r)

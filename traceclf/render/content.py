@@ -28,6 +28,9 @@ RANK_COLUMNS = (
     "other",
 )
 TOP_KERNELS = 8
+# Families shown by what their kernels do where the JSON name says more: permute_moe holds
+# MoE routing and any sort, gather, scatter or histogram (a radix sort in a CUDA sample too).
+FAMILY_LABELS = {"permute_moe": "permute/sort/gather"}
 
 
 CONFIDENCE_WORDS = ((0.75, "high"), (0.5, "medium"), (0.0, "low"))
@@ -349,7 +352,7 @@ def kernel_rows(report: Report) -> list[list[str]]:
     return [
         [
             _short(k["name"]),
-            str(k["family"]),
+            FAMILY_LABELS.get(str(k["family"]), str(k["family"])),
             str(k["count"]),
             _duration(k["median_ns"]),
             pct(k["frac"]),
@@ -410,7 +413,7 @@ def _compute_line(m: dict) -> str:
         ((k.removesuffix("_time_frac"), v) for k, v in m.items() if k.endswith("_time_frac") and v),
         key=lambda kv: -kv[1],
     )
-    mix = ", ".join(f"{f} {pct(v)}" for f, v in families[:5])
+    mix = ", ".join(f"{FAMILY_LABELS.get(f, f)} {pct(v)}" for f, v in families[:5])
     line = (
         (f"{mix} of kernel time" if mix else "no kernel time in the window")
         + f" · small grids {pct(m.get('small_grid_kernel_frac'))}, "
