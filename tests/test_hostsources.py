@@ -348,7 +348,8 @@ def test_own_h100_traces_hold_nvtx_and_cuda_api_only_and_say_so(monkeypatch, tmp
     for fmt in ("terminal", "md", "html"):
         text = rendered(path, fmt, tmp_path)
         assert "no OS runtime, CPU samples, Python samples or scheduling" in text, fmt
-        assert "-t osrt" in text and "--python-sampling=true" in text, fmt
+        # (-t replaces nsys's default list: the option keeps the CUDA trace)
+        assert "-t cuda,nvtx,osrt" in text and "--python-sampling=true" in text, fmt
 
 
 def test_cloverleaf_profiler_overhead_and_diagnostics():
