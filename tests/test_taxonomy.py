@@ -125,6 +125,13 @@ KERNELS = [
         "permute_moe",
     ),
     ("_row_id_map_pass_1_kernel", "permute_moe"),
+    # torch's random numbers (normal_and_transform) are no norm: not "reduction"
+    (
+        "void at::native::<unnamed>::distribution_elementwise_grid_stride_kernel<float, (int)4, void at::native::templates::cuda::normal_and_transform<c10::Half, float, at::CUDAGeneratorImpl *>(const at::TensorBase &, double, double, T1)>(long, at::PhiloxCudaState, T3, T4)",
+        "elementwise",
+    ),
+    ("RMSNormKernel", "reduction"),
+    ("l2_normalize_kernel", "reduction"),
     (
         "void at::native::<unnamed>::vectorized_layer_norm_kernel<c10::BFloat16, float, (bool)0>(int, T2, const T1 *, const T1 *, const T1 *, T2 *, T2 *, T1 *)",
         "reduction",
