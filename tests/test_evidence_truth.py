@@ -220,11 +220,12 @@ def printed(value: object, spec: str) -> str:
         return "yes" if value else "no"
     if isinstance(value, list):
         return ", ".join(map(str, value)) or "none"
-    return (
-        format(value, spec)
-        if spec
-        else (f"{value:.3g}" if isinstance(value, float) else str(value))
-    )
+    if spec:
+        try:
+            return format(value, spec)
+        except (ValueError, TypeError):  # (a text fallback, as coalesce(x, "not known") gives)
+            pass
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def render(template: str, env: dict) -> str:

@@ -251,7 +251,8 @@ def test_slow_loader_input_gaps_by_the_sign_that_makes_them_loading():
     said = " ".join(rep["classification"]["evidence"])
     assert (
         f"{m['idle_input_copy_frac']:.0%} in gaps that end with a host→device copy of the next "
-        f"batch, 0% in an NVTX data-loading range, {m['idle_input_samples_frac']:.0%} where"
+        f"batch, in an NVTX data-loading range 0%, where the launching thread's samples are in "
+        f"data-loading code {m['idle_input_samples_frac']:.0%}"
     ) in said
 
 

@@ -147,3 +147,19 @@ def test_sort_and_routing_kernels_are_named_for_what_they_do():
         k["family"] == "permute_moe" for k in top
     ]
     assert "permute_moe" not in render_markdown(r)
+
+
+def test_the_host_line_says_what_the_capture_lacks():
+    """CloverLeaf holds no NVTX (host sources: CUDA API, OS runtime, samples, scheduling) and
+    no long idle gaps. With its long gaps EDITED to 35% of the step (the report's own facts,
+    changed here), the host line says no NVTX was captured to name them, not that no NVTX
+    range covers them; edited to a share that prints as 0.0%, that there are none."""
+    r = traceclf.analyze(trace_path("cloverleaf_a100"), use_cache=False)
+    assert "nvtx" not in r.capture["host_sources"] and not any(x.get("idle_nvtx") for x in r.ranks)
+    r.metrics["idle_host_frac"], r.metrics["idle_input_frac"] = 0.35, 0.0
+    assert (
+        rows(r)["Host"]
+        == "the GPU's long idle gaps (35% of the step): no NVTX captured to name them"
+    )
+    r.metrics["idle_host_frac"] = 0.0002
+    assert rows(r)["Host"].startswith("no long idle gaps")

@@ -834,7 +834,10 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     return {f"idle_{c}_frac": int(dur[cause == c].sum()) / w.wall for c in IDLE_CAUSES} | {
         "idle_after_wait_frac": int(dur[(cause == "sync") & waited].sum()) / w.wall,
         "idle_input_copy_frac": int(dur[(cause == "input") & copied].sum()) / w.wall,
-        "idle_input_nvtx_frac": int(dur[(cause == "input") & ranged].sum()) / w.wall,
+        # (unknown, not zero, where the export holds no NVTX range)
+        "idle_input_nvtx_frac": (
+            int(dur[(cause == "input") & ranged].sum()) / w.wall if w.rows["nvtx"] else None
+        ),
     }
 
 

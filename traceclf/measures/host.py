@@ -36,10 +36,10 @@ MEASURES: dict[str, str] = {
     "idle_input_copy_frac": "the part of idle_input_frac in gaps that end with a host->device "
     "copy of the next batch (>= 1 MiB, recurring in half of the steps or more)",
     "idle_input_nvtx_frac": "the part of idle_input_frac in gaps an NVTX data-loading range "
-    "covers at least half of",
+    "covers at least half of (null: the export holds no NVTX range)",
     "idle_input_samples_frac": "the part of idle_input_frac in gaps where the launching "
-    "thread's samples show data-loading frames (a gap may show several signs: the three parts "
-    "can add up to more than idle_input_frac)",
+    "thread's samples show data-loading frames (null: no CPU or Python samples captured; a gap "
+    "may show several signs: the three parts can add up to more than idle_input_frac)",
     "idle_host_frac": "idle gaps >= 1 ms with CUDA calls covering < half of them and no "
     "evidence of data loading: the host is busy elsewhere (see idle_nvtx for what NVTX says)",
     "idle_host_nvtx_frac": "the part of idle_input_frac + idle_host_frac that an NVTX range "
@@ -120,7 +120,14 @@ def idle(gaps: pl.DataFrame, w: RankWindow) -> dict[str, float | None]:
             for name, bit in INPUT_SIGNS.items()
         }
     ).row(0, named=True)
-    out |= {f"idle_input_{name}_frac": float(signs[name]) / w.wall for name in INPUT_SIGNS}
+    # (unknown, not zero, where the export lacks the sign's source: no NVTX, no samples)
+    sources = set(w.trace.host_sources)
+    captured = {"copy": True, "nvtx": "nvtx" in sources}
+    captured["samples"] = bool(sources & {"sampling", "python_sampling"})
+    out |= {
+        f"idle_input_{name}_frac": float(signs[name]) / w.wall if captured[name] else None
+        for name in INPUT_SIGNS
+    }
     out["idle_after_wait_frac"] = _after_wait(gaps, w)
     return out
 

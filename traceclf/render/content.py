@@ -231,12 +231,12 @@ def _host_line(report: Report) -> str:
         if c.get("cuda_api_traced") is False:
             return "no CUDA API trace: what the host did while the GPU idled is unknown"
         long_gaps = (m.get("idle_input_frac") or 0) + (m.get("idle_host_frac") or 0)
-        if not long_gaps:
+        if pct(long_gaps) == pct(0.0):  # (a share that prints as 0.0% is none to speak of)
             return "no long idle gaps (1 ms or more with almost no CUDA calls)"
-        return (
-            f"no NVTX range covers the GPU's long idle gaps ({pct(long_gaps)} of the "
-            f"{unit(report)})"
-        )
+        share = f"{pct(long_gaps)} of the {unit(report)}"
+        if "nvtx" not in (c.get("host_sources") or ["nvtx"]):
+            return f"the GPU's long idle gaps ({share}): no NVTX captured to name them"
+        return f"no NVTX range covers the GPU's long idle gaps ({share})"
     parts = [
         f"NVTX '{_short(row['name'], 50)}'"
         + (f" → '{_short(row['detail'], 50)}'" if row.get("detail") else "")
