@@ -56,6 +56,18 @@ def test_ceiling_per_step_states_assumption_and_bound():
     assert ceil.ceiling(f, {"step_time_ms": 100.0, "a": None})["recoverable_ms"] is None
 
 
+def test_a_lone_fix_and_the_combined_ceiling_agree_on_a_short_step():
+    """A 0.0525 ms step of which the fix wins back 73% (0.03833 ms: an OpenACC loop nobody
+    here wrote, its numbers): the combined ceiling of that one fix gives the fix's own
+    throughput (×3.7), where summing its ms rounded to 0.038 gave ×3.63 beside it."""
+    f = fix({"from": "x/y", "frac": "a", "assumes": "-", "bound_by": ["a"]})
+    c = ceil.ceiling(f, {"step_time_ms": 0.0525, "a": 0.73})
+    together = ceil.combined([{"id": "x", "ceiling": c}], 0.0525)
+    assert c["throughput_gain"] == pytest.approx(0.0525 / (0.0525 * 0.27) - 1, abs=2e-3)
+    assert together["throughput_gain"] == pytest.approx(c["throughput_gain"], abs=2e-3)
+    assert together["recoverable_ms"] == c["recoverable_ms"] == 0.03832
+
+
 def test_floor_binds_the_step_after_the_fix():
     """The input pipeline of h100_host_input_stall by hand: T 371.0 ms, 358.6 ms of it idle
     waiting for input, 8 workers: the step is no shorter than 358.6 / 8 = 44.8 ms."""

@@ -127,7 +127,11 @@ def _gain(step: Any, recoverable: float | None) -> float | None:
 
 
 def _round(v: float | None) -> float | None:
-    return round(v, 3) if v is not None else None
+    """ms to the µs, and a ceiling under 1 ms to 4 significant digits: the combined ceiling
+    sums them, and 0.038 for 0.0385 ms gave ×3.63 beside the fix's own ×3.7."""
+    if v is None:
+        return None
+    return float(f"{v:.4g}") if abs(v) < 1 else round(v, 3)
 
 
 def _fact(v: Any) -> Any:
