@@ -513,8 +513,13 @@ def test_ep_group_across_nodes_is_contradicted_when_ranks_share_a_gpu():
     assert "spans nodes" in premise["premise"]
     assert premise["facts"]["gpu_assignment"] == "shared" == r.capture["gpu_assignment"]
     assert not any("spans nodes" in p for p in nvlink["preconditions"])
+    # DeepEP's premise of an EP group across nodes too (it read as a condition to check beside
+    # the other fix's "the trace shows otherwise")
+    (deepep,) = next(f for f in r.fixes if f["id"] == "deepep")["contradicted_premises"]
+    assert "spans nodes" in deepep["premise"] and "time-slice one GPU" in deepep["trace_shows"]
     # listed after the fixes of its wall whose premises the trace does not contradict
-    assert ids.index("ep-in-nvlink-domain") > max(ids.index("deepep"), ids.index("ep-overlap"))
+    assert ids.index("ep-in-nvlink-domain") > ids.index("ep-overlap")
+    assert ids.index("deepep") > ids.index("ep-overlap")
     for text in (render_markdown(r), render_terminal(r, to_string=True, width=200)):
         assert "The trace shows otherwise: the 2 ranks of this trace time-slice one GPU" in text
 
