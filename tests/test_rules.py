@@ -590,8 +590,11 @@ def test_copies_to_the_host_and_back_outside_training_are_memory_not_offload():
 def test_pinned_copies_still_cross_the_link():
     """Pinning makes copies run at the link's rate; it does not make the bytes vanish. The
     SC23 solver's 1.02 GB each way per 549 ms step over a T4's PCIe Gen3 x16 (16 GB/s per
-    direction, rules/hardware.yaml) leaves a step of at least 64 ms: ×8.6 at most, where the
-    ceiling said ×25.6. CONSTRUCTED numbers, the real rule."""
+    direction, rules/hardware.yaml): where the two directions copy at once (duplex 100%) the
+    step is at least 64 ms, ×8.6 at most, where the ceiling said ×25.6; its copies in fact run
+    one after the other on one stream (duplex 0%, as the trace shows), so both directions'
+    bytes cross one after the other: 128 ms, ×4.3 at most. CONSTRUCTED numbers, the real
+    rule."""
     from traceclf.judge import ceiling as ceil
 
     pinned = load_rules().fixes["pinned-memory"]
@@ -604,11 +607,21 @@ def test_pinned_copies_still_cross_the_link():
         "h2d_bytes_per_step": 1.024e9,
         "d2h_bytes_per_step": 1.024e9,
         "link_gbps": 16,
+        "host_copy_duplex_frac": 1.0,
     }
     c = ceil.ceiling(pinned, env)
     assert c["floor_ms"] == pytest.approx(64.0) and c["step_after_ms"] == pytest.approx(64.0)
     assert 1 + c["throughput_gain"] == pytest.approx(549.4 / 64.0, rel=1e-3)
     assert c["bound_by"]["link_gbps"] == 16
+    serial = ceil.ceiling(pinned, env | {"host_copy_duplex_frac": 0.0})
+    assert serial["floor_ms"] == pytest.approx(128.0)
+    assert 1 + serial["throughput_gain"] == pytest.approx(549.4 / 128.0, rel=1e-3)
+    assert "as much as they are now (0% of the shorter's copy time)" in serial["assumes"]
+    half = ceil.ceiling(pinned, env | {"host_copy_duplex_frac": 0.5})["floor_ms"]
+    assert half == pytest.approx(96.0)
+    # copies one way only (no duplex figure): one direction's bytes
+    one_way = env | {"d2h_bytes_per_step": 0.0, "host_copy_duplex_frac": None}
+    assert ceil.ceiling(pinned, one_way)["floor_ms"] == pytest.approx(64.0)
     # a GPU whose host link is unknown: no floor, the ceiling as before
     assert ceil.ceiling(pinned, env | {"link_gbps": None})["floor_ms"] is None
     from traceclf.judge.engine import host_link

@@ -752,6 +752,13 @@ def _copies(w: Window) -> dict:
         "small_d2h_per_step": w.per_step(sum(c["bytes"] <= SMALL_D2H_BYTES for c in d2h)),
         "h2d_gbps": gbps(h2d),
         "d2h_gbps": gbps(d2h),
+        # both directions at once: |A| + |B| - |A or B|, over the shorter direction's time
+        "host_copy_duplex_frac": (
+            (length(spans(h2d)) + length(spans(d2h)) - length(spans(h2d + d2h)))
+            / min(length(spans(h2d)), length(spans(d2h)))
+            if h2d and d2h and min(length(spans(h2d)), length(spans(d2h)))
+            else None
+        ),
     }
 
 

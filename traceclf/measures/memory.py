@@ -6,6 +6,7 @@ from __future__ import annotations
 import polars as pl
 
 from traceclf.measures import intervals
+from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
 from traceclf.model.trace import (
     DEVICE_TO_HOST,
@@ -31,6 +32,9 @@ MEASURES: dict[str, str] = {
     "d2h_frac": "union of device->host copy time",
     "exposed_offload_frac": "host<->device copy time with no kernel (compute or communication) "
     "running",
+    "host_copy_duplex_frac": "share of the shorter copy direction's time (host->device or "
+    "device->host, as unions) during which the other direction copies too: how much the two "
+    "directions share the host link's duplex (null: copies one way or none)",
     "h2d_gbps": "achieved host->device bandwidth (GB/s) of copies >= 1 MiB (null: none)",
     "d2h_gbps": "achieved device->host bandwidth (GB/s) of copies >= 1 MiB (null: none)",
     "recompute_frac": "share of forward GEMM/attention kernels re-run in backward (needs "
@@ -68,10 +72,20 @@ def copies(w: RankWindow) -> dict[str, float]:
         "uvm_copy_frac": intervals.total(uvm) / w.wall,
         "h2d_frac": intervals.total(h2d) / w.wall,
         "d2h_frac": intervals.total(d2h) / w.wall,
+        "host_copy_duplex_frac": _duplex(h2d, d2h),
         "exposed_offload_frac": w.uncovered(offload, w.layers.compute_comm) / w.wall,
         "h2d_gbps": _gbps(h2d),
         "d2h_gbps": _gbps(d2h),
     }
+
+
+def _duplex(h2d: pl.DataFrame, d2h: pl.DataFrame) -> float | None:
+    """Share of the shorter direction's copy time that overlaps the other direction's."""
+    if h2d.is_empty() or d2h.is_empty():
+        return None
+    to_device, to_host = Busy.of(h2d), Busy.of(d2h)
+    shorter = min(to_device.total, to_host.total)
+    return to_device.overlap(to_host) / shorter if shorter else None
 
 
 def _gbps(copies: pl.DataFrame) -> float | None:
