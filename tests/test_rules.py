@@ -616,12 +616,14 @@ def test_pinned_copies_still_cross_the_link():
     serial = ceil.ceiling(pinned, env | {"host_copy_duplex_frac": 0.0})
     assert serial["floor_ms"] == pytest.approx(128.0)
     assert 1 + serial["throughput_gain"] == pytest.approx(549.4 / 128.0, rel=1e-3)
-    assert "as much as they are now (0% of the shorter's copy time)" in serial["assumes"]
+    assert "as much as they are now (of the shorter's copy time: 0%)" in serial["assumes"]
     half = ceil.ceiling(pinned, env | {"host_copy_duplex_frac": 0.5})["floor_ms"]
     assert half == pytest.approx(96.0)
     # copies one way only (no duplex figure): one direction's bytes
     one_way = env | {"d2h_bytes_per_step": 0.0, "host_copy_duplex_frac": None}
-    assert ceil.ceiling(pinned, one_way)["floor_ms"] == pytest.approx(64.0)
+    alone = ceil.ceiling(pinned, one_way)
+    assert alone["floor_ms"] == pytest.approx(64.0)
+    assert "copy time: none, the copies go one way" in alone["assumes"]
     # a GPU whose host link is unknown: no floor, the ceiling as before
     assert ceil.ceiling(pinned, env | {"link_gbps": None})["floor_ms"] is None
     from traceclf.judge.engine import host_link
