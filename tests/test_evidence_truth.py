@@ -772,7 +772,7 @@ def test_cloverleaf_syncs_after_every_launch() -> None:
 
 
 def test_nvfuser_abstains_with_the_facts() -> None:
-    """19 kernels, 0.406 ms of GPU work in a 530 ms capture: traceclf abstains, saying so."""
+    """19 kernels, 0.406 ms of GPU work in a 530 ms GPU span: traceclf abstains, saying so."""
     path = external("nvfuser_matmul_test_h100")
     ex = ind.read_export(path)
     work = ind.spans(ex["kernels"] + ex["memcpy"] + ex["memset"])
@@ -784,7 +784,7 @@ def test_nvfuser_abstains_with_the_facts() -> None:
     reason = cls["abstain_reason"]
     assert f"{len(ex['kernels'])} kernels" in reason
     assert f"{ind.length(work) / 1e6:.3f} ms of GPU work" in reason
-    assert f"in {(hi - lo) / 1e6:.0f} ms" in reason
+    assert f"in a {(hi - lo) / 1e6:.0f} ms GPU span" in reason
 
 
 def test_nvfuser_idle_is_nvrtc() -> None:

@@ -130,7 +130,7 @@ def abstain_reason(
 ) -> str | None:
     """A sentence naming the facts when the trace cannot support a verdict, else None."""
     work, span, kernels = capture["gpu_work_ms"], capture["capture_ms"], capture["kernels"]
-    facts = f"{kernels} kernel{'s' if kernels != 1 else ''}, {_ms(work)} of GPU work in {_ms(span)}"
+    facts = f"{kernels} kernel{'s' if kernels != 1 else ''}, {_ms(work)} of GPU work in a {_ms(span)} GPU span"
     host = _host_story(ranks)
     if work < thresholds["min_gpu_work_ms"]:
         return f"too little GPU work to judge: {facts}{host}"

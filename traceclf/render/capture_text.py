@@ -67,9 +67,9 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
         f"{c.get('steps_used', 0)} steady{noun} of {c.get('steps_found', 0)} found, from "
         f"{anchor.get('source', 'none')}{label}{sampled(s)}; "
         f"{c.get('warmup_dropped', 0)} warm-up dropped{_rest_left_out(c)}; "
-        f"window {window_text(report)}, {pct(c.get('window_share_of_capture'))} of the capture"
+        f"window {window_text(report)}, {pct(c.get('window_share_of_capture'))} of the GPU span"
         if c.get("steps_found")
-        else "no repeating step found: the whole capture is one window"
+        else "no repeating step found: the whole GPU span is one window"
     )
     if s.get("cv") is not None and c.get("steps_found"):
         steps += f"; step spread (CV) {pct(s['cv'])}"
@@ -100,7 +100,8 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     rows = [
         ("Inputs", f"{c.get('inputs', 0)} file(s), {c.get('ranks', 0)} rank(s): {gpus}"),
         ("Work", f"{c.get('kernels', 0):,} kernels, {fmt_ms(c.get('gpu_work_ms'))} of GPU work"
-         f"{_over_ranks(c)} in {fmt_ms(c.get('capture_ms'))} captured"),
+         f" (kernels, copies, memsets){_over_ranks(c)} in a GPU span of "
+         f"{fmt_ms(c.get('capture_ms'))} (first to last GPU work)"),
         ("Steps", steps),
         ("Loop", loop),
         ("CUDA graphs", graphs),
