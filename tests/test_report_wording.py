@@ -163,3 +163,32 @@ def test_the_host_line_says_what_the_capture_lacks():
     )
     r.metrics["idle_host_frac"] = 0.0002
     assert rows(r)["Host"].startswith("no long idle gaps")
+
+
+def test_compute_bound_says_what_limits_the_kernels_is_not_shown():
+    """COMPUTE-bound means kernels fill the step. CloverLeaf (stencils, no GPU metrics) is
+    told that what limits its kernels, DRAM bandwidth or math, is not in the trace; the dense
+    GEMM run, whose GPU metrics show the tensor cores active most of the window (recomputed
+    from its GPU_METRICS rows here), is not."""
+    clover = traceclf.analyze(trace_path("cloverleaf_a100"), use_cache=False)
+    assert clover.classification["bound"] == "compute"
+    assert clover.metrics.get("tensor_active_mean") is None
+    said = " ".join(clover.classification["evidence"])
+    assert "DRAM bandwidth or math, is not in this trace" in said
+    path = trace_path("h100_compute_dense_gpumetrics")
+    dense = traceclf.analyze(path, use_cache=False)
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    (ids,) = zip(
+        *con.execute(
+            "SELECT metricId FROM TARGET_INFO_GPU_METRICS WHERE metricName LIKE 'Tensor Active%'"
+        ),
+        strict=True,
+    )
+    lo, hi = dense.steps["window_ns"][:2]
+    (mean,) = con.execute(
+        f"SELECT avg(value) FROM GPU_METRICS WHERE metricId IN ({','.join(map(str, set(ids)))})"
+        " AND timestamp BETWEEN ? AND ?",
+        (lo, hi),
+    ).fetchone()
+    assert mean / 100 > 0.5 and dense.metrics["tensor_active_mean"] > 0.5
+    assert "is not in this trace" not in " ".join(dense.classification["evidence"])
