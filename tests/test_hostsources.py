@@ -850,3 +850,21 @@ def test_the_top_host_row_names_one_thing_not_the_rest_summed():
     top = top_context(rows, 7.3)
     assert top["idle_top_what"] == "~_Vector_base (main)"
     assert top["idle_top_what_frac"] == pytest.approx(0.6 / 7.3)
+
+
+def test_a_gap_spanned_by_a_call_begun_before_it_is_the_hosts_call():
+    """A public HPC code's GPU idled 0.5 ms inside one cudaLaunchKernel that loaded its module
+    lazily (begun 80 µs before the gap, returned as it ended): the gap was "other", as no call
+    started in it. A call still running when a gap begins puts the host in a CUDA call too
+    (CONSTRUCTED calls: a long one, one nested in it, one after a pause)."""
+    import numpy as np
+    import polars as pl
+
+    from traceclf.measures.host import _running_at
+
+    calls = pl.DataFrame({"start": [0, 10, 150], "end": [100, 20, 400]})
+    at = np.array([50, 100, 120, 200, 400])
+    assert _running_at(calls, at).tolist() == [True, False, False, True, False]
+    shuffled = calls.reverse()  # (calls out of start order: the same answer)
+    assert _running_at(shuffled, at).tolist() == [True, False, False, True, False]
+    assert _running_at(calls.clear(), at).tolist() == [False] * 5

@@ -797,7 +797,7 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     host activity covers half of it); graph inside a node-traced replay; sync when a
     synchronising call returned inside it or at most 20 µs before it, or allocator calls
     (which synchronise the device) cover at least half of it; launch when the host started
-    CUDA calls in it; other otherwise. With them, the share in sync gaps inside which a call
+    CUDA calls in it or was still in one begun before it; other otherwise. With them, the share in sync gaps inside which a call
     that only waits (taxonomy cuda_api wait) returned."""
     busy = merged(w.compute, w.comm, w.copies)
     s = np.concatenate([[w.lo], busy[:, 1]])
@@ -806,6 +806,7 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     dur = e - s
     call_starts = np.sort([a["start"] for a in w.api]).astype(np.int64)
     n_calls = np.searchsorted(call_starts, e) - np.searchsorted(call_starts, s)
+    in_call = (n_calls > 0) | (covered(spans(w.api), s, e) > 0)  # (begun before it, too)
     after_sync = _returned_in([a["end"] for a in syncs], s - SYNC_SLACK_NS, e)
     allocs = [a for a in w.api if api_is("alloc", a["name"])]
     after_sync |= covered(spans(allocs), s, e) * 2 >= dur
@@ -832,7 +833,7 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
         loading[j] = ranged[j] or copied[j]
     in_graph = covered(w.node_replays, s, e) > 0
     cause = np.select(
-        [profiler, in_graph, long & loading, long, after_sync, n_calls > 0],
+        [profiler, in_graph, long & loading, long, after_sync, in_call],
         ["other", "graph", "input", "host", "sync", "launch"],
         "other",
     )
