@@ -860,7 +860,7 @@ def test_a_gap_spanned_by_a_call_begun_before_it_is_the_hosts_call():
     import numpy as np
     import polars as pl
 
-    from traceclf.measures.host import _running_at
+    from traceclf.measures.intervals import running_at as _running_at
 
     calls = pl.DataFrame({"start": [0, 10, 150], "end": [100, 20, 400]})
     at = np.array([50, 100, 120, 200, 400])

@@ -168,7 +168,7 @@ QUERIES = {
     "FROM CUPTI_ACTIVITY_KIND_GRAPH_TRACE",
     "memcpy": "SELECT start, end, {pid} AS pid, correlationId AS corr, bytes, copyKind, "
     "srcKind, dstKind FROM CUPTI_ACTIVITY_KIND_MEMCPY",
-    "memset": "SELECT start, end, {pid} AS pid, correlationId AS corr "
+    "memset": "SELECT start, end, {pid} AS pid, correlationId AS corr, bytes "
     "FROM CUPTI_ACTIVITY_KIND_MEMSET",
     "api": "SELECT start, end, {tpid} AS pid, globalTid AS tid, correlationId AS corr, "
     "nameId AS name_id FROM CUPTI_ACTIVITY_KIND_RUNTIME",
@@ -238,6 +238,7 @@ def read_export(path: Path) -> dict[str, list[dict]]:
         c["d2h"] = kind.endswith(("_DTOH", "_ATOH"))
         c["peer"] = kind.endswith("_PTOP")
         c["uvm"] = "_UVM_" in kind
+        c["on_device"] = kind.endswith(("_DTOD", "_PTOP", "_ATOA", "_ATOD", "_DTOA"))
         c["pageable"] = any(
             mem_kinds.get(c[k], "").endswith("_PAGEABLE") for k in ("srcKind", "dstKind")
         )
@@ -744,6 +745,12 @@ def _copies(w: Window) -> dict:
         "h2d_bytes_per_step": w.per_step(h2d_bytes),
         "d2h_bytes_per_step": w.per_step(d2h_bytes),
         "h2d_d2h_bytes_per_step": w.per_step(h2d_bytes + d2h_bytes),
+        "device_copy_bytes_per_step": w.per_step(
+            sum(c["bytes"] for c in w.memcpy if c["on_device"])
+        ),
+        "memset_bytes_per_step": w.per_step(
+            sum(m["bytes"] or 0 for m in clip(w.rows["memset"], w.lo, w.hi))
+        ),
         "pageable_copies_per_step": w.per_step(len(pageable)),
         "pageable_bytes_per_step": w.per_step(sum(c["bytes"] for c in pageable)),
         "pageable_copy_frac": length(spans(pageable)) / w.wall,

@@ -191,7 +191,7 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     # not eight bytes a gap; each helper's arrays over millions of calls freed as it returns)
     gaps = gaps.with_columns(
         long=pl.Series((dur >= INPUT_GAP_NS) & (api_ns * 2 < dur)),
-        any_call=pl.Series((calls_in > 0) | _running_at(calls, gstart)),
+        any_call=pl.Series((calls_in > 0) | intervals.running_at(calls, gstart)),
     )
     del api_ns, calls_in
     flushed = intervals.covered_by_runs(profiler.start, profiler.end, gstart, gend) * 2 >= dur
@@ -274,20 +274,6 @@ def _host_cover(
         api_ns[first : first + len(part)] += part
         count[first : first + len(part)] += np.bincount(idx - first, minlength=len(part))
     return api_ns, count
-
-
-def _running_at(calls: pl.DataFrame, at: np.ndarray) -> np.ndarray:
-    """Per instant of ``at``: whether a CUDA call that started before it still runs then (a
-    launch that loads its module lazily can span a whole gap)."""
-    starts, ends = calls["start"].to_numpy(), calls["end"].to_numpy()
-    if not len(starts):
-        return np.zeros(len(at), bool)
-    if not intervals.is_sorted(starts):
-        order = np.argsort(starts, kind="stable")
-        starts, ends = starts[order], ends[order]
-    reach = np.maximum.accumulate(ends)  # the latest end of the calls begun so far
-    before = intervals.rank_sorted(starts, at, side="left") - 1
-    return (before >= 0) & (reach[np.maximum(before, 0)] > at)
 
 
 def _after_sync(

@@ -9,6 +9,7 @@ from traceclf.measures import intervals
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
 from traceclf.model.trace import (
+    DEVICE_TO_DEVICE,
     DEVICE_TO_HOST,
     HOST_MEMORY_KINDS,
     HOST_TO_DEVICE,
@@ -20,6 +21,10 @@ MEASURES: dict[str, str] = {
     "h2d_d2h_bytes_per_step": "bytes copied host<->device per step",
     "h2d_bytes_per_step": "bytes copied host->device per step",
     "d2h_bytes_per_step": "bytes copied device->host per step",
+    "device_copy_bytes_per_step": "bytes copied device->device per step (on one GPU, between "
+    "GPUs, CUDA arrays and unified memory: copy kinds DtoD, PtoP, AtoA, AtoD, DtoA, UVM_DtoD): "
+    "copies that use no host link",
+    "memset_bytes_per_step": "bytes set by memsets per step",
     "pageable_copies_per_step": "memcpys from/to pageable host memory per step",
     "pageable_bytes_per_step": "bytes of those copies per step",
     "small_d2h_per_step": "device->host copies of <= 1 KiB per step (.item(), nonzero results)",
@@ -57,12 +62,16 @@ def copies(w: RankWindow) -> dict[str, float]:
     h2d = memcpy.filter(pl.col("direction").is_in(HOST_TO_DEVICE))
     d2h = memcpy.filter(pl.col("direction").is_in(DEVICE_TO_HOST))
     offload = pl.concat([h2d, d2h])
+    on_device = memcpy.filter(pl.col("direction").is_in(DEVICE_TO_DEVICE))
+    memset = w.copies.filter(pl.col("op") == "memset")
     pageable = memcpy.filter(pl.col("pageable"))
     uvm = offload.filter(pl.col("direction").is_in(["UVM_HtoD", "UVM_DtoH"]))
     return {
         "h2d_d2h_bytes_per_step": int(offload["bytes"].sum()) / n_steps,
         "h2d_bytes_per_step": int(h2d["bytes"].sum()) / n_steps,
         "d2h_bytes_per_step": int(d2h["bytes"].sum()) / n_steps,
+        "device_copy_bytes_per_step": int(on_device["bytes"].sum()) / n_steps,
+        "memset_bytes_per_step": int(memset["bytes"].fill_null(0).sum()) / n_steps,
         "offload_copy_frac": intervals.total(offload) / w.wall,
         "pageable_copies_per_step": len(pageable) / n_steps,
         "pageable_bytes_per_step": int(pageable["bytes"].sum()) / n_steps,

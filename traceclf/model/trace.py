@@ -74,6 +74,8 @@ PINNED_MEMORY_KIND = 1
 # CUDA array or unified memory, and back (a public kNN code copies its input to arrays).
 HOST_TO_DEVICE = ("HtoD", "HtoA", "UVM_HtoD")
 DEVICE_TO_HOST = ("DtoH", "AtoH", "UVM_DtoH")
+# ... and copies that cross no host link: on one GPU, between GPUs (PtoP), CUDA arrays
+DEVICE_TO_DEVICE = ("DtoD", "PtoP", "AtoA", "AtoD", "DtoA", "UVM_DtoD")
 
 # The Categorical columns of the model, by frame (ingest/assemble.py, ingest/devices.py)
 NAME_COLUMNS = {"kernels": ("name", "short_name"), "api": ("name",), "gpu_metrics": ("metric",)}

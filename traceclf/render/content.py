@@ -211,6 +211,8 @@ def detail_rows(report: Report) -> list[tuple[str, str]]:
             "Memory",
             f"H2D+D2H {fmt_bytes(m.get('h2d_d2h_bytes_per_step'))}/{u} "
             f"({pct(m.get('offload_copy_frac'))} of the {u}), "
+            f"device→device {fmt_bytes(m.get('device_copy_bytes_per_step'))}/{u}, "
+            f"memset {fmt_bytes(m.get('memset_bytes_per_step'))}/{u}, "
             f"{num(m.get('pageable_copies_per_step'))} pageable copies/{u}, "
             f"{num(m.get('alloc_calls_per_step'))} cudaMalloc/Free per {u}, "
             f"recompute {pct(m.get('recompute_frac'))}, "
