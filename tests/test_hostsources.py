@@ -868,3 +868,21 @@ def test_a_gap_spanned_by_a_call_begun_before_it_is_the_hosts_call():
     shuffled = calls.reverse()  # (calls out of start order: the same answer)
     assert _running_at(shuffled, at).tolist() == [True, False, False, True, False]
     assert _running_at(calls.clear(), at).tolist() == [False] * 5
+
+
+def test_the_jobs_attribution_shares_agree_with_its_ms():
+    """Ulysses' two ranks: each job row's share of idle is its ms over the ranks' idle ms
+    together (every rank's rows share out all its idle time), so a row of 0.0638 ms of
+    1.58 ms idle reads 4.0%, not a mean of the ranks' shares (4.8%)."""
+    rep = report(FIXTURES / "external" / "ulysses_2gpu_forward_window.sqlite")
+    assert len(rep["ranks"]) == 2
+    idle = sum(r["ms_per_step"] for rank in rep["ranks"] for r in rank["host_attribution"])
+    for row in rep["host_attribution"]:
+        mine = [
+            r["ms_per_step"]
+            for rank in rep["ranks"]
+            for r in rank["host_attribution"]
+            if (r["source"], r["what"]) == (row["source"], row["what"])
+        ]
+        assert row["frac_of_idle"] == pytest.approx(sum(mine) / idle, abs=1e-4)
+        assert row["ms_per_step"] == pytest.approx(sum(mine) / 2, abs=1e-4)

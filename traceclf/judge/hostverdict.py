@@ -28,10 +28,13 @@ DATA_LOSS = ("dropped", "truncated", "cupti_error")  # diagnostics kinds: events
 
 
 def job_attribution(per_rank: list[list[dict]]) -> list[dict]:
-    """The ranks' rows merged by (source, what): ms per step and share of idle averaged over
-    the ranks (a rank without the row counts 0), the detail of the rank where it is largest,
-    and in how many ranks it appears."""
+    """The ranks' rows merged by (source, what): ms per step averaged over the ranks (a rank
+    without the row counts 0) and its share of the ranks' idle time together (the ratio of the
+    sums, so that ms and share agree: a mean of each rank's share did not), the detail of the
+    rank where it is largest, and in how many ranks it appears. Each rank's rows share out
+    all its idle time, so their ms add up to it."""
     n = max(len(per_rank), 1)
+    idle = sum(row["ms_per_step"] for rows in per_rank for row in rows)
     merged: dict[tuple[str, str], dict] = {}
     for rows in per_rank:
         for row in rows:
@@ -49,7 +52,7 @@ def job_attribution(per_rank: list[list[dict]]) -> list[dict]:
             "source": e["source"],
             "what": e["what"],
             "ms_per_step": round(e["ms"] / n, 4),
-            "frac_of_idle": round(e["frac"] / n, 4),
+            "frac_of_idle": round(e["ms"] / idle if idle else e["frac"] / n, 4),
             "detail": e["best"]["detail"] | ({"ranks": e["ranks"]} if n > 1 else {}),
         }
         for e in merged.values()
