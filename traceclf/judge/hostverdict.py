@@ -52,7 +52,8 @@ def job_attribution(per_rank: list[list[dict]]) -> list[dict]:
             "source": e["source"],
             "what": e["what"],
             "ms_per_step": round(e["ms"] / n, 4),
-            "frac_of_idle": round(e["ms"] / idle if idle else e["frac"] / n, 4),
+            # (one rank: its own share, from ns, not from ms rounded to 0.1 µs)
+            "frac_of_idle": round(e["ms"] / idle if idle and n > 1 else e["frac"] / n, 4),
             "detail": e["best"]["detail"] | ({"ranks": e["ranks"]} if n > 1 else {}),
         }
         for e in merged.values()
