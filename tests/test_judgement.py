@@ -263,3 +263,18 @@ def test_fusion_config_shows_moe_and_backward_lines_only_with_their_evidence():
     assert fusion["evidence"]["training_loop"] == "training"
     assert fusion["evidence"]["moe_evidence"] is True
     assert report("ulysses_2gpu_forward_window")["capture"]["moe_evidence"] is False
+
+
+def test_forward_only_needs_a_framework_process():
+    """A public CUTLASS benchmark (a C++ program: its kernels all CUTLASS, which the framework
+    pattern counts as PyTorch runs put most of their time in cuBLAS/CUTLASS) read 'forward
+    passes only'. A loop is a framework's forward only in a Python process (CONSTRUCTED facts:
+    the benchmark's loop evidence, with and without Python)."""
+    from traceclf.judge.abstention import training_loop
+    from traceclf.judge.vocabulary import load_rules
+
+    thresholds = load_rules().thresholds
+    evidence = {"backward_kernels": 0, "optimizer_kernels": 0, "framework_kernel_frac": 1.0}
+    facts = {"repeating": True, "training_evidence": evidence, "python_process": False}
+    assert training_loop(facts, thresholds) == "unknown"
+    assert training_loop(facts | {"python_process": True}, thresholds) == "forward_only"

@@ -33,7 +33,9 @@ def training_loop(facts: dict, thresholds: dict[str, int | float]) -> str:
     """training | forward_only | not_a_loop | unknown (docs/judgement.md): a loop trains when
     it shows a backward pass or an optimizer; it is a deep-learning framework's when its
     framework kernels take at least ``framework_kernel_share`` of kernel time (DL runs put most
-    of their time in ATen/cuBLAS/CUTLASS/flash/NCCL kernels, an HPC code in its own)."""
+    of their time in ATen/cuBLAS/CUTLASS/flash/NCCL kernels, an HPC code in its own) and its
+    process runs Python (cuBLAS and CUTLASS kernels alone are a benchmark's or an HPC code's
+    as much as a framework's: a CUTLASS benchmark read as "forward passes only")."""
     if not facts.get("repeating"):
         return "not_a_loop"
     e = facts.get("training_evidence") or {}
@@ -41,7 +43,8 @@ def training_loop(facts: dict, thresholds: dict[str, int | float]) -> str:
         return "training"
     if e.get("optimizer_kernels") or e.get("optimizer_ranges"):
         return "training"
-    if (e.get("framework_kernel_frac") or 0) >= thresholds["framework_kernel_share"]:
+    framework = (e.get("framework_kernel_frac") or 0) >= thresholds["framework_kernel_share"]
+    if framework and facts.get("python_process"):
         return "forward_only"
     return "unknown"
 
