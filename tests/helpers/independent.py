@@ -568,9 +568,10 @@ def _step_calls(w: Window) -> list[dict]:
     steps, the calls (any thread) starting inside the step ranges whose GPU work starts in the
     window (the steady steps); for steps found on the GPU, the calls from the one that launched
     the first GPU work starting in the window to the one that launched the first work starting
-    after it (to the last call when none does); without steps, the calls overlapping it."""
+    after it (to the last call when none does); without steps, the calls overlapping it, whole
+    (a launch made before the first kernel is no shorter for it)."""
     if w.source == "none":
-        return w.api
+        return [a for a in w.rows["api"] if a["start"] < w.hi and a["end"] > w.lo]
     calls = sorted(w.rows["api"], key=lambda a: a["start"])
     work = [r for t in ("kernels", "graphs", "memcpy", "memset") for r in w.rows[t]]
     if w.source == "nvtx":
