@@ -855,19 +855,24 @@ def test_the_top_host_row_names_one_thing_not_the_rest_summed():
 def test_a_gap_spanned_by_a_call_begun_before_it_is_the_hosts_call():
     """A public HPC code's GPU idled 0.5 ms inside one cudaLaunchKernel that loaded its module
     lazily (begun 80 µs before the gap, returned as it ended): the gap was "other", as no call
-    started in it. A call still running when a gap begins puts the host in a CUDA call too
+    started in it; another's 26 ms gap inside a 125 ms launch was "host" (the host making
+    almost no CUDA calls). A call still running when a gap begins covers it too
     (CONSTRUCTED calls: a long one, one nested in it, one after a pause)."""
     import numpy as np
     import polars as pl
 
-    from traceclf.measures.intervals import running_at as _running_at
+    from traceclf.measures.host import _host_cover
+    from traceclf.measures.intervals import reach_before
 
     calls = pl.DataFrame({"start": [0, 10, 150], "end": [100, 20, 400]})
     at = np.array([50, 100, 120, 200, 400])
-    assert _running_at(calls, at).tolist() == [True, False, False, True, False]
+    assert reach_before(calls, at).tolist() == [100, 100, 120, 400, 400]
     shuffled = calls.reverse()  # (calls out of start order: the same answer)
-    assert _running_at(shuffled, at).tolist() == [True, False, False, True, False]
-    assert _running_at(calls.clear(), at).tolist() == [False] * 5
+    assert reach_before(shuffled, at).tolist() == [100, 100, 120, 400, 400]
+    assert reach_before(calls.clear(), at).tolist() == at.tolist()
+    # gaps [50, 90) inside the first call, [120, 140) in none, [200, 500) half in the last
+    ns, n = _host_cover(calls, np.array([50, 120, 200]), np.array([90, 140, 500]))
+    assert ns.tolist() == [40, 0, 200] and n.tolist() == [1, 0, 1]
 
 
 def test_the_jobs_attribution_shares_agree_with_its_ms():

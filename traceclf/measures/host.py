@@ -187,11 +187,10 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     dur = gend - gstart
     profiler = layers.profiler  # (all of a gap is idle)
     api_ns, calls_in = _host_cover(calls, gstart, gend)
-    # Flags, not the counts and ns they are read from: millions of gaps (one column each,
-    # not eight bytes a gap; each helper's arrays over millions of calls freed as it returns)
+    # Flags, not the counts and ns they are read from: millions of gaps (a byte a gap each)
     gaps = gaps.with_columns(
         long=pl.Series((dur >= INPUT_GAP_NS) & (api_ns * 2 < dur)),
-        any_call=pl.Series((calls_in > 0) | intervals.running_at(calls, gstart)),
+        any_call=pl.Series(calls_in > 0),
     )
     del api_ns, calls_in
     flushed = intervals.covered_by_runs(profiler.start, profiler.end, gstart, gend) * 2 >= dur
@@ -248,9 +247,9 @@ def _recurs(gaps: pl.DataFrame, w: RankWindow) -> bool:
 def _host_cover(
     calls: pl.DataFrame, gstart: np.ndarray, gend: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per gap: ns of host coverage by the CUDA calls that start inside it, clipped to it, and
-    how many there are. The calls go by blocks: the temporaries of tens of millions of calls
-    at once were the peak of an ``--all-steps`` analysis."""
+    """Per gap: ns of host coverage by the CUDA calls in it, clipped to it (those begun inside,
+    and those begun before it still running: a launch loading its module lazily can span a
+    gap), and how many. Calls by blocks: tens of millions at once were an ``--all-steps`` peak."""
     api_ns = np.zeros(len(gstart))  # (float: exact for integer ns below 2**53)
     count = np.zeros(len(gstart), np.int64)
     starts, ends = calls["start"].to_numpy(), calls["end"].to_numpy()
@@ -273,7 +272,8 @@ def _host_cover(
         part = np.bincount(idx - first, weights=covered)
         api_ns[first : first + len(part)] += part
         count[first : first + len(part)] += np.bincount(idx - first, minlength=len(part))
-    return api_ns, count
+    reach = np.minimum(intervals.reach_before(calls, gstart), gend)
+    return api_ns + (reach - gstart), count + (reach > gstart)
 
 
 def _after_sync(

@@ -258,18 +258,19 @@ def rank_sorted(hay: np.ndarray, needles: np.ndarray, side: str = "left") -> np.
 RANK_MIN_RATIO = 1
 
 
-def running_at(rows: pl.DataFrame, at: np.ndarray) -> np.ndarray:
-    """Per instant of ``at``: whether one of ``rows`` (start, end) begun before it runs then
-    (an idle gap's host in a CUDA call begun before it: a launch loading its module lazily)."""
+def reach_before(rows: pl.DataFrame, at: np.ndarray) -> np.ndarray:
+    """Per instant of ``at``: the latest end of the ``rows`` (start, end) begun before it (``at``
+    itself where none was): past ``at``, one still runs then (an idle gap's host in a CUDA
+    call begun before it, such as a launch loading its module lazily)."""
     starts, ends = rows["start"].to_numpy(), rows["end"].to_numpy()
     if not len(starts):
-        return np.zeros(len(at), bool)
+        return at.copy()
     if not is_sorted(starts):
         order = np.argsort(starts, kind="stable")
         starts, ends = starts[order], ends[order]
     reach = np.maximum.accumulate(ends)  # the latest end of the rows begun so far
     before = rank_sorted(starts, at, side="left") - 1
-    return (before >= 0) & (reach[np.maximum(before, 0)] > at)
+    return np.where(before >= 0, np.maximum(reach[np.maximum(before, 0)], at), at)
 
 
 def is_sorted(a: np.ndarray) -> bool:
