@@ -403,7 +403,7 @@ def test_profiler_overhead_and_lost_data_warn_and_lower_the_confidence(tmp_path:
     frac = rep["capture"]["profiler_overhead_frac"]
     assert frac == pytest.approx(0.1, abs=0.002)
     (warning,) = rep["capture"]["warnings"]
-    assert f"fills {frac:.1%} of the steady-state window" in warning
+    assert f"fills {frac:.1%} of the analysed window" in warning
     basis, was = rep["classification"]["confidence_basis"], base["classification"]
     assert basis["capture_distortion"] == 0.7
     assert basis["reliability"] == pytest.approx(

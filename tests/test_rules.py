@@ -739,3 +739,33 @@ def test_a_floor_that_leaves_nothing_keeps_the_fix():
     floored = {"ceiling": {"unit": "step", "recoverable_ms": 0.0, "floor_ms": 70.0}}
     assert _wins_nothing(measured) and not _wins_nothing(floored)
     assert not _wins_nothing({"ceiling": None}) and not _wins_nothing({})
+
+
+def test_capture_options_sharing_a_command_are_one():
+    """A capture without NVTX and OS runtime calls was told `nsys profile -t cuda,nvtx,osrt`
+    twice, once per source; one command adding both is one option, naming what each would
+    attribute (CONSTRUCTED environment: the export's host sources and unattributed idle)."""
+    from traceclf.judge.hostverdict import capture_options
+
+    env = {"host_sources": ["cuda_api"], "idle_unattributed_frac": 0.5, "python_process": False}
+    env |= load_rules().thresholds
+    options = capture_options(load_rules(), env)
+    commands = [o["option"] for o in options]
+    assert len(commands) == len(set(commands))
+    (both,) = [o for o in options if o["option"] == "nsys profile -t cuda,nvtx,osrt"]
+    assert both["sources"] == ["nvtx", "osrt"] and both["source"] == "nvtx"
+    assert "NVTX ranges" in both["attributes"] and "blocking I/O" in both["attributes"]
+
+
+def test_the_distributed_optimizer_is_configured_only_with_data_parallel_ranks():
+    """The fused-optimizer fix set `use_distributed_optimizer = True` on one-rank traces, where
+    it shards nothing: the host-launch trace (one rank) gets the fused optimizer alone; its
+    facts made two ranks (CONSTRUCTED), the distributed optimizer too."""
+    facts = facts_of("h100_host_launch_gpumetrics")
+    assert facts["rank_count"] == 1
+
+    def config(f: dict) -> str:
+        return next(x for x in evaluate(f).fixes if x["id"] == "fused-optimizer")["config"]
+
+    assert "use_distributed_optimizer" not in config(facts)
+    assert "use_distributed_optimizer = True" in config(dict(facts, rank_count=2))

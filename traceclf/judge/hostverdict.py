@@ -127,8 +127,18 @@ def capture_options(rs: RuleSet, env: dict[str, Any]) -> list[dict]:
     if when is None or not when.value(env):
         return []
     have = set(env.get("host_sources") or ())
-    return [
-        {"source": o.source, "option": o.option, "attributes": o.attributes}
-        for o in rs.capture.options
-        if o.source not in have and (o.when is None or o.when.value(env))
-    ]
+    merged: dict[str, dict] = {}  # (one entry per command: -t cuda,nvtx,osrt adds two sources)
+    for o in rs.capture.options:
+        if o.source in have or (o.when is not None and not o.when.value(env)):
+            continue
+        if o.option in merged:
+            merged[o.option]["sources"].append(o.source)
+            merged[o.option]["attributes"] += f"; {o.attributes}"
+        else:
+            merged[o.option] = {
+                "source": o.source,
+                "sources": [o.source],
+                "option": o.option,
+                "attributes": o.attributes,
+            }
+    return list(merged.values())

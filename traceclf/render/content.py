@@ -233,7 +233,7 @@ def _host_line(report: Report) -> str:
         if c.get("cuda_api_traced") is False:
             return "no CUDA API trace: what the host did while the GPU idled is unknown"
         long_gaps = (m.get("idle_input_frac") or 0) + (m.get("idle_host_frac") or 0)
-        if pct(long_gaps) == pct(0.0):  # (a share that prints as 0.0% is none to speak of)
+        if not long_gaps:
             return "no long idle gaps (1 ms or more with almost no CUDA calls)"
         share = f"{pct(long_gaps)} of the {unit(report)}"
         if "nvtx" not in (c.get("host_sources") or ["nvtx"]):
