@@ -194,3 +194,16 @@ def test_compute_bound_says_what_limits_the_kernels_is_not_shown():
     ).fetchone()
     assert mean / 100 > 0.5 and dense.metrics["tensor_active_mean"] > 0.5
     assert "is not in this trace" not in " ".join(dense.classification["evidence"])
+
+
+def test_generic_advice_is_fenced_as_text():
+    """CloverLeaf (no framework) gets generic advice in prose: Markdown fences it as text, not
+    as Python; the MoE run's Megatron-Bridge assignments stay Python."""
+    from traceclf.render.markdown import render_markdown
+
+    clover = traceclf.analyze(trace_path("cloverleaf_a100"), use_cache=False)
+    assert clover.fixes and all(f["advice"] == "generic" for f in clover.fixes)
+    text = render_markdown(clover)
+    assert "```text" in text and "```python" not in text
+    moe = traceclf.analyze(trace_path("h100_moe_megatron_ep2"), use_cache=False)
+    assert "```python" in render_markdown(moe)

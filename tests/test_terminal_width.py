@@ -139,7 +139,8 @@ def test_configs_paste_from_the_cli_at_80_columns(monkeypatch: pytest.MonkeyPatc
     blocks = config_blocks(result.stdout)
     for block, fix in zip(blocks, report.fixes, strict=True):
         assert_pastes_as(block, fix["config"])
-    assert "# flag alone does nothing" in blocks[0]  # the comment that wrapped into code
+    deepep = [f["id"] for f in report.fixes].index("deepep")
+    assert "# flag alone does nothing" in blocks[deepep]  # the comment that wrapped into code
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -153,7 +154,9 @@ def test_explain_prints_every_config_to_paste(width: int, monkeypatch: pytest.Mo
         assert result.code == 0, result.stderr
         block = textwrap.dedent(result.stdout.split("\n\n")[1]) + "\n"
         assert "│" not in block
-        if config_language(fix.config) == "python" and not fix.config.startswith("nsys "):
+        if config_language({"config": fix.config}) == "python" and not fix.config.startswith(
+            "nsys "
+        ):
             assert_pastes_as(block, fix.config)
         else:
             done = subprocess.run(["bash", "-n"], input=block, text=True, capture_output=True)

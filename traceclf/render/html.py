@@ -271,7 +271,7 @@ def _fix(i: int, fix: dict) -> str:
     if fix.get("why"):
         parts.append(f"<p>{for_html(fix['why'].strip())}</p>")
     if fix.get("config"):
-        language = config_language(fix["config"])
+        language = config_language(fix)
         caption = config_caption(fix)
         if caption:
             parts.append(f'<p class="caption">{for_html(caption)}:</p>')

@@ -217,7 +217,7 @@ def _fix(i: int, fix: dict) -> str:
         caption = config_caption(fix)
         if caption:
             lines += ["", f"{caption}:"]
-        lines += ["", markdown_fence(fix["config"].strip(), config_language(fix["config"]))]
+        lines += ["", markdown_fence(fix["config"].strip(), config_language(fix))]
     facts = fix_facts(fix)
     if facts:
         lines += [""] + [f"- **{label}:** {_prose(text)}" for label, text in facts]
@@ -231,8 +231,12 @@ def _fix(i: int, fix: dict) -> str:
     return "\n".join(lines)
 
 
-def config_language(config: str) -> str:
-    """Fixes carry Megatron-Bridge Python assignments, or command-line flags and env vars."""
+def config_language(fix: dict) -> str:
+    """Fixes carry Megatron-Bridge Python assignments, or command-line flags and env vars; the
+    generic advice of a run of no framework is prose."""
+    if fix.get("advice") == "generic":
+        return "text"
+    config = fix.get("config") or ""
     first = config.strip().splitlines()[0] if config.strip() else ""
     return "bash" if re.match(r"^(--|export |\$ |[A-Z_]+=)", first) else "python"
 
