@@ -793,7 +793,19 @@ def _host(w: Window) -> dict:
         if kernel_ns and launch_ns
         else None,
         "alloc_idle_frac": (length(spans(in_window["alloc"]), work) - length(work)) / w.wall,
+        "host_call_ms_per_step": _host_call_ms(w),
     } | _idle_causes(w, in_window["sync"])
+
+
+def _host_call_ms(w: Window) -> float | None:
+    """ms per step the busiest thread spends in the steps' CUDA calls other than waits (each
+    thread's calls as a union); null without CUDA calls."""
+    threads: dict[int, list[dict]] = {}
+    for a in w.step_calls:
+        if not api_is("wait", a["name"]):
+            threads.setdefault(a["tid"], []).append(a)
+    busiest = max((length(spans(calls)) for calls in threads.values()), default=0)
+    return w.per_step(busiest) / 1e6 if w.api or w.step_calls else None
 
 
 def _idle_causes(w: Window, syncs: list[dict]) -> dict:

@@ -313,8 +313,10 @@ def _wins_nothing(fix: dict) -> bool:
     cudaFree per step), leave remove-host-syncs nothing; its evidence still shows."""
     c = fix.get("ceiling") or {}
     # (a floor that leaves nothing says the rule data's assumption is off, e.g. a host link
-    # slower than the copies the trace measured: the fix stays, its ceiling says 0)
-    measured = c.get("floor_ms") is None
+    # slower than the copies the trace measured: the fix stays, its ceiling says 0; a floor
+    # below the step did not cut it, the trace measured nothing to win)
+    floor, step = c.get("floor_ms"), c.get("step_after_ms")
+    measured = floor is None or (step is not None and floor < step)
     return c.get("unit") == "step" and c.get("recoverable_ms") == 0 and measured
 
 

@@ -22,6 +22,7 @@ from traceclf.measures import (
     compute,
     critical_path,
     host,
+    host_calls,
     hostsources,
     intervals,
     memory,
@@ -46,6 +47,7 @@ MEASURES: dict[str, str] = (
     | communication.MEASURES
     | memory.MEASURES
     | host.MEASURES
+    | host_calls.MEASURES
     | hostsources.MEASURES
     | overlap_tax.MEASURES
     | pauses.MEASURES
@@ -85,6 +87,7 @@ def measure_rank(
         walls |= tax
         walls |= memory.copies(w)
         walls |= host.calls(w)
+        walls |= host_calls.host_call_ms(w)
         walls |= host.idle(gaps, w)
         attribution = hostsources.attribute(w, gaps)
         walls |= attribution.measures

@@ -86,15 +86,16 @@ class RankWindow:
         """Intervals of communication kernels."""
         return self.kern.select("start", "end", "is_comm").filter(pl.col("is_comm")).drop("is_comm")
 
-    def step_calls(self) -> pl.DataFrame:
-        """The CUDA calls of the analysed steps (:func:`step_calls`), flagged; made when asked
-        and not kept: millions of calls over ``--all-steps``. Without steps, those overlapping
-        the window, whole: clipped to it, a launch made before the first kernel looked 2 µs
-        long where it took 38 µs."""
+    def step_calls(self, every: bool = False) -> pl.DataFrame:
+        """The CUDA calls of the analysed steps (:func:`step_calls`; ``every`` call, not only
+        the counted ones), flagged; made when asked and not kept: millions of calls over
+        ``--all-steps``. Without steps, those overlapping the window, whole: clipped to it, a
+        launch made before the first kernel looked 2 µs long where it took 38 µs."""
         if not self.steps.count:
             lo, hi = self.steps.window
-            return self.flagged.filter((pl.col("end") > lo) & (pl.col("start") < hi))
-        return step_calls(self.trace, self.steps, self.taxonomy, self.flagged)
+            calls = pl.concat([self.trace.api.select("global_tid"), self.flagged], how="horizontal")
+            return calls.filter((pl.col("end") > lo) & (pl.col("start") < hi))
+        return step_calls(self.trace, self.steps, self.taxonomy, self.flagged, every)
 
     def uncovered(self, rows: pl.DataFrame, cover: Busy) -> int:
         """ns of the window in which one of ``rows`` (start, end) is in flight and ``cover``
@@ -282,10 +283,14 @@ def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
 
 
 def step_calls(
-    trace: Trace, steps: Steps, taxonomy: Taxonomy, flagged: pl.DataFrame | None = None
+    trace: Trace,
+    steps: Steps,
+    taxonomy: Taxonomy,
+    flagged: pl.DataFrame | None = None,
+    every: bool = False,
 ) -> pl.DataFrame:
-    """The sync, launch and allocation calls (start, end, is_sync, is_launch, is_alloc) that
-    belong to the analysed steps.
+    """The sync, launch and allocation calls (start, end, global_tid, is_sync, is_wait,
+    is_launch, is_alloc) that belong to the analysed steps; with ``every``, all their calls.
 
     The host runs ahead of the GPU (with CUDA graphs by whole steps), so the calls made while
     the GPU runs a step are not that step's. A step found on the host (NVTX) owns the calls
@@ -310,10 +315,12 @@ def step_calls(
     np.cumsum(inside, out=inside)
     if flagged is None:
         flagged = classify_api(api.select("name"), taxonomy)
-    flags = flagged.select("is_sync", "is_launch", "is_alloc")
-    counted = pl.any_horizontal(pl.all().fill_null(False))
-    keep = flags.select(counted & pl.Series(inside[:-1] > 0)).to_series()
-    return pl.concat([api.select("start", "end"), flags], how="horizontal").filter(keep)
+    flags = flagged.select("is_sync", "is_wait", "is_launch", "is_alloc")
+    mine = pl.Series(inside[:-1] > 0)
+    counted = pl.any_horizontal(pl.col("is_sync", "is_launch", "is_alloc").fill_null(False))
+    keep = mine if every else flags.select(counted & mine).to_series()
+    calls = api.select("start", "end", "global_tid")
+    return pl.concat([calls, flags], how="horizontal").filter(keep)
 
 
 def _launched_runs(trace: Trace, steps: Steps, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
