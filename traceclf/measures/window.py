@@ -86,16 +86,23 @@ class RankWindow:
         """Intervals of communication kernels."""
         return self.kern.select("start", "end", "is_comm").filter(pl.col("is_comm")).drop("is_comm")
 
-    def step_calls(self, every: bool = False) -> pl.DataFrame:
-        """The CUDA calls of the analysed steps (:func:`step_calls`; ``every`` call, not only
-        the counted ones), flagged; made when asked and not kept: millions of calls over
-        ``--all-steps``. Without steps, those overlapping the window, whole: clipped to it, a
-        launch made before the first kernel looked 2 µs long where it took 38 µs."""
+    def step_calls(self) -> pl.DataFrame:
+        """The CUDA calls of the analysed steps (:func:`step_calls`), flagged; made when asked
+        and not kept: millions of calls over ``--all-steps``. Without steps, those overlapping
+        the window, whole: clipped to it, a launch made before the first kernel looked 2 µs
+        long where it took 38 µs."""
+        if not self.steps.count:
+            return self.flagged.filter(pl.Series(self.step_rows()))
+        return step_calls(self.trace, self.steps, self.taxonomy, self.flagged)
+
+    def step_rows(self) -> np.ndarray:
+        """Whether each CUDA call of the trace (row for row) is one of the analysed steps'
+        (:func:`step_rows`; without steps, one overlapping the window)."""
         if not self.steps.count:
             lo, hi = self.steps.window
-            calls = pl.concat([self.trace.api.select("global_tid"), self.flagged], how="horizontal")
-            return calls.filter((pl.col("end") > lo) & (pl.col("start") < hi))
-        return step_calls(self.trace, self.steps, self.taxonomy, self.flagged, every)
+            api = self.trace.api
+            return ((api["end"] > lo) & (api["start"] < hi)).to_numpy()
+        return step_rows(self.trace, self.steps)
 
     def uncovered(self, rows: pl.DataFrame, cover: Busy) -> int:
         """ns of the window in which one of ``rows`` (start, end) is in flight and ``cover``
@@ -283,24 +290,30 @@ def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
 
 
 def step_calls(
-    trace: Trace,
-    steps: Steps,
-    taxonomy: Taxonomy,
-    flagged: pl.DataFrame | None = None,
-    every: bool = False,
+    trace: Trace, steps: Steps, taxonomy: Taxonomy, flagged: pl.DataFrame | None = None
 ) -> pl.DataFrame:
-    """The sync, launch and allocation calls (start, end, global_tid, is_sync, is_wait,
-    is_launch, is_alloc) that belong to the analysed steps; with ``every``, all their calls.
+    """The sync, launch and allocation calls (start, end, is_sync, is_launch, is_alloc) that
+    belong to the analysed steps (:func:`step_rows`). ``flagged``: the calls already flagged
+    by :func:`classify_api`, row for row."""
+    api = trace.api
+    if flagged is None:
+        flagged = classify_api(api.select("name"), taxonomy)
+    flags = flagged.select("is_sync", "is_launch", "is_alloc")
+    counted = pl.any_horizontal(pl.all().fill_null(False))
+    keep = flags.select(counted & pl.Series(step_rows(trace, steps))).to_series()
+    return pl.concat([api.select("start", "end"), flags], how="horizontal").filter(keep)
+
+
+def step_rows(trace: Trace, steps: Steps) -> np.ndarray:
+    """Whether each of ``trace.api``'s calls belongs to the analysed steps.
 
     The host runs ahead of the GPU (with CUDA graphs by whole steps), so the calls made while
     the GPU runs a step are not that step's. A step found on the host (NVTX) owns the calls
     made inside its range, on any thread of the process; for steps found on the GPU (graph
     launches, a recurring kernel) each run of analysed steps owns the calls from the one that
     launched its first GPU work (by correlationId) to the one that launched the first work
-    after it — or to the process's last call, when nothing follows. ``flagged``: the calls
-    already flagged by :func:`classify_api`, row for row."""
-    api = trace.api
-    starts = api["start"].to_numpy()
+    after it — or to the process's last call, when nothing follows."""
+    starts = trace.api["start"].to_numpy()
     steady = steps.steady.filter(pl.col("cpu_start").is_not_null())
     if steps.source == "nvtx" and not steady.is_empty():  # a call at a range's end is in it
         lo = np.searchsorted(starts, steady["cpu_start"].to_numpy(), side="left")
@@ -313,14 +326,7 @@ def step_calls(
     np.add.at(inside, lo, 1)
     np.add.at(inside, hi, -1)
     np.cumsum(inside, out=inside)
-    if flagged is None:
-        flagged = classify_api(api.select("name"), taxonomy)
-    flags = flagged.select("is_sync", "is_wait", "is_launch", "is_alloc")
-    mine = pl.Series(inside[:-1] > 0)
-    counted = pl.any_horizontal(pl.col("is_sync", "is_launch", "is_alloc").fill_null(False))
-    keep = mine if every else flags.select(counted & mine).to_series()
-    calls = api.select("start", "end", "global_tid")
-    return pl.concat([calls, flags], how="horizontal").filter(keep)
+    return inside[:-1] > 0
 
 
 def _launched_runs(trace: Trace, steps: Steps, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
