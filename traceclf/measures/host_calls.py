@@ -23,7 +23,7 @@ def host_call_ms(w: RankWindow) -> dict[str, float | None]:
     if not w.host_traced:
         return dict.fromkeys(MEASURES)
     api = w.trace.api
-    keep = w.step_rows() & ~w.flagged["is_wait"].fill_null(False).to_numpy()
+    keep = w.step_call_mask & ~w.flagged["is_wait"].fill_null(False).to_numpy()
     tids = api["global_tid"].fill_null(-1).to_numpy()
     starts, ends = api["start"].to_numpy(), api["end"].to_numpy()
     busiest = 0

@@ -87,22 +87,30 @@ class RankWindow:
         return self.kern.select("start", "end", "is_comm").filter(pl.col("is_comm")).drop("is_comm")
 
     def step_calls(self) -> pl.DataFrame:
-        """The CUDA calls of the analysed steps (:func:`step_calls`), flagged; made when asked
-        and not kept: millions of calls over ``--all-steps``. Without steps, those overlapping
-        the window, whole: clipped to it, a launch made before the first kernel looked 2 µs
-        long where it took 38 µs."""
+        """The sync, launch and allocation calls (start, end, is_sync, is_launch, is_alloc) of
+        the analysed steps (:attr:`step_call_mask`); made when asked and not kept: millions of
+        calls over ``--all-steps``. Without steps, every call overlapping the window, whole:
+        clipped to it, a launch made before the first kernel looked 2 µs long where it took
+        38 µs."""
+        mine = pl.Series(self.step_call_mask)
         if not self.steps.count:
-            return self.flagged.filter(pl.Series(self.step_rows()))
-        return step_calls(self.trace, self.steps, self.taxonomy, self.flagged)
+            return self.flagged.filter(mine)
+        flags = self.flagged.select("is_sync", "is_launch", "is_alloc")
+        counted = pl.any_horizontal(pl.all().fill_null(False))
+        keep = flags.select(counted & mine).to_series()
+        calls = self.trace.api.select("start", "end")
+        return pl.concat([calls, flags], how="horizontal").filter(keep)
 
-    def step_rows(self) -> np.ndarray:
+    @functools.cached_property
+    def step_call_mask(self) -> np.ndarray:
         """Whether each CUDA call of the trace (row for row) is one of the analysed steps'
-        (:func:`step_rows`; without steps, one overlapping the window)."""
+        (:func:`step_call_mask`; without steps, one overlapping the window): found once for
+        the measures that ask, a byte a call."""
         if not self.steps.count:
             lo, hi = self.steps.window
             api = self.trace.api
             return ((api["end"] > lo) & (api["start"] < hi)).to_numpy()
-        return step_rows(self.trace, self.steps)
+        return step_call_mask(self.trace, self.steps)
 
     def uncovered(self, rows: pl.DataFrame, cover: Busy) -> int:
         """ns of the window in which one of ``rows`` (start, end) is in flight and ``cover``
@@ -289,22 +297,7 @@ def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
     return by_name(api, names)
 
 
-def step_calls(
-    trace: Trace, steps: Steps, taxonomy: Taxonomy, flagged: pl.DataFrame | None = None
-) -> pl.DataFrame:
-    """The sync, launch and allocation calls (start, end, is_sync, is_launch, is_alloc) that
-    belong to the analysed steps (:func:`step_rows`). ``flagged``: the calls already flagged
-    by :func:`classify_api`, row for row."""
-    api = trace.api
-    if flagged is None:
-        flagged = classify_api(api.select("name"), taxonomy)
-    flags = flagged.select("is_sync", "is_launch", "is_alloc")
-    counted = pl.any_horizontal(pl.all().fill_null(False))
-    keep = flags.select(counted & pl.Series(step_rows(trace, steps))).to_series()
-    return pl.concat([api.select("start", "end"), flags], how="horizontal").filter(keep)
-
-
-def step_rows(trace: Trace, steps: Steps) -> np.ndarray:
+def step_call_mask(trace: Trace, steps: Steps) -> np.ndarray:
     """Whether each of ``trace.api``'s calls belongs to the analysed steps.
 
     The host runs ahead of the GPU (with CUDA graphs by whole steps), so the calls made while
