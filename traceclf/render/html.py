@@ -272,9 +272,9 @@ def _fix(i: int, fix: dict) -> str:
         parts.append(f"<p>{for_html(fix['why'].strip())}</p>")
     if fix.get("config"):
         language = config_language(fix)
-        caption = config_caption(fix)
-        if caption:
-            parts.append(f'<p class="caption">{for_html(caption)}:</p>')
+        label = config_caption(fix)  # (not ``caption``: the figures' captions, imported)
+        if label:
+            parts.append(f'<p class="caption">{for_html(label)}:</p>')
         parts.append(
             f'<pre><code class="language-{language}">{for_html(fix["config"].strip(), multiline=True)}</code></pre>'
         )

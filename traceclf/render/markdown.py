@@ -214,9 +214,9 @@ def _fix(i: int, fix: dict) -> str:
     if fix.get("why"):
         lines += ["", _prose(fix["why"].strip())]
     if fix.get("config"):
-        caption = config_caption(fix)
-        if caption:
-            lines += ["", f"{caption}:"]
+        label = config_caption(fix)  # (not ``caption``: the figures' captions, imported)
+        if label:
+            lines += ["", f"{label}:"]
         lines += ["", markdown_fence(fix["config"].strip(), config_language(fix))]
     facts = fix_facts(fix)
     if facts:
