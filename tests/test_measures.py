@@ -217,7 +217,7 @@ def test_of_nvtx_ranges_starting_together_the_first_to_end_is_the_innermost(monk
 
     import polars as pl
 
-    from traceclf.measures import host
+    from traceclf.measures import host_nvtx
     from traceclf.model.taxonomy import bundled
 
     ranges = pl.DataFrame(
@@ -230,6 +230,8 @@ def test_of_nvtx_ranges_starting_together_the_first_to_end_is_the_innermost(monk
     gap = pl.DataFrame({"start": [150], "end": [350], "dur": [200]})
     w = SimpleNamespace(taxonomy=bundled())
     for order in itertools.permutations(range(3)):
-        monkeypatch.setattr(host, "_host_ranges", lambda _w, covering=0, o=order: ranges[list(o)])
-        cover = host.nvtx_cover(gap, w)
+        monkeypatch.setattr(
+            host_nvtx, "host_ranges", lambda _w, covering=0, o=order: ranges[list(o)]
+        )
+        cover = host_nvtx.nvtx_cover(gap, w)
         assert cover.select("nvtx", "r_start", "r_end").row(0) == ("narrow", 100, 400)

@@ -8,11 +8,10 @@ import polars as pl
 
 from traceclf.measures import intervals
 from traceclf.measures.handoff import IDLE_CAUSES
+from traceclf.measures.host_nvtx import nvtx_cover
 from traceclf.measures.hostframes import loading_gaps
-from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
-from traceclf.model.taxonomy import matches
-from traceclf.model.trace import HOST_TO_DEVICE, outermost
+from traceclf.model.trace import HOST_TO_DEVICE
 
 MEASURES: dict[str, str] = {
     "sync_calls_per_step": "cudaStream/Device/EventSynchronize and blocking cudaMemcpy per step "
@@ -71,9 +70,7 @@ BATCH_RECUR_SHARE = 0.5
 # The signs that make a long gap count as loading, as bits of idle_gaps' ``signs``: the next
 # batch's copy at its end, an NVTX data-loading range over it, loader frames in its samples.
 INPUT_SIGNS = {"copy": 1, "nvtx": 2, "samples": 4}
-TOP_NVTX = 5
 CALL_BLOCK = 1 << 20  # CUDA calls per block of the host-coverage count
-NVTX_COUNTERS = r",?\s*\b(seq|op_id|id|step)\s*=\s*\d+"
 
 
 def calls(w: RankWindow) -> dict[str, float | None]:
@@ -301,21 +298,6 @@ def _returned_in(ends: np.ndarray, gstart: np.ndarray, gend: np.ndarray, slack: 
     return returned
 
 
-def _host_ranges(w: RankWindow, covering: int = 0) -> pl.DataFrame:
-    """The process's NVTX ranges (text, start, end) that can say what the host was doing:
-    step ranges and forward/backward/optimizer phases say nothing ("in step 7"). With
-    ``covering``, only those long enough to cover half of that many ns (tested first: an op's
-    range of a few us, one per kernel launch, covers no long gap)."""
-    generic = w.taxonomy.step_or_phase()
-    step_names = w.steps.table["name"].unique().implode()
-    ranges = w.trace.nvtx
-    if covering > 0:
-        ranges = ranges.filter((pl.col("end") - pl.col("start")) * 2 >= covering)
-    return ranges.filter(
-        ~pl.col("text").is_in(step_names) & ~matches(ranges["text"], generic)
-    ).select("text", "start", "end")
-
-
 def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     """For each long gap: the innermost NVTX range of the process that covers at least half
     of it (``nvtx``, its ``activity`` from the taxonomy, the ns it covers), and whether the gap
@@ -341,54 +323,6 @@ def _attribute_nvtx(gaps: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
         *named.values(),
         nvtx_ns=nvtx_ns,
         batch_copy=pl.col("long") & pl.col("end").is_in(batch.implode()),
-    )
-
-
-def nvtx_cover(long: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
-    """Per gap of ``long`` (start, end, dur) that one covers: the innermost NVTX range of the
-    process that covers at least half of it (``nvtx``, ``nvtx_ns`` it covers, ``activity``
-    from the taxonomy or the nearest enclosing range's, and its ``r_start``, ``r_end``).
-
-    Step ranges and forward/backward/optimizer phases are skipped: that the host is "in step
-    7" says nothing about what it is doing."""
-    tax = w.taxonomy
-    # (a range covers half of a gap only if it is half as long: of the shortest gap, at least)
-    shortest = int(long["dur"].min() or 0)  # type: ignore[arg-type]
-    ranges = _host_ranges(w, covering=shortest).select("text", r_start="start", r_end="end")
-    schema = {
-        "start": pl.Int64,
-        "nvtx": pl.String,
-        "nvtx_ns": pl.Int64,
-        "activity": pl.String,
-        "r_start": pl.Int64,
-        "r_end": pl.Int64,
-    }
-    if long.is_empty() or ranges.is_empty():
-        return pl.DataFrame(schema=schema)
-    cover = (
-        long.join_where(
-            ranges, pl.col("r_start") < pl.col("end"), pl.col("r_end") > pl.col("start")
-        )
-        .with_columns(
-            nvtx_ns=pl.min_horizontal("end", "r_end") - pl.max_horizontal("start", "r_start")
-        )
-        .filter(pl.col("nvtx_ns") * 2 >= pl.col("dur"))
-        .with_columns(activity=tax.host_activity())
-    )
-    # innermost = latest start (of ranges starting together, the first to end, then by text:
-    # the same range whatever order the join gave them); its activity, or the nearest
-    # enclosing range's that has one
-    return (
-        cover.sort(["r_start", "r_end", "text"], descending=[True, False, False])
-        .group_by("start", maintain_order=True)
-        .agg(
-            nvtx=pl.col("text").first(),
-            nvtx_ns=pl.col("nvtx_ns").first(),
-            activity=pl.col("activity").drop_nulls().first(),
-            r_start=pl.col("r_start").first(),
-            r_end=pl.col("r_end").first(),
-        )
-        .select(pl.col(c).cast(t) for c, t in schema.items())
     )
 
 
@@ -438,83 +372,3 @@ def longest_gaps(gaps: pl.DataFrame, w: RankWindow, n: int = LONGEST_GAPS) -> li
         {"start_ns": start, "duration_ns": dur, "cause": cause, "nvtx": nvtx}
         for start, dur, cause, nvtx in top.select("start", "dur", "cause", "nvtx").iter_rows()
     ]
-
-
-def idle_by_nvtx(gaps: pl.DataFrame, w: RankWindow) -> list[dict]:
-    """The NVTX ranges the host was in during long idle gaps, most idle time first: what the
-    report names instead of guessing "input" (``name``, ``detail``, ``activity``, ``frac`` of
-    the window, ``ms_per_step``, ``gaps``).
-
-    For each host activity (compile, checkpoint, ...): the idle time under any of its ranges
-    at any depth (a compiler's passes nest and do not each cover half of a gap), named by its
-    outermost range with the most of it, its innermost (``detail``) the one that covers each
-    gap most often. Ranges of no known activity: the innermost range covering at least half of
-    a gap, by name."""
-    long = gaps.filter(pl.col("cause").is_in(["input", "host"]))
-    if long.is_empty():
-        return []
-    rows = _by_activity(long, w) + _by_name(long.filter(pl.col("activity").is_null()))
-    top = sorted(rows, key=lambda r: (-r["ns"], r["name"]))[:TOP_NVTX]
-    return [
-        {
-            "name": row["name"],
-            "detail": row["detail"],
-            "activity": row["activity"],
-            "frac": round(row["ns"] / w.wall, 6),
-            "ms_per_step": round(row["ns"] / 1e6 / w.n_steps, 4),
-            "gaps": row["gaps"],
-        }
-        for row in top
-    ]
-
-
-def _by_activity(long: pl.DataFrame, w: RankWindow) -> list[dict]:
-    """Per host activity, the long gaps' time under the union of its NVTX ranges."""
-    ranges = _host_ranges(w)
-    ranges = ranges.with_columns(activity=w.taxonomy.host_activity_of(ranges["text"]))
-    ranges = ranges.drop_nulls("activity")
-    gstart, gend = long["start"].to_numpy(), long["end"].to_numpy()
-    idle = Busy.of_arrays(gstart, gend)
-    rows = []
-    for (activity,), group in ranges.group_by("activity"):
-        under = Busy.of(group.select("start", "end")).covered(gstart, gend)
-        if not under.sum():
-            continue
-        outer = outermost(group.select("start", "end", "text"))
-        named = outer.with_columns(
-            ns=pl.Series(idle.covered(outer["start"].to_numpy(), outer["end"].to_numpy())),
-            name=_plain("text"),
-        )
-        name = named.group_by("name").agg(pl.col("ns").sum()).sort(["ns", "name"])["name"][-1]
-        inner = long.filter(pl.col("activity") == activity).with_columns(name=_plain("nvtx"))
-        innermost = inner.group_by("name").agg(pl.len(), pl.col("nvtx_ns").sum())
-        detail = innermost.sort(["len", "nvtx_ns", "name"])["name"][-1] if len(innermost) else None
-        rows.append(
-            {
-                "name": name,
-                "detail": detail if detail != name else None,
-                "activity": activity,
-                "ns": int(under.sum()),
-                "gaps": int((under > 0).sum()),
-            }
-        )
-    return rows
-
-
-def _by_name(named: pl.DataFrame) -> list[dict]:
-    """Per NVTX name (of no known activity), the long gaps' time its range covers when it is
-    the innermost covering at least half of the gap."""
-    named = named.filter(pl.col("nvtx").is_not_null()).with_columns(name=_plain("nvtx"))
-    if named.is_empty():
-        return []
-    per = named.group_by("name").agg(ns=pl.col("nvtx_ns").sum(), gaps=pl.len())
-    return [
-        {"name": r["name"], "detail": None, "activity": None, "ns": r["ns"], "gaps": r["gaps"]}
-        for r in per.iter_rows(named=True)
-    ]
-
-
-def _plain(col: str) -> pl.Expr:
-    # PyTorch's ranges carry per-call counters ("aten::addmm, seq = 47595, op_id = 999269"):
-    # one name per operator, not per call
-    return pl.col(col).str.replace_all(NVTX_COUNTERS, "").str.strip_chars(" ,")

@@ -5,7 +5,8 @@ Every ns of every idle gap of the window goes to one source, the first in this o
 accounts for it, so nothing is counted twice:
 
 1. ``profiler``: nsys's own work on the process (``PROFILER_OVERHEAD``);
-2. ``nvtx``: the NVTX range that covers at least half of a long gap (as ``idle_nvtx``);
+2. ``nvtx``: a long gap's time under a host activity's NVTX ranges, at any depth, or else
+   the innermost range covering at least half of it (as ``idle_nvtx``);
 3. ``cuda_api``: a CUDA call of the process, by class (module loading, JIT compilation,
    allocator, synchronisation, launch, other);
 4. ``osrt``: an OS runtime call of the gap's launching thread (the thread whose call launched
@@ -30,7 +31,7 @@ import numpy as np
 import polars as pl
 
 from traceclf.measures.claims import Pieces
-from traceclf.measures.host import NVTX_COUNTERS, nvtx_cover
+from traceclf.measures.host_nvtx import NVTX_COUNTERS, activity_cover, nvtx_cover
 from traceclf.measures.hostframes import (
     NO_USER_FRAME,
     cpu_samples,
@@ -135,11 +136,19 @@ def _profiler(w: RankWindow, claims: IdleClaims) -> None:
 
 
 def _nvtx(w: RankWindow, gaps: pl.DataFrame, claims: IdleClaims, details: dict) -> None:
-    long = gaps.filter(pl.col("nvtx").is_not_null()).select("start", "end", "dur")
-    cover = nvtx_cover(long, w)
+    """The long gaps' time under a host activity's NVTX ranges (at any depth, as ``idle_nvtx``
+    counts it: a compiler's nested passes do not each cover half of a gap), named as there;
+    then, in gaps of no activity, the innermost range covering at least half of the gap."""
+    long = gaps.filter(pl.col("cause").is_in(["input", "host"]))
+    for row in activity_cover(long, w):
+        what = row["name"] + (f" → {row['detail']}" if row["detail"] else "")
+        claims.take("nvtx", what, row["lo"], row["hi"])
+        details[("nvtx", what)] = {"gaps": row["gaps"], "activity": row["activity"]}
+    named = long.filter(pl.col("nvtx").is_not_null() & pl.col("activity").is_null())
+    cover = nvtx_cover(named.select("start", "end", "dur"), w)
     if cover.is_empty():
         return
-    cover = cover.join(long, on="start").with_columns(
+    cover = cover.join(named.select("start", "end"), on="start").with_columns(
         what=pl.col("nvtx").str.replace_all(NVTX_COUNTERS, "").str.strip_chars(" ,")
     )
     lo = np.maximum(cover["start"].to_numpy(), cover["r_start"].to_numpy())
@@ -147,7 +156,7 @@ def _nvtx(w: RankWindow, gaps: pl.DataFrame, claims: IdleClaims, details: dict) 
     whats, label = _labels(cover["what"])
     claims.take("nvtx", whats, lo, hi, label=label)
     for (what,), rows in cover.group_by("what"):
-        details[("nvtx", str(what))] = {"gaps": rows.height, "activity": rows["activity"][0]}
+        details[("nvtx", str(what))] = {"gaps": rows.height, "activity": None}
 
 
 def _cuda_api(w: RankWindow, claims: IdleClaims, details: dict) -> None:

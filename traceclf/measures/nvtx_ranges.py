@@ -17,7 +17,7 @@ import numpy as np
 import polars as pl
 
 from traceclf.measures import intervals
-from traceclf.measures.host import NVTX_COUNTERS
+from traceclf.measures.host_nvtx import NVTX_COUNTERS
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import matches, numbered
 from traceclf.model.trace import outermost

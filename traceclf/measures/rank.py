@@ -23,6 +23,7 @@ from traceclf.measures import (
     critical_path,
     host,
     host_calls,
+    host_nvtx,
     hostsources,
     intervals,
     memory,
@@ -93,7 +94,7 @@ def measure_rank(
         walls |= attribution.measures
         idle_gaps = series.gap_histogram(gaps)
         longest_gaps = host.longest_gaps(gaps, w)
-        idle_nvtx = host.idle_by_nvtx(gaps, w)
+        idle_nvtx = host_nvtx.idle_by_nvtx(gaps, w)
         arrivals_clock = arrivals.arrival_clock(w, keyed, gaps)
         facts()
         g = lane.result()

@@ -110,9 +110,8 @@ def evidence(row: dict) -> str:
         return f"{d['whats']} more, each smaller"
     parts = []
     if source == "nvtx":
-        parts.append(f"{d.get('gaps', 0)} long gaps in the range")
-        if d.get("activity"):
-            parts.append(f"activity {d['activity']}")
+        where = f"under its {d['activity']} ranges" if d.get("activity") else "in the range"
+        parts.append(f"{_count(d.get('gaps', 0), 'long gap')} {where}")
     elif "calls" in d:
         what = _count(d["calls"], "call")
         if d.get("call_class"):
