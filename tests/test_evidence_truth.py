@@ -728,7 +728,8 @@ _OCCURRENCES = (
 
 def test_cloverleaf_syncs_after_every_launch() -> None:
     """1312 kernel launches, each followed on its thread by a cudaDeviceSynchronize before the
-    next launch; the GPU idles ~7.5% of the window right after a sync; the allocator calls in
+    next launch; the GPU idles ~10% of the window right after a sync or while the host sits in
+    a blocking cudaMemcpy (between the copies of pageable memory it stages); the allocator calls in
     the window last at most 0.14 ms (of 251 ms with the cut-off last period, which issue 22
     drops: 195 ms of 3 complete periods), so no allocator fix."""
     path = external("cloverleaf_a100")
@@ -748,7 +749,7 @@ def test_cloverleaf_syncs_after_every_launch() -> None:
 
     rep = report(path)
     mine = recomputed(path)[0]
-    assert 0.06 <= mine["idle_sync_frac"] <= 0.09
+    assert 0.08 <= mine["idle_sync_frac"] <= 0.11
     assert close(
         "idle_sync_frac", rep["ranks"][0]["metrics"]["idle_sync_frac"], mine["idle_sync_frac"]
     )

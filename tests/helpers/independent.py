@@ -815,8 +815,9 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     an NVTX data range over half of it, or it ends where a host->device copy of >= 1 MiB
     starts, where such gaps recur in at least half of the steps and no NVTX range of another
     host activity covers half of it); graph inside a node-traced replay; sync when a
-    synchronising call returned inside it or at most 20 µs before it, or allocator calls
-    (which synchronise the device) cover at least half of it; launch when the host started
+    synchronising call returned inside it or at most 20 µs before it, or synchronising and
+    allocator calls (which synchronise the device) cover at least half of it (the host sat
+    blocked in them); launch when the host started
     CUDA calls in it or was still in one begun before it; other otherwise. With them, the share in sync gaps inside which a call
     that only waits (taxonomy cuda_api wait) returned."""
     busy = merged(w.compute, w.comm, w.copies)
@@ -828,8 +829,8 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     n_calls = np.searchsorted(call_starts, e) - np.searchsorted(call_starts, s)
     in_call = (n_calls > 0) | (covered(spans(w.api), s, e) > 0)  # (begun before it, too)
     after_sync = _returned_in([a["end"] for a in syncs], s - SYNC_SLACK_NS, e)
-    allocs = [a for a in w.api if api_is("alloc", a["name"])]
-    after_sync |= covered(spans(allocs), s, e) * 2 >= dur
+    blocked = [a for a in w.api if api_is("alloc", a["name"]) or api_is("sync", a["name"])]
+    after_sync |= covered(spans(blocked), s, e) * 2 >= dur
     profiler = covered(spans(w.rows["overhead"]), s, e) * 2 >= dur
     long = (dur >= LONG_GAP_NS) & (covered(spans(w.api), s, e) * 2 < dur)
     tax = taxonomy()

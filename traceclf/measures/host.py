@@ -23,8 +23,9 @@ MEASURES: dict[str, str] = {
     "median_launch_us": "median duration of a launch call of the analysed steps on the host",
     "short_kernel_frac": "kernels shorter than the median launch call",
     "idle_launch_frac": "idle time while the host was issuing CUDA calls (launch-bound)",
-    "idle_sync_frac": "idle time right after a synchronising call returned, or filled by "
-    "cudaMalloc/cudaFree (which synchronise the device) (sync-bound)",
+    "idle_sync_frac": "idle time right after a synchronising call returned, or half filled by "
+    "synchronising calls or cudaMalloc/cudaFree (which synchronise the device) the host sat in "
+    "(sync-bound)",
     "idle_after_wait_frac": "the part of idle_sync_frac in gaps where a call that only waits "
     "(cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize; taxonomy cuda_api "
     "wait) returned: what removing needless syncs wins back (blocking copies left out)",
@@ -276,10 +277,13 @@ def _host_cover(
 def _after_sync(
     calls: pl.DataFrame, gstart: np.ndarray, gend: np.ndarray, dur: np.ndarray
 ) -> pl.Series:
-    """Per gap: whether a synchronising call drained the queue before it, or an allocation
-    filled it."""
-    # cudaMalloc/cudaFree synchronise the device: a gap they fill is a stall, not launching
-    filled = intervals.covered(calls.filter(pl.col("is_alloc")), gstart, gend)
+    """Per gap: whether a synchronising call drained the queue before it, or the host sat in
+    one (or in an allocation) through it."""
+    # A host blocked in a synchronising call (a blocking copy staging pageable memory, a sync
+    # on other work) or in cudaMalloc/cudaFree (which synchronise the device) for half of a
+    # gap stalled the GPU; it was not launching
+    blocked = pl.col("is_alloc") | pl.col("is_sync").fill_null(False)
+    filled = intervals.covered(calls.filter(blocked), gstart, gend)
     filled = np.multiply(filled, 2, out=filled) >= dur
     # A synchronising call that returns inside a gap, or at most SYNC_SLACK_NS before it starts,
     # drained the queue. Every such gap counts: with kernels of a few µs the next gap starts
