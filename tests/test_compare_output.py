@@ -304,8 +304,9 @@ def test_what_makes_runs_not_comparable_comes_right_under_the_verdict(
 ) -> None:
     """Two unrelated public programs on two GPUs read "Regression: step 33 ms → 549 ms" with
     "Not directly comparable: different GPUs" at the very end. The notes qualify the verdict:
-    they come right under it, in every format. Real traces: host-launch (H100) against
-    CloverLeaf (A100, pattern steps)."""
+    they come right under it, in every format, and make the comparison inconclusive (exit 3:
+    nothing to gate on). Real traces: host-launch (H100) against CloverLeaf (A100, pattern
+    steps)."""
     other = tmp_path / "cloverleaf.json"
     other.write_text(report("cloverleaf_a100").to_json(), encoding="utf-8")
     for fmt, note, steps in (
@@ -313,9 +314,10 @@ def test_what_makes_runs_not_comparable_comes_right_under_the_verdict(
         ("md", "## Not directly comparable", "## Step time"),
     ):
         code, out, err = run_cli("compare", saved[SLOW], other, "-f", fmt)
-        assert code in (0, 1), err
+        assert code == 3, err
+        assert "not comparable (different GPUs; steps found differently)" in out
         assert -1 < out.index(note) < out.index(steps), fmt
     html = tmp_path / "cmp.html"
     code, _, err = run_cli("compare", saved[SLOW], other, "-f", "html", "-o", html)
     text = html.read_text(encoding="utf-8")
-    assert code in (0, 1) and text.index("Not directly comparable") < text.index("Step time")
+    assert code == 3 and text.index("Not directly comparable") < text.index("Step time")

@@ -227,8 +227,9 @@ def analyze(
 @click.option(
     "--allow-inconclusive",
     is_flag=True,
-    help="Exit 0, not 3, when a comparison cannot be made (a run without steps, or one "
-    "traceclf abstained on), with nothing on stderr; the output still says why.",
+    help="Exit 0, not 3, when a comparison cannot be made (a run without steps, one "
+    "traceclf abstained on, or runs not comparable: different GPUs, step anchors, rank counts "
+    "or CUDA-graph tracing levels), with nothing on stderr; the output still says why.",
 )
 @analysis_options
 @quiet_option

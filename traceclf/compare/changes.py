@@ -99,6 +99,6 @@ def tracing_note(b: Run, a: Run) -> str | None:
         return (
             f"CUDA graphs traced differently ({_MODE[b.graph_tracing]} → "
             f"{_MODE[a.graph_tracing]}): kernels per step, kernel sizes and durations count "
-            "different things, so they are not compared; busy time and step time are"
+            "different things, so they are not compared"
         )
     return None

@@ -16,7 +16,9 @@ steps that vary independently around their mean). A CV no step times can have (s
 Verdict. ``regression`` when the mean step time grew by more than ``threshold`` (a fraction,
 default 5%) and by more than the noise band; ``improvement`` when it shrank by as much;
 ``no significant change`` otherwise; ``inconclusive`` when the comparison cannot be made: a run
-has no step time (no steps were found) or traceclf abstained on it. A regression makes the CLI
+has no step time (no steps were found), traceclf abstained on it, or the two step times
+measure different things (:func:`_incomparable`: different GPUs, steps found differently, rank
+counts, CUDA graphs traced at another level). A regression makes the CLI
 exit 1, an inconclusive comparison exit 3 (0 with ``--allow-inconclusive``).
 
 Measures that moved. Fractions of the step (busy, exposed communication, copies, idle causes,
@@ -35,7 +37,8 @@ executions per step stand in).
 Tracing mode. Nsight Systems traces CUDA graphs either as one row per graph execution
 (graph-level, the default) or one row per kernel inside it (``--cuda-graph-trace=node``). The
 same run then shows 1 or 290 "kernels" per step; when the modes differ, per-kernel measures are
-not compared (noted instead of flagged).
+not compared, and the step time is not gated: node-level tracing adds its own cost to every
+replay (2.4% of the shared CUDA-graph run's).
 
 What explains a result. Besides measures that moved: fixes applied in one run and not the
 other (the report's ``applied`` sentences), and fixes proposed before that no longer are.
@@ -196,7 +199,8 @@ def compare_reports(
     change_ms, change_frac = _change(b.step_mean_ms, a.step_mean_ms)
     _, median_frac = _change(b.step_median_ms, a.step_median_ms)
     noise = _noise_ms(b, a, settings)
-    verdict = _verdict(change_ms, change_frac, noise, threshold, b, a)
+    apart = _incomparable(b, a)
+    verdict = "inconclusive" if apart else _verdict(change_ms, change_frac, noise, threshold, b, a)
     mb, ma = metrics_of(before), metrics_of(after)
     tracing_changed = b.graph_tracing and a.graph_tracing and b.graph_tracing != a.graph_tracing
     measures = [
@@ -214,7 +218,7 @@ def compare_reports(
         after=a,
         threshold=threshold,
         verdict=verdict,
-        summary=_summary(verdict, b, a, change_frac, noise, threshold),
+        summary=_summary(verdict, b, a, change_frac, noise, threshold, apart),
         step_change_ms=change_ms,
         step_change_frac=change_frac,
         median_change_frac=median_frac,
@@ -261,8 +265,20 @@ def _verdict(
 
 
 def _summary(
-    verdict: str, b: Run, a: Run, change: float | None, noise: float | None, threshold: float
+    verdict: str,
+    b: Run,
+    a: Run,
+    change: float | None,
+    noise: float | None,
+    threshold: float,
+    apart: list[str],
 ) -> str:
+    steps = f"step {fmt_ms(b.step_mean_ms)} → {fmt_ms(a.step_mean_ms)} ({signed_pct(change)})"
+    if verdict == "inconclusive" and apart and change is not None:
+        return (
+            f"Inconclusive: the runs are not comparable ({'; '.join(n.split(': ')[0] for n in apart)}), "
+            f"so their {steps} is not gated."
+        )
     if verdict == "inconclusive":
         missing = " and ".join(r.source for r in (b, a) if r.step_mean_ms is None)
         if missing:
@@ -278,7 +294,6 @@ def _summary(
         return (
             f"Inconclusive: traceclf did not name a bound for {abstained}, so nothing to gate on."
         )
-    steps = f"step {fmt_ms(b.step_mean_ms)} → {fmt_ms(a.step_mean_ms)} ({signed_pct(change)})"
     band = (
         f"±{fmt_ms(noise)}"
         if noise is not None
@@ -291,8 +306,13 @@ def _summary(
     within_noise = (
         noise is not None and change is not None and abs(change) * b.step_mean_ms <= noise
     )
-    why = "within the noise band" if within_noise else f"within the {threshold:.0%} threshold"
-    return f"No significant change: {steps}, {why} ({band})."
+    if within_noise:
+        return f"No significant change: {steps}, within the noise band ({band})."
+    allowed = f"±{fmt_ms(threshold * b.step_mean_ms)}"
+    return (
+        f"No significant change: {steps}, beyond the noise band ({band}) but within the "
+        f"{threshold:.0%} threshold ({allowed})."
+    )
 
 
 def _measure_change(
@@ -322,17 +342,29 @@ def _step_ms(v) -> float | None:
     return ms if ms is not None and STEP_MS[0] <= ms <= STEP_MS[1] else None
 
 
-def _comparability(b: Run, a: Run) -> list[str]:
+def _incomparable(b: Run, a: Run) -> list[str]:
+    """What makes the two runs' step times measure different things: a change between them is
+    no change of the code, and the comparison gates on nothing (inconclusive)."""
     notes = []
     if b.gpus != a.gpus:
         notes.append(f"different GPUs: {', '.join(b.gpus) or '?'} vs {', '.join(a.gpus) or '?'}")
-    for run in (b, a):
-        if run.step_mean_ms is None:
-            notes.append(f"{run.source}: no steps found (or a step time no run can have)")
     if b.step_mean_ms is not None and a.step_mean_ms is not None and b.step_source != a.step_source:
         notes.append(f"steps found differently: {b.step_source} vs {a.step_source}")
     if b.ranks != a.ranks:
         notes.append(f"different rank counts: {b.ranks} vs {a.ranks}")
+    if b.graph_tracing and a.graph_tracing and b.graph_tracing != a.graph_tracing:
+        notes.append(
+            f"CUDA graphs traced differently ({b.graph_tracing}-level → {a.graph_tracing}-level): "
+            "node-level tracing adds its own cost to every replay"
+        )
+    return notes
+
+
+def _comparability(b: Run, a: Run) -> list[str]:
+    notes = _incomparable(b, a)
+    for run in (b, a):
+        if run.step_mean_ms is None:
+            notes.append(f"{run.source}: no steps found (or a step time no run can have)")
     for run in (b, a):
         if run.bound is None:
             why = f" ({run.abstain_reason})" if run.abstain_reason else ""

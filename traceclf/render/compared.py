@@ -191,6 +191,8 @@ def _render_many(result: MultiComparison, fmt: str, output: Path | None) -> None
         if regressed
         else f"No regression in {len(result.comparisons)} candidates"
     )
+    if undecided := sum(not c.conclusive for c in result.comparisons):
+        head += f" ({undecided} inconclusive: nothing to gate on)"
     if fmt == "md":
         lines = [
             f"# traceclf compare: baseline {markdown_code(Path(result.baseline).name)}",
