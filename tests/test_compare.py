@@ -277,6 +277,38 @@ def test_tracing_mode_difference_is_not_gated() -> None:
     assert "kernels_per_step" not in {m.key for m in result.moved}
     assert (result.before.graph_tracing, result.after.graph_tracing) == ("graph", "node")
     assert "graph-level → node-level" in result.explanations[0]
+    # the idle between a node-traced replay's kernels is in the replays, not outside them
+    inside, outside = (p for p in result.breakdown.phases if p.kind == "graph")
+    assert inside.after_ms_per_step == pytest.approx(node_replay / 1e6, rel=0.005)
+    with sqlite3.connect(trace_path("h100_host_cudagraph_nodetrace")) as con:
+        work = sorted(
+            con.execute(
+                "SELECT start, end FROM CUPTI_ACTIVITY_KIND_KERNEL UNION ALL "
+                "SELECT start, end FROM CUPTI_ACTIVITY_KIND_MEMCPY UNION ALL "
+                "SELECT start, end FROM CUPTI_ACTIVITY_KIND_MEMSET"
+            ).fetchall()
+        )
+        replays = con.execute(
+            "SELECT min(start), max(end) FROM CUPTI_ACTIVITY_KIND_KERNEL "
+            "WHERE graphNodeId IS NOT NULL GROUP BY correlationId"
+        ).fetchall()
+    idle = [hi - lo - _covered(work, lo, hi) for lo, hi in replays]
+    assert inside.after_idle_ms == pytest.approx(sum(idle) / len(idle) / 1e6, abs=0.003)
+    assert inside.after_busy_ms + inside.after_idle_ms == pytest.approx(inside.after_ms_per_step)
+    assert min(p.before_busy_ms for p in (inside, outside)) >= 0
+    assert min(p.after_busy_ms for p in (inside, outside)) >= 0
+
+
+def _covered(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
+    """ns of [lo, hi) that the sorted ``intervals`` cover."""
+    reach, total = lo, 0
+    for start, end in intervals:
+        if start >= hi:
+            break
+        if end > reach:
+            total += min(end, hi) - max(start, reach)
+            reach = end
+    return total
 
 
 def test_graph_launches_count_as_launches(reports: dict[str, Report]) -> None:

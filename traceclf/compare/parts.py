@@ -92,13 +92,15 @@ def _phases(b: Side, a: Side, floor: float) -> list[PhaseChange]:
 
 
 def _graph_part(side: Side, name: str) -> dict[str, float]:
-    """The time inside CUDA-graph replays (a replay's span counts busy), or the rest."""
+    """The time inside CUDA-graph replays (their spans), or the rest. The idle inside them is
+    the idle of cause "graph" (between a node-traced replay's kernels; none is seen with
+    graph-level tracing); the rest of the idle is outside."""
     acc = side.account
-    graph = acc["graph_ms"]
+    graph, inside = acc["graph_ms"], side.idle_by_cause.get("graph", 0.0)
     if name == IN_GRAPHS:
-        return {"ms_per_step": graph, "busy_ms": graph, "idle_ms": 0.0}
-    busy = acc["step_ms"] - acc["idle_ms"] - graph
-    return {"ms_per_step": acc["step_ms"] - graph, "busy_ms": busy, "idle_ms": acc["idle_ms"]}
+        return {"ms_per_step": graph, "busy_ms": graph - inside, "idle_ms": inside}
+    rest, idle = acc["step_ms"] - graph, acc["idle_ms"] - inside
+    return {"ms_per_step": rest, "busy_ms": rest - idle, "idle_ms": idle}
 
 
 def _phase(name: str, kind: str, b: dict | None, a: dict | None, floor: float) -> PhaseChange:
