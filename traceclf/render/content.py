@@ -10,7 +10,7 @@ from traceclf.render.ceilings import ceiling_rows, combined_row
 from traceclf.render.text import anchor_label, sampled, span_title, unit, window_text
 from traceclf.report.contract import Report
 from traceclf.support.escape import visible
-from traceclf.support.units import fmt_bytes, fmt_ms, pct
+from traceclf.support.units import fmt_bytes, fmt_ms, fmt_us, pct
 
 RANK_COLUMNS = (
     "rank",
@@ -200,7 +200,7 @@ def detail_rows(report: Report) -> list[tuple[str, str]]:
         (
             "Launches",
             f"{num(m.get('kernels_per_step'))} kernels/{u}, median kernel "
-            f"{num(m.get('median_kernel_us'))} µs vs launch {num(m.get('median_launch_us'))} µs, "
+            f"{fmt_us(m.get('median_kernel_us'))} vs launch {fmt_us(m.get('median_launch_us'))}, "
             f"{num(m.get('sync_calls_per_step'))} syncs/{u}, "
             f"{num(m.get('small_d2h_per_step'))} tiny D2H copies/{u}, "
             f"CUDA graphs {pct(m.get('graph_frac'))} of busy time",

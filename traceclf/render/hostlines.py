@@ -97,14 +97,21 @@ def attribution_rows(report: Report) -> list[list[str]]:
             r["what"],
             fmt_ms(r["ms_per_step"]),
             pct(r["frac_of_idle"]),
-            evidence(r),
+            evidence(r, counted_over(report)),
         ]
         for r in report.host_attribution
     ]
 
 
-def evidence(row: dict) -> str:
-    """What backs one row, in words."""
+def counted_over(report: Report) -> str:
+    """What the rows' counts of calls and samples are over: the analysed steps, not one (the
+    column beside them is per step)."""
+    used = (report.steps or {}).get("used")
+    return f"in {_count(used, 'step')}" if used and unit(report) != "window" else "in the window"
+
+
+def evidence(row: dict, over: str = "in the window") -> str:
+    """What backs one row, in words (``over``: what its counts are over)."""
     d, source = row.get("detail") or {}, row["source"]
     if row["what"] == "other" and "whats" in d:
         return f"{d['whats']} more, each smaller"
@@ -113,7 +120,7 @@ def evidence(row: dict) -> str:
         where = f"under its {d['activity']} ranges" if d.get("activity") else "in the range"
         parts.append(f"{_count(d.get('gaps', 0), 'long gap')} {where}")
     elif "calls" in d:
-        what = _count(d["calls"], "call")
+        what = f"{_count(d['calls'], 'call')} {over}"
         if d.get("call_class"):
             what += f" ({d['call_class']})"
         parts.append(what)
@@ -123,7 +130,7 @@ def evidence(row: dict) -> str:
             parts.append(f"top user frame {d['top_frame']}")
     elif "samples" in d:
         loading = d.get("data_loading_samples", 0)
-        parts.append(f"{_count(d['samples'], 'sample')}, {loading} in data loading")
+        parts.append(f"{_count(d['samples'], 'sample')} {over}, {loading} in data loading")
         if d.get("innermost_frame") and d["innermost_frame"] != row["what"]:
             parts.append(f"innermost {d['innermost_frame']}")
         native = d.get("hottest_native") or []

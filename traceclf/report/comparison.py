@@ -10,7 +10,7 @@ from pathlib import Path
 
 from traceclf.report.breakdown import Breakdown, comparison_tables
 from traceclf.support.pandas_frames import to_pandas
-from traceclf.support.units import fmt_bytes, fmt_ms, pct, signed_pct
+from traceclf.support.units import fmt_bytes, fmt_ms, fmt_us, pct, signed_pct
 
 
 @dataclass
@@ -65,7 +65,7 @@ class MeasureChange:
         if self.unit == "bytes":
             return fmt_bytes(v)
         if self.unit == "us":
-            return f"{v:.3g} µs"
+            return fmt_us(v)
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
     def delta(self) -> str:

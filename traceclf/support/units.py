@@ -16,6 +16,13 @@ def fmt_ms(v: float | None) -> str:
     return f"{v:.3g} ms" if v < 1000 else f"{v / 1000:.3g} s"
 
 
+def fmt_us(v: float | None) -> str:
+    """A duration given in µs: '4.38 µs', '27.1 ms' (not '27,134 µs' or '6.56e+03 µs')."""
+    if v is None:
+        return "–"
+    return f"{v:.3g} µs" if abs(v) < 1000 else fmt_ms(v / 1000)
+
+
 def signed_pct(v: float | None) -> str:
     """A relative change: '+3.2%', '-45%'."""
     if v is None:
