@@ -152,6 +152,36 @@ def test_output_closed_early_by_a_pipe_exits_0(fmt: str) -> None:
     assert first.strip()
 
 
+@pytest.mark.parametrize(
+    ("candidate", "code"),
+    [("h100_host_launch_gpumetrics_trimmed", 1), ("h100_compute_low_occupancy", 3)],
+)
+def test_compare_keeps_its_exit_code_when_the_reader_stops_early(
+    tmp_path: Path, candidate: str, code: int
+) -> None:
+    """`traceclf compare … | head -1` in CI: the verdict gates whatever the reader of stdout
+    does (it had exited 0 on a regression). The reader is gone before anything is written. Real
+    traces: the CUDA-graph run against the launch-bound one (a regression, 4.5 ms → ~200 ms
+    steps) and against one without steps (inconclusive)."""
+    command = [
+        sys.executable,
+        "-m",
+        "traceclf",
+        "compare",
+        str(fixture_trace("h100_host_cudagraph")),
+        str(fixture_trace(candidate)),
+        "-q",
+        "--cache-dir",
+        str(tmp_path),
+    ]
+    done = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert done.stdout is not None and done.stderr is not None
+    done.stdout.close()
+    err = done.stderr.read()
+    assert done.wait(timeout=300) == code, err
+    assert "Error" not in err and "Exception" not in err
+
+
 @pytest.mark.parametrize("order", [("--runs", "--job"), ("--job", "--runs")])
 def test_job_and_runs_together_are_refused(cli, order: tuple[str, str]) -> None:
     code, out, err = cli("analyze", fixture_trace("h100_comm_ep2"), *order, "-q")

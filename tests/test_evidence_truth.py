@@ -820,7 +820,7 @@ def test_nvfuser_idle_is_nvrtc() -> None:
     assert top["ms_per_step"] == pytest.approx(idle_in_range / 1e6, rel=RELATIVE_TOL)
     # host attribution's NVTX row is the same time, named the same way (one number for one
     # claim: it had credited the innermost range's 313 ms)
-    nvtx = [r for r in rep["ranks"][0]["host_attribution"] if r["source"] == "nvtx"][0]
+    nvtx = next(r for r in rep["ranks"][0]["host_attribution"] if r["source"] == "nvtx")
     assert nvtx["what"] == "KernelExecutor::compileFusion → executor_utils::Nvrtc::CompileProgram"
     assert nvtx["ms_per_step"] == pytest.approx(idle_in_range / 1e6, rel=RELATIVE_TOL)
     assert nvtx["detail"] == {"gaps": 1, "activity": "compile"}

@@ -277,7 +277,10 @@ def compare(
         raise click.UsageError("--format html needs -o/--output FILE")
     out = check_report_output(output, [before, *after], rules_dir)
     result = compare_many(before, list(after), threshold=threshold, opts=opts)
-    render_comparison(result, fmt, out)
+    try:
+        render_comparison(result, fmt, out)
+    except BrokenPipeError:  # (`| head`: the reader stopped early; the verdict still gates)
+        _reader_gone()
     comparisons = result.comparisons if isinstance(result, MultiComparison) else [result]
     for c in comparisons:
         if not (c.conclusive or allow_inconclusive):  # (its summary says why, in one line)
@@ -438,6 +441,14 @@ def main() -> None:
         if os.environ.get("TRACECLF_DEBUG"):
             raise
         fail(f"internal error: {type(e).__name__}: {e} (set TRACECLF_DEBUG=1 for a traceback)")
+
+
+def _reader_gone() -> None:
+    """stdout's reader has gone: what is left to print goes nowhere (no second error when the
+    interpreter flushes it at exit)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:

@@ -24,14 +24,16 @@ PIPED_WIDTH = 120  # piped or saved output: wide enough for the tables, unless $
 
 class PipedConsole(Console):
     """A console whose reader may stop early (``traceclf analyze … | head``): that is not an
-    error, so the run exits 0 (rich's own console exits 1, the code of a regression)."""
+    error, and the command decides its exit code (``analyze`` 0, ``compare`` its verdict's),
+    where rich's own console exits 1, the code of a regression."""
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
         # (what is still buffered for stdout would fail again at exit: it goes nowhere)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        raise SystemExit(0)
+        os.close(devnull)
+        raise BrokenPipeError
 
 
 def new_console(to_string: bool = False, width: int | None = None) -> Console:
