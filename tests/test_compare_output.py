@@ -175,7 +175,7 @@ def test_json_follows_the_contract(saved: dict[str, Path]) -> None:
 # Names from traces stay inert -------------------------------------------------------------
 
 
-HOSTILE = "evil[bold]kernel[/]\x1b]0;pwned\x07<script>x</script>|`*$x$"
+HOSTILE = "evil\u202e[bold]kernel[/]\x1b]0;pwned\x07<script>x</script>|`*$x$"
 
 
 def test_hostile_kernel_names_are_escaped_in_every_format(
@@ -189,13 +189,17 @@ def test_hostile_kernel_names_are_escaped_in_every_format(
     odd.write_text(json.dumps(data), encoding="utf-8")
     code, out, err = run_cli("compare", saved[EP], odd)
     assert code == 0, err
-    assert "\x1b" not in out and "\\x1b]0;pwned\\x07" in out and "evil[bold]kernel[/]" in out
+    assert "\x1b" not in out and "\\x1b]0;pwned\\x07" in out and "evil\\u202e[bold]kernel[/]" in out
+    assert "\u202e" not in out
     code, md, _ = run_cli("compare", saved[EP], odd, "-f", "md")
     assert not re.search(r"(?<!\\)<script>", md) and "\\<script>" in md and "\x1b" not in md
     html_out = tmp_path / "odd.html"
     run_cli("compare", saved[EP], odd, "-f", "html", "-o", html_out)
     html = html_out.read_text(encoding="utf-8")
     assert "<script>" not in html and "&lt;script&gt;" in html
+    # control characters and a right-to-left override are written out, as analyze's HTML does
+    # (escaped as HTML they still reach a terminal and reorder the page)
+    assert not re.search("[\x1b\x07\u202e]", html) and "evil\\u202e[bold]" in html
 
 
 def test_a_damaged_step_kernels_block_leaves_out_the_detail(saved: dict[str, Path]) -> None:

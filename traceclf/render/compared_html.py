@@ -5,7 +5,6 @@ step change. Every string from a trace or a saved report is escaped here."""
 from __future__ import annotations
 
 import base64
-from html import escape
 from pathlib import Path
 
 from traceclf.render import compared_inside as parts
@@ -18,6 +17,7 @@ from traceclf.render.compared_runs import (
 )
 from traceclf.render.html import html_document
 from traceclf.report.comparison import Comparison, MultiComparison
+from traceclf.support.escape import for_html as escape
 
 WATERFALL_CAPTION = (
     "The baseline's mean steady step, the change of the kernels that moved most, of the other "
