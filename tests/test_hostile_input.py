@@ -273,6 +273,28 @@ def test_kernels_without_names_render_in_every_format(tmp_path: Path, case: str)
         assert "unknown kernel" in output.read_text(), fmt
 
 
+@pytest.mark.parametrize("value", ["NULL", "'abc'"])
+def test_cuda_calls_without_correlation_ids_are_analysed(tmp_path: Path, value: str) -> None:
+    """Constructed (the input-stall trace, its CUDA calls' correlationIds emptied or made
+    text; no real export lacks them): no kernel can be tied to its launch call, so steps come
+    from a recurring kernel and the launch-starved split is unknown, not 0 (at 0 it had capped
+    the input-bound score: 'MEMORY-bound, confidence 0.02'); the verdict stays host (input),
+    as on the whole trace. It had been 'internal error: TypeError'."""
+    export = tiny_copy(tmp_path / "run")
+    with sqlite3.connect(export) as con:
+        con.execute("CREATE TABLE r AS SELECT * FROM CUPTI_ACTIVITY_KIND_RUNTIME")
+        con.execute(f"UPDATE r SET correlationId = {value}")
+        con.execute("DROP TABLE CUPTI_ACTIVITY_KIND_RUNTIME")
+        con.execute("ALTER TABLE r RENAME TO CUPTI_ACTIVITY_KIND_RUNTIME")
+    con.close()
+    result = run_cli("analyze", export, "-f", "json", "-q", "--no-cache")
+    assert result.code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["classification"]["bound"] == "host"
+    assert report["metrics"]["launch_starved_frac"] is None
+    assert report["metrics"]["idle_input_frac"] > 0.9
+
+
 def test_non_utf8_file_name_is_analysed(tmp_path: Path) -> None:
     """A file name that is not UTF-8 is reported with its byte written out (``\\xff``) in
     every format, the per-rank tables (CSV, --export-dir) and valid JSON included: polars and

@@ -126,7 +126,10 @@ def measure(
         "graph_unresolved_frac": frac("in_graph"),
         "event_waits_unresolved": unresolved,
     }
-    if not w.host_traced:  # without launch calls the split is unknown, not zero
+    api = w.trace.api
+    if not w.host_traced or api["correlation_id"].null_count() == api.height:
+        # without launch calls (not traced, or none with a correlationId to find its work by)
+        # the split is unknown, not zero
         m |= dict.fromkeys(("launch_starved_frac", "dependency_stalled_frac"))
     return m, _rounded_rows(per_step.with_columns(pl.col(c) / 1e6 for c in BUDGET_COLUMNS), 4)
 

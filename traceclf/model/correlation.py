@@ -34,7 +34,7 @@ class CallIndex:
         self.keys: np.ndarray | None
         if self.pid is not None:
             self.keys = corr.to_numpy().astype(np.int64, copy=False)
-        elif len(corr) and (_min(corr) < 0 or _max(corr) >= 1 << CORR_BITS):
+        elif corr.null_count() < len(corr) and (_min(corr) < 0 or _max(corr) >= 1 << CORR_BITS):
             self.keys = None  # keys beyond 63 bits (no nsys export has them): a join
             return
         else:
