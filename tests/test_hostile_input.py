@@ -295,6 +295,29 @@ def test_cuda_calls_without_correlation_ids_are_analysed(tmp_path: Path, value: 
     assert report["metrics"]["idle_input_frac"] > 0.9
 
 
+def test_deeply_nested_nvtx_ranges_cost_what_their_rows_cost(tmp_path: Path) -> None:
+    """Constructed: 100,000 NVTX ranges nested over the input-stall trace's whole span, in a
+    child capped at 3 GiB of address space. Naming the range each of the longest gaps was in
+    had joined every gap with every range open at its middle (gaps × depth rows: 6 GB at
+    200,000); the innermost is found per gap now, and it is the deepest range."""
+    export = tiny_copy(tmp_path / "run")
+    depth = 100_000
+    with sqlite3.connect(export) as con:
+        (tid, lo, hi) = con.execute(
+            "SELECT globalTid, min(start), max(end) FROM NVTX_EVENTS WHERE end IS NOT NULL"
+        ).fetchone()
+        con.executemany(
+            "INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid, domainId) "
+            "VALUES (?, ?, 59, ?, ?, 0)",
+            ((lo - depth + i, hi + depth - i, f"level {i}", tid) for i in range(depth)),
+        )
+    con.close()
+    result = run_child("analyze", export, "-f", "json", "-q", "--no-cache", memory=3 << 30)
+    assert result.code == 0, result.stderr
+    gaps = json.loads(result.stdout)["series"][0]["longest_gaps"]
+    assert gaps and {g["nvtx"] for g in gaps} == {f"level {depth - 1}"}
+
+
 def test_non_utf8_file_name_is_analysed(tmp_path: Path) -> None:
     """A file name that is not UTF-8 is reported with its byte written out (``\\xff``) in
     every format, the per-rank tables (CSV, --export-dir) and valid JSON included: polars and
