@@ -598,6 +598,15 @@ def test_a_full_disk_on_output_is_one_line(tmp_path: Path) -> None:
     result = run_cli("analyze", export, "-f", "json", "-o", full, "-q", "--no-cache")
     assert_one_line_error(result, "No space left on device")
     assert stat.S_ISCHR(full.lstat().st_mode)
+    # the files that go with the report stay unwritten: the device is written first (they
+    # had been renamed into place before its write failed)
+    tables, trace = tmp_path / "tables", tmp_path / "window.json"
+    result = run_cli(
+        "analyze", export, "-o", full, "-q", "--no-cache",
+        "--export-dir", tables, "--export-trace", trace,
+    )  # fmt: skip
+    assert_one_line_error(result, "No space left on device")
+    assert not tables.exists() and not trace.exists()
 
 
 @pytest.mark.parametrize(

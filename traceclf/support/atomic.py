@@ -15,7 +15,8 @@
   written with :func:`written_together`: every one to its temporary first, then all renamed
   into place; a failure (a full disk) removes the temporaries, so they appear whole or not
   at all. Opened inside another, its files join the outer one's: the CLI opens one for the
-  report, its tables and its trace file, so that a run that fails leaves none of them.
+  report, its tables and its trace file, so that a run that fails leaves none of them: a
+  FIFO or device is written first, and a failure there leaves the other files unwritten.
 
 Every problem is a one-line :class:`~traceclf.support.errors.TraceError` naming the output.
 """
@@ -81,6 +82,14 @@ class Together:
             raise TraceError(path, f"cannot write the report: {_reason(e)}") from None
 
     def publish(self) -> None:
+        # FIFOs and devices first: a write that fails there (a full device, a reader gone)
+        # cannot be taken back, and then the staged files must not appear either
+        for target, payload in self.through:
+            try:
+                _write_through(target, payload)
+            except OSError as e:
+                self.discard()
+                raise TraceError(target, f"cannot write the report: {_reason(e)}") from None
         for tmp, target in self.staged:
             try:
                 os.replace(tmp, target)
@@ -88,11 +97,6 @@ class Together:
                 self.discard()
                 raise TraceError(target, f"cannot write the report: {_reason(e)}") from None
         self.staged = []
-        for target, payload in self.through:
-            try:
-                _write_through(target, payload)
-            except OSError as e:
-                raise TraceError(target, f"cannot write the report: {_reason(e)}") from None
 
     def discard(self) -> None:
         for tmp, _target in self.staged:
