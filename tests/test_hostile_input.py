@@ -609,6 +609,29 @@ def test_a_full_disk_on_output_is_one_line(tmp_path: Path) -> None:
     assert not tables.exists() and not trace.exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+@pytest.mark.parametrize("args", [("analyze", "-q", "--no-cache"), ("rules",)])
+def test_a_full_disk_on_standard_output_is_one_line(tmp_path: Path, args: tuple) -> None:
+    """stdout redirected to a private copy of /dev/full: one line naming it, exit 2 (it had
+    been 'internal error: OSError')."""
+    export = tiny_copy(tmp_path / "run")
+    full = tmp_path / "full"
+    os.mknod(full, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    command = [
+        sys.executable,
+        "-m",
+        "traceclf",
+        args[0],
+        *([export] if args[0] == "analyze" else []),
+    ]
+    with full.open("w") as stdout:
+        done = subprocess.run(
+            [*command, *args[1:]], stdout=stdout, stderr=subprocess.PIPE, text=True, check=False
+        )
+    assert_one_line_error(CliResult(done.returncode, "", done.stderr), "standard output")
+    assert "No space left on device" in done.stderr
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -624,6 +647,14 @@ def test_usage_errors_are_one_line(args: tuple[str, ...]) -> None:
     result = run_cli(*args)
     assert_one_line_error(result)
     assert "--help" in result.stderr
+
+
+def test_names_too_long_for_the_file_system_are_one_line(tmp_path: Path) -> None:
+    long = tmp_path / ("x" * 300)
+    result = run_cli("analyze", f"{long}.sqlite")
+    assert_one_line_error(result, "File name too long")
+    result = run_cli("analyze", fixture_trace(TINY), "-q", "--export-dir", long)
+    assert_one_line_error(result, "--export-dir", "File name too long")
 
 
 def test_file_names_are_echoed_with_their_control_characters_escaped(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -410,7 +411,10 @@ def main() -> None:
     end_on_sigterm()
     exit_without_collecting()
     try:
-        cli.main(standalone_mode=False, prog_name="traceclf")
+        try:
+            cli.main(standalone_mode=False, prog_name="traceclf")
+        finally:  # (a write to stdout that fails is one line below, not an error at exit)
+            sys.stdout.flush()
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except NO_ARGS_IS_HELP as e:  # `traceclf`, `traceclf cache`: asking what there is
@@ -429,6 +433,10 @@ def main() -> None:
         fail(str(e))
     except BrokenPipeError:
         sys.exit(0)
+    except OSError as e:
+        if e.filename is not None or e.errno not in STREAM_WRITE_ERRORS:
+            _internal(e)
+        fail(f"standard output: cannot write the report: {e.strerror}")
     except MemoryError:
         fail("out of memory (the analysis needs more than this machine or its limits allow)")
     except ImportError as e:  # a library that cannot load: memory limits or a broken install
@@ -438,9 +446,19 @@ def main() -> None:
             # (Ctrl-C or SIGTERM while a class is being made, in an import: Python 3.11 wraps
             # it in "RuntimeError: Error calling __set_name__", which is no bug of ours)
             _stopped(isinstance(interrupt, Terminated))
-        if os.environ.get("TRACECLF_DEBUG"):
-            raise
-        fail(f"internal error: {type(e).__name__}: {e} (set TRACECLF_DEBUG=1 for a traceback)")
+        _internal(e)
+
+
+# Errors of a write to an open stream (stdout redirected to a full disk, a device): the
+# user's environment, not a bug
+STREAM_WRITE_ERRORS = {errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT}
+
+
+def _internal(e: BaseException) -> None:
+    """A bug, not bad input: one line, the traceback one env var away."""
+    if os.environ.get("TRACECLF_DEBUG"):
+        raise e
+    fail(f"internal error: {type(e).__name__}: {e} (set TRACECLF_DEBUG=1 for a traceback)")
 
 
 def _reader_gone() -> None:

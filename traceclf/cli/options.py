@@ -44,7 +44,11 @@ def check_exports(
     if export_trace is not None and out is not None and _same(Path(export_trace), out):
         raise click.UsageError("--export-trace and -o name the same file")
     if export_dir is not None:
-        if export_dir.exists() and not export_dir.is_dir():
+        try:
+            there, folder = export_dir.exists(), export_dir.is_dir()
+        except OSError as e:  # (a name too long for the file system, ...)
+            raise TraceError(export_dir, f"--export-dir: {e.strerror}") from None
+        if there and not folder:
             raise TraceError(export_dir, "--export-dir: not a folder")
         for path in (out, Path(export_trace) if export_trace else None):
             if path is not None and _same(path.parent, export_dir) and path.suffix == f".{fmt}":

@@ -101,9 +101,13 @@ def _expand(arg: str) -> Iterator[Path]:
     if not arg.strip():
         raise TraceError(None, "empty input name")
     path = Path(arg).expanduser()
-    if path.is_dir():
+    try:
+        folder, there = path.is_dir(), path.exists()
+    except OSError as e:  # (a name too long for the file system, ...)
+        raise TraceError(path, f"cannot open: {e.strerror}") from None
+    if folder:
         yield from _scan_folder(path)
-    elif path.exists():
+    elif there:
         yield _checked_file(path)
     elif GLOB_CHARS.search(arg):
         matches = sorted(glob.glob(str(path)))
