@@ -4,6 +4,8 @@ line says when there is nothing to attribute, and the fixes section when it list
 
 from __future__ import annotations
 
+import math
+import re
 import shutil
 import sqlite3
 
@@ -12,7 +14,7 @@ from realtraces import trace_path
 
 import traceclf
 from traceclf.render.capture_text import capture_rows
-from traceclf.render.content import detail_rows, no_fixes_line
+from traceclf.render.content import detail_rows, no_fixes_line, verdict_line
 from traceclf.report.contract import Report
 
 
@@ -207,3 +209,24 @@ def test_generic_advice_is_fenced_as_text():
     assert "```text" in text and "```python" not in text
     moe = traceclf.analyze(trace_path("h100_moe_megatron_ep2"), use_cache=False)
     assert "```python" in render_markdown(moe)
+
+
+CONFIDENCE = re.compile(
+    r"confidence \w+: ([\d.]+) = ([\d.]+) of the step explained × ([\d.]+) window reliability"
+    r"(?: \((.*)\))?$"
+)
+
+
+@pytest.mark.parametrize(
+    "name", ["h100_comm_ep2", "h100_host_launch_gpumetrics", "h100_host_cudagraph"]
+)
+def test_the_confidence_equation_multiplies_as_printed(name: str) -> None:
+    """'0.79 = 1.00 of the step explained × 0.80 window reliability (... ×0.80, ... ×0.99)'
+    held for neither product (0.996 × 0.796 printed at two decimals): the figures carry as
+    many decimals as the products need."""
+    line = verdict_line(traceclf.analyze(trace_path(name)))
+    confidence, explained, reliability, factors = CONFIDENCE.search(line).groups()
+    d = len(confidence.split(".")[1])
+    assert round(float(explained) * float(reliability), d) == float(confidence), line
+    shown = [float(v) for v in re.findall(r"×([\d.]+)", factors or "")]
+    assert round(math.prod(shown), d) == float(reliability), line

@@ -4,6 +4,7 @@ so a number reads the same in each."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from traceclf.render.ceilings import ceiling_rows, combined_row
@@ -79,20 +80,32 @@ def verdict_line(report: Report) -> str:
     confidence = cls.get("confidence")
     word = next((w for floor, w in CONFIDENCE_WORDS if (confidence or 0) >= floor), "low")
     basis = cls.get("confidence_basis") or {}
+    explained, reliability = basis.get("explained", 0), basis.get("reliability", 0)
+    factors = [v for v in (basis.get("factors") or {}).values() if v < 1]
+    # as many decimals as the products printed need to hold (0.79 = 1.00 × 0.80 does not)
+    d = max(_places(confidence or 0, [explained, reliability]), _places(reliability, factors))
     why = (
-        f" = {basis.get('explained', 0):.2f} of the step explained × "
-        f"{basis.get('reliability', 0):.2f} window reliability{_factors(report)}"
+        f" = {explained:.{d}f} of the step explained × "
+        f"{reliability:.{d}f} window reliability{_factors(report, d)}"
         if basis
         else ""
     )
     headline = cls.get("headline") or ""
-    conf = f"confidence {word}: {confidence:.2f}{why}" if confidence is not None else ""
+    conf = f"confidence {word}: {confidence:.{d}f}{why}" if confidence is not None else ""
     return "; ".join(p for p in (headline, conf) if p)
 
 
-def _factors(report: Report) -> str:
+def _places(total: float, factors: list[float]) -> int:
+    """Decimals (2 to 4) at which the rounded ``factors`` multiply to the rounded ``total``."""
+    for d in (2, 3):
+        if round(math.prod(round(f, d) for f in factors), d) == round(total, d):
+            return d
+    return 4
+
+
+def _factors(report: Report, d: int = 2) -> str:
     """The factors that lower the window's reliability, in words: ' (recurring-kernel steps
-    ×0.80, spread 7.0% ×0.93)', or '' when none does."""
+    ×0.80, spread 7.0% ×0.93)', or '' when none does (``d`` decimals)."""
     basis = report.classification.get("confidence_basis") or {}
     factors = basis.get("factors") or {}
     steps = report.steps or {}
@@ -104,7 +117,7 @@ def _factors(report: Report) -> str:
         "graph_replays": "kernels hidden inside graph-level traced replays",
         "capture_distortion": "the capture may have changed the verdict",
     }
-    parts = [f"{words.get(k, k)} ×{v:.2f}" for k, v in factors.items() if v < 1]
+    parts = [f"{words.get(k, k)} ×{v:.{d}f}" for k, v in factors.items() if v < 1]
     return f" ({', '.join(parts)})" if parts else ""
 
 
