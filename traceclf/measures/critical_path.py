@@ -207,7 +207,7 @@ def starved_by_cause(
     starved: list[tuple[np.ndarray, np.ndarray]], gaps: pl.DataFrame, w: RankWindow
 ) -> dict[str, float | None]:
     """Launch-starved time by what the GPU and the host did meanwhile: the idle cause of the
-    idle gap it falls in (``launch_starved_<cause>_frac``: after a sync returned, while the
+    idle gap it falls in (``launch_starved_<cause>_frac``: in sync idle, while the
     host launched, ...), or ``launch_starved_busy_frac`` while copies or communication kept
     the GPU busy. Two views of one time: the critical path says the next kernel was not yet
     issued, the idle cause what the host was doing instead. They sum to launch_starved_frac."""

@@ -264,7 +264,7 @@ def _host_line(report: Report) -> str:
 
 # What the host did while compute was launch-starved (the idle cause of the gap it fell in)
 STARVED_PARTS = (
-    ("sync", "after a sync returned"),
+    ("sync", "in sync idle"),
     ("launch", "while the host launched"),
     ("input", "waiting for input"),
     ("host", "host busy elsewhere"),
@@ -275,7 +275,7 @@ STARVED_PARTS = (
 
 
 def _starved_parts(ms, m: dict) -> str:
-    """' (2.2 ms after a sync returned, ...)': launch-starved time by what the host did,
+    """' (2.2 ms in sync idle, ...)': launch-starved time by what the host did,
     in the idle table's vocabulary, the parts that are not zero."""
     parts = [
         f"{ms(f'launch_starved_{key}_frac')} {words}"
