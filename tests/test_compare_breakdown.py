@@ -212,6 +212,36 @@ def test_ep_overlap_chunks_the_gemms_and_the_experts_phase_grows() -> None:
     assert a2a.before_ms_per_step > 100 and a2a.after_ms_per_step > 100
 
 
+def test_a_recurring_range_is_judged_against_its_own_step_to_step_spread() -> None:
+    """ncclAlltoAll's span moves -3.2 ms per step, within the noise its spread gives (its
+    SendRecv kernels' time varies 98-120 ms from step to step: the sample SD recomputed here
+    from the export), so it is not material, as its kernel is not; the experts phase moves
+    +1.4 ms on a spread of microseconds, and is."""
+    rank = report(EP).ranks[0]
+    steps = rank["steps"]
+    lo, hi = steps["window_ns"]
+    durations = [
+        ms for ms, steady in zip(steps["durations_ms"], steps["steady"], strict=True) if steady
+    ]
+    bounds = lo + np.concatenate([[0], np.cumsum(np.array(durations) * 1e6)])
+    with sqlite3.connect(trace_path(EP)) as con:
+        rows = con.execute(
+            "SELECT k.start, k.end FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s "
+            "ON s.id = k.shortName WHERE s.value LIKE 'ncclDevKernel_SendRecv%' "
+            "AND (k.globalPid >> 24) & 16777215 = ? AND k.start >= ? AND k.start < ?",
+            (rank["pid"], lo, hi),
+        ).fetchall()
+    start = np.array([a for a, _ in rows])
+    step = np.searchsorted(bounds, start, side="right") - 1
+    per_step = np.bincount(step, weights=[b - a for a, b in rows], minlength=len(durations))
+    ranges = {r["name"]: r for r in rank["step_kernels"]["ranges"]}
+    assert ranges["ncclAlltoAll"]["sd_ms"] == pytest.approx(per_step.std(ddof=1) / 1e6, rel=1e-5)
+    phases = {p.phase: p for p in compared(EP, EP_OVERLAP).breakdown.phases if p.kind == "range"}
+    alltoall, experts = phases["ncclAlltoAll"], phases["experts"]
+    assert alltoall.delta_ms_per_step < -3 and not alltoall.material
+    assert experts.delta_ms_per_step > 1 and experts.material
+
+
 def test_dense_to_low_occupancy_gemms_removed_and_memory_drops() -> None:
     b = compared(DENSE, LOW_OCC).breakdown
     removed = [k for k in b.kernels if k.status == "removed" and k.material]

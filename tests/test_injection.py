@@ -167,7 +167,7 @@ def test_compare_markdown_is_literal_where_github_renders_it(tmp_path: Path) -> 
     after = tmp_path / "after ~~x~~ www.evil.example.json"
     after.write_text(json.dumps(data))
     result = run_cli("compare", before, after, "-f", "md")
-    assert result.code in (0, 1), result.stderr
+    assert result.code == 3, result.stderr  # (another GPU name and step label: not comparable)
     assert_literal_gfm(result.stdout, "http://evil.example/a")
 
 

@@ -31,10 +31,12 @@ def breakdown(
     steps_ms: tuple[float | None, float | None],
     labels: tuple[str, str],
     settings: ComparisonSettings,
+    noise_ms: float | None = None,
 ) -> Breakdown:
     """Kernels, phases, idle, communication and the reconciliation for two reports whose mean
     steady steps are ``steps_ms``; only peak memory when a side has no steps (no per-step
-    figure is made up for it) or no per-step detail."""
+    figure is made up for it) or no per-step detail. A phase, an idle cause or a collective
+    kind has no spread of its own: its change is material past the step's ``noise_ms`` too."""
     memory = _memory(before, after, settings)
     thresholds = Thresholds(settings.part_share, None, settings.memory_share)
     missing = [label for label, ms in zip(labels, steps_ms, strict=True) if ms is None]
@@ -56,15 +58,16 @@ def breakdown(
     b, a = sides
     step_b, step_a = steps_ms
     floor = settings.part_share * step_b
-    thresholds.part_floor_ms = floor
+    thresholds.part_floor_ms, thresholds.step_noise_ms = floor, noise_ms
     kernels, other = kernel_diff(b, a, settings, step_b)
+    band = max(floor, noise_ms or 0.0)  # (material past it: ``>=``, the floor's test)
     return Breakdown(
         thresholds=thresholds,
         kernels=kernels,
         other_kernels=other,
-        phases=_phases(b, a, floor),
-        idle=_idle(b, a, settings, floor),
-        communication=_communication(b, a, floor),
+        phases=_phases(b, a, floor, band, settings),
+        idle=_idle(b, a, settings, floor, band),
+        communication=_communication(b, a, band),
         reconciliation=_reconciliation(b, a, step_b, step_a),
         memory=memory,
     )
@@ -74,21 +77,39 @@ def _part(before: float, after: float, floor: float) -> PartChange:
     return PartChange(before, after, after - before, abs(after - before) >= floor)
 
 
-def _phases(b: Side, a: Side, floor: float) -> list[PhaseChange]:
+def _phases(
+    b: Side, a: Side, floor: float, band: float, settings: ComparisonSettings
+) -> list[PhaseChange]:
     """NVTX phases either run has, in step order; the other recurring NVTX ranges both runs
     have (longest first); then the time inside and outside CUDA-graph replays when either run
-    replays graphs."""
+    replays graphs. A range's change is material past ``floor`` and its own noise (from its
+    step-to-step spread, as a kernel's); a phase's, without a spread, past ``band``."""
     names = sorted(
         {*b.phases, *a.phases},
         key=lambda p: NVTX_ORDER.index(p) if p in NVTX_ORDER else len(NVTX_ORDER),
     )
-    rows = [_phase(name, "nvtx", b.phases.get(name), a.phases.get(name), floor) for name in names]
+    rows = [_phase(name, "nvtx", b.phases.get(name), a.phases.get(name), band) for name in names]
     shared = sorted(set(b.ranges) & set(a.ranges), key=lambda r: (-b.ranges[r]["ms_per_step"], r))
-    rows += [_phase(name, "range", b.ranges[name], a.ranges[name], floor) for name in shared]
+    for name in shared:
+        noise = _noise(b.ranges[name].get("sd_ms"), a.ranges[name].get("sd_ms"), b, a, settings)
+        bar = band if noise is None else max(floor, math.nextafter(noise, math.inf))
+        rows.append(_phase(name, "range", b.ranges[name], a.ranges[name], bar))
     if b.account["graph_ms"] or a.account["graph_ms"]:
         for name in (IN_GRAPHS, OUTSIDE_GRAPHS):
-            rows.append(_phase(name, "graph", _graph_part(b, name), _graph_part(a, name), floor))
+            rows.append(_phase(name, "graph", _graph_part(b, name), _graph_part(a, name), band))
     return rows
+
+
+def _noise(
+    sd_b: float | None, sd_a: float | None, b: Side, a: Side, settings: ComparisonSettings
+) -> float | None:
+    """The noise band of a part's mean per step, from its step-to-step spreads (as a
+    kernel's); None when a spread is unknown or a side has one step."""
+    if sd_b is None or sd_a is None or min(b.steps, a.steps) < 2:
+        return None
+    return settings.noise_standard_errors * math.hypot(
+        sd_b / math.sqrt(b.steps), sd_a / math.sqrt(a.steps)
+    )
 
 
 def _graph_part(side: Side, name: str) -> dict[str, float]:
@@ -107,7 +128,6 @@ def _phase(name: str, kind: str, b: dict | None, a: dict | None, floor: float) -
     """One phase's row; a side without the phase (no such NVTX range) has no numbers, and
     then no change is judged."""
     delta = a["ms_per_step"] - b["ms_per_step"] if a and b else None
-    idle_delta = a["idle_ms"] - b["idle_ms"] if a and b else None
     return PhaseChange(
         phase=name,
         kind=kind,
@@ -118,13 +138,13 @@ def _phase(name: str, kind: str, b: dict | None, a: dict | None, floor: float) -
         after_busy_ms=a and a["busy_ms"],
         before_idle_ms=b and b["idle_ms"],
         after_idle_ms=a and a["idle_ms"],
-        material=delta is not None and (abs(delta) >= floor or abs(idle_delta) >= floor),
+        material=delta is not None and abs(delta) >= floor,
     )
 
 
-def _idle(b: Side, a: Side, settings: ComparisonSettings, floor: float) -> IdleChange:
-    """Idle per step, judged against its step-to-step spread like a kernel; by cause, judged
-    by size alone (a cause has no spread of its own)."""
+def _idle(b: Side, a: Side, settings: ComparisonSettings, floor: float, band: float) -> IdleChange:
+    """Idle per step, judged against its step-to-step spread like a kernel; by cause, against
+    ``band`` (a cause has no spread of its own)."""
     before, after = b.account["idle_ms"], a.account["idle_ms"]
     delta = after - before
     noise = None
@@ -140,8 +160,7 @@ def _idle(b: Side, a: Side, settings: ComparisonSettings, floor: float) -> IdleC
         material=abs(delta) >= floor and abs(delta) > (noise or 0.0),
         noise_ms=noise,
         by_cause={
-            c: _part(b.idle_by_cause.get(c, 0.0), a.idle_by_cause.get(c, 0.0), floor)
-            for c in causes
+            c: _part(b.idle_by_cause.get(c, 0.0), a.idle_by_cause.get(c, 0.0), band) for c in causes
         },
     )
 

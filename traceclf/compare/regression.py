@@ -228,7 +228,12 @@ def compare_reports(
         notes=_comparability(b, a),
         explanations=[n for n in (tracing_note(b, a),) if n] + explanations(before, after),
         breakdown=breakdown(
-            before, after, (b.step_mean_ms, a.step_mean_ms), (b.source, a.source), settings
+            before,
+            after,
+            (b.step_mean_ms, a.step_mean_ms),
+            (b.source, a.source),
+            settings,
+            noise,
         ),
     )
 

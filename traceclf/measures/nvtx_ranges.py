@@ -33,9 +33,10 @@ MAX_DEPTH = 8
 
 
 def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
-    """Per recurring range name: ``ms`` (its GPU span per step), ``busy_ms``, ``idle_ms``,
-    ``instances`` (ranges per step) and ``steps`` (analysed steps it starts in); ``starts``:
-    the analysed steps' GPU starts, sorted."""
+    """Per recurring range name: ``ms`` (its GPU span per step), ``sd_ms`` (the sample standard
+    deviation of that span per step, steps without it counting 0; null with one step),
+    ``busy_ms``, ``idle_ms``, ``instances`` (ranges per step) and ``steps`` (analysed steps it
+    starts in); ``starts``: the analysed steps' GPU starts, sorted."""
     trace = w.trace
     n = len(starts)
     if trace.nvtx.is_empty() or not w.host_traced or not n:
@@ -51,11 +52,16 @@ def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
             busy=pl.Series(w.layers.work.covered(lo, hi)),
             step=pl.Series(np.searchsorted(starts, lo, side="right") - 1),
         )
-        .group_by("name")
+        .group_by("name", "step")
         .agg(
             ns=(pl.col("end") - pl.col("start")).sum(),
             busy=pl.col("busy").sum(),
             instances=pl.col("ranges").sum(),
+        )
+        .group_by("name")
+        .agg(
+            pl.col("ns", "busy", "instances").sum(),
+            squares=(pl.col("ns").cast(pl.Float64) ** 2).sum(),
             steps=pl.col("step").n_unique(),
         )
         .filter((pl.col("steps") * 2 >= n) & (pl.col("instances") <= MAX_PER_STEP * n))
@@ -66,6 +72,7 @@ def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
         {
             "name": r["name"],
             "ms": round(r["ns"] / 1e6 / n, 6),
+            "sd_ms": _sd_ms(r["ns"], r["squares"], n),
             "busy_ms": round(r["busy"] / 1e6 / n, 6),
             "idle_ms": round((r["ns"] - r["busy"]) / 1e6 / n, 6),
             "instances": round(r["instances"] / n, 4),
@@ -150,3 +157,12 @@ def _united(spans: pl.DataFrame) -> pl.DataFrame:
         .agg(pl.col("start").min(), pl.col("end").max(), ranges=pl.len())
         .drop("run")
     )
+
+
+def _sd_ms(total: int, squares: float, n: int) -> float | None:
+    """The sample standard deviation (ms) of a time per step over ``n`` steps, from its sum
+    and its sum of squares (steps without it count 0); None for one step."""
+    if n < 2:
+        return None
+    variance = max(squares - total * total / n, 0.0) / (n - 1)
+    return round(variance**0.5 / 1e6, 6)

@@ -75,9 +75,11 @@ def material_line(t: Thresholds) -> str:
     step = f"{pct(t.part_share)} of the baseline step"
     if t.part_floor_ms is not None:
         step = f"{ms(t.part_floor_ms)} per step ({step})"
+    band = f" (±{ms(t.step_noise_ms)})" if t.step_noise_ms is not None else ""
     return (
         f"{MARK} material: a change of at least {step}, and past its own noise for a kernel or "
-        f"idle; peak memory: {pct(t.memory_share)} of the GPU's memory (rules/scoring.yaml)."
+        f"idle, past the step's noise band{band} for a phase, an idle cause or a collective "
+        f"kind; peak memory: {pct(t.memory_share)} of the GPU's memory (rules/scoring.yaml)."
     )
 
 

@@ -143,11 +143,14 @@ class MemoryChange:
 class Thresholds:
     """When a part's change is material (rules/scoring.yaml, ``comparison``): a kernel, phase,
     idle cause or collective kind moving by ``part_share`` of the baseline's step
-    (``part_floor_ms``; null without steps), peak memory by ``memory_share`` of the GPU's."""
+    (``part_floor_ms``; null without steps), and a phase, idle cause or collective kind by
+    more than the step's noise band (``step_noise_ms``; null: unknown), peak memory by
+    ``memory_share`` of the GPU's."""
 
     part_share: float
     part_floor_ms: float | None
     memory_share: float
+    step_noise_ms: float | None = None
 
 
 @dataclass
