@@ -311,6 +311,21 @@ def _covered(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
     return total
 
 
+def test_kernel_sizes_from_the_warm_up_are_said_to_be(reports: dict[str, Report]) -> None:
+    """The graph-level traced run's kernel sizes come from its eager warm-up (its report says
+    so: kernel_stats_outside_window); a comparison that sets them beside the eager run's says
+    where they come from."""
+    graph = reports[FAST]
+    assert graph.metrics["kernel_stats_outside_window"] is True
+    result = compare_reports(reports[SLOW], graph, labels=(f"{SLOW}.sqlite", f"{FAST}.sqlite"))
+    assert any(
+        e.startswith("kernel sizes of h100_host_cudagraph.sqlite") and "eager warm-up" in e
+        for e in result.explanations
+    )
+    eager = compare_reports(reports[SLOW], reports[SLOW])
+    assert not any(e.startswith("kernel sizes of") for e in eager.explanations)
+
+
 def test_graph_launches_count_as_launches(reports: dict[str, Report]) -> None:
     fast = reports[FAST].metrics
     assert fast["launch_calls_per_step"] == 2.0 and fast["graph_launches_per_step"] == 1.0

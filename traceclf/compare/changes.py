@@ -5,6 +5,7 @@ the wrong type are skipped, never trusted)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from traceclf.compare.side import number
@@ -91,6 +92,24 @@ def _applied(report: Report) -> list[str]:
 def _fix_ids(report: Report) -> list[str]:
     fixes = report.fixes if isinstance(report.fixes, list) else []
     return [f["id"] for f in fixes if isinstance(f, dict) and isinstance(f.get("id"), str)]
+
+
+def shapes_note(runs: list[tuple[Run, Report]]) -> str | None:
+    """Which runs' kernel sizes (median kernel, grids below the SM count) come from outside
+    their window: graph-level tracing hides the replays' kernels, and the eager warm-up right
+    before graph capture stands in (measures/compute.py)."""
+    from_warmup = [
+        Path(run.source).name
+        for run, report in runs
+        if metrics_of(report).get("kernel_stats_outside_window") is True
+    ]
+    if not from_warmup:
+        return None
+    return (
+        f"kernel sizes of {' and '.join(from_warmup)} (median kernel, grids below the SM count) "
+        "come from the eager warm-up right before graph capture, not the replays: graph-level "
+        "tracing hides their kernels"
+    )
 
 
 def tracing_note(b: Run, a: Run) -> str | None:

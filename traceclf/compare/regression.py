@@ -56,6 +56,7 @@ from traceclf.compare.changes import (
     graph_tracing,
     metrics_of,
     per_step_known,
+    shapes_note,
     tracing_note,
 )
 from traceclf.compare.parts import breakdown
@@ -226,7 +227,8 @@ def compare_reports(
         bound_changed=b.bound != a.bound,
         measures=measures,
         notes=_comparability(b, a),
-        explanations=[n for n in (tracing_note(b, a),) if n] + explanations(before, after),
+        explanations=[n for n in (tracing_note(b, a), shapes_note([(b, before), (a, after)])) if n]
+        + explanations(before, after),
         breakdown=breakdown(
             before,
             after,
