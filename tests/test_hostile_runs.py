@@ -155,6 +155,26 @@ def test_sigterm_stops_nsys_and_removes_the_temporary_export(tmp_path: Path) -> 
     assert [p.name for p in report.parent.iterdir()] == ["run.nsys-rep"]
 
 
+def test_sigterm_while_nsys_is_asked_for_its_options_stops_it_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while `nsys export --help` ran (the probe for --include-blobs) left nsys's
+    helper running and an empty export folder in the cache."""
+    log = tmp_path / "nsys.log"
+    hanging = write_fake_nsys(tmp_path / "nsys", log, behaviour="hang_help")
+    (tmp_path / "rep").mkdir()
+    report = write_fake_report(tmp_path / "rep" / "run.nsys-rep", fixture_trace(TINY))
+    cache = tmp_path / "cache"
+    proc = start("analyze", report, "--nsys", hanging, "--cache-dir", cache, "-q")
+    pid_file = log.with_name(log.name + ".help.pid")
+    pids = [int(p) for p in wait_for(lambda: pid_file.exists() and pid_file.read_text().split())]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert wait_for(lambda: gone([psutil.Process(p) for p in pids if psutil.pid_exists(p)]), 30)
+    assert [p.name for p in cache.iterdir() if not p.name.startswith("rules-")] == []
+
+
 def test_a_killed_worker_is_one_line_naming_the_file(tmp_path: Path) -> None:
     """A --jobs worker killed mid-analysis (the OOM killer, kill -9) was "internal error:
     BrokenProcessPool" without a file name."""

@@ -21,6 +21,12 @@ blobs = {blobs!r}
 if args == ["export", "--help"]:
     with open({log!r} + ".help", "a") as log:
         log.write("export --help\\n")
+    if {behaviour!r} == "hang_help":
+        import subprocess
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open({log!r} + ".help.pid", "w") as f:
+            f.write(f"{{os.getpid()}} {{helper.pid}}")
+        time.sleep(600)
     print("usage: nsys export [<args>] [nsys-rep-file]")
     print("  --type <format>  sqlite, ...")
     if blobs:
@@ -74,8 +80,9 @@ def write_fake_nsys(
 ) -> Path:
     """Write an executable stand-in nsys at ``path``. ``behaviour``: "export" (copy the export
     the report names), "fail" (exit 3 with an error), "nofile" (exit 0, write nothing),
-    "symlink" (leave OUT as a symlink to the export the report names) or "hang" (start a
-    helper process, write part of OUT and both pids to OUT.pid, sleep). ``blobs``: it knows
+    "symlink" (leave OUT as a symlink to the export the report names), "hang" (start a
+    helper process, write part of OUT and both pids to OUT.pid, sleep) or "hang_help" (the
+    same in ``export --help``, both pids to the log's ``.help.pid``). ``blobs``: it knows
     --include-blobs (its help lists it), as nsys 2025.3 does; an older one does not and
     rejects it."""
     path.write_text(

@@ -89,15 +89,7 @@ def _knows_blobs(nsys: str, size: int, mtime_ns: int) -> bool:
     and mtime name it: a replaced nsys is asked again)."""
     del size, mtime_ns  # (the cache key only)
     try:
-        done = subprocess.run(
-            [nsys, "export", "--help"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=HELP_TIMEOUT_S,
-            check=False,
-        )
+        done = run_interruptible([nsys, "export", "--help"], timeout=HELP_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError):
         return False
     return BLOBS_OPTION in f"{done.stdout}\n{done.stderr}"
@@ -200,6 +192,7 @@ def _prune_older_versions(target: Path, report: Path) -> None:
 def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
     """Run ``nsys export`` into a folder of its own beside ``target`` (marked as traceclf's,
     so a dead export's is recognised and cleared), stamp the export, rename it into place."""
+    options = export_options(nsys)  # (asked before the folder is made: nothing to clear)
     try:
         work = Path(
             tempfile.mkdtemp(prefix=f"{EXPORT_WORK_PREFIX}{os.getpid()}-", dir=target.parent)
@@ -216,7 +209,7 @@ def _export(nsys: Path, report: Path, target: Path, key: str) -> None:
         "sqlite",
         "--output",
         str(tmp.absolute()),
-        *export_options(nsys),
+        *options,
         str(report.absolute()),
     ]
     try:
@@ -275,9 +268,12 @@ def _first_line(*texts: str) -> str:
     return next((line for line in lines if line), "no output")
 
 
-def run_interruptible(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` to completion with no timeout (big reports export for minutes), capturing
-    its output, yet stop it and everything it started when we are interrupted.
+def run_interruptible(
+    cmd: list[str], timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to completion (no timeout by default: big reports export for minutes),
+    capturing its output, yet stop it and everything it started when we are interrupted or
+    ``timeout`` passes (then subprocess.TimeoutExpired).
 
     The child gets its own session, so a terminal's Ctrl-C reaches only us; we then end its
     whole process group ourselves (nsys runs helper processes that would outlive it).
@@ -292,7 +288,7 @@ def run_interruptible(cmd: list[str]) -> subprocess.CompletedProcess[str]:
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=timeout)
     except BaseException:
         _terminate_group(proc)
         raise
