@@ -578,8 +578,7 @@ def test_one_confidence_figure_explained(name):
         assert "rule score" not in text
         # (as many decimals as the product printed needs: test_report_wording)
         assert any(
-            f"{cls['confidence']:.{d}f} = {basis['explained']:.{d}f} of the step explained"
-            in text
+            f"{cls['confidence']:.{d}f} = {basis['explained']:.{d}f} of the step explained" in text
             for d in (2, 3, 4)
         )
 

@@ -318,6 +318,29 @@ def test_deeply_nested_nvtx_ranges_cost_what_their_rows_cost(tmp_path: Path) -> 
     assert gaps and {g["nvtx"] for g in gaps} == {f"level {depth - 1}"}
 
 
+def test_an_export_naming_more_processes_than_a_node_runs_is_one_line(tmp_path: Path) -> None:
+    """Constructed: the input-stall trace's kernels copied over 1,100 processes (its rows
+    name them; one kernel each). Each rank costs ~60 ms however little it ran: 50,000 had
+    not finished in 300 s."""
+    export = tiny_copy(tmp_path / "run")
+    with sqlite3.connect(export) as con:
+        columns = [r[1] for r in con.execute("PRAGMA table_info(CUPTI_ACTIVITY_KIND_KERNEL)")]
+        others = ", ".join(c for c in columns if c != "globalPid")
+        con.execute(
+            f"INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL ({others}, globalPid) "
+            f"SELECT {others}, (1000 + n.value) << 24 FROM CUPTI_ACTIVITY_KIND_KERNEL, "
+            "(WITH RECURSIVE n(value) AS (SELECT 0 UNION ALL SELECT value + 1 FROM n "
+            "WHERE value < 3) SELECT value FROM n) AS n"
+        )
+        con.execute(
+            "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET globalPid = (5000 + rowid) << 24 "
+            "WHERE rowid <= 1100"
+        )
+    con.close()
+    result = run_child("analyze", export, "-q", "--no-cache", memory=None)
+    assert_one_line_error(result, "processes ran GPU work", "more than 1,024")
+
+
 def test_non_utf8_file_name_is_analysed(tmp_path: Path) -> None:
     """A file name that is not UTF-8 is reported with its byte written out (``\\xff``) in
     every format, the per-rank tables (CSV, --export-dir) and valid JSON included: polars and

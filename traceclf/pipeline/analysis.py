@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 
     from traceclf.report.runset import RunSet
 
+# Ranks (processes with GPU work) one export may hold: a node's capture holds one per GPU (a
+# few dozen under MPS); each costs ~60 ms to measure however little it ran, so a file whose
+# rows name 50,000 processes would take most of an hour.
+MAX_RANKS = 1024
+
 
 @dataclass(frozen=True)
 class AnalysisOptions:
@@ -290,6 +295,13 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     pids = sorted(plans) if plans else trace.rank_pids
     if not pids:
         raise TraceError(path, "no process ran GPU work (kernel and copy rows name no process)")
+    if len(pids) > MAX_RANKS:
+        raise TraceError(
+            path,
+            f"{len(pids):,} processes ran GPU work, each a rank: more than {MAX_RANKS:,} in one "
+            "export is no training job's capture (a process per GPU; the rows may name "
+            "processes wrongly)",
+        )
     if trace.kernels.is_empty() and trace.graphs.is_empty():
         raise TraceError(path, _no_kernel(trace))
 
