@@ -341,6 +341,29 @@ def test_an_export_naming_more_processes_than_a_node_runs_is_one_line(tmp_path: 
     assert_one_line_error(result, "processes ran GPU work", "more than 1,024")
 
 
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [("start = 'soon'", "nvtx.no_time"), ("end = start - 1", "nvtx.end_before_start")],
+)
+def test_nvtx_ranges_without_a_usable_time_are_counted(
+    tmp_path: Path, change: str, reason: str
+) -> None:
+    """Constructed (the input-stall trace's NVTX table rebuilt without its NOT NULL
+    constraints): ranges with a text start or an end before their start were dropped without
+    a word, the steps found another way; like every other table's, they are counted."""
+    export = tiny_copy(tmp_path / "run")
+    with sqlite3.connect(export) as con:
+        con.execute("CREATE TABLE n AS SELECT * FROM NVTX_EVENTS")
+        (ranges,) = con.execute("SELECT count(*) FROM n WHERE end IS NOT NULL").fetchone()
+        con.execute(f"UPDATE n SET {change} WHERE end IS NOT NULL")
+        con.execute("DROP TABLE NVTX_EVENTS")
+        con.execute("ALTER TABLE n RENAME TO NVTX_EVENTS")
+    con.close()
+    result = run_cli("analyze", export, "-f", "json", "-q", "--no-cache")
+    assert result.code == 0, result.stderr
+    assert json.loads(result.stdout)["capture"]["unusable_rows"] == {reason: ranges}
+
+
 def test_non_utf8_file_name_is_analysed(tmp_path: Path) -> None:
     """A file name that is not UTF-8 is reported with its byte written out (``\\xff``) in
     every format, the per-rank tables (CSV, --export-dir) and valid JSON included: polars and

@@ -137,11 +137,14 @@ MAX_EVENT_NS = 24 * 3600 * 10**9
 MAX_TIME_NS = 1 << 62
 
 
-def usable(df: pl.DataFrame, logical: str, counts: dict[str, int]) -> pl.DataFrame:
+def usable(
+    df: pl.DataFrame, logical: str, counts: dict[str, int], *, process: bool = True
+) -> pl.DataFrame:
     """``df`` without the rows no measure can use: no start or end (or one of another type),
-    an end before the start, times no capture has, no process. How many are dropped, each
-    under the first of these reasons it has, is added to ``counts`` (the Trace's
-    ``unusable_rows``), so the report can say so rather than judge silently on fewer rows."""
+    an end before the start, times no capture has, no process (unless ``process`` is False).
+    How many are dropped, each under the first of these reasons it has, is added to
+    ``counts`` (the Trace's ``unusable_rows``), so the report can say so rather than judge
+    silently on fewer rows."""
     if df.is_empty():
         return df
     timed = "end" in df.columns
@@ -152,7 +155,9 @@ def usable(df: pl.DataFrame, logical: str, counts: dict[str, int]) -> pl.DataFra
         "implausible_time": (
             (pl.col("start") < 0) | (end > MAX_TIME_NS) | (end - pl.col("start") > MAX_EVENT_NS)
         ).fill_null(False),
-        "no_process": pl.col("pid").is_null() if "pid" in df.columns else pl.lit(False),
+        "no_process": (
+            pl.col("pid").is_null() if process and "pid" in df.columns else pl.lit(False)
+        ),
     }
     unusable = pl.any_horizontal(*checks.values())
     if not df.select(unusable.any()).item():
@@ -283,6 +288,8 @@ def build_trace(
         unusable["nvtx.no_end"] = n
     if nvtx is None:
         nvtx = nvtx_ranges(reader, raw_nvtx)
+    # (a range's process comes from its thread; one without stays, as it always has)
+    nvtx = usable(nvtx, "nvtx", unusable, process=False)
     if nvtx_span is not None:
         nvtx = nvtx.filter((pl.col("start") < nvtx_span[1]) & (pl.col("end") > nvtx_span[0]))
 
