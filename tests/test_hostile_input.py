@@ -364,6 +364,26 @@ def test_nvtx_ranges_without_a_usable_time_are_counted(
     assert json.loads(result.stdout)["capture"]["unusable_rows"] == {reason: ranges}
 
 
+def test_copies_of_a_size_no_copy_has_are_counted_not_summed(tmp_path: Path) -> None:
+    """Constructed (the memcpy table rebuilt, every size -100): negative bytes per step had
+    reached the report; the sizes are unknown, counted, and the copies' time still counts."""
+    export = tiny_copy(tmp_path / "run")
+    with sqlite3.connect(export) as con:
+        con.execute("CREATE TABLE m AS SELECT * FROM CUPTI_ACTIVITY_KIND_MEMCPY")
+        (copies,) = con.execute("SELECT count(*) FROM m").fetchone()
+        con.execute("UPDATE m SET bytes = -100")
+        con.execute("DROP TABLE CUPTI_ACTIVITY_KIND_MEMCPY")
+        con.execute("ALTER TABLE m RENAME TO CUPTI_ACTIVITY_KIND_MEMCPY")
+    con.close()
+    result = run_cli("analyze", export, "-f", "json", "-q", "--no-cache")
+    assert result.code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["capture"]["unusable_rows"] == {"memcpy.implausible_bytes": copies}
+    m = report["metrics"]
+    assert all(v >= 0 for k, v in m.items() if "bytes" in k and isinstance(v, float | int))
+    assert m["copy_frac"] > 0
+
+
 def test_non_utf8_file_name_is_analysed(tmp_path: Path) -> None:
     """A file name that is not UTF-8 is reported with its byte written out (``\\xff``) in
     every format, the per-rank tables (CSV, --export-dir) and valid JSON included: polars and

@@ -35,6 +35,7 @@ from traceclf.ingest.hosttables import HostSide, empty_host_side, read_host_side
 from traceclf.ingest.nccl_calls import empty as nccl_empty
 from traceclf.ingest.nccl_calls import read_nccl_calls
 from traceclf.ingest.reader import Reader, Span, decode_pid, release_read_buffers
+from traceclf.ingest.tables import MAX_ALLOCATION_BYTES
 from traceclf.model.trace import Trace
 from traceclf.support.cpus import second_lane
 from traceclf.support.errors import TraceError, TraceWarning
@@ -261,6 +262,13 @@ def build_trace(
     copies = pl.concat([memcpy, memset.select(memcpy.columns)], how="vertical")
     if memcpy.height and memset.height:
         copies = copies.sort("start")
+    # a size no copy has (negative, over MAX_ALLOCATION_BYTES): unknown, counted; the copy's
+    # time still counts
+    odd = (pl.col("bytes") < 0) | (pl.col("bytes") > MAX_ALLOCATION_BYTES)
+    if copies.height and copies.select(odd.any()).item():
+        for op, n in copies.filter(odd).group_by("op").len().iter_rows():
+            unusable[f"{op}.implausible_bytes"] = n
+        copies = copies.with_columns(bytes=pl.when(odd).then(None).otherwise(pl.col("bytes")))
 
     step("CUDA API")
     api = usable(read("api"), "api", unusable)
