@@ -248,6 +248,7 @@ def test_unrelated_processes_in_one_export_are_separate_runs(tmp_path: Path) -> 
     steps = [run.steps["median_ms"] for run in result.runs]
     assert steps[1] == pytest.approx(2 * steps[0], rel=0.1)
     assert "step times differ" in result.grouping["reason"]
+    assert result.grouping["reason"].startswith("2 processes are 2 separate runs")  # (one file)
     merged = analyze(export, use_cache=False, grouping="job")
     assert isinstance(merged, Report) and len(merged.ranks) == 2
 

@@ -215,20 +215,22 @@ def group(results: list[ExportResult], how: str = "auto") -> Grouping:
                 apart.append(f"{ev[groups[-1][0]].name} vs {e.name}: {why}")
             groups.append([i])
             support[len(groups) - 1] = set()
+    # (one export's processes that run apart are split before: then they are no "files")
+    what = f"{n} files" if len({r.path for r in results}) == n else f"{n} processes"
     if len(groups) == 1:
         reasons = ", ".join(sorted(support[0]))
         return Grouping(
             groups,
             "job",
             "evidence",
-            f"{n} files treated as ranks of one job: {reasons}; "
+            f"{what} treated as ranks of one job: {reasons}; "
             "same GPU, same step anchor, step times agree (--runs to split)",
         )
     return Grouping(
         groups,
         "runs",
         "evidence",
-        f"{n} files are {len(groups)} separate runs (--job to merge): " + " · ".join(apart),
+        f"{what} are {len(groups)} separate runs (--job to merge): " + " · ".join(apart),
     )
 
 
