@@ -705,6 +705,7 @@ def test_a_full_disk_on_standard_output_is_one_line(tmp_path: Path, args: tuple)
         ("analyze",),
         ("analyze", "x.sqlite", "-f", "pdf"),
         ("analyze", "x.sqlite", "--jobs", "0"),
+        ("analyze", "x.sqlite", "--export-format", "parquet"),
         ("compare", "a.json"),
         ("nonsense",),
     ],

@@ -152,6 +152,9 @@ def analyze(
             "--job (all inputs are one job) and --runs (each file its own run) contradict "
             "each other: give one"
         )
+    given = click.get_current_context().get_parameter_source("export_format")
+    if export_dir is None and given is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("--export-format names the file type of --export-dir: give both")
     out = check_report_output(output, list(inputs), rules_dir)
     trace_out = check_report_output(export_trace, list(inputs), rules_dir)
     check_exports(out, export_trace, export_dir, export_format)
