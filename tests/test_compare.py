@@ -277,6 +277,7 @@ def test_tracing_mode_difference_is_not_gated() -> None:
     assert "kernels_per_step" not in {m.key for m in result.moved}
     assert (result.before.graph_tracing, result.after.graph_tracing) == ("graph", "node")
     assert "graph-level → node-level" in result.explanations[0]
+    assert "## Measures that differ (inconclusive comparison" in comparison_markdown(result)
     # the idle between a node-traced replay's kernels is in the replays, not outside them
     inside, outside = (p for p in result.breakdown.phases if p.kind == "graph")
     assert inside.after_ms_per_step == pytest.approx(node_replay / 1e6, rel=0.005)

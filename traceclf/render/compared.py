@@ -62,7 +62,7 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
         steps.add_row(*map(for_terminal, row))
     console.print(steps)
     console.print(for_terminal(run_rows.bound_line(result)))
-    moved = Table(show_edge=False, title="Measures that moved", title_justify="left")
+    moved = Table(show_edge=False, title=run_rows.moved_title(result), title_justify="left")
     for col in ("measure", "before", "after", "change"):
         moved.add_column(col, justify="left" if col == "measure" else "right")
     for m in result.moved:
@@ -128,7 +128,7 @@ def comparison_markdown(result: Comparison) -> str:
         "",
         for_markdown(run_rows.bound_line(result)),
         "",
-        "## Measures that moved",
+        f"## {run_rows.moved_title(result)}",
         "",
     ]
     if result.moved:

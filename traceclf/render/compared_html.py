@@ -12,6 +12,7 @@ from traceclf.render.compared_runs import (
     MANY_COLUMNS,
     bound_line,
     many_rows,
+    moved_title,
     run_line,
     step_rows,
 )
@@ -49,7 +50,7 @@ def _body(c: Comparison, level: int, n: int) -> str:
         f"<{h2}>Step time</{h2}>",
         _table(("", "before", "after", "change"), step_rows(c), numeric={1, 2, 3}),
         f"<p>{escape(bound_line(c))}</p>",
-        f"<{h2}>Measures that moved</{h2}>",
+        f"<{h2}>{escape(moved_title(c))}</{h2}>",
     ]
     moved = [(m.label, m.value(m.before), m.value(m.after), m.delta()) for m in c.moved]
     out.append(

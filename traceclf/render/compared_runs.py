@@ -49,6 +49,14 @@ def step_rows(result: Comparison) -> list[tuple[str, str, str, str]]:
     ]
 
 
+def moved_title(result: Comparison) -> str:
+    """The heading of the measures that moved: of an inconclusive comparison they say how the
+    runs differ, not what a change did."""
+    if result.conclusive:
+        return "Measures that moved"
+    return "Measures that differ (inconclusive comparison: how the runs differ, not a change)"
+
+
 def bound_line(result: Comparison) -> str:
     b, a = result.before, result.after
     if result.bound_changed:
