@@ -14,7 +14,8 @@ from realtraces import trace_path
 
 import traceclf
 from traceclf.render.capture_text import capture_rows
-from traceclf.render.content import detail_rows, no_fixes_line, verdict_line
+from traceclf.render.content import detail_rows, no_fixes_line
+from traceclf.render.verdict import verdict_line
 from traceclf.report.contract import Report
 
 

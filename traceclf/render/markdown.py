@@ -32,8 +32,6 @@ from traceclf.render.content import (
     rank_rows,
     ranks_note,
     ranks_title,
-    verdict_line,
-    verdict_title,
 )
 from traceclf.render.hostlines import (
     attribution_columns,
@@ -45,6 +43,7 @@ from traceclf.render.hostlines import (
 )
 from traceclf.render.text import input_names, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
+from traceclf.render.verdict import verdict_line, verdict_title
 from traceclf.report.contract import Report
 from traceclf.support.escape import for_markdown, markdown_code, markdown_fence
 

@@ -28,8 +28,6 @@ from traceclf.render.content import (
     no_fixes_line,
     rank_rows,
     ranks_title,
-    verdict_line,
-    verdict_title,
 )
 from traceclf.render.fit import FoldedTable, hanging, new_console, output_of
 from traceclf.render.hostlines import (
@@ -42,6 +40,7 @@ from traceclf.render.hostlines import (
 )
 from traceclf.render.text import provenance, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
+from traceclf.render.verdict import verdict_line, verdict_title
 from traceclf.report.contract import Report
 from traceclf.support.escape import for_terminal, visible
 
