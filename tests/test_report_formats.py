@@ -68,13 +68,17 @@ def test_markdown_has_verdict_evidence_and_provenance(name: str, request) -> Non
     md = render_markdown(report)
     cls = report.classification
     assert f"**{report.bound.upper()}-bound**" in md
-    assert f"confidence {_confidence_word(cls['confidence'])}: {cls['confidence']:.2f}" in md
+    # (as many decimals as the products printed need: test_report_wording)
+    d = next(d for d in (2, 3, 4) if f"{cls['confidence']:.{d}f} =" in md)
+    assert f"confidence {_confidence_word(cls['confidence'])}: {cls['confidence']:.{d}f}" in md
     # one "how sure" figure, explained by its factors, and no rule-score table competing
     # with it (issue 22: the scores were a second and third figure on other scales)
     verdict = md.split("## Verdict", 1)[1].split("## Capture", 1)[0]
     assert verdict.count("confidence") == 1 and "rule score" not in md
     basis = cls["confidence_basis"]
-    assert f"= {basis['explained']:.2f} of the step explained × {basis['reliability']:.2f}" in md
+    assert (
+        f"= {basis['explained']:.{d}f} of the step explained × {basis['reliability']:.{d}f}" in md
+    )
     assert "## Where the steady-state step goes" in md
     assert f"| {report.ranks[0]['rank']} | {report.ranks[0]['pid']} |" in md
     provenance = md.split("## Provenance", 1)[1]

@@ -219,7 +219,7 @@ def test_saved_report_text_cannot_drive_the_terminal_in_compare(tmp_path: Path) 
     second = tampered_report(before, tmp_path / "\x1b[2Jsecond.json", hostile)
     for candidates in ((after,), (after, second)):  # one comparison, and the several-run table
         result = run_cli("compare", before, *candidates)
-        assert result.code in (0, 1), result.stderr
+        assert result.code == 3, result.stderr  # (another GPU name and label: not comparable)
         assert_inert_for_terminal(result.stdout)
         assert "[/][link=http://evil.example]" in result.stdout
 
@@ -276,7 +276,7 @@ def test_compare_markdown_from_saved_json_escapes_what_it_copies(tmp_path: Path)
     second = tampered_report(before, tmp_path / "<img src=q onerror=alert(4)>.json", hostile)
     for candidates in ((after,), (after, second)):
         result = run_cli("compare", before, *candidates, "-f", "md")
-        assert result.code in (0, 1), result.stderr
+        assert result.code == 3, result.stderr  # (another GPU name and label: not comparable)
         assert_no_live_html(rendered_markdown(result.stdout))
 
 
