@@ -259,7 +259,9 @@ def compare(
     and what explains it (measures that moved, fixes that became applied, CUDA-graph tracing
     mode). With several candidates, prints one row each against the baseline. Exits 1 if any
     candidate regresses beyond --threshold; otherwise 3 if a comparison cannot be made (a run
-    without steps, or one traceclf abstained on), with one line on stderr saying why."""
+    without steps, one traceclf abstained on, or runs whose step times measure different
+    things: other GPUs, step anchors, rank counts or CUDA-graph tracing levels), with one line
+    on stderr saying why."""
     from traceclf.support.process import check_address_space
 
     check_address_space()
