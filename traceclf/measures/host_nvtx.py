@@ -48,11 +48,17 @@ def activity_cover(long: pl.DataFrame, w: RankWindow) -> list[dict]:
     ``gaps`` it reaches, its ``name`` (the outermost range with the most of it) and ``detail``
     (the innermost range covering the most gaps), and the covered stretches themselves
     (``lo``, ``hi``: what host attribution claims for it)."""
-    ranges = host_ranges(w)
-    ranges = ranges.with_columns(activity=w.taxonomy.host_activity_of(ranges["text"]))
-    ranges = ranges.drop_nulls("activity")
+    if long.is_empty():
+        return []
     gstart, gend = long["start"].to_numpy(), long["end"].to_numpy()
     idle = Busy.of_arrays(gstart, gend)
+    ranges = host_ranges(w)
+    # (only ranges over a long gap can cover one, or enclose one that does: the others are not
+    # matched against the activities, millions of op ranges on a PyTorch capture)
+    over = idle.covered(ranges["start"].to_numpy(), ranges["end"].to_numpy()) > 0
+    ranges = ranges.filter(pl.Series(over))
+    ranges = ranges.with_columns(activity=w.taxonomy.host_activity_of(ranges["text"]))
+    ranges = ranges.drop_nulls("activity")
     rows = []
     for (activity,), group in ranges.group_by("activity"):
         under = Busy.of(group.select("start", "end"))
