@@ -235,3 +235,34 @@ def test_of_nvtx_ranges_starting_together_the_first_to_end_is_the_innermost(monk
         )
         cover = host_nvtx.nvtx_cover(gap, w)
         assert cover.select("nvtx", "r_start", "r_end").row(0) == ("narrow", 100, 400)
+
+
+def test_nvtx_cover_joins_gaps_a_block_at_a_time_with_the_same_answer(monkeypatch) -> None:
+    """Constructed: 40 gaps under 30 nested ranges (and a range per gap); joined a few gaps at
+    a time (as deep nesting over many gaps is, to bound memory), each gap gets the innermost
+    range covering half of it, as in one join."""
+    from types import SimpleNamespace
+
+    import polars as pl
+
+    from traceclf.measures import host_nvtx
+    from traceclf.model.taxonomy import bundled
+
+    gaps = pl.DataFrame({"start": [i * 100 for i in range(40)]}).with_columns(
+        end=pl.col("start") + 50, dur=pl.lit(50, pl.Int64)
+    )
+    nested = pl.DataFrame({"text": [f"level {d}" for d in range(30)], "start": range(30)})
+    nested = nested.with_columns(end=10_000 - pl.col("start"))
+    own = gaps.select(
+        text=pl.format("gap {}", pl.col("start")), start=pl.col("start") + 10, end="end"
+    )
+    ranges = pl.concat([nested, own.cast(nested.schema)])
+    monkeypatch.setattr(host_nvtx, "host_ranges", lambda _w, covering=0: ranges)
+    w = SimpleNamespace(taxonomy=bundled())
+    whole = host_nvtx.nvtx_cover(gaps, w).sort("start")
+    monkeypatch.setattr(host_nvtx, "JOIN_ROWS", 2 * ranges.height)  # 2 gaps a block
+    blocks = host_nvtx.nvtx_cover(gaps, w).sort("start")
+    assert blocks.equals(whole) and whole.height == 40
+    # a gap's own range (40 of its 50 ns) is innermost; in the first gap, the nested range
+    # that starts latest and still covers half of it (level 25, from 25 ns) starts after it
+    assert whole["nvtx"].to_list() == ["level 25"] + [f"gap {i * 100}" for i in range(1, 40)]

@@ -8,10 +8,11 @@ import polars as pl
 
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
-from traceclf.model.taxonomy import matches
+from traceclf.model.taxonomy import Taxonomy, matches
 from traceclf.model.trace import outermost
 
 TOP_NVTX = 5
+JOIN_ROWS = 1 << 22  # gap × range pairs joined at once by nvtx_cover (bounded memory)
 NVTX_COUNTERS = r",?\s*\b(seq|op_id|id|step)\s*=\s*\d+"
 
 
@@ -140,6 +141,18 @@ def nvtx_cover(long: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
     }
     if long.is_empty() or ranges.is_empty():
         return pl.DataFrame(schema=schema)
+    # gaps a block at a time: each gap meets every range over it, and deeply nested ranges
+    # over many gaps would make a join of gaps × depth rows
+    per_block = max(JOIN_ROWS // ranges.height, 1)
+    blocks = [
+        _innermost_cover(long.slice(at, per_block), ranges, tax)
+        for at in range(0, long.height, per_block)
+    ]
+    return pl.concat(blocks).select(pl.col(c).cast(t) for c, t in schema.items())
+
+
+def _innermost_cover(long: pl.DataFrame, ranges: pl.DataFrame, tax: Taxonomy) -> pl.DataFrame:
+    """:func:`nvtx_cover` of the gaps ``long`` among ``ranges`` (text, r_start, r_end)."""
     cover = (
         long.join_where(
             ranges, pl.col("r_start") < pl.col("end"), pl.col("r_end") > pl.col("start")
@@ -163,7 +176,6 @@ def nvtx_cover(long: pl.DataFrame, w: RankWindow) -> pl.DataFrame:
             r_start=pl.col("r_start").first(),
             r_end=pl.col("r_end").first(),
         )
-        .select(pl.col(c).cast(t) for c, t in schema.items())
     )
 
 
