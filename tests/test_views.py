@@ -132,6 +132,38 @@ def test_phase_table_matches_an_independent_projection(name: str, reports) -> No
 
 
 @pytest.mark.parametrize("name", PHASED)
+def test_a_phase_spread_from_step_to_step_matches_an_independent_projection(
+    name: str, reports
+) -> None:
+    """sd_ms: the sample standard deviation of a phase's time per steady step (what compare
+    judges a phase's change against), from the same projection, each part in the step its
+    start falls in."""
+    rank = reports[name].ranks[0]
+    steps = rank["steps"]
+    lo, hi = steps["window_ns"]
+    durations = [
+        ms for ms, steady in zip(steps["durations_ms"], steps["steady"], strict=True) if steady
+    ]
+    bounds = lo + np.concatenate([[0], np.cumsum(np.array(durations) * 1e6)])
+    spans = sorted(
+        (max(s, lo), min(e, hi), p)
+        for p, s, e in phase_spans(trace_path(name), rank["pid"])
+        if s < hi and e > lo
+    )
+    per_step: dict[str, np.ndarray] = {}
+    reach = lo
+    for s, e, p in spans:
+        s = max(s, reach)
+        if e > s:
+            step = int(np.searchsorted(bounds, s, side="right")) - 1
+            per_step.setdefault(p, np.zeros(len(durations)))[step] += e - s
+        reach = max(reach, e)
+    got = {p["phase"]: p for p in rank["phases"]}
+    for phase, times in per_step.items():
+        assert got[phase]["sd_ms"] == pytest.approx(times.std(ddof=1) / 1e6, rel=1e-3, abs=2e-4)
+
+
+@pytest.mark.parametrize("name", PHASED)
 def test_phases_add_up_to_the_step(name: str, reports) -> None:
     rank = reports[name].ranks[0]
     step_ms = rank["metrics"]["step_time_ms"]

@@ -35,8 +35,9 @@ def breakdown(
 ) -> Breakdown:
     """Kernels, phases, idle, communication and the reconciliation for two reports whose mean
     steady steps are ``steps_ms``; only peak memory when a side has no steps (no per-step
-    figure is made up for it) or no per-step detail. A phase, an idle cause or a collective
-    kind has no spread of its own: its change is material past the step's ``noise_ms`` too."""
+    figure is made up for it) or no per-step detail. An idle cause or a collective kind has
+    no spread of its own (nor a phase of a report saved without one): its change is material
+    past the step's ``noise_ms`` too."""
     memory = _memory(before, after, settings)
     thresholds = Thresholds(settings.part_share, None, settings.memory_share)
     missing = [label for label, ms in zip(labels, steps_ms, strict=True) if ms is None]
@@ -82,18 +83,37 @@ def _phases(
 ) -> list[PhaseChange]:
     """NVTX phases either run has, in step order; the other recurring NVTX ranges both runs
     have (longest first); then the time inside and outside CUDA-graph replays when either run
-    replays graphs. A range's change is material past ``floor`` and its own noise (from its
-    step-to-step spread, as a kernel's); a phase's, without a spread, past ``band``."""
+    replays graphs. A phase's or a range's change is material past ``floor`` and its own noise
+    (from its step-to-step spread, as a kernel's); without a spread (a report saved before
+    they had one, the time outside phases), past ``band``."""
+
+    def bar(before: dict | None, after: dict | None) -> float:
+        if before is None or after is None:
+            return band
+        noise = _noise(before.get("sd_ms"), after.get("sd_ms"), b, a, settings)
+        return band if noise is None else max(floor, math.nextafter(noise, math.inf))
+
     names = sorted(
         {*b.phases, *a.phases},
         key=lambda p: NVTX_ORDER.index(p) if p in NVTX_ORDER else len(NVTX_ORDER),
     )
-    rows = [_phase(name, "nvtx", b.phases.get(name), a.phases.get(name), band) for name in names]
+    rows = [
+        _phase(
+            name,
+            "nvtx",
+            b.phases.get(name),
+            a.phases.get(name),
+            bar(b.phases.get(name), a.phases.get(name)),
+        )
+        for name in names
+    ]
     shared = sorted(set(b.ranges) & set(a.ranges), key=lambda r: (-b.ranges[r]["ms_per_step"], r))
     for name in shared:
-        noise = _noise(b.ranges[name].get("sd_ms"), a.ranges[name].get("sd_ms"), b, a, settings)
-        bar = band if noise is None else max(floor, math.nextafter(noise, math.inf))
-        rows.append(_phase(name, "range", b.ranges[name], a.ranges[name], bar))
+        rows.append(
+            _phase(
+                name, "range", b.ranges[name], a.ranges[name], bar(b.ranges[name], a.ranges[name])
+            )
+        )
     if b.account["graph_ms"] or a.account["graph_ms"]:
         for name in (IN_GRAPHS, OUTSIDE_GRAPHS):
             rows.append(_phase(name, "graph", _graph_part(b, name), _graph_part(a, name), band))

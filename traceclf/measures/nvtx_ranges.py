@@ -72,7 +72,7 @@ def recurring_ranges(w: RankWindow, starts: np.ndarray) -> list[dict]:
         {
             "name": r["name"],
             "ms": round(r["ns"] / 1e6 / n, 6),
-            "sd_ms": _sd_ms(r["ns"], r["squares"], n),
+            "sd_ms": sd_ms(r["ns"], r["squares"], n),
             "busy_ms": round(r["busy"] / 1e6 / n, 6),
             "idle_ms": round((r["ns"] - r["busy"]) / 1e6 / n, 6),
             "instances": round(r["instances"] / n, 4),
@@ -159,7 +159,7 @@ def _united(spans: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def _sd_ms(total: int, squares: float, n: int) -> float | None:
+def sd_ms(total: int, squares: float, n: int) -> float | None:
     """The sample standard deviation (ms) of a time per step over ``n`` steps, from its sum
     and its sum of squares (steps without it count 0); None for one step."""
     if n < 2:

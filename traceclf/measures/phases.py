@@ -19,6 +19,7 @@ import polars as pl
 
 from traceclf.measures import intervals
 from traceclf.measures.handoff import IDLE_CAUSES
+from traceclf.measures.nvtx_ranges import sd_ms
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import first_match_of
 
@@ -94,8 +95,15 @@ def phase_table(w: RankWindow, gaps: pl.DataFrame, spans: pl.DataFrame) -> list[
     names = list(per_span)
     table = (
         rows.with_columns(step=_step_of(rows["start"].to_numpy(), step_starts))
+        .group_by("phase", "step")
+        .agg(pl.col("time").sum(), *(pl.col(n).sum() for n in names))
         .group_by("phase")
-        .agg(pl.col("time").sum(), *(pl.col(n).sum() for n in names), pl.col("step").n_unique())
+        .agg(
+            pl.col("time").sum(),
+            *(pl.col(n).sum() for n in names),
+            squares=(pl.col("time").cast(pl.Float64) ** 2).sum(),
+            step=pl.col("step").n_unique(),
+        )
     )
     outside = {"phase": OUTSIDE, "time": w.wall - int(table["time"].sum())}
     for name, (outer, inner) in states.items():
@@ -109,7 +117,7 @@ def phase_table(w: RankWindow, gaps: pl.DataFrame, spans: pl.DataFrame) -> list[
         for r in sorted(table.to_dicts(), key=lambda r: order.get(r["phase"], len(order)))
     ]
     if outside["time"] > 0:
-        out.append(_row(outside | {"step": None}, w.n_steps))
+        out.append(_row(outside | {"step": None, "squares": None}, w.n_steps))
     return out
 
 
@@ -119,6 +127,8 @@ def _row(r: dict, n_steps: int) -> dict:
     return {
         "phase": r["phase"],
         "ms_per_step": ms["time"],
+        # (the time outside any phase has no spread of its own: null)
+        "sd_ms": None if r["squares"] is None else sd_ms(r["time"], r["squares"], n_steps),
         "busy_ms": round(sum(ms[s] for s in STATES), 4),
         **{f"{s}_ms": ms[s] for s in STATES},
         "idle_ms": round(sum(idle.values()), 4),

@@ -78,8 +78,9 @@ def material_line(t: Thresholds) -> str:
     band = f" (±{ms(t.step_noise_ms)})" if t.step_noise_ms is not None else ""
     return (
         f"{MARK} material: a change of at least {step}, and past its own noise for a kernel or "
-        f"idle, past the step's noise band{band} for a phase, an idle cause or a collective "
-        f"kind; peak memory: {pct(t.memory_share)} of the GPU's memory (rules/scoring.yaml)."
+        f"idle, a phase or a recurring range, past the step's noise band{band} for an idle "
+        f"cause or a collective kind; peak memory: {pct(t.memory_share)} of the GPU's memory "
+        "(rules/scoring.yaml)."
     )
 
 

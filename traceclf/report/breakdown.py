@@ -143,8 +143,9 @@ class MemoryChange:
 class Thresholds:
     """When a part's change is material (rules/scoring.yaml, ``comparison``): a kernel, phase,
     idle cause or collective kind moving by ``part_share`` of the baseline's step
-    (``part_floor_ms``; null without steps), and a phase, idle cause or collective kind by
-    more than the step's noise band (``step_noise_ms``; null: unknown), peak memory by
+    (``part_floor_ms``; null without steps), and past its own noise (a kernel, idle, a phase
+    or range from its step-to-step spread) or else the step's noise band (``step_noise_ms``;
+    null: unknown), peak memory by
     ``memory_share`` of the GPU's."""
 
     part_share: float
