@@ -159,7 +159,7 @@ def _phases(per_rank: list, key: str, time: str) -> dict[str, dict[str, float]]:
             phase = out.setdefault(row[key], dict.fromkeys(PHASE_VALUES, 0.0) | {"sd_ms": 0.0})
             for column, value in zip(PHASE_VALUES, values, strict=True):
                 phase[column] += value / count
-            sd = number(row.get("sd_ms"))  # (a range's spread; none for a phase: unknown)
+            sd = number(row.get("sd_ms"))  # (none in a report saved before it had one: unknown)
             phase["sd_ms"] = (
                 None if sd is None or phase["sd_ms"] is None else phase["sd_ms"] + sd / count
             )
