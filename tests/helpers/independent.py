@@ -831,13 +831,6 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
     after_sync = _returned_in([a["end"] for a in syncs], s - SYNC_SLACK_NS, e)
     blocked = [a for a in w.api if api_is("alloc", a["name"]) or api_is("sync", a["name"])]
     after_sync |= covered(spans(blocked), s, e) * 2 >= dur
-    busy_elsewhere = [
-        a for a in w.api if not any(api_is(k, a["name"]) for k in ("launch", "sync", "alloc"))
-    ]
-    launches = [a for a in w.api if api_is("launch", a["name"])]
-    elsewhere = (covered(spans(busy_elsewhere), s, e) * 2 >= dur) & (
-        covered(spans(launches), s, e) == 0
-    )
     profiler = covered(spans(w.rows["overhead"]), s, e) * 2 >= dur
     long = (dur >= LONG_GAP_NS) & (covered(spans(w.api), s, e) * 2 < dur)
     tax = taxonomy()
@@ -861,8 +854,8 @@ def _idle_causes(w: Window, syncs: list[dict]) -> dict:
         loading[j] = ranged[j] or copied[j]
     in_graph = covered(w.node_replays, s, e) > 0
     cause = np.select(
-        [profiler, in_graph, long & loading, long, after_sync, elsewhere, in_call],
-        ["other", "graph", "input", "host", "sync", "other", "launch"],
+        [profiler, in_graph, long & loading, long, after_sync, in_call],
+        ["other", "graph", "input", "host", "sync", "launch"],
         "other",
     )
     # of the sync gaps, those in which a call that only waits returned (inside, no slack)

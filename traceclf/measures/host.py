@@ -47,9 +47,8 @@ MEASURES: dict[str, str] = {
     "idle_graph_frac": "idle time inside node-traced CUDA-graph replays, between their kernels "
     "(device-side scheduling and dependencies between graph nodes: the host launched the whole "
     "graph; 0 without node-level graph tracing)",
-    "idle_other_frac": "remaining idle time (host work between launches: CUDA calls that neither "
-    "launch, synchronise nor allocate filling half of a gap without a launch; profiler "
-    "flushes; unattributed)",
+    "idle_other_frac": "remaining idle time (host work between launches, profiler flushes, "
+    "unattributed)",
     "alloc_idle_frac": "GPU idle time while the host is inside cudaMalloc/cudaFree (what the "
     "allocator calls cost the GPU; the calls themselves can last longer, waiting for it)",
 }
@@ -193,19 +192,10 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
     )
     del api_ns, calls_in
     flushed = intervals.covered_by_runs(profiler.start, profiler.end, gstart, gend) * 2 >= dur
-    # CUDA calls that neither launch, synchronise nor allocate (device queries, module loading,
-    # a pageable copy's staging) over half of a gap in which no launch call runs: host work in
-    # the runtime, not launching. (Beside a launch they are the framework's own per-op calls,
-    # launch overhead: PyTorch's around each kernel.)
-    elsewhere = ~(pl.col("is_launch") | pl.col("is_sync") | pl.col("is_alloc")).fill_null(False)
-    other = intervals.covered(calls.filter(elsewhere), gstart, gend)
-    launching = intervals.covered(calls.filter(pl.col("is_launch").fill_null(False)), gstart, gend)
     gaps = gaps.with_columns(
-        after_sync=_after_sync(calls, gstart, gend, dur),
-        profiler_flush=pl.Series(flushed),
-        other_calls=pl.Series((np.multiply(other, 2, out=other) >= dur) & (launching == 0)),
+        after_sync=_after_sync(calls, gstart, gend, dur), profiler_flush=pl.Series(flushed)
     )
-    del dur, flushed, other, launching
+    del dur, flushed
     gaps = _attribute_nvtx(gaps, w)
     # the launching thread's samples in a long gap showing data loading (hostframes.py)
     long = np.flatnonzero(gaps["long"].to_numpy())
@@ -233,8 +223,6 @@ def idle_gaps(w: RankWindow) -> pl.DataFrame:
         .then(pl.lit("host", CAUSE))
         .when(pl.col("after_sync"))
         .then(pl.lit("sync", CAUSE))
-        .when(pl.col("other_calls"))
-        .then(pl.lit("other", CAUSE))
         .when(pl.col("any_call"))
         .then(pl.lit("launch", CAUSE))
         .otherwise(pl.lit("other", CAUSE)),
