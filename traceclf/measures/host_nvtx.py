@@ -16,7 +16,13 @@ JOIN_ROWS = 1 << 22  # gap × range pairs joined at once by nvtx_cover (bounded 
 NVTX_COUNTERS = r",?\s*\b(seq|op_id|id|step)\s*=\s*\d+"
 
 
-def idle_by_nvtx(gaps: pl.DataFrame, w: RankWindow) -> list[dict]:
+def long_gaps(gaps: pl.DataFrame) -> pl.DataFrame:
+    """The idle gaps the host spent on something else than CUDA calls (causes input, host):
+    those NVTX can name."""
+    return gaps.filter(pl.col("cause").is_in(["input", "host"]))
+
+
+def idle_by_nvtx(gaps: pl.DataFrame, w: RankWindow, activities: list[dict]) -> list[dict]:
     """The NVTX ranges the host was in during long idle gaps, most idle time first: what the
     report names instead of guessing "input" (``name``, ``detail``, ``activity``, ``frac`` of
     the window, ``ms_per_step``, ``gaps``).
@@ -25,11 +31,11 @@ def idle_by_nvtx(gaps: pl.DataFrame, w: RankWindow) -> list[dict]:
     at any depth (a compiler's passes nest and do not each cover half of a gap), named by its
     outermost range with the most of it, its innermost (``detail``) the one that covers each
     gap most often. Ranges of no known activity: the innermost range covering at least half of
-    a gap, by name."""
-    long = gaps.filter(pl.col("cause").is_in(["input", "host"]))
+    a gap, by name. ``activities``: :func:`activity_cover` of the :func:`long_gaps`."""
+    long = long_gaps(gaps)
     if long.is_empty():
         return []
-    rows = activity_cover(long, w) + _by_name(long.filter(pl.col("activity").is_null()))
+    rows = activities + _by_name(long.filter(pl.col("activity").is_null()))
     top = sorted(rows, key=lambda r: (-r["ns"], r["name"]))[:TOP_NVTX]
     return [
         {

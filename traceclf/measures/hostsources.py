@@ -31,7 +31,7 @@ import numpy as np
 import polars as pl
 
 from traceclf.measures.claims import Pieces
-from traceclf.measures.host_nvtx import NVTX_COUNTERS, activity_cover, nvtx_cover
+from traceclf.measures.host_nvtx import NVTX_COUNTERS, long_gaps, nvtx_cover
 from traceclf.measures.hostframes import (
     NO_USER_FRAME,
     cpu_samples,
@@ -83,8 +83,9 @@ class HostAttribution:
     measures: dict[str, float | None]
 
 
-def attribute(w: RankWindow, gaps: pl.DataFrame) -> HostAttribution:
-    """The host attribution of the window's idle ``gaps`` (:func:`host.idle_gaps`)."""
+def attribute(w: RankWindow, gaps: pl.DataFrame, activities: list[dict]) -> HostAttribution:
+    """The host attribution of the window's idle ``gaps`` (:func:`host.idle_gaps`);
+    ``activities``: their :func:`~traceclf.measures.host_nvtx.activity_cover`."""
     wall, steps = w.wall, w.n_steps
     # (unknown, not zero, when the export has no PROFILER_OVERHEAD table)
     recorded = "PROFILER_OVERHEAD" in w.trace.tables and wall
@@ -103,7 +104,7 @@ def attribute(w: RankWindow, gaps: pl.DataFrame) -> HostAttribution:
     details: dict[tuple[str, str], dict] = {}
 
     _profiler(w, claims)
-    _nvtx(w, gaps, claims, details)
+    _nvtx(w, gaps, activities, claims, details)
     _cuda_api(w, claims, details)
     _osrt(w, threads, claims, details)
     _sampled(w, "python_sampling", threads, cause, claims, details)
@@ -135,12 +136,15 @@ def _profiler(w: RankWindow, claims: IdleClaims) -> None:
     claims.take("profiler", whats, *_arrays(overhead), label=label)
 
 
-def _nvtx(w: RankWindow, gaps: pl.DataFrame, claims: IdleClaims, details: dict) -> None:
-    """The long gaps' time under a host activity's NVTX ranges (at any depth, as ``idle_nvtx``
-    counts it: a compiler's nested passes do not each cover half of a gap), named as there;
-    then, in gaps of no activity, the innermost range covering at least half of the gap."""
-    long = gaps.filter(pl.col("cause").is_in(["input", "host"]))
-    for row in activity_cover(long, w):
+def _nvtx(
+    w: RankWindow, gaps: pl.DataFrame, activities: list[dict], claims: IdleClaims, details: dict
+) -> None:
+    """The long gaps' time under a host activity's NVTX ranges (``activities``, as
+    ``idle_nvtx`` counts it: at any depth, a compiler's nested passes do not each cover half
+    of a gap), named as there; then, in gaps of no activity, the innermost range covering at
+    least half of the gap."""
+    long = long_gaps(gaps)
+    for row in activities:
         what = row["name"] + (f" → {row['detail']}" if row["detail"] else "")
         claims.take("nvtx", what, row["lo"], row["hi"])
         details[("nvtx", what)] = {"gaps": row["gaps"], "activity": row["activity"]}

@@ -90,11 +90,14 @@ def measure_rank(
         walls |= host.calls(w)
         walls |= host_calls.host_call_ms(w)
         walls |= host.idle(gaps, w)
-        attribution = hostsources.attribute(w, gaps)
+        # (the NVTX host activities over the long gaps: what idle_nvtx names and host
+        # attribution credits, found once)
+        activities = host_nvtx.activity_cover(host_nvtx.long_gaps(gaps), w)
+        attribution = hostsources.attribute(w, gaps, activities)
         walls |= attribution.measures
         idle_gaps = series.gap_histogram(gaps)
         longest_gaps = host.longest_gaps(gaps, w)
-        idle_nvtx = host_nvtx.idle_by_nvtx(gaps, w)
+        idle_nvtx = host_nvtx.idle_by_nvtx(gaps, w, activities)
         arrivals_clock = arrivals.arrival_clock(w, keyed, gaps)
         facts()
         g = lane.result()
