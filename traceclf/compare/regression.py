@@ -226,7 +226,7 @@ def compare_reports(
         noise_ms=noise,
         bound_changed=b.bound != a.bound,
         measures=measures,
-        notes=_comparability(b, a),
+        notes=_comparability(b, a, apart),
         explanations=[n for n in (tracing_note(b, a), shapes_note([(b, before), (a, after)])) if n]
         + explanations(before, after),
         breakdown=breakdown(
@@ -367,8 +367,10 @@ def _incomparable(b: Run, a: Run) -> list[str]:
     return notes
 
 
-def _comparability(b: Run, a: Run) -> list[str]:
-    notes = _incomparable(b, a)
+def _comparability(b: Run, a: Run, apart: list[str]) -> list[str]:
+    """Why the runs may not be comparable: ``apart`` (:func:`_incomparable`), then a run
+    without steps or a bound, or of a newer report version."""
+    notes = list(apart)
     for run in (b, a):
         if run.step_mean_ms is None:
             notes.append(f"{run.source}: no steps found (or a step time no run can have)")
