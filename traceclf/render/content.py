@@ -7,7 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceclf.render.ceilings import ceiling_rows, combined_row
-from traceclf.render.text import anchor_label, sampled, span_title, unit, window_text
+from traceclf.render.text import (
+    anchor_label,
+    sampled,
+    span_title,
+    steps_counted,
+    unit,
+    window_text,
+)
 from traceclf.report.contract import Report
 from traceclf.support.escape import visible
 from traceclf.support.units import fmt_bytes, fmt_ms, fmt_us, pct
@@ -95,8 +102,7 @@ def rank_rows(report: Report) -> list[list[str]]:
 
 def kernel_columns(report: Report) -> tuple[str, ...]:
     """The top-kernel table's columns: its count is over the analysed steps, not per step."""
-    used = (report.steps or {}).get("used")
-    count = f"count in {used} steps" if used and unit(report) != "window" else "count"
+    count = f"count in {steps}" if (steps := steps_counted(report)) else "count"
     return ("kernel", "family", count, "median", f"share of {unit(report)}")
 
 

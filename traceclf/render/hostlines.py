@@ -5,7 +5,7 @@ and the capture options that would attribute the rest. Trace text is escaped by 
 
 from __future__ import annotations
 
-from traceclf.render.text import unit
+from traceclf.render.text import steps_counted, unit
 from traceclf.report.contract import Report
 from traceclf.support.units import fmt_ms, pct
 
@@ -106,8 +106,7 @@ def attribution_rows(report: Report) -> list[list[str]]:
 def counted_over(report: Report) -> str:
     """What the rows' counts of calls and samples are over: the analysed steps, not one (the
     column beside them is per step)."""
-    used = (report.steps or {}).get("used")
-    return f"in {_count(used, 'step')}" if used and unit(report) != "window" else "in the window"
+    return f"in {steps}" if (steps := steps_counted(report)) else "in the window"
 
 
 def evidence(row: dict, over: str = "in the window") -> str:

@@ -35,6 +35,15 @@ def unit(report: Report) -> str:
     return "window" if s.get("source") in (None, "none") or not s.get("count") else "step"
 
 
+def steps_counted(report: Report) -> str | None:
+    """'8 steps': the analysed steps that counts beside a per-step column are over (None: the
+    report's unit is a window, and counts are over it)."""
+    used = (report.steps or {}).get("used")
+    if not used or unit(report) == "window":
+        return None
+    return f"{used} step{'s' if used != 1 else ''}"
+
+
 def span_title(report: Report) -> str:
     """'the steady-state step', or 'the window' where no repeating step was found."""
     return "the window" if unit(report) == "window" else "the steady-state step"
