@@ -245,14 +245,24 @@ def with_dangling_name_ids(path: Path) -> None:
     con.close()
 
 
+def loosened(path: Path, table: str, change: str) -> None:
+    """``table`` rebuilt without its NOT NULL constraints (CREATE TABLE AS keeps none), then
+    ``UPDATE table SET change`` run on it."""
+    with sqlite3.connect(path) as con:
+        con.execute(f"CREATE TABLE loose AS SELECT * FROM {table}")
+        con.execute(f"UPDATE loose SET {change}")
+        con.execute(f"DROP TABLE {table}")
+        con.execute(f"ALTER TABLE loose RENAME TO {table}")
+    con.close()
+
+
 def with_null_name_ids(path: Path) -> None:
     """The kernel table rebuilt without its NOT NULL constraints, every name id NULL."""
-    with sqlite3.connect(path) as con:
-        con.execute("CREATE TABLE k AS SELECT * FROM CUPTI_ACTIVITY_KIND_KERNEL")
-        con.execute("UPDATE k SET shortName = NULL, demangledName = NULL, mangledName = NULL")
-        con.execute("DROP TABLE CUPTI_ACTIVITY_KIND_KERNEL")
-        con.execute("ALTER TABLE k RENAME TO CUPTI_ACTIVITY_KIND_KERNEL")
-    con.close()
+    loosened(
+        path,
+        "CUPTI_ACTIVITY_KIND_KERNEL",
+        "shortName = NULL, demangledName = NULL, mangledName = NULL",
+    )
 
 
 NAMELESS = {
@@ -281,12 +291,7 @@ def test_cuda_calls_without_correlation_ids_are_analysed(tmp_path: Path, value: 
     the input-bound score: 'MEMORY-bound, confidence 0.02'); the verdict stays host (input),
     as on the whole trace. It had been 'internal error: TypeError'."""
     export = tiny_copy(tmp_path / "run")
-    with sqlite3.connect(export) as con:
-        con.execute("CREATE TABLE r AS SELECT * FROM CUPTI_ACTIVITY_KIND_RUNTIME")
-        con.execute(f"UPDATE r SET correlationId = {value}")
-        con.execute("DROP TABLE CUPTI_ACTIVITY_KIND_RUNTIME")
-        con.execute("ALTER TABLE r RENAME TO CUPTI_ACTIVITY_KIND_RUNTIME")
-    con.close()
+    loosened(export, "CUPTI_ACTIVITY_KIND_RUNTIME", f"correlationId = {value}")
     result = run_cli("analyze", export, "-f", "json", "-q", "--no-cache")
     assert result.code == 0, result.stderr
     report = json.loads(result.stdout)
@@ -353,12 +358,9 @@ def test_nvtx_ranges_without_a_usable_time_are_counted(
     a word, the steps found another way; like every other table's, they are counted."""
     export = tiny_copy(tmp_path / "run")
     with sqlite3.connect(export) as con:
-        con.execute("CREATE TABLE n AS SELECT * FROM NVTX_EVENTS")
-        (ranges,) = con.execute("SELECT count(*) FROM n WHERE end IS NOT NULL").fetchone()
-        con.execute(f"UPDATE n SET {change} WHERE end IS NOT NULL")
-        con.execute("DROP TABLE NVTX_EVENTS")
-        con.execute("ALTER TABLE n RENAME TO NVTX_EVENTS")
+        (ranges,) = con.execute("SELECT count(*) FROM NVTX_EVENTS WHERE end IS NOT NULL").fetchone()
     con.close()
+    loosened(export, "NVTX_EVENTS", f"{change} WHERE end IS NOT NULL")
     result = run_cli("analyze", export, "-f", "json", "-q", "--no-cache")
     assert result.code == 0, result.stderr
     assert json.loads(result.stdout)["capture"]["unusable_rows"] == {reason: ranges}
@@ -369,12 +371,9 @@ def test_copies_of_a_size_no_copy_has_are_counted_not_summed(tmp_path: Path) -> 
     reached the report; the sizes are unknown, counted, and the copies' time still counts."""
     export = tiny_copy(tmp_path / "run")
     with sqlite3.connect(export) as con:
-        con.execute("CREATE TABLE m AS SELECT * FROM CUPTI_ACTIVITY_KIND_MEMCPY")
-        (copies,) = con.execute("SELECT count(*) FROM m").fetchone()
-        con.execute("UPDATE m SET bytes = -100")
-        con.execute("DROP TABLE CUPTI_ACTIVITY_KIND_MEMCPY")
-        con.execute("ALTER TABLE m RENAME TO CUPTI_ACTIVITY_KIND_MEMCPY")
+        (copies,) = con.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_MEMCPY").fetchone()
     con.close()
+    loosened(export, "CUPTI_ACTIVITY_KIND_MEMCPY", "bytes = -100")
     result = run_cli("analyze", export, "-f", "json", "-q", "--no-cache")
     assert result.code == 0, result.stderr
     report = json.loads(result.stdout)
