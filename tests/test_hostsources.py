@@ -677,6 +677,32 @@ def test_intervals_between_the_pieces_take_nothing_and_leave_them_whole(sparse, 
         assert all(np.array_equal(g, w) for g, w in zip(got, pieces, strict=True))
 
 
+def test_merged_pieces_are_in_start_order_as_a_stable_sort_puts_them():
+    """Constructed: two sets of disjoint sorted pieces (one thread's taken out and put back,
+    some touching the other's, either set empty) merged by position are the pieces a stable
+    sort of both by start gives, owners and dtypes kept."""
+    import numpy as np
+
+    from traceclf.measures import claims
+
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(0, 200))
+        edges = np.sort(rng.choice(10 * n + 10, 2 * n, replace=False))
+        start, end = edges[0::2], edges[1::2]
+        if seed % 3 == 0 and n:  # (touching: a piece ends where the next starts)
+            end = np.append(start[1:], start[-1] + 3)
+        owner = rng.permutation(n).astype(np.int32)
+        mine = rng.random(n) < (0.0 if seed % 7 == 0 else 0.4)
+        a = (start[~mine], end[~mine], owner[~mine])
+        b = (start[mine], end[mine], owner[mine])
+        got = claims.merged(a, b)
+        order = np.argsort(np.concatenate([a[0], b[0]]), kind="stable")
+        for g, x, y in zip(got, a, b, strict=True):
+            assert g.dtype == x.dtype
+            assert np.array_equal(g, np.concatenate([x, y])[order])
+
+
 def test_subtract_drops_pieces_of_no_length():
     """Constructed: pieces of no length (which no idle gap is, but nothing stops a caller)
     hold no time; subtract drops them, touched or not, and leaves the rest as claim does."""
