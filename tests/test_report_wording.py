@@ -231,3 +231,18 @@ def test_the_confidence_equation_multiplies_as_printed(name: str) -> None:
     assert round(float(explained) * float(reliability), d) == float(confidence), line
     shown = [float(v) for v in re.findall(r"×([\d.]+)", factors or "")]
     assert round(math.prod(shown), d) == float(reliability), line
+
+
+def test_durations_read_as_durations_at_every_scale():
+    """Constructed values: a duration reads in the unit its size needs, never in scientific
+    notation (a budget row of a 52 µs step read '4.06e-05 ms' for 41 ns of copies)."""
+    from traceclf.support.units import fmt_ms, fmt_us
+
+    assert fmt_ms(4.06e-05) == "40.6 ns"
+    assert fmt_ms(0.0524) == "0.0524 ms"
+    assert fmt_ms(0) == "0 ms"
+    assert fmt_ms(2500) == "2.5 s"
+    assert fmt_us(6560) == "6.56 ms"
+    assert fmt_us(0.5) == "0.5 µs"
+    for v in (1e-9, 3e-7, 1e-4, 0.01, 1.0, 123.0, 9.99e5):
+        assert "e" not in fmt_ms(v).split()[0], fmt_ms(v)

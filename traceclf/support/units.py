@@ -11,8 +11,12 @@ def pct(v: float | None) -> str:
 
 
 def fmt_ms(v: float | None) -> str:
+    """A duration given in ms: '0.0524 ms', '2.5 s', and under a µs in ns ('40.6 ns', not
+    '4.06e-05 ms')."""
     if v is None:
         return "–"
+    if 0 < abs(v) < 0.001:
+        return f"{v * 1e6:.3g} ns"
     return f"{v:.3g} ms" if v < 1000 else f"{v / 1000:.3g} s"
 
 
