@@ -51,6 +51,9 @@ MEASURES: dict[str, str] = {
     "unattributed)",
     "alloc_idle_frac": "GPU idle time while the host is inside cudaMalloc/cudaFree (what the "
     "allocator calls cost the GPU; the calls themselves can last longer, waiting for it)",
+    "wait_call_frac": "time the host spends inside calls that only wait (cudaDeviceSynchronize, "
+    "cudaStreamSynchronize, cudaEventSynchronize; taxonomy cuda_api wait), the union over its "
+    "threads: all that removing them gives back to a host that sets the pace",
 }
 CALL_MEASURES = (
     "sync_calls_per_step",
@@ -59,6 +62,7 @@ CALL_MEASURES = (
     "median_launch_us",
     "short_kernel_frac",
     "alloc_idle_frac",
+    "wait_call_frac",
 )
 CAUSE = pl.Enum(IDLE_CAUSES)  # (millions of gaps: a byte each, not a string)
 INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
@@ -96,6 +100,7 @@ def calls(w: RankWindow) -> dict[str, float | None]:
         ),
         # (the calls made while the GPU runs the window: they can leave it idle)
         "alloc_idle_frac": w.uncovered(w.api.filter(pl.col("is_alloc")), w.layers.work) / w.wall,
+        "wait_call_frac": w.in_flight(w.api.filter(pl.col("is_wait").fill_null(False))) / w.wall,
     }
 
 
