@@ -681,6 +681,19 @@ def test_a_fix_the_trace_measures_as_winning_nothing_is_not_proposed():
     verdict = evaluate(none)
     assert "remove-host-syncs" not in ids(verdict)
     assert "host-syncs" in [r["id"] for r in verdict.classification["rules"]]
+    # next to nothing is nothing either: a public code whose gaps follow no wait read "+0.0%"
+    # (0.000146 ms of a 7.3 ms step) as its only fix; under negligible_gain_frac (0.1%) of the
+    # step a fix is left out, at it it stays
+    step = facts["metrics"]["step_time_ms"]
+    wait = facts["metrics"]["wait_call_frac"]
+    for share, kept in ((0.0009, False), (0.0011, True)):
+        tiny = dict(facts["metrics"], idle_after_wait_frac=share, wait_call_frac=max(wait, share))
+        fix = [
+            f for f in evaluate(dict(facts, metrics=tiny)).fixes if f["id"] == "remove-host-syncs"
+        ]
+        assert bool(fix) is kept, share
+        if kept:
+            assert fix[0]["ceiling"]["recoverable_ms"] >= 0.001 * step
 
 
 @pytest.mark.parametrize(
@@ -735,10 +748,11 @@ def test_a_floor_that_leaves_nothing_keeps_the_fix():
     says 0. A ceiling the trace itself measures as 0 drops the fix. CONSTRUCTED ceilings."""
     from traceclf.judge.engine import _wins_nothing
 
+    rs, env = load_rules(), {"step_time_ms": 100.0}
     measured = {"ceiling": {"unit": "step", "recoverable_ms": 0.0, "floor_ms": None}}
     floored = {"ceiling": {"unit": "step", "recoverable_ms": 0.0, "floor_ms": 70.0}}
-    assert _wins_nothing(measured) and not _wins_nothing(floored)
-    assert not _wins_nothing({"ceiling": None}) and not _wins_nothing({})
+    assert _wins_nothing(measured, env, rs) and not _wins_nothing(floored, env, rs)
+    assert not _wins_nothing({"ceiling": None}, env, rs) and not _wins_nothing({}, env, rs)
 
 
 def test_capture_options_sharing_a_command_are_one():

@@ -277,7 +277,7 @@ def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any
         obj = _fix_object(fix, entry, env, framework, rs)
         if entry["beside"] and not _worth_doing(obj, env, rs):
             continue
-        if _wins_nothing(obj):
+        if _wins_nothing(obj, env, rs):
             continue
         out.append(obj)
     # Beside the bound last; by workflow wall, then what the trace contradicts last, then by
@@ -307,17 +307,22 @@ def _worth_doing(fix: dict, env: dict[str, Any], rs: RuleSet) -> bool:
     return c["recoverable_ms"] >= rs.thresholds["worth_doing_frac"] * step
 
 
-def _wins_nothing(fix: dict) -> bool:
-    """Whether the trace measures the time a fix can win back and it is none: the syncs of a
-    loop whose idle gaps the allocator's calls end, not a call that only waits (a kNN code's
-    cudaFree per step), leave remove-host-syncs nothing; its evidence still shows."""
+def _wins_nothing(fix: dict, env: dict[str, Any], rs: RuleSet) -> bool:
+    """Whether the trace measures the time a fix can win back and it is next to none (under
+    ``negligible_gain_frac`` of the step): the syncs of a loop whose idle gaps the allocator's
+    calls end, not a call that only waits (a kNN code's cudaFree per step), leave
+    remove-host-syncs nothing, and a public code that idles after no wait got "+0.0%" as its
+    only fix; the rule's evidence still shows."""
     c = fix.get("ceiling") or {}
     # (a floor that leaves nothing says the rule data's assumption is off, e.g. a host link
     # slower than the copies the trace measured: the fix stays, its ceiling says 0; a floor
     # below the step did not cut it, the trace measured nothing to win)
-    floor, step = c.get("floor_ms"), c.get("step_after_ms")
-    measured = floor is None or (step is not None and floor < step)
-    return c.get("unit") == "step" and c.get("recoverable_ms") == 0 and measured
+    floor, after = c.get("floor_ms"), c.get("step_after_ms")
+    measured = floor is None or (after is not None and floor < after)
+    ms, step = c.get("recoverable_ms"), env.get("step_time_ms")
+    if c.get("unit") != "step" or ms is None or not measured:
+        return False
+    return ms == 0 or (bool(step) and ms < rs.thresholds["negligible_gain_frac"] * step)
 
 
 def _fix_object(fix: Fix, entry: dict, env: dict[str, Any], framework: bool, rs: RuleSet) -> dict:

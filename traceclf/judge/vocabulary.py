@@ -125,6 +125,7 @@ JUDGE_THRESHOLDS = (
     "clock_alignment_max_us",  # matched collectives across hosts trusted (judge/straggler.py)
     "link_bound_frac",  # a communicator near its link's peak (judge/comm_groups.py)
     "worth_doing_frac",  # a fix beside the bound (judge/engine.py)
+    "negligible_gain_frac",  # a fix that wins back next to nothing (judge/engine.py)
 )
 
 
