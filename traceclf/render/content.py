@@ -153,8 +153,7 @@ def detail_rows(report: Report) -> list[tuple[str, str]]:
     rows.append(
         (
             "Launches",
-            f"{num(m.get('kernels_per_step'))} kernels/{u}, median kernel "
-            f"{fmt_us(m.get('median_kernel_us'))} vs launch {fmt_us(m.get('median_launch_us'))}, "
+            f"{_kernels_line(m, u)}, "
             f"{num(m.get('sync_calls_per_step'))} syncs/{u}, "
             f"{num(m.get('small_d2h_per_step'))} tiny D2H copies/{u}, "
             f"CUDA graphs {pct(m.get('graph_frac'))} of busy time",
@@ -192,7 +191,11 @@ def _host_line(report: Report) -> str:
         share = f"{pct(long_gaps)} of the {unit(report)}"
         if "nvtx" not in (c.get("host_sources") or ["nvtx"]):
             return f"the GPU's long idle gaps ({share}): no NVTX captured to name them"
-        return f"no NVTX range covers the GPU's long idle gaps ({share})"
+        # (idle_nvtx leaves out step and phase ranges, which say nothing of the host's work)
+        return (
+            f"the GPU's long idle gaps ({share}) lie in no NVTX range other than a step's or "
+            "its forward/backward/optimizer phase"
+        )
     parts = [
         f"NVTX '{_short(row['name'], 50)}'"
         + (f" → '{_short(row['detail'], 50)}'" if row.get("detail") else "")
@@ -364,16 +367,35 @@ def num(v: float | None) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
+def _kernels_line(m: dict, u: str) -> str:
+    """Kernels per step and the median kernel against the median launch call; where
+    graph-level tracing hides the replays' kernels, what is seen: the kernels outside them, the
+    graph launches, the eager warm-up's median kernel (the mix's source), and no comparison of
+    a kernel with a whole graph's launch call."""
+    kernels = f"{num(m.get('kernels_per_step'))} kernels/{u}"
+    median = fmt_us(m.get("median_kernel_us"))
+    launch = fmt_us(m.get("median_launch_us"))
+    if not m.get("kernel_stats_outside_window"):
+        return f"{kernels}, median kernel {median} vs launch {launch}"
+    return (
+        f"{kernels} outside {num(m.get('graph_launches_per_step'))} graph launches/{u} (their "
+        f"kernels unseen: graph-level tracing), median kernel {median} (the eager warm-up's), "
+        f"median launch call {launch}"
+    )
+
+
 def _compute_line(m: dict) -> str:
     families = sorted(
         ((k.removesuffix("_time_frac"), v) for k, v in m.items() if k.endswith("_time_frac") and v),
         key=lambda kv: -kv[1],
     )
     mix = ", ".join(f"{FAMILY_LABELS.get(f, f)} {pct(v)}" for f, v in families[:5])
+    small = m.get("small_grid_kernel_frac")
     line = (
         (f"{mix} of kernel time" if mix else "no kernel time in the window")
-        + f" · small grids {pct(m.get('small_grid_kernel_frac'))}, "
-        f"theoretical occupancy {pct(m.get('theoretical_occupancy_mean'))}"
+        # (a share of the kernels, not of their time: a line about kernel time around it)
+        + (f" · {pct(small)} of kernels with fewer blocks than SMs" if small is not None else "")
+        + f" · theoretical occupancy {pct(m.get('theoretical_occupancy_mean'))}"
     )
     if m.get("sm_active_mean") is not None:
         line += (
