@@ -246,3 +246,21 @@ def test_durations_read_as_durations_at_every_scale():
     assert fmt_us(0.5) == "0.5 µs"
     for v in (1e-9, 3e-7, 1e-4, 0.01, 1.0, 123.0, 9.99e5):
         assert "e" not in fmt_ms(v).split()[0], fmt_ms(v)
+
+
+def test_graph_level_launch_line_says_what_it_cannot_see():
+    """h100_compute_low_occupancy (graph-level tracing): its GEMMs run inside the replays, so
+    the window's own kernels per step are 0; the Launches line read "0 kernels/step, median
+    kernel 4 µs vs launch 320 µs" beside "one small GEMM shape runs 1019 times per step" (an
+    eager kernel against a whole graph's launch call). It says the replays' kernels are unseen
+    and where the median kernel comes from, and the compute line says the small-grid share is
+    one of kernels, not of kernel time."""
+    r = traceclf.analyze(trace_path("h100_compute_low_occupancy"), use_cache=False)
+    assert r.metrics["kernel_stats_outside_window"] is True
+    line = rows(r)["Launches"]
+    assert "graph launches/step (their kernels unseen: graph-level tracing)" in line
+    assert "(the eager warm-up's), median launch call" in line and " vs launch " not in line
+    small = r.metrics["small_grid_kernel_frac"]
+    assert f"{100 * small:.0f}% of kernels with fewer blocks than SMs" in rows(r)["Compute"]
+    eager = traceclf.analyze(trace_path("h100_host_launch_gpumetrics"), use_cache=False)
+    assert " vs launch " in rows(eager)["Launches"]
