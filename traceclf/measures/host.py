@@ -22,7 +22,10 @@ MEASURES: dict[str, str] = {
     "steps)",
     "median_launch_us": "median duration of a launch call of the analysed steps on the host",
     "short_kernel_frac": "kernels shorter than the median launch call",
-    "idle_launch_frac": "idle time while the host was issuing CUDA calls (launch-bound)",
+    "idle_launch_frac": "idle time in gaps while the host was issuing CUDA calls: gaps under 1 "
+    "ms, or longer ones CUDA calls cover half of, in which a call ran (launch-bound); the host "
+    "spends the gap in the calls or in its own code between them (host attribution splits the "
+    "two)",
     "idle_sync_frac": "idle time right after a synchronising call returned, or half filled by "
     "synchronising calls or cudaMalloc/cudaFree (which synchronise the device) the host sat in "
     "(sync-bound)",

@@ -209,7 +209,7 @@ def _host_line(report: Report) -> str:
 # What the host did while compute was launch-starved (the idle cause of the gap it fell in)
 STARVED_PARTS = (
     ("sync", "in sync idle"),
-    ("launch", "while the host launched"),
+    ("launch", "while the host launched (in its calls or between them)"),
     ("input", "waiting for input"),
     ("host", "host busy elsewhere"),
     ("graph", "inside graph replays"),
