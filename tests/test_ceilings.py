@@ -321,6 +321,29 @@ def test_allocator_cache_is_bounded_by_the_allocator_idle():
     assert c["bound_by"]["alloc_idle_frac"] == pytest.approx(r.metrics["alloc_idle_frac"], abs=1e-4)
 
 
+def test_host_attribution_counts_the_calls_in_the_idle_gaps_and_says_so():
+    """h100_memory_offload: host attribution's allocator row counts the cudaMalloc/cudaFree
+    calls that overlap the GPU's idle gaps (102 of the window's 182), and its evidence said
+    "102 calls in 8 steps", read as all of them beside the fix's 23 a step. Independent: the
+    calls overlapping an idle gap of the report's window."""
+    from traceclf.render.hostlines import counted_over, evidence
+
+    r = report("h100_memory_offload")
+    lo, hi, n = window(r)
+    con = connect("h100_memory_offload")
+    gaps = idle_gaps(gpu_work(con), lo, hi)
+    alloc = [(s, e) for s, e in calls(con, ("cudaMalloc%", "cudaFree%")) if e > lo and s < hi]
+    starts = [a for a, _ in gaps]
+    touching = 0
+    for s, e in alloc:
+        i = bisect.bisect_right(starts, e) - 1  # the last gap starting before the call ends
+        touching += i >= 0 and gaps[i][1] > s
+    row = next(x for x in r.host_attribution if x["what"] == "allocator")
+    assert row["detail"]["calls"] == touching < len(alloc)
+    said = evidence(row, counted_over(r), len(r.ranks))
+    assert said.startswith(f"{touching} calls in idle gaps in {n} steps")
+
+
 def test_grouped_gemm_is_bounded_by_real_gemm_time():
     """h100_compute_low_occupancy (graph-level CUDA graphs): the replay records 1024 GEMM
     launches of 64 blocks on 132 SMs, 4.175 µs each in the eager warm-up: 4.27 ms of real GEMM
