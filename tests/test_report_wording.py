@@ -264,3 +264,10 @@ def test_graph_level_launch_line_says_what_it_cannot_see():
     assert f"{100 * small:.0f}% of kernels with fewer blocks than SMs" in rows(r)["Compute"]
     eager = traceclf.analyze(trace_path("h100_host_launch_gpumetrics"), use_cache=False)
     assert " vs launch " in rows(eager)["Launches"]
+    assert "(84 per steady step)" in rows(eager)["Loop"]
+    # the optimizer's kernels per step come from the eager iteration too ("75 per steady step"
+    # read beside 153 in the whole capture)
+    graphed = traceclf.analyze(trace_path("h100_host_cudagraph"), use_cache=False)
+    per_step = graphed.metrics["optimizer_kernels_per_step"]
+    said = f"({per_step:.3g} per step in the eager warm-up; the graph replays' unseen)"
+    assert said in rows(graphed)["Loop"]

@@ -123,4 +123,10 @@ def _per_step(report: Report) -> str:
     """' (84 per steady step)': the optimizer kernels of the capture as the evidence counts
     them per step (the same kernels: ``optimizer_kernels_per_step``)."""
     per_step = report.metrics.get("optimizer_kernels_per_step")
-    return f" ({per_step:.3g} per steady step)" if per_step else ""
+    if not per_step:
+        return ""
+    if report.metrics.get("kernel_stats_outside_window"):
+        # (graph-level tracing: counted in the eager iteration; "75 per steady step" read
+        # beside 153 in the whole capture, whose replays' kernels are unseen)
+        return f" ({per_step:.3g} per step in the eager warm-up; the graph replays' unseen)"
+    return f" ({per_step:.3g} per steady step)"
