@@ -93,8 +93,9 @@ def test_peak_device_memory_leaves_pinned_host_buffers_out():
     assert m["peak_memory_frac"] == pytest.approx(device / capacity, abs=1e-5)
     assert m["pinned_host_peak_bytes"] == pinned
     sentence = next(e for e in report(name)["classification"]["evidence"] if "peak device" in e)
-    assert "peak device memory is 93% of the GPU's 79 GiB" in sentence
-    assert "pinned host buffers, at most 2.6 GiB, are host memory: not counted" in sentence
+    # (in GB, as the provenance line says the capacity: "79 GiB" read beside "85 GB")
+    assert f"peak device memory is 93% of the GPU's {capacity / 1e9:.0f} GB" in sentence
+    assert "pinned host buffers, at most 2.8 GB, are host memory: not counted" in sentence
     # the capacity argument still holds at 93%: pp-layout's precondition needs >= 90%
     assert "pp-layout" in {f["id"] for f in report(name)["fixes"]}
 
