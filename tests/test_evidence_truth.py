@@ -203,7 +203,17 @@ def _coalesce(*args: object) -> object:
     return next((a for a in args if a is not None), None)
 
 
-FUNCTIONS = {"min": min, "max": max, "abs": abs, "coalesce": _coalesce}
+def _count(n: float, noun: str) -> str:
+    """The rules' count(n, noun), for the nouns they count: '1 launch', '129 launches'."""
+    many = {"call": "calls", "copy": "copies", "launch": "launches", "kernel": "kernels"}
+    words = noun.split()
+    if round(n) != 1:
+        at = next(i for i, w in enumerate(words) if w in many)
+        words[at] = many[words[at]]
+    return f"{round(n):,} {' '.join(words)}"
+
+
+FUNCTIONS = {"min": min, "max": max, "abs": abs, "coalesce": _coalesce, "count": _count}
 
 
 def evaluate(expr: str, env: dict) -> object:

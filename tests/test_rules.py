@@ -813,3 +813,24 @@ def test_removing_syncs_gives_back_the_hosts_wait_and_leaves_its_other_work():
     assert long_wait["step_after_ms"] == pytest.approx(0.02664, rel=1e-3)  # the floor binds
     unbounded = ceil.ceiling(fix, env | {"wait_call_frac": 0.9, "host_call_ms_per_step": 0.001})
     assert unbounded["recoverable_ms"] == pytest.approx(0.73 * 0.052426, rel=1e-3)
+
+
+def test_counts_in_rule_sentences_take_their_nouns_number():
+    """count(n, noun) in a template: a count per step that rounds to one reads "1 synchronising
+    call ... for 1 launch" (a public OpenACC loop read "1 synchronising calls ... for 1
+    launches"); its plural goes on the phrase's noun ("cudaMalloc/cudaFree calls per step",
+    "copies"); anything but a number and a noun is unknown, as other functions' misuse is."""
+    from traceclf.rulebook.expr import Expr, Template
+
+    def render(source: str) -> str:
+        return Template.parse(source).render(env)
+
+    env = {"one": 1.2, "many": 129, "none": 0}
+    said = render('{count(one, "synchronising call")} for {count(many, "launch")}')
+    assert said == "1 synchronising call for 129 launches"
+    assert render('{count(none, "small device→host copy")}') == "0 small device→host copies"
+    assert render('{count(many, "cudaMalloc/cudaFree call per step")}') == (
+        "129 cudaMalloc/cudaFree calls per step"
+    )
+    assert Expr.parse('count("x", "call")').value(env) is None
+    assert Expr.parse('count(missing, "call")').value(env) is None

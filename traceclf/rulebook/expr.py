@@ -20,11 +20,36 @@ def _coalesce(*args: Any) -> Any:
     return next((a for a in args if a is not None), None)
 
 
+def _count(n: float, noun: str) -> str:
+    """``n`` rounded, and ``noun`` in the number it takes: '1 launch call', '129 calls'
+    ('1 synchronising calls' read where a count per step rounds to one)."""
+    if not isinstance(noun, str) or isinstance(n, bool) or not isinstance(n, int | float):
+        raise TypeError("count(number, noun)")
+    whole = round(n)
+    return f"{whole:,} {noun}" if whole == 1 else f"{whole:,} {_plural(noun)}"
+
+
+def _plural(noun: str) -> str:
+    """The plural of a rule's noun phrase: its first word that takes one ('cudaMalloc/cudaFree
+    call per step' -> '... calls per step'), or its last word."""
+    words = noun.split(" ")
+    at = next((i for i, w in enumerate(words) if w in _PLURAL_FIRST), len(words) - 1)
+    word = words[at]
+    if word.endswith("y") and word[-2:-1] not in ("a", "e", "i", "o", "u", ""):
+        words[at] = word[:-1] + "ies"
+    else:
+        words[at] = word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
+    return " ".join(words)
+
+
+_PLURAL_FIRST = {"call", "copy", "launch", "kernel"}  # (pluralised where a phrase goes on)
+
 _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "min": min,
     "max": max,
     "abs": abs,
     "coalesce": _coalesce,  # the first argument that is not null: a fallback for a measure
+    "count": _count,  # a number with its noun: count(launch_calls_per_step, "launch")
 }
 _NULL_SAFE = {"coalesce"}  # functions that take null arguments (the others return null)
 
