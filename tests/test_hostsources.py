@@ -250,9 +250,9 @@ def test_slow_loader_input_gaps_by_the_sign_that_makes_them_loading():
     assert m["idle_input_nvtx_frac"] == 0
     said = " ".join(rep["classification"]["evidence"])
     assert (
-        f"{m['idle_input_copy_frac']:.0%} in gaps that end with a host→device copy of the next "
-        f"batch, in an NVTX data-loading range 0%, where the launching thread's samples are in "
-        f"data-loading code {m['idle_input_samples_frac']:.0%}"
+        "in gaps that end with a host→device copy of the next batch "
+        f"{m['idle_input_copy_frac']:.0%}; in an NVTX data-loading range 0%; where the launching "
+        f"thread's samples show data-loading code {m['idle_input_samples_frac']:.0%}"
     ) in said
 
 
