@@ -383,3 +383,29 @@ def test_copies_to_and_from_cuda_arrays_cross_the_host_link_too(tmp_path):
     for name in ("h2d_bytes_per_step", "d2h_bytes_per_step", "offload_copy_frac"):
         assert after[name] == pytest.approx(before[name], rel=1e-6), name
     assert after["h2d_bytes_per_step"] > 2e9
+
+
+def test_cuda_backtrace_rows_are_not_calls(tmp_path):
+    """Exports taken with --cudabacktrace by nsys 2021-2022 hold, for each call with a
+    backtrace, a second row of eventClass 67 (TRACE_PROCESS_EVENT_CUDABACKTRACE) with the same
+    correlationId, enclosing the call, named without the version suffix: public MPI and
+    sampling exports read 10 launches per step for 5 kernels and 12 syncs for 6. CONSTRUCTED
+    from a real export: every call of h100_memory_offload given such a row; the report is the
+    export's own."""
+    add = (
+        "INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME (start, end, eventClass, globalTid, "
+        "correlationId, nameId, returnValue) SELECT start - 300, end + 200, {cls}, globalTid, "
+        "correlationId, nameId, returnValue FROM CUPTI_ACTIVITY_KIND_RUNTIME "
+        "WHERE eventClass IN (0, 1)"
+    )
+    path = edited(tmp_path, "h100_memory_offload", *(add.format(cls=c) for c in (67, 68, 69)))
+    with sqlite3.connect(path) as con:
+        (classes,) = con.execute(
+            "SELECT count(DISTINCT eventClass) FROM CUPTI_ACTIVITY_KIND_RUNTIME"
+        ).fetchone()
+    assert classes >= 4
+    mine, theirs = report(path), report(trace_path("h100_memory_offload"))
+    for name in ("launch_calls_per_step", "sync_calls_per_step", "alloc_calls_per_step"):
+        assert mine["metrics"][name] == theirs["metrics"][name] > 0, name
+    for name in ("idle_launch_frac", "idle_sync_frac", "wait_call_frac", "host_call_ms_per_step"):
+        assert mine["metrics"][name] == pytest.approx(theirs["metrics"][name], abs=1e-6), name

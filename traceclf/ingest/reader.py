@@ -22,7 +22,7 @@ import connectorx as cx
 import polars as pl
 
 from traceclf.ingest.schema import BEING_WRITTEN, ExportInfo, changed_since, readonly_uri
-from traceclf.ingest.tables import TABLES, TIMED, Col
+from traceclf.ingest.tables import ROW_FILTERS, TABLES, TIMED, Col
 from traceclf.ingest.utf8 import blob_sql, decode_text
 from traceclf.support.cpus import cpu_share, in_worker
 from traceclf.support.errors import TraceError
@@ -142,6 +142,8 @@ class Reader:
             return empty_frame(cols)
         present = frozenset(self.info.columns[table])
         clauses = [where] if where else []
+        if logical in ROW_FILTERS and ROW_FILTERS[logical][0] in present:
+            clauses.append(ROW_FILTERS[logical][1])
         if spans is not None and logical in TIMED:
             end = '"end"' if "end" in present else "start"
             # (first: SQLite tests the terms in the order given, and the spans of analysed
