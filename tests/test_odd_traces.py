@@ -409,3 +409,32 @@ def test_cuda_backtrace_rows_are_not_calls(tmp_path):
         assert mine["metrics"][name] == theirs["metrics"][name] > 0, name
     for name in ("idle_launch_frac", "idle_sync_frac", "wait_call_frac", "host_call_ms_per_step"):
         assert mine["metrics"][name] == pytest.approx(theirs["metrics"][name], abs=1e-6), name
+
+
+def test_pinned_host_allocation_is_its_own_class_named_by_its_time(tmp_path):
+    """Pinned host memory allocated and freed in the idle gaps (cudaHostAlloc, cudaFreeHost:
+    176 ms of a public export's 177 ms "other CUDA call", named after 20 cudaMemcpyAsync calls
+    of 0.15 ms in all) is a class of its own, named after the call with the most idle time in
+    it. CONSTRUCTED from a real export: h100_memory_offload's cudaFree calls renamed
+    cudaFreeHost; every host attribution number stays the export's own."""
+    path = edited(
+        tmp_path,
+        "h100_memory_offload",
+        "UPDATE StringIds SET value = 'cudaFreeHost_v3020' WHERE value = 'cudaFree_v3020'",
+    )
+    rows = {r["what"]: r for r in report(path)["host_attribution"] if r["source"] == "cuda_api"}
+    before = {
+        r["what"]: r
+        for r in report(trace_path("h100_memory_offload"))["host_attribution"]
+        if r["source"] == "cuda_api"
+    }
+    pinned = rows["pinned host allocation"]
+    assert pinned["detail"]["top_call"] == "cudaFreeHost_v3020"
+    assert (
+        pinned["detail"]["calls"] + rows["allocator"]["detail"]["calls"]
+        == (before["allocator"]["detail"]["calls"])
+    )
+    both = pinned["ms_per_step"] + rows["allocator"]["ms_per_step"]
+    assert both == pytest.approx(before["allocator"]["ms_per_step"], abs=2e-3)
+    # (the allocator's idle time is mostly in its cudaFree calls, which wait for the device)
+    assert before["allocator"]["detail"]["top_call"] == "cudaFree_v3020"

@@ -127,7 +127,7 @@ def evidence(row: dict, over: str = "in the window", ranks: int = 1) -> str:
             what += f" ({d['call_class']})"
         parts.append(what)
         if d.get("top_call"):
-            parts.append(f"most often {d['top_call']}")
+            parts.append(f"most of it in {d['top_call']}")
         if d.get("top_frame"):
             parts.append(f"top user frame {d['top_frame']}")
     elif "samples" in d:
