@@ -20,6 +20,7 @@ from helpers.cli import run_cli
 from helpers.files import copy_export, drop_tables
 from helpers.variants import (
     as_nsys_2021_early,
+    as_nsys_2021_late,
     as_nsys_2022,
     as_nsys_2026,
     rebuild_table,
@@ -32,6 +33,9 @@ from traceclf.support.errors import TraceError
 
 VARIANTS: dict[str, tuple[Callable[[Path], Path], str, str]] = {
     "2021.1": (as_nsys_2021_early, "2021.1.1.66", "2.3.0"),
+    # (its GPU facts in TARGET_INFO_CUDA_GPU beside a TARGET_INFO_GPU of names: SM counts and
+    # memory read as unknown before they were taken from the second)
+    "2021.3": (as_nsys_2021_late, "2021.3.1.57", "2.5.0"),
     "2022.2": (as_nsys_2022, "2022.2.1.31", "2.9.1"),
     "2026.2": (as_nsys_2026, "2026.2.1.210", "3.25.0"),
 }

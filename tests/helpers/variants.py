@@ -104,6 +104,25 @@ def as_nsys_2021_early(path: Path) -> Path:
     return path
 
 
+def as_nsys_2021_late(path: Path) -> Path:
+    """As :func:`as_nsys_2021_early`, with a TARGET_INFO_GPU that holds only each device's
+    name and bus (vmId, deviceId, name, busLocation, isDiscrete), as public exports of
+    2020-2021 have it beside TARGET_INFO_CUDA_GPU's SMs, memory and limits."""
+    as_nsys_2021_early(path)
+    with sqlite3.connect(path) as con:
+        for name, value in (
+            ("EXPORT_PRODUCT_VERSION", "2021.3.1.57"),
+            ("EXPORT_SCHEMA_VERSION_MINOR", "5"),
+        ):
+            con.execute("UPDATE EXPORT_META_DATA SET value = ? WHERE name = ?", (value, name))
+        con.execute(
+            "CREATE TABLE TARGET_INFO_GPU AS SELECT vmId, deviceId, name, busLocation, "
+            "isDiscrete FROM TARGET_INFO_CUDA_GPU"
+        )
+    con.close()
+    return path
+
+
 # Tables the loader reads; a newer nsys adds columns to them.
 READ_TABLES = (
     "CUPTI_ACTIVITY_KIND_KERNEL",

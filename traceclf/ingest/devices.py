@@ -131,9 +131,27 @@ GPU_TEXT = tuple(
 
 
 def read_gpus(reader: Reader) -> pl.DataFrame:
-    table = next((t for t in GPU_TABLES if reader.info.has(t)), None)
+    """The GPUs of the capture (:data:`GPU_SCHEMA`): from TARGET_INFO_GPU, each fact it lacks
+    from TARGET_INFO_CUDA_GPU of the same device (exports of 2020-2021 kept only the GPU's
+    name in the first and its SMs, memory and limits in the second: occupancy and SM fill
+    were unknown there)."""
+    tables = [_gpu_table(reader, t) for t in GPU_TABLES if reader.info.has(t)]
+    tables = [t for t in tables if not t.is_empty()]
+    if not tables:
+        return pl.DataFrame(schema=GPU_SCHEMA)
+    gpus = tables[0]
+    for other in tables[1:]:
+        facts = [c for c in GPU_SCHEMA if c != "gpu_id"]
+        gpus = gpus.join(other, on="gpu_id", how="left", suffix="_other").select(
+            "gpu_id", *(pl.coalesce(c, f"{c}_other").alias(c) for c in facts)
+        )
+    return gpus
+
+
+def _gpu_table(reader: Reader, table: str) -> pl.DataFrame:
+    """One GPU table's facts as :data:`GPU_SCHEMA`, a row per device."""
     wanted = (src for sources in GPU_COLUMNS.values() for src in sources)
-    raw = reader.small_table(table, wanted, text=GPU_TEXT) if table else pl.DataFrame()
+    raw = reader.small_table(table, wanted, text=GPU_TEXT)
     if raw.is_empty():
         return pl.DataFrame(schema=GPU_SCHEMA)
 
