@@ -438,3 +438,32 @@ def test_pinned_host_allocation_is_its_own_class_named_by_its_time(tmp_path):
     assert both == pytest.approx(before["allocator"]["ms_per_step"], abs=2e-3)
     # (the allocator's idle time is mostly in its cudaFree calls, which wait for the device)
     assert before["allocator"]["detail"]["top_call"] == "cudaFree_v3020"
+
+
+def test_kernels_that_run_only_outside_the_window_are_named(tmp_path):
+    """A benchmark's second phase (1050 tiled GEMMs after 1050 naive ones, 42% of its kernel
+    time) lay outside the window and the report named it nowhere. CONSTRUCTED from a real
+    export: h100_memory_offload's kernels run again, renamed, after the capture; the window
+    and its numbers stay the export's own, and the capture block names the second phase with
+    its share (half the kernel time: the same kernels)."""
+    path = edited(
+        tmp_path,
+        "h100_memory_offload",
+        "INSERT INTO StringIds (id, value) VALUES (99999999, 'second_phase_kernel')",
+        "CREATE TEMP TABLE k AS SELECT * FROM CUPTI_ACTIVITY_KIND_KERNEL",
+        "UPDATE k SET start = start + (SELECT max(end) - min(start) + 1000000000 FROM "
+        "CUPTI_ACTIVITY_KIND_KERNEL), end = end + (SELECT max(end) - min(start) + 1000000000 "
+        "FROM CUPTI_ACTIVITY_KIND_KERNEL), shortName = 99999999, demangledName = 99999999, "
+        "correlationId = NULL",
+        "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL SELECT * FROM k",
+    )
+    mine, theirs = report(path), report(trace_path("h100_memory_offload"))
+    assert theirs["capture"]["kernels_outside"] == []
+    assert mine["ranks"][0]["steps"]["window_ns"] == theirs["ranks"][0]["steps"]["window_ns"]
+    assert mine["metrics"]["compute_frac"] == theirs["metrics"]["compute_frac"]
+    (phase,) = mine["capture"]["kernels_outside"]
+    assert phase["name"] == "second_phase_kernel"
+    assert phase["share"] == pytest.approx(0.5, abs=1e-4)
+    code, md, _ = run_cli("analyze", path, "-f", "md", "-q", "--no-cache")
+    assert code == 0
+    assert "second_phase_kernel" in md and "run only outside the window, not analysed" in md

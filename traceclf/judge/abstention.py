@@ -85,6 +85,7 @@ def capture_block(
         "warmup_dropped": _warmup(first),
         "window_ns": first.window_ns if first else [0, 0],
         "window_share_of_capture": _min(f.get("window_share_of_capture") for f in facts),
+        "kernels_outside": _outside(f.get("kernels_outside") or [] for f in facts),
         "read_path": _common(f.get("read_path", "whole") for f in facts) or "whole",
         "graph_trace_mode": _common(f.get("graph_trace_mode") for f in facts),
         "kernel_mix_source": _common(f.get("kernel_mix_source") for f in facts),
@@ -235,6 +236,16 @@ def _unique_messages(per_rank) -> list[dict]:
 def _max(values) -> float | None:
     vals = [v for v in values if v is not None]
     return max(vals) if vals else None
+
+
+def _outside(per_rank) -> list[dict]:
+    """The ranks' kernels that run only outside the window, by name: a rank's that holds the
+    largest share of its capture's kernel time, largest first."""
+    best: dict[str, dict] = {}
+    for entry in (e for rank in per_rank for e in rank):
+        if entry["name"] not in best or entry["share"] > best[entry["name"]]["share"]:
+            best[entry["name"]] = entry
+    return sorted(best.values(), key=lambda e: (-e["share"], e["name"]))
 
 
 def _min(values) -> float | None:

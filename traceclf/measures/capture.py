@@ -1,11 +1,12 @@
 """What one rank's capture holds, before any wall is judged (the report's ``capture`` block,
 docs/judgement.md): how much GPU work, whether it repeats, the evidence of a training loop (the
 judge decides whether it is one: :mod:`traceclf.judge.abstention`), how CUDA graphs were
-traced, whether GPU metrics and NCCL payloads are there, and how much of the capture the window
-covers."""
+traced, whether GPU metrics and NCCL payloads are there, how much of the capture the window
+covers, and the kernels that run only outside it."""
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
 from traceclf.measures import intervals
@@ -54,7 +55,53 @@ def capture_facts(w: RankWindow) -> dict:
         if not trace.overhead.is_empty()
         else 0.0,
         "python_process": _python_process(w),
+        "kernels_outside": kernels_outside(w),
     }
+
+
+# A kernel that never runs in the window is named when it holds this share of the capture's
+# kernel time: a benchmark's second phase (1050 tiled GEMMs after 1050 naive ones, 42% of
+# the kernel time) was outside the window and named nowhere.
+OUTSIDE_SHARE = 0.1
+OUTSIDE_SHOWN = 3
+
+
+def kernels_outside(w: RankWindow) -> list[dict]:
+    """The kernels (by short name) that run only outside the window and hold at least
+    :data:`OUTSIDE_SHARE` of the capture's kernel time, largest first: ``name``, ``ms``,
+    ``share``. None of a step-sampled read (it holds the analysed steps' kernels alone) nor
+    with graph-level tracing (the window's kernels are hidden in the replays)."""
+    trace = w.trace
+    if trace.read_path != "whole" or graph_trace_mode(w) == "graph" or trace.kernels.is_empty():
+        return []
+    kernels = trace.kernels
+    start = kernels["start"].to_numpy()
+    spans = intervals.spans_of(w.spans)
+    los = np.array([lo for lo, _ in spans], np.int64)
+    his = np.array([hi for _, hi in spans], np.int64)
+    at = np.searchsorted(los, start, side="right") - 1
+    inside = (at >= 0) & (start < his[np.maximum(at, 0)])
+    per = (
+        kernels.select(
+            name=pl.coalesce(pl.col("short_name"), pl.col("name")).cast(pl.String),
+            ns=pl.col("end") - pl.col("start"),
+            inside=pl.Series(inside),
+        )
+        .group_by("name")
+        .agg(pl.col("ns").sum(), pl.col("inside").any())
+    )
+    total = int(per["ns"].sum())
+    if not total:
+        return []
+    alone = (
+        per.filter(~pl.col("inside") & (pl.col("ns") >= OUTSIDE_SHARE * total))
+        .sort(["ns", "name"], descending=[True, False])
+        .head(OUTSIDE_SHOWN)
+    )
+    return [
+        {"name": name, "ms": round(ns / 1e6, 4), "share": round(ns / total, 4)}
+        for name, ns in alone.select("name", "ns").iter_rows()
+    ]
 
 
 DIAGNOSTICS_SHOWN = 20  # messages that matter, at most (each text cut by the loader)

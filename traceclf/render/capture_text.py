@@ -110,6 +110,13 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
                           "declared_empty": "declared but empty (no message sizes)",
                           "absent": "absent"}.get(c.get("nccl_payload"), "–")),
     ]  # fmt: skip
+    outside = c.get("kernels_outside") or []
+    if outside:  # (kernels the report does not cover: another phase of the program)
+        names = ", ".join(
+            f"{e['name']} {fmt_ms(e['ms'])} ({pct(e['share'])} of the capture's kernel time)"
+            for e in outside
+        )
+        rows.append(("Not in window", f"{names}: run only outside the window, not analysed"))
     if any(unusable.values()):
         rows.append(("Unusable rows", ", ".join(f"{k} {v:,}" for k, v in unusable.items() if v)))
     repaired = {k: v for k, v in (c.get("repaired_strings") or {}).items() if v}
