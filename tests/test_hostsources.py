@@ -917,3 +917,56 @@ def test_the_jobs_attribution_shares_agree_with_its_ms():
         ]
         assert row["frac_of_idle"] == pytest.approx(sum(mine) / idle, abs=1e-4)
         assert row["ms_per_step"] == pytest.approx(sum(mine) / 2, abs=1e-4)
+
+
+def test_an_activity_with_several_ranges_gives_each_ones_share(tmp_path):
+    """h100_nccl_groups: one rank's long gaps lie under two kinds of NCCL range; the row is
+    named after the first ("ncclAlltoAll") and its evidence gives each kind's share (a public
+    MPI export's "MPI_Send 174 ms" was half MPI_Recv). Independent: the report's exported long
+    gaps (causes host and input) and the export's NCCL ranges of the rank's process, the
+    outermost by hand, their overlap per name."""
+    out = tmp_path / "tables"
+    path = fixture_trace("h100_nccl_groups")
+    code, text, err = run_cli(
+        "analyze", path, "-f", "json", "-q", "--no-cache", "--export-dir", out
+    )
+    assert code == 0, err
+    rep = json.loads(text)
+    row = next(
+        x for x in rep["host_attribution"] if (x["detail"] or {}).get("activity") == "communication"
+    )
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    ranges = con.execute(
+        "SELECT n.start, n.end, coalesce(n.text, s.value), (n.globalTid >> 24) & 16777215 "
+        "FROM NVTX_EVENTS n LEFT JOIN StringIds s ON s.id = n.textId WHERE n.end IS NOT NULL"
+    ).fetchall()
+    con.close()
+    nccl = re.compile(r"(?i)^nccl|c10d::|record_param_comms|barrier")
+    shares = []
+    for rank in rep["ranks"]:
+        with open(out / "idle_gaps.csv") as f:
+            rows = [line.strip().split(",") for line in f][1:]
+        gaps = [
+            (int(r[1]), int(r[1]) + int(r[2]))
+            for r in rows
+            if int(r[0]) == rank["rank"] and r[3] in ("host", "input")
+        ]
+        mine = sorted(
+            ((a, b, t) for a, b, t, pid in ranges if pid == rank["pid"] and nccl.search(t or "")),
+            key=lambda x: (x[0], -x[1]),
+        )
+        outer, reach = [], -1
+        for a, b, t in mine:
+            if b > reach:  # (not inside the outermost range before it)
+                outer.append((a, b, t))
+                reach = b
+        per = Counter()
+        for a, b, t in outer:
+            per[t] += sum(max(0, min(b, y) - max(a, x)) for x, y in gaps)
+        if sum(per.values()):
+            shares.append({t: ns / sum(per.values()) for t, ns in per.items() if ns})
+    (mine,) = shares  # (one rank's gaps lie under NCCL ranges: the row's "on 1 rank")
+    first = max(mine, key=mine.get)
+    assert row["what"] == first
+    said = ", ".join(f"{t} {100 * s:.0f}%" for t, s in sorted(mine.items(), key=lambda x: -x[1]))
+    assert row["detail"]["ranges"] == said

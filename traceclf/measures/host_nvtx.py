@@ -77,7 +77,8 @@ def activity_cover(long: pl.DataFrame, w: RankWindow) -> list[dict]:
             ns=pl.Series(idle.covered(outer["start"].to_numpy(), outer["end"].to_numpy())),
             name=_plain("text"),
         )
-        name = named.group_by("name").agg(pl.col("ns").sum()).sort(["ns", "name"])["name"][-1]
+        by_name = named.group_by("name").agg(pl.col("ns").sum()).sort(["ns", "name"])
+        name = by_name["name"][-1]
         inner = long.filter(pl.col("activity") == activity).with_columns(name=_plain("nvtx"))
         innermost = inner.group_by("name").agg(pl.len(), pl.col("nvtx_ns").sum())
         detail = innermost.sort(["len", "nvtx_ns", "name"])["name"][-1] if len(innermost) else None
@@ -86,6 +87,7 @@ def activity_cover(long: pl.DataFrame, w: RankWindow) -> list[dict]:
                 "name": name,
                 "detail": detail if detail != name else None,
                 "activity": activity,
+                "ranges": _shares(by_name),
                 "ns": int((hi - lo).sum()),
                 "gaps": int((under.covered(gstart, gend) > 0).sum()),
                 "lo": lo,
@@ -94,6 +96,22 @@ def activity_cover(long: pl.DataFrame, w: RankWindow) -> list[dict]:
         )
     # (most time first: of activities whose ranges overlap, host attribution credits the first)
     return sorted(rows, key=lambda r: (-r["ns"], r["name"]))
+
+
+RANGES_NAMED = 3  # an activity's outermost ranges named with their shares, at most
+
+
+def _shares(by_name: pl.DataFrame) -> str | None:
+    """'MPI_Send 51%, MPI_Recv 49%': an activity's outermost ranges by their share of its
+    time, where it has several (its row is named after the first: "MPI_Send" read for 174 ms
+    half of which was MPI_Recv); None where one range holds it all."""
+    if by_name.height < 2:
+        return None
+    total = max(int(by_name["ns"].sum()), 1)
+    top = by_name.sort(["ns", "name"], descending=[True, False]).head(RANGES_NAMED)
+    shown = ", ".join(f"{n} {100 * ns / total:.0f}%" for n, ns in top.iter_rows())
+    rest = by_name.height - top.height
+    return shown + (f" and {rest} more" if rest else "")
 
 
 def _inside(runs: Busy, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -150,6 +150,8 @@ def _nvtx(
         what = row["name"] + (f" → {row['detail']}" if row["detail"] else "")
         claims.take("nvtx", what, row["lo"], row["hi"])
         details[("nvtx", what)] = {"gaps": row["gaps"], "activity": row["activity"]}
+        if row["ranges"]:
+            details[("nvtx", what)]["ranges"] = row["ranges"]
     named = long.filter(pl.col("nvtx").is_not_null() & pl.col("activity").is_null())
     cover = nvtx_cover(named.select("start", "end", "dur"), w)
     if cover.is_empty():

@@ -118,7 +118,10 @@ def evidence(row: dict, over: str = "in the window", ranks: int = 1) -> str:
     parts = []
     if source == "nvtx":
         where = f"under its {d['activity']} ranges" if d.get("activity") else "in the range"
-        parts.append(f"{_count(d.get('gaps', 0), 'long gap')} {where}")
+        parts.append(
+            f"{_count(d.get('gaps', 0), 'long gap')} {where}"
+            + (f" ({d['ranges']})" if d.get("ranges") else "")
+        )
     elif "calls" in d:
         # (the calls that overlap the idle gaps: not every call of the class, 102 of 182
         # allocator calls read as all of them beside a fix counting 23 a step)
