@@ -390,15 +390,26 @@ def test_cuda_backtrace_rows_are_not_calls(tmp_path):
     backtrace, a second row of eventClass 67 (TRACE_PROCESS_EVENT_CUDABACKTRACE) with the same
     correlationId, enclosing the call, named without the version suffix: public MPI and
     sampling exports read 10 launches per step for 5 kernels and 12 syncs for 6. CONSTRUCTED
-    from a real export: every call of h100_memory_offload given such a row; the report is the
-    export's own."""
+    from a real export: every call of h100_memory_offload given such a row, and the
+    CUDA_CALLCHAINS table they come with (the rows are looked for only there: the test costs
+    0.6 s a core on 11 M calls); the report is the export's own."""
     add = (
         "INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME (start, end, eventClass, globalTid, "
         "correlationId, nameId, returnValue) SELECT start - 300, end + 200, {cls}, globalTid, "
         "correlationId, nameId, returnValue FROM CUPTI_ACTIVITY_KIND_RUNTIME "
         "WHERE eventClass IN (0, 1)"
     )
-    path = edited(tmp_path, "h100_memory_offload", *(add.format(cls=c) for c in (67, 68, 69)))
+    callchains = (  # (where such rows come from: nsys keeps their backtraces here)
+        "CREATE TABLE CUDA_CALLCHAINS (id INTEGER NOT NULL, symbol INTEGER NOT NULL, module "
+        "INTEGER NOT NULL, unresolved INTEGER, originalIP INTEGER, stackDepth INTEGER NOT NULL, "
+        "PRIMARY KEY (id, stackDepth))"
+    )
+    path = edited(
+        tmp_path,
+        "h100_memory_offload",
+        callchains,
+        *(add.format(cls=c) for c in (67, 68, 69)),
+    )
     with sqlite3.connect(path) as con:
         (classes,) = con.execute(
             "SELECT count(DISTINCT eventClass) FROM CUPTI_ACTIVITY_KIND_RUNTIME"

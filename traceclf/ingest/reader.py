@@ -142,8 +142,10 @@ class Reader:
             return empty_frame(cols)
         present = frozenset(self.info.columns[table])
         clauses = [where] if where else []
-        if logical in ROW_FILTERS and ROW_FILTERS[logical][0] in present:
-            clauses.append(ROW_FILTERS[logical][1])
+        if logical in ROW_FILTERS:
+            column, condition, comes_with = ROW_FILTERS[logical]
+            if column in present and self.info.has(comes_with):
+                clauses.append(condition)
         if spans is not None and logical in TIMED:
             end = '"end"' if "end" in present else "start"
             # (first: SQLite tests the terms in the order given, and the spans of analysed
