@@ -160,7 +160,7 @@ def test_host_only_activity_of_another_process_stays_out_of_the_rank(tmp_path):
     assert r["metrics"]["launch_calls_per_step"] < 200  # 1191's own ~130, not both ranks'
 
 
-def test_no_process_with_gpu_work_is_an_error(tmp_path):
+def test_no_process_with_gpu_work_is_an_error(tmp_path, monkeypatch):
     path = edited(
         tmp_path,
         "h100_comm_ep2",
@@ -177,6 +177,11 @@ def test_no_process_with_gpu_work_is_an_error(tmp_path):
     assert code == 2 and out == ""
     assert err.startswith("traceclf: error:") and "no process ran GPU work" in err
     assert len(err.strip().splitlines()) == 1
+    # the file as the user named it, not as the analysis (or a worker) resolved it: a
+    # public export's "no kernel ran" error alone printed the absolute path
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli("analyze", path.name, "--no-cache", "-q")
+    assert code == 2 and err.startswith(f"traceclf: error: {path.name}: no process ran GPU work")
 
 
 @pytest.mark.parametrize("regex", ["^Iter(?=ation)", "(unclosed"])

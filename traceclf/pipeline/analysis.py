@@ -207,18 +207,26 @@ def _analyse_files(
         inspect_export(path, check_pages=not _result_cached(path, opts))
     # A spinner per worker process would garble stderr: progress only for in-process loads.
     in_process = len(exports) == 1 or opts.jobs == 1
-    results = map_exports(
-        functools.partial(
-            analyze_export, opts=opts, show_progress=in_process and not opts.dask_address
-        ),
-        # Workers (other processes, other machines) get absolute paths: a relative one would
-        # name whatever file sits there in the worker's folder. Results carry the user's name.
-        [path.resolve() for path in exports],
-        jobs=opts.jobs,
-        dask_address=opts.dask_address,
-        quiet=opts.quiet,
-        pool=pool,
-    )
+    resolved = [path.resolve() for path in exports]
+    try:
+        results = map_exports(
+            functools.partial(
+                analyze_export, opts=opts, show_progress=in_process and not opts.dask_address
+            ),
+            # Workers (other processes, other machines) get absolute paths: a relative one
+            # would name whatever file sits there in the worker's folder. Results carry the
+            # user's name, and so do errors.
+            resolved,
+            jobs=opts.jobs,
+            dask_address=opts.dask_address,
+            quiet=opts.quiet,
+            pool=pool,
+        )
+    except TraceError as e:
+        named = {str(r): n for r, (_e, n) in zip(resolved, sources, strict=True)}
+        if e.path in named and type(e) is TraceError:
+            raise TraceError(named[e.path], e.problem) from None
+        raise
     # A report exported into the cache is reported under the name the user gave.
     return [r.named(named) for r, (_export, named) in zip(results, sources, strict=True)]
 
