@@ -547,36 +547,6 @@ def test_removing_syncs_gives_back_no_more_than_the_host_waited():
     assert clover.metrics["wait_call_frac"] > 10 * clover.metrics["idle_after_wait_frac"]
 
 
-@pytest.mark.parametrize(
-    ("name", "low", "high"),
-    [("h100_host_cudagraph", 0.6, 0.7), ("h100_host_cudagraph_nodetrace", 0.55, 0.65)],
-)
-def test_a_fused_optimizer_keeps_one_pass_over_the_state(name: str, low: float, high: float):
-    """The CUDA-graph runs' optimizer is 64-65% of kernel time; a fused one still passes over
-    the parameters and their state once, no shorter than its longest pass now (one kernel's
-    calls: 25-26% of kernel time): +59-64% at most, where the optimizer's time gone read ×2.6
-    and ×2.8. Independent: the shares recomputed from the export's kernels
-    (tests/helpers/independent.py), over the report's window."""
-    from helpers import independent as ind
-
-    r = report(name)
-    rank = r.ranks[0]
-    steps = rank["steps"]
-    mine = ind.rank_measures(
-        trace_path(name), rank["pid"], tuple(steps["window_ns"]), steps["used"],
-        steps["source"], steps["label"],
-    )  # fmt: skip
-    assert 0.2 < mine["optimizer_pass_frac"] < mine["optimizer_time_frac"] / 2
-    kept = mine["optimizer_time_frac"] - mine["optimizer_pass_frac"]
-    c = ceiling_of(r, "fused-optimizer")
-    want = kept * r.metrics["compute_frac"] * r.metrics["step_time_ms"]
-    assert c["recoverable_ms"] == pytest.approx(want, rel=0.01)
-    assert low < c["throughput_gain"] < high
-    assert c["bound_by"]["optimizer_pass_frac"] == pytest.approx(
-        mine["optimizer_pass_frac"], abs=1e-3
-    )
-
-
 def test_a_fix_beside_the_bound_needs_a_measurable_ceiling(tmp_path: Path):
     """The host-syncs rule fires on CloverLeaf at a score above `noteworthy`; with the gain
     bar raised above its 6% ceiling the fix is left out again."""

@@ -912,12 +912,6 @@ def _kernel_mix(w: Window) -> dict:
         out[f"{fam}_time_frac"] = fam_ns / total if total else 0.0
     placed = sum(d for k, d in zip(shape, dur, strict=True) if k.get("by_position"))
     out["optimizer_by_position_frac"] = placed / total if total else 0.0
-    # the optimizer's longest pass: its kernels of one (demangled) name, together
-    passes: dict[str, int] = {}
-    for k, d in zip(shape, dur, strict=True):
-        if k["family"] == "optimizer":
-            passes[k["name"]] = passes.get(k["name"], 0) + d
-    out["optimizer_pass_frac"] = max(passes.values(), default=0) / total if total else 0.0
     gemm = [k for k in shape if k["family"] == "gemm"]
     gemm_ns = sum(k["end"] - k["start"] for k in gemm)
     small = [k for k in gemm if sm_count and k["grid"] < sm_count]

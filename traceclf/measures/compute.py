@@ -65,10 +65,6 @@ MEASURES: dict[str, str] = {
     "optimizer_by_position_frac": "share of kernel time in kernels counted as the optimizer's "
     "only by where they run, inside an optimizer's run (not by name, nor by an optimizer NVTX "
     "range): part of optimizer_time_frac, a premise to check",
-    "optimizer_pass_frac": "share of kernel time in the optimizer's longest pass: of its "
-    "kernels (optimizer_time_frac's), those of one name together (one operation over every "
-    "tensor; graph-level tracing: the eager iteration's). A fused optimizer reads and writes at "
-    "least what any one of them does: the time it keeps",
     "optimizer_kernels_per_step": "optimizer kernels per step (by name, launched inside an "
     "optimizer NVTX range, or inside an optimizer's run; graph-level tracing: the eager "
     "iteration's): dozens mean a per-tensor, unfused optimizer (null when neither an optimizer "
@@ -95,7 +91,6 @@ KERNEL_SHAPE_MEASURES = (
     "small_grid_kernel_frac",
     "theoretical_occupancy_mean",
     "optimizer_by_position_frac",
-    "optimizer_pass_frac",
     *(f"{fam}_time_frac" for fam in FAMILY_NAMES),
 )
 
@@ -252,7 +247,6 @@ def _kernel_measures(
     kern = kern.select(  # (only what is read here: no frame of every column)
         "family",
         "grid_blocks",
-        "name",
         dur=pl.col("end") - pl.col("start"),
         occ=theoretical_occupancy(gpu),
         by_position=pl.col("optimizer_by_position") if positioned else pl.lit(False),
@@ -284,8 +278,6 @@ def _kernel_measures(
         out[f"{fam}_time_frac"] = by_family.get(fam, 0) / total if total else 0.0
     placed = int(kern["dur"].filter(kern["by_position"]).sum())
     out["optimizer_by_position_frac"] = placed / total if total else 0.0
-    passes = kern.filter(pl.col("family") == "optimizer").group_by("name").agg(pl.col("dur").sum())
-    out["optimizer_pass_frac"] = int(passes["dur"].max() or 0) / total if total else 0.0
     return out
 
 
