@@ -793,8 +793,10 @@ def _host(w: Window) -> dict:
         if kernel_ns and launch_ns
         else None,
         "alloc_idle_frac": (length(spans(in_window["alloc"]), work) - length(work)) / w.wall,
-        # the host's time inside calls that only wait, any thread (a union: threads overlap)
-        "wait_call_frac": length(spans([a for a in w.api if api_is("wait", a["name"])])) / w.wall,
+        # the host's time inside the steps' calls that only wait, any thread (a union:
+        # threads overlap), whole (host time)
+        "wait_call_frac": length(spans([a for a in w.step_calls if api_is("wait", a["name"])]))
+        / w.wall,
         "host_call_ms_per_step": _host_call_ms(w),
     } | _idle_causes(w, in_window["sync"])
 

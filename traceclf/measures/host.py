@@ -54,9 +54,11 @@ MEASURES: dict[str, str] = {
     "unattributed)",
     "alloc_idle_frac": "GPU idle time while the host is inside cudaMalloc/cudaFree (what the "
     "allocator calls cost the GPU; the calls themselves can last longer, waiting for it)",
-    "wait_call_frac": "time the host spends inside calls that only wait (cudaDeviceSynchronize, "
-    "cudaStreamSynchronize, cudaEventSynchronize; taxonomy cuda_api wait), the union over its "
-    "threads: all that removing them gives back to a host that sets the pace",
+    "wait_call_frac": "time the host spends inside the analysed steps' calls that only wait "
+    "(cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize; taxonomy cuda_api "
+    "wait), the union over its threads, per step (the steps' calls, as sync_calls_per_step "
+    "counts them: not a sync after the loop that the GPU window overlaps): all that removing "
+    "them gives back to a host that sets the pace",
 }
 CALL_MEASURES = (
     "sync_calls_per_step",
@@ -103,8 +105,15 @@ def calls(w: RankWindow) -> dict[str, float | None]:
         ),
         # (the calls made while the GPU runs the window: they can leave it idle)
         "alloc_idle_frac": w.uncovered(w.api.filter(pl.col("is_alloc")), w.layers.work) / w.wall,
-        "wait_call_frac": w.in_flight(w.api.filter(pl.col("is_wait").fill_null(False))) / w.wall,
+        "wait_call_frac": _waited(w) / w.wall,
     }
+
+
+def _waited(w: RankWindow) -> int:
+    """ns the host spends inside the analysed steps' calls that only wait (a union over its
+    threads; the calls whole: a step's host time, not clipped to the GPU's window)."""
+    mask = w.step_call_mask & w.flagged["is_wait"].fill_null(False).to_numpy()
+    return intervals.Busy.of(w.trace.api.select("start", "end").filter(pl.Series(mask))).total
 
 
 def idle(gaps: pl.DataFrame, w: RankWindow) -> dict[str, float | None]:

@@ -117,15 +117,8 @@ class RankWindow:
         (one of :attr:`layers`) covers nothing."""
         if rows.is_empty():
             return 0
-        in_flight = self._in_flight(rows)
+        in_flight = Busy.of(intervals.clip(rows.select("start", "end"), self.spans))
         return in_flight.total - cover.overlap(in_flight)
-
-    def in_flight(self, rows: pl.DataFrame) -> int:
-        """ns of the window in which one of ``rows`` (start, end) is in flight."""
-        return self._in_flight(rows).total if rows.height else 0
-
-    def _in_flight(self, rows: pl.DataFrame) -> Busy:
-        return Busy.of(intervals.clip(rows.select("start", "end"), self.spans))
 
     @property
     def window(self) -> tuple[int, int]:
