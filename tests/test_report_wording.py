@@ -244,7 +244,8 @@ def test_durations_read_as_durations_at_every_scale():
     assert fmt_ms(2500) == "2.5 s"
     assert fmt_us(6560) == "6.56 ms"
     assert fmt_us(0.5) == "0.5 µs"
-    for v in (1e-9, 3e-7, 1e-4, 0.01, 1.0, 123.0, 9.99e5):
+    assert fmt_ms(0.0009996) == "0.001 ms"  # (rounds to a µs: not "1e+03 ns")
+    for v in (1e-9, 3e-7, 1e-4, 9.994e-4, 9.996e-4, 0.01, 1.0, 123.0, 9.99e5, 9.996e5):
         assert "e" not in fmt_ms(v).split()[0], fmt_ms(v)
 
 

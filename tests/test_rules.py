@@ -832,5 +832,8 @@ def test_counts_in_rule_sentences_take_their_nouns_number():
     assert render('{count(many, "cudaMalloc/cudaFree call per step")}') == (
         "129 cudaMalloc/cudaFree calls per step"
     )
+    # a fraction per step is said as one, and halves round up as counts read
+    assert render('{count(0.4, "small device→host copy")}') == "0.4 small device→host copies"
+    assert render('{count(2.5, "call")}') == "3 calls"
     assert Expr.parse('count("x", "call")').value(env) is None
     assert Expr.parse('count(missing, "call")').value(env) is None

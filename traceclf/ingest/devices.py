@@ -141,11 +141,13 @@ def read_gpus(reader: Reader) -> pl.DataFrame:
         return pl.DataFrame(schema=GPU_SCHEMA)
     gpus = tables[0]
     for other in tables[1:]:
-        facts = [c for c in GPU_SCHEMA if c != "gpu_id"]
-        gpus = gpus.join(other, on="gpu_id", how="left", suffix="_other").select(
-            "gpu_id", *(pl.coalesce(c, f"{c}_other").alias(c) for c in facts)
+        # (the same device and the same GPU: the second table's deviceId is a process's CUDA
+        # number, which CUDA_VISIBLE_DEVICES can make another GPU's)
+        facts = [c for c in GPU_SCHEMA if c not in ("gpu_id", "name")]
+        gpus = gpus.join(other, on=["gpu_id", "name"], how="left", suffix="_other").select(
+            "gpu_id", "name", *(pl.coalesce(c, f"{c}_other").alias(c) for c in facts)
         )
-    return gpus
+    return gpus.select(list(GPU_SCHEMA))
 
 
 def _gpu_table(reader: Reader, table: str) -> pl.DataFrame:

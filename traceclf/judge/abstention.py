@@ -245,7 +245,7 @@ def _outside(per_rank) -> list[dict]:
     for entry in (e for rank in per_rank for e in rank):
         if entry["name"] not in best or entry["share"] > best[entry["name"]]["share"]:
             best[entry["name"]] = entry
-    return sorted(best.values(), key=lambda e: (-e["share"], e["name"]))
+    return sorted(best.values(), key=lambda e: (-e["share"], e["name"] or ""))
 
 
 def _min(values) -> float | None:

@@ -25,7 +25,9 @@ def _count(n: float, noun: str) -> str:
     ('1 synchronising calls' read where a count per step rounds to one)."""
     if not isinstance(noun, str) or isinstance(n, bool) or not isinstance(n, int | float):
         raise TypeError("count(number, noun)")
-    whole = round(n)
+    if 0 < abs(n) < 0.95:  # (a fraction per step: "0.4 small copies", not "0 small copies")
+        return f"{n:.1f} {_plural(noun)}"
+    whole = math.floor(n + 0.5)  # (halves up, as a count reads: 2.5 is 3)
     return f"{whole:,} {noun}" if whole == 1 else f"{whole:,} {_plural(noun)}"
 
 

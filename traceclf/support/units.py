@@ -15,9 +15,15 @@ def fmt_ms(v: float | None) -> str:
     '4.06e-05 ms')."""
     if v is None:
         return "–"
-    if 0 < abs(v) < 0.001:
+    if 0 < abs(v) < 0.001 and abs(float(f"{v * 1e6:.3g}")) < 1000:  # (999.6 ns: "0.001 ms")
         return f"{v * 1e6:.3g} ns"
-    return f"{v:.3g} ms" if v < 1000 else f"{v / 1000:.3g} s"
+    return f"{_sig(v)} ms" if abs(float(f"{v:.3g}")) < 1000 else f"{_sig(v / 1000)} s"
+
+
+def _sig(v: float) -> str:
+    """Three significant digits, never in scientific notation ('1,000', not '1e+03')."""
+    text = f"{v:.3g}"
+    return f"{v:,.0f}" if "e" in text else text
 
 
 def fmt_us(v: float | None) -> str:
