@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from traceclf.support.units import counted
+
 if TYPE_CHECKING:
     from traceclf.measures.handoff import ExportResult, RankResult, StepSummary
 
@@ -134,7 +136,7 @@ def abstain_reason(
 ) -> str | None:
     """A sentence naming the facts when the trace cannot support a verdict, else None."""
     work, span, kernels = capture["gpu_work_ms"], capture["capture_ms"], capture["kernels"]
-    facts = f"{kernels} kernel{'s' if kernels != 1 else ''}, {_ms(work)} of GPU work in a {_ms(span)} GPU span"
+    facts = f"{counted(kernels, 'kernel')}, {_ms(work)} of GPU work in a {_ms(span)} GPU span"
     host = _host_story(ranks)
     if work < thresholds["min_gpu_work_ms"]:
         return f"too little GPU work to judge: {facts}{host}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from traceclf.rulebook.layers import RuleSet
+from traceclf.support.units import counted
 
 # Sources that say what the launching thread itself was doing (named by the idle_top_* rule
 # names); nsys's overhead, NVTX and CUDA calls have rules of their own.
@@ -77,7 +78,7 @@ def evidence_words(row: dict) -> str:
     label = SOURCE_LABELS.get(source, source)
     if detail.get("calls") is not None:
         n = detail["calls"]
-        return f"{label}, {n} call{'s' if n != 1 else ''}"
+        return f"{label}, {counted(n, 'call')}"
     if detail.get("samples") is not None:
         n, loading = detail["samples"], detail.get("data_loading_samples") or 0
         words = f"{n} {label[:-1] if n == 1 else label}"

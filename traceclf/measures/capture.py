@@ -10,6 +10,7 @@ import numpy as np
 import polars as pl
 
 from traceclf.measures import intervals
+from traceclf.measures.hostframes import samples_in
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow, optimizer_ranges
 from traceclf.model.taxonomy import by_name, match_counts
@@ -75,12 +76,10 @@ def kernels_outside(w: RankWindow) -> list[dict]:
     if trace.read_path != "whole" or graph_trace_mode(w) == "graph" or trace.kernels.is_empty():
         return []
     kernels = trace.kernels
-    start = kernels["start"].to_numpy()
     spans = intervals.spans_of(w.spans)
     los = np.array([lo for lo, _ in spans], np.int64)
     his = np.array([hi for _, hi in spans], np.int64)
-    at = np.searchsorted(los, start, side="right") - 1
-    inside = (at >= 0) & (start < his[np.maximum(at, 0)])
+    inside = samples_in(kernels["start"].to_numpy(), los, his) >= 0
     # (grouped by the categorical name, the few groups made strings after: not a string per
     # kernel of a whole capture's millions, 3x the time)
     per = (

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceclf.report.comparison import Comparison, MultiComparison, Run
-from traceclf.support.units import fmt_ms, pct, signed_pct
+from traceclf.support.units import counted, fmt_ms, pct, signed_pct
 
 MANY_COLUMNS = ("candidate", "step before", "step after", "change", "verdict", "bound")
 
@@ -71,7 +71,7 @@ def bound(r: Run) -> str:
 def run_line(r: Run) -> str:
     return (
         f"{f'{r.bound}-bound' if r.bound else 'no verdict'}, "
-        f"{r.ranks} rank{'s' if r.ranks != 1 else ''}, "
+        f"{counted(r.ranks, 'rank')}, "
         f"{', '.join(r.gpus) or 'unknown GPU'}, steps from {r.step_source or 'none'}"
     )
 

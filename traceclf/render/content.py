@@ -17,7 +17,7 @@ from traceclf.render.text import (
 )
 from traceclf.report.contract import Report
 from traceclf.support.escape import visible
-from traceclf.support.units import fmt_bytes, fmt_ms, fmt_us, pct
+from traceclf.support.units import counted, fmt_bytes, fmt_ms, fmt_us, pct
 
 RANK_COLUMNS = (
     "rank",
@@ -327,7 +327,7 @@ def provenance_rows(report: Report) -> list[tuple[str, str]]:
             "Files" if len(report.inputs) > 1 else "File",
             "; ".join(
                 f"{Path(i['path']).name} (nsys {i.get('nsys_version') or '?'}, schema "
-                f"{i.get('schema_version') or '?'}, {_plural(i.get('ranks', 1), 'rank')})"
+                f"{i.get('schema_version') or '?'}, {counted(i.get('ranks', 1), 'rank')})"
                 for i in report.inputs
             ),
         ),
@@ -403,10 +403,6 @@ def _compute_line(m: dict) -> str:
             f"tensor active {pct(m.get('tensor_active_mean'))}"
         )
     return line
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 def _steps_source(report: Report) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from traceclf.render.text import steps_counted, unit
 from traceclf.report.contract import Report
-from traceclf.support.units import fmt_ms, pct
+from traceclf.support.units import counted, fmt_ms, pct
 
 SOURCE_NAMES = {
     "nvtx": "NVTX",
@@ -119,13 +119,13 @@ def evidence(row: dict, over: str = "in the window", ranks: int = 1) -> str:
     if source == "nvtx":
         where = f"under its {d['activity']} ranges" if d.get("activity") else "in the range"
         parts.append(
-            f"{_count(d.get('gaps', 0), 'long gap')} {where}"
+            f"{counted(d.get('gaps', 0), 'long gap')} {where}"
             + (f" ({d['ranges']})" if d.get("ranges") else "")
         )
     elif "calls" in d:
         # (the calls that overlap the idle gaps: not every call of the class, 102 of 182
         # allocator calls read as all of them beside a fix counting 23 a step)
-        what = f"{_count(d['calls'], 'call')} in idle gaps {over}"
+        what = f"{counted(d['calls'], 'call')} in idle gaps {over}"
         if d.get("call_class"):
             what += f" ({d['call_class']})"
         parts.append(what)
@@ -135,7 +135,7 @@ def evidence(row: dict, over: str = "in the window", ranks: int = 1) -> str:
             parts.append(f"top user frame {d['top_frame']}")
     elif "samples" in d:
         loading = d.get("data_loading_samples", 0)
-        parts.append(f"{_count(d['samples'], 'sample')} {over}, {loading} in data loading")
+        parts.append(f"{counted(d['samples'], 'sample')} {over}, {loading} in data loading")
         if d.get("innermost_frame") and d["innermost_frame"] != row["what"]:
             parts.append(f"innermost {d['innermost_frame']}")
         native = d.get("hottest_native") or []
@@ -150,7 +150,7 @@ def evidence(row: dict, over: str = "in the window", ranks: int = 1) -> str:
         parts.append(
             f"on {d['ranks']} of {ranks} ranks (its time: the mean over all {ranks})"
             if d["ranks"] < ranks
-            else f"on {_count(d['ranks'], 'rank')}"
+            else f"on {counted(d['ranks'], 'rank')}"
         )
     return "; ".join(parts)
 
@@ -169,10 +169,6 @@ def options_title(report: Report) -> str:
         f"To attribute the rest ({pct(share)} of the {unit(report)} idle with no host source), "
         "capture with"
     )
-
-
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 def _joined(words: list[str], last: str) -> str:

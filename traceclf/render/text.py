@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from traceclf.report.contract import Report
-from traceclf.support.units import fmt_ms, pct
+from traceclf.support.units import counted, fmt_ms, pct
 
 
 def provenance(report: Report) -> str:
@@ -22,8 +22,7 @@ def provenance(report: Report) -> str:
     ranks = len(report.ranks)
     return (
         f"{', '.join(versions)} · {', '.join(gpus)} · "
-        f"{ranks} rank{'s' if ranks != 1 else ''} in {len(report.inputs)} file"
-        f"{'s' if len(report.inputs) != 1 else ''}"
+        f"{counted(ranks, 'rank')} in {counted(len(report.inputs), 'file')}"
     )
 
 
@@ -41,7 +40,7 @@ def steps_counted(report: Report) -> str | None:
     used = (report.steps or {}).get("used")
     if not used or unit(report) == "window":
         return None
-    return f"{used} step{'s' if used != 1 else ''}"
+    return counted(used, "step")
 
 
 def span_title(report: Report) -> str:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from traceclf.support.units import plural
+
 
 def _coalesce(*args: Any) -> Any:
     return next((a for a in args if a is not None), None)
@@ -26,25 +28,10 @@ def _count(n: float, noun: str) -> str:
     if not isinstance(noun, str) or isinstance(n, bool) or not isinstance(n, int | float):
         raise TypeError("count(number, noun)")
     if 0 < abs(n) < 0.95:  # (a fraction per step: "0.4 small copies", not "0 small copies")
-        return f"{n:.1f} {_plural(noun)}"
+        return f"{n:.1f} {plural(noun)}"
     whole = math.floor(n + 0.5)  # (halves up, as a count reads: 2.5 is 3)
-    return f"{whole:,} {noun}" if whole == 1 else f"{whole:,} {_plural(noun)}"
+    return f"{whole:,} {noun}" if whole == 1 else f"{whole:,} {plural(noun)}"
 
-
-def _plural(noun: str) -> str:
-    """The plural of a rule's noun phrase: its first word that takes one ('cudaMalloc/cudaFree
-    call per step' -> '... calls per step'), or its last word."""
-    words = noun.split(" ")
-    at = next((i for i, w in enumerate(words) if w in _PLURAL_FIRST), len(words) - 1)
-    word = words[at]
-    if word.endswith("y") and word[-2:-1] not in ("a", "e", "i", "o", "u", ""):
-        words[at] = word[:-1] + "ies"
-    else:
-        words[at] = word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
-    return " ".join(words)
-
-
-_PLURAL_FIRST = {"call", "copy", "launch", "kernel"}  # (pluralised where a phrase goes on)
 
 _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "min": min,

@@ -55,3 +55,24 @@ def gain(value: float | None) -> str:
     if value is None:
         return "–"
     return f"×{1 + value:.3g}" if value >= 1 else f"{'+' * (value >= 0)}{pct(value)}"
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 call', '3 calls', '2 long gaps': a count with its noun in the number it takes."""
+    return f"{n} {noun if n == 1 else plural(noun)}"
+
+
+def plural(noun: str) -> str:
+    """The plural of a noun phrase: its first word that takes one ('cudaMalloc/cudaFree call
+    per step' -> '... calls per step'), or else its last ('long gap' -> 'long gaps')."""
+    words = noun.split(" ")
+    at = next((i for i, w in enumerate(words) if w in _PLURAL_FIRST), len(words) - 1)
+    word = words[at]
+    if word.endswith("y") and word[-2:-1] not in ("a", "e", "i", "o", "u", ""):
+        words[at] = word[:-1] + "ies"
+    else:
+        words[at] = word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
+    return " ".join(words)
+
+
+_PLURAL_FIRST = {"call", "copy", "launch", "kernel"}  # (pluralised where a phrase goes on)
