@@ -233,3 +233,40 @@ def test_unexpanded_glob_without_matches(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="no file matches"):
         resolve_inputs([str(pattern)])
     assert_cli_rejects(run_cli("analyze", pattern), pattern, "no file matches")
+
+
+def test_export_without_gpu_work_beside_ranks_is_left_out(tmp_path: Path) -> None:
+    """A folder of per-rank exports that also holds a launcher's (CUDA set up, no GPU work):
+    the ranks are analysed, the launcher's export is named on stderr and in the report
+    (``capture.skipped_inputs``, the "Left out" row), and the verdict is the rank's alone."""
+    import json
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    copy_export(real(), folder / "rank_0.sqlite")
+    launcher = set_up_calls_only(tmp_path)
+    launcher.rename(folder / "launcher.sqlite")
+    before = snapshot(folder / "launcher.sqlite")
+    both = run_cli("analyze", "--format", "json", "--no-cache", folder)
+    alone = run_cli("analyze", "--format", "json", "--no-cache", folder / "rank_0.sqlite")
+    assert both.code == 0 and alone.code == 0, both
+    (line,) = [x for x in both.stderr_lines if "launcher.sqlite" in x]
+    assert "the CUDA calls traced issued no kernel" in line and "left out" in line
+    report, single = json.loads(both.stdout), json.loads(alone.stdout)
+    (left,) = report["capture"]["skipped_inputs"]
+    assert Path(left["path"]).name == "launcher.sqlite"
+    assert "issued no kernel" in left["problem"]
+    assert report["capture"]["inputs"] == 1 and single["capture"]["skipped_inputs"] == []
+    assert report["classification"] == single["classification"]
+    assert [Path(i["path"]).name for i in report["inputs"]] == ["rank_0.sqlite"]
+    md = run_cli("analyze", "--format", "md", "--no-cache", folder).stdout
+    assert "Left out" in md and "launcher.sqlite" in md
+    assert snapshot(folder / "launcher.sqlite") == before
+
+
+def test_exports_all_without_gpu_work_are_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = without_gpu_tables(tmp_path / "a"), set_up_calls_only(tmp_path / "b")
+    result = run_cli("analyze", first, second)
+    assert_cli_rejects(result, first, "so has every other input")

@@ -205,7 +205,13 @@ def _coalesce(*args: object) -> object:
 
 def _count(n: float, noun: str) -> str:
     """The rules' count(n, noun), for the nouns they count: '1 launch', '129 launches'."""
-    many = {"call": "calls", "copy": "copies", "launch": "launches", "kernel": "kernels"}
+    many = {
+        "call": "calls",
+        "copy": "copies",
+        "launch": "launches",
+        "kernel": "kernels",
+        "rank": "ranks",
+    }
     words = noun.split()
     if round(n) != 1:
         at = next(i for i, w in enumerate(words) if w in many)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from traceclf.support.errors import TraceError
+from traceclf.support.errors import NoGpuWork, TraceError
 from traceclf.support.owned import read_head
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -249,7 +249,7 @@ def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
             path, "SQLite database, but not an Nsight Systems export (no META_DATA_EXPORT table)"
         )
     if not any(t in columns for t in GPU_ACTIVITY_TABLES):
-        raise TraceError(path, _no_gpu_activity(columns, issued))
+        raise NoGpuWork(path, _no_gpu_activity(columns, issued))
     return ExportInfo(
         path=path,
         nsys_version=meta.get("EXPORT_PRODUCT_VERSION"),

@@ -52,14 +52,18 @@ def training_loop(facts: dict, thresholds: dict[str, int | float]) -> str:
 
 
 def capture_block(
-    ranks: list[RankResult], exports: list[ExportResult], thresholds: dict[str, int | float]
+    ranks: list[RankResult],
+    exports: list[ExportResult],
+    thresholds: dict[str, int | float],
+    skipped: list[dict],
 ) -> dict:
-    """The contract's ``capture`` block from the per-rank facts."""
+    """The contract's ``capture`` block from the per-rank facts and the inputs left out."""
     facts = [rank_capture(r.measures.capture, thresholds) for r in ranks]
     first = ranks[0].steps if ranks else None
     assignment = gpu_assignment(ranks, exports)
     return {
         "inputs": len(exports),
+        "skipped_inputs": skipped,
         "ranks": len(ranks),
         "gpus_per_rank": [
             {

@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from traceclf.measures.handoff import Clock, ExportResult, Placement, RankResult, StepSummary
 from traceclf.report.contract import Report
-from traceclf.support.errors import TraceError
+from traceclf.support.errors import NoGpuWork, TraceError, TraceWarning
+from traceclf.support.units import counted
 from traceclf.support.version import __version__, sources_digest
 
 if TYPE_CHECKING:
@@ -108,7 +110,7 @@ def analyze_inputs(
     # Local workers start first: their start-up overlaps the checks of the rules and exports.
     local_jobs = 1 if opts.dask_address is not None else opts.jobs
     with started_workers(local_jobs, len(files), _warm_worker) as pool:
-        results = _analyse_files(files, opts, pool)
+        results, skipped = _analyse_files(files, opts, pool)
     if opts.step_regex is not None:
         from traceclf.steps.find import warn_unmatched_step_regex
 
@@ -121,7 +123,7 @@ def analyze_inputs(
     grouping = group(results, opts.grouping)
     reports = []
     for members in grouping.groups:
-        report = build_report([results[i] for i in members], opts.rules_dir)
+        report = build_report([results[i] for i in members], opts.rules_dir, skipped)
         report.grouping = grouping.for_report()
         reports.append(report)
     if len(reports) == 1:
@@ -190,21 +192,18 @@ def _store_run(first: Path, run: tuple[str, str], out: Report | RunSet, opts) ->
 
 def _analyse_files(
     files: list[Path], opts: AnalysisOptions, pool: Executor | None
-) -> list[ExportResult]:
+) -> tuple[list[ExportResult], list[dict]]:
     """Map step over :func:`~traceclf.ingest.inputs.chosen_files`: their rules and exports
-    checked here, then each analysed (on ``pool``'s workers, if any), under the user's name."""
+    checked here, then each analysed (on ``pool``'s workers, if any), under the user's name;
+    with the inputs left out (:func:`_with_gpu_work`)."""
     from traceclf.ingest.inputs import export_sources
-    from traceclf.ingest.schema import inspect_export
     from traceclf.judge.vocabulary import load_rules
     from traceclf.pipeline.parallel import map_exports
 
     load_rules(opts.rules_dir, remember=_rules_stamp_root(opts))
     sources = export_sources(files, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
+    sources, skipped = _with_gpu_work(sources, opts)
     exports = [export for export, _named in sources]
-    for path in exports:
-        # a damaged page would have failed the analysis whose result is cached for this very
-        # version of the file: the page check (a read of the whole file) is for new ones only
-        inspect_export(path, check_pages=not _result_cached(path, opts))
     # A spinner per worker process would garble stderr: progress only for in-process loads.
     in_process = len(exports) == 1 or opts.jobs == 1
     resolved = [path.resolve() for path in exports]
@@ -228,7 +227,45 @@ def _analyse_files(
             raise TraceError(named[e.path], e.problem) from None
         raise
     # A report exported into the cache is reported under the name the user gave.
-    return [r.named(named) for r, (_export, named) in zip(results, sources, strict=True)]
+    named_results = [r.named(named) for r, (_export, named) in zip(results, sources, strict=True)]
+    return named_results, skipped
+
+
+def _with_gpu_work(
+    sources: list[tuple[Path, str]], opts: AnalysisOptions
+) -> tuple[list[tuple[Path, str]], list[dict]]:
+    """Check each export; of several, one that holds no GPU work at all (a launcher's or a
+    CPU-only process's, beside the ranks' exports of a folder) is left out with a warning and
+    listed (``capture.skipped_inputs``) rather than stopping the run. Alone, or when every
+    export is such, it is bad input."""
+    from traceclf.ingest.schema import inspect_export
+
+    kept, skipped, first = [], [], None
+    for path, named in sources:
+        try:
+            # a damaged page would have failed the analysis whose result is cached for this
+            # version of the file: the page check (a read of the whole file) is for new ones
+            inspect_export(path, check_pages=not _result_cached(path, opts))
+        except NoGpuWork as e:
+            if len(sources) == 1:
+                raise
+            first = first or e
+            skipped.append({"path": str(named), "problem": e.problem})
+            continue
+        kept.append((path, named))
+    if not kept:
+        raise TraceError(
+            first.path if first else None,
+            f"{first.problem if first else 'no export'}; so has every other input (none of "
+            f"the {counted(len(skipped), 'export')} holds GPU work)",
+        )
+    for entry in skipped:
+        warnings.warn(
+            f"{entry['path']}: {entry['problem']}; left out, the other inputs analysed",
+            TraceWarning,
+            stacklevel=2,
+        )
+    return kept, skipped
 
 
 def _warm_worker() -> None:

@@ -24,9 +24,12 @@ if TYPE_CHECKING:
 GPU_KEYS = ("name", "chip", "sm_count", "memory_bytes")
 
 
-def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> Report:
+def build_report(
+    results: list[ExportResult], rules_dir: Path | None = None, skipped: list[dict] | None = None
+) -> Report:
     """Reduce step: number the ranks, average their measures, compare them, say what the
-    capture supports, then classify — or abstain (docs/judgement.md)."""
+    capture supports, then classify — or abstain (docs/judgement.md). ``skipped``: the inputs
+    left out of the analysis, each ``{path, problem}`` (``capture.skipped_inputs``)."""
     from traceclf.judge.abstention import abstain_reason, capture_block, rank_capture
     from traceclf.judge.ceiling import combined
     from traceclf.judge.comm_groups import communication_block, rule_facts
@@ -61,7 +64,7 @@ def build_report(results: list[ExportResult], rules_dir: Path | None = None) -> 
     ]
     metrics = mean_metrics([r.measures.metrics for r in ranks])
     gpus = _unique([{k: r.gpu.get(k) for k in GPU_KEYS} for r in ranks if r.gpu])
-    capture = capture_block(ranks, results, thresholds)
+    capture = capture_block(ranks, results, thresholds, skipped or [])
     cross = cross_rank_block(
         [
             d

@@ -8,7 +8,7 @@ from __future__ import annotations
 from traceclf.render.hostlines import host_capture_rows
 from traceclf.render.text import anchor_label, sampled, window_text
 from traceclf.report.contract import Report
-from traceclf.support.units import fmt_ms, pct
+from traceclf.support.units import counted, fmt_ms, pct
 
 LOOPS = {
     "training": "a training loop",
@@ -98,7 +98,7 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
         graphs += f"; kernel mix from {c.get('kernel_mix_source')}"
     unusable = c.get("unusable_rows") or {}
     rows = [
-        ("Inputs", f"{c.get('inputs', 0)} file(s), {c.get('ranks', 0)} rank(s): {gpus}"),
+        ("Inputs", f"{counted(c.get('inputs', 0), 'file')}, {counted(c.get('ranks', 0), 'rank')}: {gpus}"),
         ("Work", f"{c.get('kernels', 0):,} kernels, {fmt_ms(c.get('gpu_work_ms'))} of GPU work"
          f" (kernels, copies, memsets){_over_ranks(c)} in a GPU span of "
          f"{fmt_ms(c.get('capture_ms'))} (first to last GPU work)"),
@@ -110,6 +110,9 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
                           "declared_empty": "declared but empty (no message sizes)",
                           "absent": "absent"}.get(c.get("nccl_payload"), "–")),
     ]  # fmt: skip
+    skipped = c.get("skipped_inputs") or []
+    if skipped:  # (inputs named but not analysed: a launcher's export beside the ranks')
+        rows.insert(1, ("Left out", "; ".join(f"{e['path']}: {e['problem']}" for e in skipped)))
     outside = c.get("kernels_outside") or []
     if outside:  # (kernels the report does not cover: another phase of the program)
         names = ", ".join(

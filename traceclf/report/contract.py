@@ -13,6 +13,7 @@ from traceclf.support import jsontext
 from traceclf.support.errors import TraceError
 from traceclf.support.pandas_frames import to_pandas
 from traceclf.support.readfile import read_bounded
+from traceclf.support.units import counted
 
 # A saved report bigger than this is no report traceclf wrote (a long --all-steps report is a
 # few MB): reading it could exhaust memory (a 3 GB file took every byte there was).
@@ -114,7 +115,9 @@ class Report:
         fixes = ", ".join(f["id"] for f in self.fixes[:3]) or "none"
         step = (self.steps or {}).get("median_ms")
         step = f", step {step:.3g} ms" if isinstance(step, (int, float)) else ""
-        return f"<Report {files}: {bound}, {len(self.ranks)} rank(s){step}; fixes: {fixes}>"
+        return (
+            f"<Report {files}: {bound}, {counted(len(self.ranks), 'rank')}{step}; fixes: {fixes}>"
+        )
 
     @classmethod
     def from_dict(cls, data: dict) -> Report:

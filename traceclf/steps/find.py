@@ -31,6 +31,7 @@ from traceclf.steps.steady import Steps, choose_window, empty_steps_table
 from traceclf.support.cpus import second_lane
 from traceclf.support.errors import TraceError, TraceWarning
 from traceclf.support.regex import regex_problem
+from traceclf.support.units import counted
 
 
 def find_steps(
@@ -358,7 +359,7 @@ def warn_unmatched_step_regex(
             instead = "no steps were found" if found == "none" else f"steps came from {found}"
             warnings.warn(
                 f"{path}: --step-range {step_regex!r} matched no NVTX range "
-                f"on {len(missed)} of {len(sources)} rank(s); {instead} instead",
+                f"on {len(missed)} of {counted(len(sources), 'rank')}; {instead} instead",
                 TraceWarning,
                 stacklevel=3,
             )

@@ -22,6 +22,11 @@ class TraceError(Exception):
         return (type(self), (self.path, self.problem))
 
 
+class NoGpuWork(TraceError):
+    """An export that holds no GPU work at all (a launcher's, a CPU-only process's): alone it
+    is bad input; among several, it is left out of the run with a warning."""
+
+
 class TraceErrors(TraceError):
     """Several problems found in one pass (every faulty entry of the rule files), each a
     TraceError of its own in ``errors``; its text is their lines, one a problem."""
