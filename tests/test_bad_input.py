@@ -235,33 +235,52 @@ def test_unexpanded_glob_without_matches(tmp_path: Path) -> None:
     assert_cli_rejects(run_cli("analyze", pattern), pattern, "no file matches")
 
 
-def test_export_without_gpu_work_beside_ranks_is_left_out(tmp_path: Path) -> None:
-    """A folder of per-rank exports that also holds a launcher's (CUDA set up, no GPU work):
-    the ranks are analysed, the launcher's export is named on stderr and in the report
+def copies_only(d: Path) -> Path:
+    """A process that only copied (a public export: 540 memcpy rows, no kernel)."""
+    path = copy_export(real(), d / "copies.sqlite")
+    return drop_tables(path, ["CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_GRAPH_TRACE"])
+
+
+def test_exports_without_gpu_work_beside_ranks_are_left_out(tmp_path: Path) -> None:
+    """A folder of per-rank exports that also holds a launcher's (CUDA set up, no GPU work:
+    refused by the check of the export) and a process's that only copied (refused once
+    loaded): the ranks are analysed, the others named on stderr and in the report
     (``capture.skipped_inputs``, the "Left out" row), and the verdict is the rank's alone."""
     import json
 
     folder = tmp_path / "run"
     folder.mkdir()
     copy_export(real(), folder / "rank_0.sqlite")
-    launcher = set_up_calls_only(tmp_path)
-    launcher.rename(folder / "launcher.sqlite")
+    set_up_calls_only(tmp_path).rename(folder / "launcher.sqlite")
+    copies_only(tmp_path).rename(folder / "copier.sqlite")
     before = snapshot(folder / "launcher.sqlite")
     both = run_cli("analyze", "--format", "json", "--no-cache", folder)
     alone = run_cli("analyze", "--format", "json", "--no-cache", folder / "rank_0.sqlite")
     assert both.code == 0 and alone.code == 0, both
     (line,) = [x for x in both.stderr_lines if "launcher.sqlite" in x]
     assert "the CUDA calls traced issued no kernel" in line and "left out" in line
+    (line,) = [x for x in both.stderr_lines if "copier.sqlite" in x]
+    with sqlite3.connect(folder / "copier.sqlite") as con:
+        (rows,) = con.execute(
+            "SELECT (SELECT count(*) FROM CUPTI_ACTIVITY_KIND_MEMCPY) "
+            "+ (SELECT count(*) FROM CUPTI_ACTIVITY_KIND_MEMSET)"
+        ).fetchone()
+    assert f"no kernel ran in this capture (only {rows} memcpy/memset rows)" in line
     report, single = json.loads(both.stdout), json.loads(alone.stdout)
-    (left,) = report["capture"]["skipped_inputs"]
-    assert Path(left["path"]).name == "launcher.sqlite"
-    assert "issued no kernel" in left["problem"]
+    left = {Path(e["path"]).name: e["problem"] for e in report["capture"]["skipped_inputs"]}
+    assert set(left) == {"launcher.sqlite", "copier.sqlite"}
+    assert "issued no kernel" in left["launcher.sqlite"]
     assert report["capture"]["inputs"] == 1 and single["capture"]["skipped_inputs"] == []
     assert report["classification"] == single["classification"]
     assert [Path(i["path"]).name for i in report["inputs"]] == ["rank_0.sqlite"]
     md = run_cli("analyze", "--format", "md", "--no-cache", folder).stdout
-    assert "Left out" in md and "launcher.sqlite" in md
+    assert "Left out" in md and "launcher.sqlite" in md and "copier.sqlite" in md
     assert snapshot(folder / "launcher.sqlite") == before
+
+
+def test_export_that_only_copied_is_bad_input_alone(tmp_path: Path) -> None:
+    path = copies_only(tmp_path)
+    assert_cli_rejects(run_cli("analyze", path), path, "no kernel ran in this capture")
 
 
 def test_exports_all_without_gpu_work_are_bad_input(tmp_path: Path) -> None:

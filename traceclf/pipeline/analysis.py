@@ -10,15 +10,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from traceclf.measures.handoff import Clock, ExportResult, Placement, RankResult, StepSummary
 from traceclf.report.contract import Report
-from traceclf.support.errors import NoGpuWork, TraceError, TraceWarning
-from traceclf.support.units import counted
+from traceclf.support.errors import NoGpuWork, TraceError
 from traceclf.support.version import __version__, sources_digest
 
 if TYPE_CHECKING:
@@ -195,14 +193,16 @@ def _analyse_files(
 ) -> tuple[list[ExportResult], list[dict]]:
     """Map step over :func:`~traceclf.ingest.inputs.chosen_files`: their rules and exports
     checked here, then each analysed (on ``pool``'s workers, if any), under the user's name;
-    with the inputs left out (:func:`_with_gpu_work`)."""
+    with the inputs left out (:mod:`traceclf.pipeline.leftout`)."""
     from traceclf.ingest.inputs import export_sources
     from traceclf.judge.vocabulary import load_rules
+    from traceclf.pipeline.leftout import kept_and_left_out
     from traceclf.pipeline.parallel import map_exports
 
     load_rules(opts.rules_dir, remember=_rules_stamp_root(opts))
     sources = export_sources(files, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
-    sources, skipped = _with_gpu_work(sources, opts)
+    checked = [(_checked(path, opts), named) for path, named in sources]
+    sources = [src for src, (why, _named) in zip(sources, checked, strict=True) if why is None]
     exports = [export for export, _named in sources]
     # A spinner per worker process would garble stderr: progress only for in-process loads.
     in_process = len(exports) == 1 or opts.jobs == 1
@@ -210,7 +210,7 @@ def _analyse_files(
     try:
         results = map_exports(
             functools.partial(
-                analyze_export, opts=opts, show_progress=in_process and not opts.dask_address
+                _analysed, opts=opts, show_progress=in_process and not opts.dask_address
             ),
             # Workers (other processes, other machines) get absolute paths: a relative one
             # would name whatever file sits there in the worker's folder. Results carry the
@@ -226,46 +226,32 @@ def _analyse_files(
         if e.path in named and type(e) is TraceError:
             raise TraceError(named[e.path], e.problem) from None
         raise
+    outcomes = checked + list(zip(results, (named for _export, named in sources), strict=True))
+    kept, skipped = kept_and_left_out(outcomes)
     # A report exported into the cache is reported under the name the user gave.
-    named_results = [r.named(named) for r, (_export, named) in zip(results, sources, strict=True)]
-    return named_results, skipped
+    return [r.named(named) for r, named in kept], skipped
 
 
-def _with_gpu_work(
-    sources: list[tuple[Path, str]], opts: AnalysisOptions
-) -> tuple[list[tuple[Path, str]], list[dict]]:
-    """Check each export; of several, one that holds no GPU work at all (a launcher's or a
-    CPU-only process's, beside the ranks' exports of a folder) is left out with a warning and
-    listed (``capture.skipped_inputs``) rather than stopping the run. Alone, or when every
-    export is such, it is bad input."""
+def _checked(path: Path, opts: AnalysisOptions) -> NoGpuWork | None:
+    """Check an export (:func:`~traceclf.ingest.schema.inspect_export`): why it holds no GPU
+    work (left out of a run of several: :func:`_left_out`), or None."""
     from traceclf.ingest.schema import inspect_export
 
-    kept, skipped, first = [], [], None
-    for path, named in sources:
-        try:
-            # a damaged page would have failed the analysis whose result is cached for this
-            # version of the file: the page check (a read of the whole file) is for new ones
-            inspect_export(path, check_pages=not _result_cached(path, opts))
-        except NoGpuWork as e:
-            if len(sources) == 1:
-                raise
-            first = first or e
-            skipped.append({"path": str(named), "problem": e.problem})
-            continue
-        kept.append((path, named))
-    if not kept:
-        raise TraceError(
-            first.path if first else None,
-            f"{first.problem if first else 'no export'}; so has every other input (none of "
-            f"the {counted(len(skipped), 'export')} holds GPU work)",
-        )
-    for entry in skipped:
-        warnings.warn(
-            f"{entry['path']}: {entry['problem']}; left out, the other inputs analysed",
-            TraceWarning,
-            stacklevel=2,
-        )
-    return kept, skipped
+    try:
+        # a damaged page would have failed the analysis whose result is cached for this
+        # version of the file: the page check (a read of the whole file) is for new ones
+        inspect_export(path, check_pages=not _result_cached(path, opts))
+    except NoGpuWork as e:
+        return e
+    return None
+
+
+def _analysed(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult | NoGpuWork:
+    """:func:`analyze_export`, or why the export's processes ran no kernel to judge."""
+    try:
+        return analyze_export(path, opts, show_progress)
+    except NoGpuWork as e:
+        return e
 
 
 def _warm_worker() -> None:
@@ -339,7 +325,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     )
     pids = sorted(plans) if plans else trace.rank_pids
     if not pids:
-        raise TraceError(path, "no process ran GPU work (kernel and copy rows name no process)")
+        raise NoGpuWork(path, "no process ran GPU work (kernel and copy rows name no process)")
     if len(pids) > MAX_RANKS:
         raise TraceError(
             path,
@@ -348,7 +334,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
             "processes wrongly)",
         )
     if trace.kernels.is_empty() and trace.graphs.is_empty():
-        raise TraceError(path, _no_kernel(trace))
+        raise _no_kernel(trace, path)
 
     def rank(pid: int) -> RankResult:
         rank_trace = trace.for_pid(pid)
@@ -385,17 +371,23 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     )
 
 
-def _no_kernel(trace) -> str:
-    """Why there is nothing to judge: no kernel row, or none a measure can use (each reason
-    and how many rows: a damaged or hand-edited table is not an export without kernels)."""
+def _no_kernel(trace, path: Path) -> TraceError:
+    """Why there is nothing to judge: no kernel row (a process that only copied: left out of a
+    run of several), or none a measure can use (each reason and how many rows: a damaged or
+    hand-edited table is not an export without kernels, and stays bad input)."""
     bad = {k: n for k, n in trace.unusable_rows.items() if k.split(".")[0] in ("kernels", "graphs")}
     if bad:
         why = ", ".join(f"{k.split('.', 1)[1].replace('_', ' ')}: {n:,}" for k, n in bad.items())
-        return (
+        return TraceError(
+            path,
             f"no usable kernel row in this capture ({sum(bad.values()):,} left out: {why}): "
-            "nothing to judge"
+            "nothing to judge",
         )
-    return f"no kernel ran in this capture (only {len(trace.copies)} memcpy/memset rows): nothing to judge"
+    return NoGpuWork(
+        path,
+        f"no kernel ran in this capture (only {len(trace.copies)} memcpy/memset rows): "
+        "nothing to judge",
+    )
 
 
 def _placement(trace, pid: int, gpu: dict | None, path: Path) -> Placement:

@@ -112,7 +112,7 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     ]  # fmt: skip
     skipped = c.get("skipped_inputs") or []
     if skipped:  # (inputs named but not analysed: a launcher's export beside the ranks')
-        rows.insert(1, ("Left out", "; ".join(f"{e['path']}: {e['problem']}" for e in skipped)))
+        rows.insert(1, ("Left out", _left_out(skipped)))
     outside = c.get("kernels_outside") or []
     if outside:  # (kernels the report does not cover: another phase of the program)
         names = ", ".join(
@@ -127,6 +127,15 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
         counts = ", ".join(f"{k} {v:,}" for k, v in repaired.items())
         rows.append(("Repaired strings", f"{counts} (not UTF-8: bad bytes shown as \ufffd)"))
     return rows + host_capture_rows(report)
+
+
+def _left_out(skipped: list[dict]) -> str:
+    """The inputs left out, those of one problem together: 'a.sqlite, b.sqlite: export has
+    no GPU activity (...)'."""
+    by_problem: dict[str, list[str]] = {}
+    for entry in skipped:
+        by_problem.setdefault(entry["problem"], []).append(entry["path"])
+    return "; ".join(f"{', '.join(paths)}: {problem}" for problem, paths in by_problem.items())
 
 
 def _per_step(report: Report) -> str:
