@@ -272,3 +272,20 @@ def test_graph_level_launch_line_says_what_it_cannot_see():
     per_step = graphed.metrics["optimizer_kernels_per_step"]
     said = f"({per_step:.3g} per step in the eager warm-up; the graph replays' unseen)"
     assert said in rows(graphed)["Loop"]
+
+
+def test_because_row_gives_bytes_in_their_unit():
+    """h100_memory_offload: a fix's "Because" row read "d2h_bytes_per_step 2.82e+09"; it gives
+    the bytes the run's metrics hold in their unit, and no value in scientific notation."""
+    from traceclf.render.content import fix_facts
+    from traceclf.support.units import fmt_bytes
+
+    r = traceclf.analyze(trace_path("h100_memory_offload"), use_cache=False)
+    (fix,) = [f for f in r.fixes if f["id"] == "fine-grained-offload"]
+    because = dict(fix_facts(fix))["Because"]
+    d2h = fix["evidence"]["d2h_bytes_per_step"]
+    assert d2h == r.metrics["d2h_bytes_per_step"] > 1e9
+    assert f"d2h_bytes_per_step {fmt_bytes(d2h)}" in because
+    assert fmt_bytes(d2h).endswith(" GB")
+    for f in r.fixes:
+        assert not re.search(r"\de[+-]\d", dict(fix_facts(f)).get("Because", "")), f["id"]

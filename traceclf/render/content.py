@@ -4,6 +4,7 @@ so a number reads the same in each."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from traceclf.render.ceilings import ceiling_rows, combined_row
@@ -468,18 +469,25 @@ def fix_facts(fix: dict) -> list[tuple[str, str]]:
         rows.append(("In PyTorch", fix["pytorch"]))
     evidence = fix.get("evidence") or {}
     if evidence:
-        rows.append(("Because", ", ".join(f"{k} {_fact(v)}" for k, v in evidence.items())))
+        rows.append(("Because", ", ".join(f"{k} {_fact(k, v)}" for k, v in evidence.items())))
     rows += ceiling_rows(fix)
     if fix.get("verify"):
         rows.append(("Verify", f"in the next capture: {fix['verify']}"))
     return rows
 
 
-def _fact(value) -> str:
+def _fact(name: str, value) -> str:
+    """A measure's value as the "Because" row gives it: bytes in their unit ("2.82 GB", not
+    "2.82e+09"), big numbers whole, never in scientific notation."""
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, (int, float)) and "bytes" in name:
+        return fmt_bytes(value)
     if isinstance(value, float):
-        return f"{value:.3g}"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        text = f"{value:.3g}"  # (below 1e-4 that is "1.2e-05": three digits, positional)
+        return f"{value:.{2 - math.floor(math.log10(abs(value)))}f}" if "e" in text else text
     if isinstance(value, list):
         return "[" + ", ".join(map(str, value)) + "]"
     return str(value)
