@@ -136,7 +136,8 @@ def analyze(
     over its steady state (warm-up steps dropped). Several files are merged into one report
     only when they look like ranks of one job (same session or overlapping captures or
     rank-numbered names, and the same GPU, step anchor and step time); otherwise each run gets
-    its own report plus a summary table. --job or --runs overrides the guess.
+    its own report plus a summary table. --job or --runs overrides the guess. Of several
+    files, one with no GPU work to judge (a launcher's) is left out with a warning.
     """
     from traceclf.support.process import check_address_space
 
