@@ -246,8 +246,17 @@ def printed(value: object, spec: str) -> str:
 
 
 def render(template: str, env: dict) -> str:
-    text = template.replace("{{", "\0").replace("}}", "\1")
-    for expr, spec in template_fields(template):
+    """The template's text with each field printed; a [[clause]] left out where a field in it
+    has no value."""
+    clauses = re.split(r"(\[\[.*?\]\])", template, flags=re.S)
+    kept = [
+        c[2:-2] if c.startswith("[[") else c
+        for c in clauses
+        if not c.startswith("[[")
+        or all(evaluate(expr, env) is not None for expr, _ in template_fields(c))
+    ]
+    text = "".join(kept).replace("{{", "\0").replace("}}", "\1")
+    for expr, spec in template_fields(text):
         field = f"{{{expr}:{spec}}}" if spec else f"{{{expr}}}"
         text = text.replace(field, printed(evaluate(expr, env), spec), 1)
     return " ".join(text.replace("\0", "{").replace("\1", "}").split())

@@ -111,6 +111,27 @@ def test_templates_render_numbers_and_say_n_a_for_nulls():
             Template.parse(bad)
 
 
+def test_a_clause_whose_number_the_trace_lacks_is_left_out():
+    """[[...]] holds a clause shown only when every field in it has a value: a public export
+    without the GPU's model read "at 27.7 GB/s, against n/a GB/s per direction for n/a"."""
+    t = Template.parse("at {rate:.1f} GB/s[[, against {peak:.0f} GB/s for {link}]]; {{x}}")
+    assert t.names == {"rate", "peak", "link"}
+    assert t.render({"rate": 27.7}) == "at 27.7 GB/s; {x}"
+    assert t.render({"rate": 27.7, "peak": 64, "link": "PCIe"}) == (
+        "at 27.7 GB/s, against 64 GB/s for PCIe; {x}"
+    )
+    assert t.render({"peak": 64, "link": "PCIe"}).startswith("at n/a GB/s, against 64")
+    for bad in ("a [[ b", "a ]] b", "[[ [[ b ]] ]]", "[[ {a:.0q} ]]"):
+        with pytest.raises(ExprError):
+            Template.parse(bad)
+    rule = load_rules().rules["memory-one-way-copies"]
+    facts = {"h2d_frac": 0.94, "d2h_frac": 0.0, "exposed_offload_frac": 0.94, "one_way_gbps": 27.7}
+    sentence = rule.evidence.render(facts)
+    assert sentence.endswith("at 27.7 GB/s") and "n/a" not in sentence
+    with_link = rule.evidence.render(facts | {"link_gbps": 64.0, "link_name": "PCIe Gen5 x16"})
+    assert with_link.endswith("against 64 GB/s per direction for PCIe Gen5 x16")
+
+
 # ---------------------------------------------------------------------------------------------
 # Rule files
 

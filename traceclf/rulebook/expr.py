@@ -248,41 +248,74 @@ _EVAL: dict[type, Callable[[Any, Mapping[str, Any]], Any]] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Templates: text with {expression} or {expression:format-spec} fields; {{ and }} are braces.
+# Templates: text with {expression} or {expression:format-spec} fields; {{ and }} are braces;
+# [[ ... ]] is a clause left out when a field in it has no value (a link's peak where the GPU
+# is unknown: "against n/a GB/s for n/a" says nothing).
 
 _FIELD = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+_CLAUSE = re.compile(r"\[\[|\]\]")
+
+_Part = str | tuple[Expr, str]
 
 
 @dataclass(frozen=True)
 class Template:
     source: str
-    parts: tuple[str | tuple[Expr, str], ...] = field(repr=False, compare=False)
+    # each clause: its parts; the text outside any clause is a clause that always shows
+    clauses: tuple[tuple[bool, tuple[_Part, ...]], ...] = field(repr=False, compare=False)
 
     @classmethod
     def parse(cls, source: str) -> Template:
-        parts: list[str | tuple[Expr, str]] = []
-        pos = 0
-        for m in _FIELD.finditer(source):
-            parts.append(source[pos : m.start()])
-            pos = m.end()
-            token = m.group(0)
-            if token in ("{{", "}}"):
-                parts.append(token[0])
-            elif m.group(1) is None:
-                raise ExprError(f"unmatched {token!r} in {source!r} (write {token * 2} for one)")
-            else:
-                parts.append(_field(m.group(1)))
-        parts.append(source[pos:])
-        return cls(source, tuple(p for p in parts if p != ""))
+        clauses: list[tuple[bool, tuple[_Part, ...]]] = []
+        pos, optional = 0, False
+        for m in _CLAUSE.finditer(source):
+            if m.group(0) == "[[" and optional:
+                raise ExprError(f"'[[' inside a [[clause]] in {source!r} (clauses do not nest)")
+            if m.group(0) == "]]" and not optional:
+                raise ExprError(f"unmatched ']]' in {source!r}")
+            clauses.append((optional, _parts(source[pos : m.start()], source)))
+            pos, optional = m.end(), not optional
+        if optional:
+            raise ExprError(f"unmatched '[[' in {source!r}")
+        clauses.append((False, _parts(source[pos:], source)))
+        return cls(source, tuple(c for c in clauses if c[1]))
 
     @property
     def names(self) -> frozenset[str]:
-        return frozenset().union(*(p[0].names for p in self.parts if isinstance(p, tuple)))
+        return frozenset().union(
+            *(p[0].names for _, parts in self.clauses for p in parts if isinstance(p, tuple))
+        )
+
+    @property
+    def parts(self) -> tuple[_Part, ...]:
+        """Every part, the clauses' included (for a reading without the trace's values)."""
+        return tuple(p for _, parts in self.clauses for p in parts)
 
     def render(self, env: Mapping[str, Any]) -> str:
-        return "".join(
-            p if isinstance(p, str) else _format(p[0].value(env), p[1]) for p in self.parts
-        ).strip()
+        out = []
+        for optional, parts in self.clauses:
+            values = [p if isinstance(p, str) else (p[0].value(env), p[1]) for p in parts]
+            if optional and any(v[0] is None for v in values if isinstance(v, tuple)):
+                continue  # (a clause whose number the trace lacks: left out)
+            out += [v if isinstance(v, str) else _format(*v) for v in values]
+        return "".join(out).strip()
+
+
+def _parts(text: str, source: str) -> tuple[_Part, ...]:
+    parts: list[_Part] = []
+    pos = 0
+    for m in _FIELD.finditer(text):
+        parts.append(text[pos : m.start()])
+        pos = m.end()
+        token = m.group(0)
+        if token in ("{{", "}}"):
+            parts.append(token[0])
+        elif m.group(1) is None:
+            raise ExprError(f"unmatched {token!r} in {source!r} (write {token * 2} for one)")
+        else:
+            parts.append(_field(m.group(1)))
+    parts.append(text[pos:])
+    return tuple(p for p in parts if p != "")
 
 
 def _field(text: str) -> tuple[Expr, str]:
