@@ -32,6 +32,8 @@ import yaml
 from helpers import independent as ind
 from helpers.cli import run_cli
 
+from traceclf.support.units import fmt_ms  # (how a duration prints; its number is checked here)
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
 EXTERNAL = next(
@@ -219,7 +221,23 @@ def _count(n: float, noun: str) -> str:
     return f"{round(n):,} {' '.join(words)}"
 
 
-FUNCTIONS = {"min": min, "max": max, "abs": abs, "coalesce": _coalesce, "count": _count}
+class Duration(float):
+    """The rules' ms(x): the number itself (compared within the tolerance), printed as the
+    report writes a duration."""
+
+
+def _ms(x: float) -> Duration:
+    return Duration(x)
+
+
+FUNCTIONS = {
+    "min": min,
+    "max": max,
+    "abs": abs,
+    "coalesce": _coalesce,
+    "count": _count,
+    "ms": _ms,
+}
 
 
 def evaluate(expr: str, env: dict) -> object:
@@ -233,6 +251,8 @@ def evaluate(expr: str, env: dict) -> object:
 def printed(value: object, spec: str) -> str:
     if value is None:
         return "n/a"
+    if isinstance(value, Duration):  # (three significant digits, in ms or s past 1,000 ms)
+        return fmt_ms(value)
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, list):

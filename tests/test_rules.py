@@ -862,3 +862,15 @@ def test_counts_in_rule_sentences_take_their_nouns_number():
     assert render('{count(2.5, "call")}') == "3 calls"
     assert Expr.parse('count("x", "call")').value(env) is None
     assert Expr.parse('count(missing, "call")').value(env) is None
+
+
+def test_host_traffic_fix_names_optimizer_offload_only_for_a_training_loop():
+    """CONSTRUCTED facts (no shared trace streams weights one way): a forward-only window that
+    streams weights in (a public FastVideo layer-offload export) was told to keep optimizer
+    state on the GPU. The optimizer lines apply only where a training loop runs."""
+    fix = load_rules().fixes["reduce-host-traffic"]
+    assert "optimizer" not in fix.config
+    ((when, lines),) = fix.config_when
+    assert "optimizer_cpu_offload" in lines
+    assert when.holds({"training_loop": "training"})
+    assert not when.holds({"training_loop": "forward_only"})
