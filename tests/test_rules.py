@@ -874,3 +874,39 @@ def test_host_traffic_fix_names_optimizer_offload_only_for_a_training_loop():
     assert "optimizer_cpu_offload" in lines
     assert when.holds({"training_loop": "training"})
     assert not when.holds({"training_loop": "forward_only"})
+
+
+def test_per_operator_nvtx_ranges_lower_a_host_verdict_only():
+    """ulysses_2gpu_forward_window: PyTorch's emit_nvtx opens ~4.8 ranges per kernel launch
+    (recomputed from its rows: tests/helpers/independent.py); its GPU idles only 6.6% of the
+    step while the host launches, so nothing warns. The same facts with the launch gaps the
+    host-launch rules need (CONSTRUCTED: 20%) warn, and lower the confidence of a host
+    verdict, not of a compute one: a host slowed by its ranges never reads as compute-bound."""
+    from helpers import independent as ind
+
+    import traceclf
+    from traceclf.judge.engine import build_env, capture_quality
+    from traceclf.judge.hostverdict import distorts
+
+    name = first_available("ulysses_2gpu_forward_window")
+    facts = facts_of(name)
+    m = facts["metrics"]
+    for rank in traceclf.analyze(trace_path(name), use_cache=False).ranks:
+        steps = rank["steps"]
+        mine = ind.rank_measures(
+            trace_path(name), rank["pid"], tuple(steps["window_ns"]), steps["used"],
+            steps["source"], steps["label"],
+        )  # fmt: skip
+        assert rank["metrics"]["nvtx_ranges_per_launch"] == pytest.approx(
+            mine["nvtx_ranges_per_launch"], rel=0.01
+        )
+    assert m["nvtx_ranges_per_launch"] > 4 and m["idle_launch_frac"] < 0.1
+    assert not capture_quality(facts)["warnings"]
+    launchy = facts | {"metrics": m | {"idle_launch_frac": 0.2}}
+    (warning,) = capture_quality(launchy)["warnings"]
+    assert f"{m['nvtx_ranges_per_launch']:.1f} NVTX ranges per kernel launch" in warning
+    rs = load_rules()
+    env = build_env(launchy, rs)
+    assert distorts(rs, env, "host") and not distorts(rs, env, "compute")
+    assert evaluate(launchy).classification["bound"] == "compute"
+    assert "capture_distortion" not in evaluate(launchy).classification["confidence_basis"]

@@ -798,7 +798,17 @@ def _host(w: Window) -> dict:
         "wait_call_frac": length(spans([a for a in w.step_calls if api_is("wait", a["name"])]))
         / w.wall,
         "host_call_ms_per_step": _host_call_ms(w),
+        "nvtx_ranges_per_launch": _nvtx_per_launch(w),
     } | _idle_causes(w, in_window["sync"])
+
+
+def _nvtx_per_launch(w: Window) -> float | None:
+    """NVTX ranges the rank opened per launch call, both counted by their start inside the
+    window (host clock); null without NVTX ranges or launches."""
+    launches = sum(w.lo <= a["start"] < w.hi and api_is("launch", a["name"]) for a in w.rows["api"])
+    if not w.rows["nvtx"] or not launches:
+        return None
+    return sum(w.lo <= n["start"] < w.hi for n in w.rows["nvtx"]) / launches
 
 
 def _host_call_ms(w: Window) -> float | None:

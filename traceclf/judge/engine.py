@@ -12,7 +12,13 @@ from typing import Any
 
 from traceclf.judge import ceiling
 from traceclf.judge.confidence import confidence as window_confidence
-from traceclf.judge.hostverdict import capture_context, capture_options, distortions, top_context
+from traceclf.judge.hostverdict import (
+    capture_context,
+    capture_options,
+    distortions,
+    distorts,
+    top_context,
+)
 from traceclf.judge.vocabulary import COMMUNICATION_FACTS, load_rules
 from traceclf.rulebook.entries import WALLS, Fix, GpuFamily, Rule, Scoring
 from traceclf.rulebook.expr import Expr
@@ -44,7 +50,7 @@ def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
     scores = {w: _combine(h.score for h in hits if h.rule.wall == w) for w in WALLS}
     bound = _bound(scores, rs.scoring)
     # the capture may have changed the verdict (capture.warnings): a factor of reliability
-    distorted = rs.capture.distorted_weight if distortions(rs, env) else None
+    distorted = rs.capture.distorted_weight if distorts(rs, env, bound) else None
     confidence = window_confidence(bound, env, facts.get("steps") or {}, rs.scoring, distorted)
     # Walls reported with evidence and fixes: the bound and any other wall that matters.
     shown = [w for w in rs.scoring.workflow if w == bound or scores[w] >= rs.scoring.meaningful]

@@ -121,6 +121,13 @@ def distortions(rs: RuleSet, env: dict[str, Any]) -> list[str]:
     return [d.warning.render(env) for d in rs.capture.distortions if d.when.value(env)]
 
 
+def distorts(rs: RuleSet, env: dict[str, Any], bound: str | None) -> bool:
+    """Whether a distortion that holds can have made the run look bound by ``bound``."""
+    return any(
+        d.when.value(env) and (not d.walls or bound in d.walls) for d in rs.capture.distortions
+    )
+
+
 def capture_options(rs: RuleSet, env: dict[str, Any]) -> list[dict]:
     """The capture options to suggest: when idle time stays unattributed, one per host source
     the capture lacks (and whose own condition holds)."""

@@ -9,7 +9,7 @@ import polars as pl
 from traceclf.measures import intervals
 from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.measures.host_nvtx import nvtx_cover
-from traceclf.measures.hostframes import loading_gaps
+from traceclf.measures.hostframes import loading_gaps, samples_in
 from traceclf.measures.window import RankWindow
 from traceclf.model.trace import HOST_TO_DEVICE
 
@@ -54,6 +54,10 @@ MEASURES: dict[str, str] = {
     "unattributed)",
     "alloc_idle_frac": "GPU idle time while the host is inside cudaMalloc/cudaFree (what the "
     "allocator calls cost the GPU; the calls themselves can last longer, waiting for it)",
+    "nvtx_ranges_per_launch": "NVTX ranges the process opened per kernel or graph launch "
+    "call, both counted by their start over the window's spans (null without NVTX ranges or "
+    "launches): one or more is per-operator instrumentation (PyTorch's emit_nvtx, pyprof), "
+    "whose ranges cost the host time on every op",
     "wait_call_frac": "time the host spends inside the analysed steps' calls that only wait "
     "(cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize; taxonomy cuda_api "
     "wait), the union over its threads, per step (the steps' calls, as sync_calls_per_step "
@@ -68,6 +72,7 @@ CALL_MEASURES = (
     "short_kernel_frac",
     "alloc_idle_frac",
     "wait_call_frac",
+    "nvtx_ranges_per_launch",
 )
 CAUSE = pl.Enum(IDLE_CAUSES)  # (millions of gaps: a byte each, not a string)
 INPUT_GAP_NS = 1_000_000  # a host that makes no CUDA call for >= 1 ms is doing other work
@@ -106,7 +111,24 @@ def calls(w: RankWindow) -> dict[str, float | None]:
         # (the calls made while the GPU runs the window: they can leave it idle)
         "alloc_idle_frac": w.uncovered(w.api.filter(pl.col("is_alloc")), w.layers.work) / w.wall,
         "wait_call_frac": _waited(w) / w.wall,
+        "nvtx_ranges_per_launch": _nvtx_per_launch(w),
     }
+
+
+def _nvtx_per_launch(w: RankWindow) -> float | None:
+    """NVTX ranges opened per launch call, both counted by their start over the window's spans
+    (the same stretch of the host's clock for both): per-operator instrumentation opens one
+    or more per launch, and its cost on the host may be what the GPU waits for."""
+    if "nvtx" not in w.trace.host_sources:
+        return None
+    spans = intervals.spans_of(w.spans)
+    los = np.array([lo for lo, _ in spans], np.int64)
+    his = np.array([hi for _, hi in spans], np.int64)
+    launch = w.flagged.filter(pl.col("is_launch").fill_null(False))["start"].to_numpy()
+    launches = int((samples_in(launch, los, his) >= 0).sum())
+    if not launches:
+        return None
+    return int((samples_in(w.trace.nvtx["start"].to_numpy(), los, his) >= 0).sum()) / launches
 
 
 def _waited(w: RankWindow) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from traceclf.rulebook.entries import _Entry
+from traceclf.rulebook.entries import WALLS, _Entry
 from traceclf.rulebook.yamlfile import section
 from traceclf.support.errors import TraceError
 
@@ -20,10 +20,14 @@ _KEYS = ("distortions", "distorted_weight", "options_when", "options")
 
 @dataclass(frozen=True)
 class Distortion:
-    """One way the capture may distort the verdict: when it holds, the report warns."""
+    """One way the capture may distort the verdict: when it holds, the report warns, and the
+    confidence of a verdict on one of ``walls`` (every wall when empty) is lowered."""
 
     when: Any  # Expr
     warning: Any  # Template
+    # the walls it can make a run look bound by (a host made slower by the capture reads as
+    # host-bound, never as compute-bound): the others keep their confidence
+    walls: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,12 @@ def _list(raw: dict, path: Path) -> list:
 
 
 def _distortion(raw: Any, path: Path, i: int, names: frozenset[str]) -> Distortion:
-    e = _Entry(raw, path, "capture distortion", i, ("when", "warning"), (), names)
-    return Distortion(e.expr("when"), e.template("warning"))
+    e = _Entry(raw, path, "capture distortion", i, ("when", "warning"), ("walls",), names)
+    walls = e.texts("walls")
+    unknown = [w for w in walls if w not in WALLS]
+    if unknown:
+        e.fail(f"walls: {unknown[0]!r} is not one of {', '.join(WALLS)}")
+    return Distortion(e.expr("when"), e.template("warning"), walls)
 
 
 def _option(raw: Any, path: Path, i: int, names: frozenset[str]) -> CaptureOption:
