@@ -910,3 +910,25 @@ def test_per_operator_nvtx_ranges_lower_a_host_verdict_only():
     assert distorts(rs, env, "host") and not distorts(rs, env, "compute")
     assert evaluate(launchy).classification["bound"] == "compute"
     assert "capture_distortion" not in evaluate(launchy).classification["confidence_basis"]
+
+
+def test_a_distortion_names_only_walls(tmp_path):
+    """A user's capture distortion may say which verdicts it can produce (``walls``); a wall
+    that does not exist is an error naming the file."""
+    folder = write_rules(
+        tmp_path / "mine",
+        """
+capture:
+  distortions:
+    - when: gpu_idle_frac >= 0.5
+      walls: [host, gpu]
+      warning: "idle"
+""",
+    )
+    with pytest.raises(TraceError, match="walls: 'gpu' is not one of memory"):
+        load_rules(folder)
+    (folder / "extra.yaml").write_text(
+        (folder / "extra.yaml").read_text().replace("[host, gpu]", "[host]")
+    )
+    (distortion,) = load_rules(folder).capture.distortions
+    assert distortion.walls == ("host",)
