@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,8 +285,50 @@ def test_export_that_only_copied_is_bad_input_alone(tmp_path: Path) -> None:
 
 
 def test_exports_all_without_gpu_work_are_bad_input(tmp_path: Path) -> None:
+    """The error names the first input as the user named them (one that only copied, refused
+    once loaded), then the others (one refused by the check of the export)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    first, second = without_gpu_tables(tmp_path / "a"), set_up_calls_only(tmp_path / "b")
+    first, second = copies_only(tmp_path / "a"), set_up_calls_only(tmp_path / "b")
     result = run_cli("analyze", first, second)
-    assert_cli_rejects(result, first, "so has every other input")
+    assert_cli_rejects(result, first, f"nor does any other input hold GPU work to judge ({second})")
+
+
+def test_kernels_naming_no_process_stay_bad_input_beside_ranks(tmp_path: Path) -> None:
+    """CONSTRUCTED: GPU rows without their process column (a damaged or generated table) are
+    not an export without GPU work: beside a good rank they stop the run, naming the file."""
+    good = copy_export(real(), tmp_path / "rank_0.sqlite")
+    bad = copy_export(real(), tmp_path / "rank_1.sqlite")
+    with sqlite3.connect(bad) as con:
+        for table in ("KERNEL", "MEMCPY", "MEMSET"):
+            con.execute(f"ALTER TABLE CUPTI_ACTIVITY_KIND_{table} DROP COLUMN globalPid")
+    result = run_cli("analyze", "--no-cache", good, bad)
+    assert_cli_rejects(result, bad, "kernel and copy rows name no process")
+
+
+def test_inputs_left_out_of_several_runs_are_listed_once(tmp_path: Path) -> None:
+    """Two unrelated captures (two runs) and a launcher's export: the launcher is listed once,
+    under the runs' summary (``grouping.skipped_inputs``), not in each run's capture block;
+    a second analysis, whose report comes from the cache, warns again."""
+    import json
+
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    copy_export(real(), folder / "a.sqlite")
+    copy_export(fixture_trace("h100_memory_offload"), folder / "b.sqlite")
+    set_up_calls_only(tmp_path).rename(folder / "launcher.sqlite")
+    cache = tmp_path / "cache"
+    first = run_cli("analyze", "--format", "json", "--cache-dir", cache, folder)
+    assert first.code == 0, first
+    out = json.loads(first.stdout)
+    assert len(out["runs"]) == 2
+    (left,) = out["grouping"]["skipped_inputs"]
+    assert Path(left["path"]).name == "launcher.sqlite"
+    assert all(run["capture"]["skipped_inputs"] == [] for run in out["runs"])
+    md = run_cli("analyze", "--format", "md", "--cache-dir", cache, folder)
+    assert md.stdout.count("launcher.sqlite") == 1 and "Left out:" in md.stdout
+    with warnings.catch_warnings():  # (in this process, a warning said once is said again)
+        warnings.simplefilter("always")
+        again = run_cli("analyze", "--format", "json", "--cache-dir", cache, folder)
+    assert json.loads(again.stdout) == out
+    assert any("launcher.sqlite" in line and "left out" in line for line in again.stderr_lines)

@@ -67,7 +67,10 @@ class Inputs:
 
         if self.run is None:
             return None
-        return results.read_run_text(self.files[0], *self.run, opts.cache_dir)
+        from traceclf.pipeline.leftout import warn_filed
+
+        text = results.read_run_text(self.files[0], *self.run, opts.cache_dir)
+        return warn_filed(text)
 
 
 def chosen_inputs(inputs: list[str], opts: AnalysisOptions) -> Inputs:
@@ -119,9 +122,13 @@ def analyze_inputs(
         )
     results = split_unrelated_ranks(without_repeats(results), opts.grouping)
     grouping = group(results, opts.grouping)
+    # the inputs left out: in the one report's capture block, or once for several runs
+    several = len(grouping.groups) > 1
     reports = []
     for members in grouping.groups:
-        report = build_report([results[i] for i in members], opts.rules_dir, skipped)
+        report = build_report(
+            [results[i] for i in members], opts.rules_dir, [] if several else skipped
+        )
         report.grouping = grouping.for_report()
         reports.append(report)
     if len(reports) == 1:
@@ -134,7 +141,9 @@ def analyze_inputs(
             for members in grouping.groups
         ]
         ranked = sorted(range(len(reports)), key=position.__getitem__)
-        out = RunSet([reports[i] for i in ranked], grouping.for_report())
+        out = RunSet(
+            [reports[i] for i in ranked], grouping.for_report() | {"skipped_inputs": skipped}
+        )
     if run is not None:
         _store_run(files[0], run, out, opts)
     return out
@@ -173,11 +182,17 @@ def _cached_run(first: Path, run: tuple[str, str], opts: AnalysisOptions) -> Rep
     data = results.read_run(first, *run, opts.cache_dir)
     if data is None:
         return None
+    out: Report | RunSet | None = None
     with contextlib.suppress(Exception):  # an older or damaged layout: analyse again
         if "runs" in data:
-            return RunSet([Report.from_dict(r) for r in data["runs"]], data["grouping"])
-        return Report.from_dict(data)
-    return None
+            out = RunSet([Report.from_dict(r) for r in data["runs"]], data["grouping"])
+        else:
+            out = Report.from_dict(data)
+    if out is not None:  # (what the analysis warned about, warned again)
+        from traceclf.pipeline.leftout import warn_left_out
+
+        warn_left_out((out.grouping if isinstance(out, RunSet) else out.capture) or {})
+    return out
 
 
 def _store_run(first: Path, run: tuple[str, str], out: Report | RunSet, opts) -> None:
@@ -196,54 +211,49 @@ def _analyse_files(
     with the inputs left out (:mod:`traceclf.pipeline.leftout`)."""
     from traceclf.ingest.inputs import export_sources
     from traceclf.judge.vocabulary import load_rules
-    from traceclf.pipeline.leftout import kept_and_left_out
+    from traceclf.pipeline.leftout import checked_export, kept_and_left_out
     from traceclf.pipeline.parallel import map_exports
 
     load_rules(opts.rules_dir, remember=_rules_stamp_root(opts))
     sources = export_sources(files, nsys=opts.nsys, cache_dir=opts.cache_dir, quiet=opts.quiet)
-    checked = [(_checked(path, opts), named) for path, named in sources]
+    # (a damaged page would have failed the analysis whose result is cached for this version
+    # of the file: the page check, a read of the whole file, is for new ones)
+    checked = [
+        (checked_export(path, not _result_cached(path, opts)), named) for path, named in sources
+    ]
+    if all(why is not None for why, _named in checked):  # (none left to analyse: no worker)
+        kept_and_left_out(checked)
     sources = [src for src, (why, _named) in zip(sources, checked, strict=True) if why is None]
     exports = [export for export, _named in sources]
     # A spinner per worker process would garble stderr: progress only for in-process loads.
     in_process = len(exports) == 1 or opts.jobs == 1
     resolved = [path.resolve() for path in exports]
     try:
-        results = map_exports(
-            functools.partial(
-                _analysed, opts=opts, show_progress=in_process and not opts.dask_address
-            ),
-            # Workers (other processes, other machines) get absolute paths: a relative one
-            # would name whatever file sits there in the worker's folder. Results carry the
-            # user's name, and so do errors.
-            resolved,
-            jobs=opts.jobs,
-            dask_address=opts.dask_address,
-            quiet=opts.quiet,
-            pool=pool,
+        results = iter(
+            map_exports(
+                functools.partial(
+                    _analysed, opts=opts, show_progress=in_process and not opts.dask_address
+                ),
+                # Workers (other processes, other machines) get absolute paths: a relative one
+                # would name whatever file sits there in the worker's folder. Results carry the
+                # user's name, and so do errors.
+                resolved,
+                jobs=opts.jobs,
+                dask_address=opts.dask_address,
+                quiet=opts.quiet,
+                pool=pool,
+            )
         )
     except TraceError as e:
         named = {str(r): n for r, (_e, n) in zip(resolved, sources, strict=True)}
         if e.path in named and type(e) is TraceError:
             raise TraceError(named[e.path], e.problem) from None
         raise
-    outcomes = checked + list(zip(results, (named for _export, named in sources), strict=True))
+    # each input's outcome in the order the user named them: its result or why it has none
+    outcomes = [(why or next(results), named) for why, named in checked]
     kept, skipped = kept_and_left_out(outcomes)
     # A report exported into the cache is reported under the name the user gave.
     return [r.named(named) for r, named in kept], skipped
-
-
-def _checked(path: Path, opts: AnalysisOptions) -> NoGpuWork | None:
-    """Check an export (:func:`~traceclf.ingest.schema.inspect_export`): why it holds no GPU
-    work (left out of a run of several: :func:`_left_out`), or None."""
-    from traceclf.ingest.schema import inspect_export
-
-    try:
-        # a damaged page would have failed the analysis whose result is cached for this
-        # version of the file: the page check (a read of the whole file) is for new ones
-        inspect_export(path, check_pages=not _result_cached(path, opts))
-    except NoGpuWork as e:
-        return e
-    return None
 
 
 def _analysed(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult | NoGpuWork:
@@ -324,8 +334,10 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
         )
     )
     pids = sorted(plans) if plans else trace.rank_pids
-    if not pids:
-        raise NoGpuWork(path, "no process ran GPU work (kernel and copy rows name no process)")
+    if not pids:  # (rows left out as naming no process are damaged: not an export without work)
+        damaged = any(k.endswith(".no_process") and n for k, n in trace.unusable_rows.items())
+        error = TraceError if damaged else NoGpuWork
+        raise error(path, "no process ran GPU work (kernel and copy rows name no process)")
     if len(pids) > MAX_RANKS:
         raise TraceError(
             path,

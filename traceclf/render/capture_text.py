@@ -112,7 +112,7 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     ]  # fmt: skip
     skipped = c.get("skipped_inputs") or []
     if skipped:  # (inputs named but not analysed: a launcher's export beside the ranks')
-        rows.insert(1, ("Left out", _left_out(skipped)))
+        rows.insert(1, ("Left out", left_out_text(skipped)))
     outside = c.get("kernels_outside") or []
     if outside:  # (kernels the report does not cover: another phase of the program)
         names = ", ".join(
@@ -129,7 +129,7 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     return rows + host_capture_rows(report)
 
 
-def _left_out(skipped: list[dict]) -> str:
+def left_out_text(skipped: list[dict]) -> str:
     """The inputs left out, those of one problem together: 'a.sqlite, b.sqlite: export has
     no GPU activity (...)'."""
     by_problem: dict[str, list[str]] = {}

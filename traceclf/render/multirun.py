@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from traceclf.render.capture_text import left_out_text
 from traceclf.report.runset import SUMMARY_COLUMNS, RunSet
 from traceclf.support.escape import for_html, for_markdown, for_terminal
 from traceclf.support.units import fmt_ms, pct
@@ -38,6 +39,8 @@ def runs_terminal(runs: RunSet, to_string: bool = False, width: int | None = Non
     console = new_console(to_string, width)
     console.print(Text(f"traceclf: {len(runs.runs)} separate runs", style="bold"))
     console.print(for_terminal(runs.grouping.get("reason", ""), "dim"))
+    if left_out(runs):
+        console.print(for_terminal(left_out(runs), "dim"))
     table = Table(show_edge=False)
     for i, col in enumerate(SUMMARY_COLUMNS):
         table.add_column(col, justify="right" if 2 <= i <= 4 else "left", overflow="fold")
@@ -65,6 +68,7 @@ def runs_markdown(runs: RunSet, figures: list[dict[str, str]] | None = None) -> 
         "",
         cell(runs.grouping.get("reason", "")),
         "",
+        *([cell(left_out(runs)), ""] if left_out(runs) else []),
         "| " + " | ".join(SUMMARY_COLUMNS) + " |",
         "| --- | --- | ---: | ---: | ---: | --- |",
         *("| " + " | ".join(cell(c) for c in cells) + " |" for cells in summary_cells(runs)),
@@ -106,8 +110,15 @@ def runs_html_body(runs: RunSet) -> str:
     body = [
         f"<h1>traceclf: {len(runs.runs)} separate runs</h1>",
         f'<p class="sub">{for_html(runs.grouping.get("reason", ""))}</p>',
+        *([f'<p class="sub">{for_html(left_out(runs))}</p>'] if left_out(runs) else []),
         f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>",
     ]
     for i, report in enumerate(runs.runs, 1):
         body.append(f'<hr><section id="run-{i}">\n{html_body(report)}\n</section>')
     return "\n".join(body)
+
+
+def left_out(runs: RunSet) -> str:
+    """'Left out: a.sqlite: export has no GPU activity (...)', or "" (every input analysed)."""
+    skipped = runs.grouping.get("skipped_inputs") or []
+    return f"Left out: {left_out_text(skipped)}" if skipped else ""
