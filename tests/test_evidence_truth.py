@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import sqlite3
 import statistics
@@ -289,6 +290,9 @@ def field_close(expr: str, spec: str, got: object, want: object) -> bool:
         return got == want
     if spec.endswith("%"):
         return abs(got - want) <= FRACTION_TOL
+    if isinstance(want, Duration):  # (printed to three significant digits)
+        last = 10 ** (math.floor(math.log10(abs(want))) - 2) if want else 0.0
+        return abs(got - want) <= RELATIVE_TOL * abs(want) + 0.5 * last
     digits = int(re.search(r"\.(\d+)", spec).group(1)) if "." in spec else 0
     return abs(got - want) <= RELATIVE_TOL * abs(want) + 0.5 * 10**-digits
 

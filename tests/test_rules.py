@@ -121,6 +121,8 @@ def test_a_clause_whose_number_the_trace_lacks_is_left_out():
         "at 27.7 GB/s, against 64 GB/s for PCIe; {x}"
     )
     assert t.render({"peak": 64, "link": "PCIe"}).startswith("at n/a GB/s, against 64")
+    spaced = Template.parse("a [[ {b} ]] c")
+    assert spaced.render({}) == "a c" and spaced.render({"b": 1}) == "a 1 c"
     for bad in ("a [[ b", "a ]] b", "[[ [[ b ]] ]]", "[[ {a:.0q} ]]"):
         with pytest.raises(ExprError):
             Template.parse(bad)
@@ -865,9 +867,9 @@ def test_counts_in_rule_sentences_take_their_nouns_number():
 
 
 def test_host_traffic_fix_names_optimizer_offload_only_for_a_training_loop():
-    """CONSTRUCTED facts (no shared trace streams weights one way): a forward-only window that
-    streams weights in (a public FastVideo layer-offload export) was told to keep optimizer
-    state on the GPU. The optimizer lines apply only where a training loop runs."""
+    """The fix's rule data (no shared trace streams weights one way): a forward-only window
+    that streams weights in (a public FastVideo layer-offload export) was told to keep
+    optimizer state on the GPU. The optimizer lines are config_when a training loop runs."""
     fix = load_rules().fixes["reduce-host-traffic"]
     assert "optimizer" not in fix.config
     ((when, lines),) = fix.config_when
@@ -904,12 +906,16 @@ def test_per_operator_nvtx_ranges_lower_a_host_verdict_only():
     assert not capture_quality(facts)["warnings"]
     launchy = facts | {"metrics": m | {"idle_launch_frac": 0.2}}
     (warning,) = capture_quality(launchy)["warnings"]
-    assert f"{m['nvtx_ranges_per_launch']:.1f} NVTX ranges per kernel launch" in warning
+    assert f"{m['nvtx_ranges_per_launch']:.1f} NVTX ranges were opened per kernel launch" in warning
     rs = load_rules()
     env = build_env(launchy, rs)
     assert distorts(rs, env, "host") and not distorts(rs, env, "compute")
     assert evaluate(launchy).classification["bound"] == "compute"
     assert "capture_distortion" not in evaluate(launchy).classification["confidence_basis"]
+    idle = {"idle_launch_frac": 0.8, "gpu_idle_frac": 0.85, "gpu_busy_frac": 0.15}
+    starved = facts | {"metrics": m | idle | {"compute_frac": 0.12, "short_kernel_frac": 0.9}}
+    host = evaluate(starved).classification
+    assert host["bound"] == "host" and host["confidence_basis"]["capture_distortion"] == 0.7
 
 
 def test_a_distortion_names_only_walls(tmp_path):

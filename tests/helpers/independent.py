@@ -804,11 +804,19 @@ def _host(w: Window) -> dict:
 
 def _nvtx_per_launch(w: Window) -> float | None:
     """NVTX ranges the rank opened per launch call, both counted by their start inside the
-    window (host clock); null without NVTX ranges or launches."""
+    window (host clock), steps and forward/backward/optimizer phases left out; null without
+    NVTX ranges or launches."""
     launches = sum(w.lo <= a["start"] < w.hi and api_is("launch", a["name"]) for a in w.rows["api"])
     if not w.rows["nvtx"] or not launches:
         return None
-    return sum(w.lo <= n["start"] < w.hi for n in w.rows["nvtx"]) / launches
+    tax = taxonomy()["nvtx"]
+    phases = [tax[k] for k in ("step", "forward", "backward", "optimizer")]
+    opened = [
+        n
+        for n in w.rows["nvtx"]
+        if w.lo <= n["start"] < w.hi and not any(p.search(n["text"] or "") for p in phases)
+    ]
+    return len(opened) / launches
 
 
 def _host_call_ms(w: Window) -> float | None:

@@ -8,7 +8,7 @@ import polars as pl
 
 from traceclf.measures import intervals
 from traceclf.measures.handoff import IDLE_CAUSES
-from traceclf.measures.host_nvtx import nvtx_cover
+from traceclf.measures.host_nvtx import host_ranges, nvtx_cover
 from traceclf.measures.hostframes import loading_gaps, samples_in
 from traceclf.measures.window import RankWindow
 from traceclf.model.trace import HOST_TO_DEVICE
@@ -55,9 +55,10 @@ MEASURES: dict[str, str] = {
     "alloc_idle_frac": "GPU idle time while the host is inside cudaMalloc/cudaFree (what the "
     "allocator calls cost the GPU; the calls themselves can last longer, waiting for it)",
     "nvtx_ranges_per_launch": "NVTX ranges the process opened per kernel or graph launch "
-    "call, both counted by their start over the window's spans (null without NVTX ranges or "
-    "launches): one or more is per-operator instrumentation (PyTorch's emit_nvtx, pyprof), "
-    "whose ranges cost the host time on every op",
+    "call, both counted by their start over the window's spans, step ranges and "
+    "forward/backward/optimizer phases left out (null where the process opened no NVTX range "
+    "or launched nothing): one or more is per-operator instrumentation (PyTorch's emit_nvtx, "
+    "pyprof), whose ranges cost the host time on every op",
     "wait_call_frac": "time the host spends inside the analysed steps' calls that only wait "
     "(cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize; taxonomy cuda_api "
     "wait), the union over its threads, per step (the steps' calls, as sync_calls_per_step "
@@ -117,9 +118,11 @@ def calls(w: RankWindow) -> dict[str, float | None]:
 
 def _nvtx_per_launch(w: RankWindow) -> float | None:
     """NVTX ranges opened per launch call, both counted by their start over the window's spans
-    (the same stretch of the host's clock for both): per-operator instrumentation opens one
-    or more per launch, and its cost on the host may be what the GPU waits for."""
-    if "nvtx" not in w.trace.host_sources:
+    (the same stretch of the host's clock for both), step ranges and forward/backward/
+    optimizer phases left out (a loop of one launch a step is not instrumented finely):
+    per-operator instrumentation opens one or more per launch, and its cost on the host may
+    be what the GPU waits for. Null where the process opened no NVTX range."""
+    if w.trace.nvtx.is_empty():
         return None
     spans = intervals.spans_of(w.spans)
     los = np.array([lo for lo, _ in spans], np.int64)
@@ -128,7 +131,8 @@ def _nvtx_per_launch(w: RankWindow) -> float | None:
     launches = int((samples_in(launch, los, his) >= 0).sum())
     if not launches:
         return None
-    return int((samples_in(w.trace.nvtx["start"].to_numpy(), los, his) >= 0).sum()) / launches
+    opened = host_ranges(w)["start"].to_numpy()
+    return int((samples_in(opened, los, his) >= 0).sum()) / launches
 
 
 def _waited(w: RankWindow) -> int:

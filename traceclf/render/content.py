@@ -483,6 +483,8 @@ def _fact(name: str, value) -> str:
         return "yes" if value else "no"
     if isinstance(value, (int, float)) and "bytes" in name:
         return fmt_bytes(value)
+    if isinstance(value, int):
+        return f"{value:,}"
     if isinstance(value, float):
         if abs(value) >= 1000:
             return f"{value:,.0f}"

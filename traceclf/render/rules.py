@@ -15,6 +15,7 @@ from traceclf.rulebook.expr import Template
 from traceclf.rulebook.fixparts import Pitfall, Precondition
 from traceclf.support.errors import TraceError
 from traceclf.support.escape import for_terminal, visible
+from traceclf.support.units import plural
 
 
 def list_rules(rules_dir: Path | None = None) -> None:
@@ -87,7 +88,7 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
         for_terminal(f"{fix.title}  [{fix.id} · {fix.wall}]", "bold"),  # Text: never markup
         indented(for_terminal(template_without_trace(fix.why))),
         Text(""),
-        CodeBlock(visible(fix.config.strip(), multiline=True), indent=INDENT),
+        CodeBlock(visible(_config(fix), multiline=True), indent=INDENT),
     ]
     conditional = (("Preconditions", fix.premises), ("Pitfalls", fix.pitfalls))
     for label, items in ((label, [_said_when(i) for i in said]) for label, said in conditional):
@@ -112,6 +113,13 @@ def explain_fix(fix_id: str, rules_dir: Path | None = None) -> None:
                 indented(Text.assemble((f"{label}: ", "bold"), for_terminal(value))),
             ]
     _console().print(Group(*parts), crop=False)  # a config line that cannot break: whole
+
+
+def _config(fix: Fix) -> str:
+    """The config to paste, with the lines added when a condition of the trace holds, each
+    after a comment saying which (``config_when``)."""
+    added = [f"# when {when.source}:\n{lines.strip()}" for when, lines in fix.config_when]
+    return "\n".join([fix.config.strip(), *added]).strip()
 
 
 def _ceiling(fix: Fix) -> str | None:
@@ -202,13 +210,28 @@ def template_without_trace(template: Template) -> str:
             continue
         expr = part[0]
         names = sorted(expr.names)
-        if len(names) == 1 and names[0] in PLACEHOLDERS and expr.source.strip() == names[0]:
+        source, unit = _unwrapped(expr.source.strip())
+        if len(names) == 1 and names[0] in PLACEHOLDERS and source == names[0]:
             word = PLACEHOLDERS[names[0]]
         else:
-            word = f"‹{expr.source.strip()}›"
+            word = f"‹{source}›{unit}"
         out.append(f"{FIELD}{word}{FIELD}")
     text = ASIDE.sub("", "".join(out)).replace(FIELD, "")
     return " ".join(text.split())
+
+
+# ms(x) and count(n, "noun") read as "‹x› ms" and "‹n› nouns" without the trace's values
+UNIT_CALLS = re.compile(r'^(?:ms\((?P<ms>.*)\)|count\((?P<n>.*),\s*"(?P<noun>[^"]*)"\))$', re.S)
+
+
+def _unwrapped(source: str) -> tuple[str, str]:
+    """A field's expression without the function that gives it its unit, and that unit."""
+    m = UNIT_CALLS.match(source)
+    if m is None:
+        return source, ""
+    if m.group("ms") is not None:
+        return m.group("ms").strip(), " ms"
+    return m.group("n").strip(), f" {plural(m.group('noun'))}"
 
 
 def find_fix_id(asked: str, fixes: dict) -> str:

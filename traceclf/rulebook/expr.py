@@ -307,7 +307,8 @@ class Template:
             if optional and any(v[0] is None for v in values if isinstance(v, tuple)):
                 continue  # (a clause whose number the trace lacks: left out)
             out += [v if isinstance(v, str) else _format(*v) for v in values]
-        return "".join(out).strip()
+        # (a sentence: "a [[ {b} ]] c" reads "a c" without b, "a 1 c" with it)
+        return re.sub(r" {2,}", " ", "".join(out)).strip()
 
 
 def _parts(text: str, source: str) -> tuple[_Part, ...]:

@@ -3,6 +3,8 @@ fractions as percentages, durations, sizes, relative changes and gain ceilings."
 
 from __future__ import annotations
 
+import math
+
 
 def pct(v: float | None) -> str:
     if v is None:
@@ -41,13 +43,15 @@ def signed_pct(v: float | None) -> str:
 
 
 def fmt_bytes(v: float | None) -> str:
-    if v is None:
+    """Bytes in the unit their size needs, three significant digits: '2.82 GB', '1 MB' (not
+    '1e+03 KB' for 999,950 B), never in scientific notation."""
+    if v is None or not math.isfinite(v):
         return "–"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(v) < 1000 or unit == "TB":
-            return f"{v:.3g} {unit}" if unit != "B" else f"{v:.0f} B"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(float(f"{v:.3g}")) < 1000:  # (as printed: 999.95 KB is 1 MB)
+            return f"{v:.0f} B" if unit == "B" else f"{_sig(v)} {unit}"
         v /= 1000
-    return f"{v:.3g} TB"
+    return f"{_sig(v)} TB"
 
 
 def gain(value: float | None) -> str:
@@ -59,7 +63,7 @@ def gain(value: float | None) -> str:
 
 def counted(n: int, noun: str) -> str:
     """'1 call', '3 calls', '2 long gaps': a count with its noun in the number it takes."""
-    return f"{n} {noun if n == 1 else plural(noun)}"
+    return f"{n:,} {noun if n == 1 else plural(noun)}"
 
 
 def plural(noun: str) -> str:
