@@ -154,14 +154,19 @@ def test_explain_prints_every_config_to_paste(width: int, monkeypatch: pytest.Mo
         assert result.code == 0, result.stderr
         block = textwrap.dedent(result.stdout.split("\n\n")[1]) + "\n"
         assert "│" not in block
+        # the lines a condition of the trace adds follow, each under a comment naming it
+        config = "\n".join(
+            [fix.config.strip()]
+            + [f"# when {when.source}:\n{lines.strip()}" for when, lines in fix.config_when]
+        )
         if config_language({"config": fix.config}) == "python" and not fix.config.startswith(
             "nsys "
         ):
-            assert_pastes_as(block, fix.config)
+            assert_pastes_as(block, config)
         else:
             done = subprocess.run(["bash", "-n"], input=block, text=True, capture_output=True)
             assert done.returncode == 0, (fix.id, done.stderr)
-            assert shell_words(block) == shell_words(fix.config)
+            assert shell_words(block) == shell_words(config)
 
 
 def test_code_that_cannot_break_is_printed_whole() -> None:
