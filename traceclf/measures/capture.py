@@ -6,11 +6,10 @@ covers, and the kernels that run only outside it."""
 
 from __future__ import annotations
 
-import numpy as np
 import polars as pl
 
 from traceclf.measures import intervals
-from traceclf.measures.hostframes import samples_in
+from traceclf.measures.hostframes import in_window
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow, optimizer_ranges
 from traceclf.model.taxonomy import by_name, match_counts
@@ -76,10 +75,7 @@ def kernels_outside(w: RankWindow) -> list[dict]:
     if trace.read_path != "whole" or graph_trace_mode(w) == "graph" or trace.kernels.is_empty():
         return []
     kernels = trace.kernels
-    spans = intervals.spans_of(w.spans)
-    los = np.array([lo for lo, _ in spans], np.int64)
-    his = np.array([hi for _, hi in spans], np.int64)
-    inside = samples_in(kernels["start"].to_numpy(), los, his) >= 0
+    inside = in_window(w, kernels["start"].to_numpy())
     # (grouped by the categorical name, the few groups made strings after: not a string per
     # kernel of a whole capture's millions, 3x the time)
     per = (

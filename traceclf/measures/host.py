@@ -9,7 +9,7 @@ import polars as pl
 from traceclf.measures import intervals
 from traceclf.measures.handoff import IDLE_CAUSES
 from traceclf.measures.host_nvtx import host_ranges, nvtx_cover
-from traceclf.measures.hostframes import loading_gaps, samples_in
+from traceclf.measures.hostframes import in_window, loading_gaps
 from traceclf.measures.window import RankWindow
 from traceclf.model.trace import HOST_TO_DEVICE
 
@@ -124,15 +124,11 @@ def _nvtx_per_launch(w: RankWindow) -> float | None:
     be what the GPU waits for. Null where the process opened no NVTX range."""
     if w.trace.nvtx.is_empty():
         return None
-    spans = intervals.spans_of(w.spans)
-    los = np.array([lo for lo, _ in spans], np.int64)
-    his = np.array([hi for _, hi in spans], np.int64)
     launch = w.flagged.filter(pl.col("is_launch").fill_null(False))["start"].to_numpy()
-    launches = int((samples_in(launch, los, his) >= 0).sum())
+    launches = int(in_window(w, launch).sum())
     if not launches:
         return None
-    opened = host_ranges(w)["start"].to_numpy()
-    return int((samples_in(opened, los, his) >= 0).sum()) / launches
+    return int(in_window(w, host_ranges(w)["start"].to_numpy()).sum()) / launches
 
 
 def _waited(w: RankWindow) -> int:

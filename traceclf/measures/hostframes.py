@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
+from traceclf.measures import intervals
 from traceclf.model.taxonomy import Taxonomy
 
 if TYPE_CHECKING:
@@ -268,3 +269,11 @@ def samples_in(times: np.ndarray, gstart: np.ndarray, gend: np.ndarray) -> np.nd
     at = np.searchsorted(gstart, times, side="right") - 1
     inside = (at >= 0) & (times < gend[np.maximum(at, 0)])
     return np.where(inside, at, -1)
+
+
+def in_window(w: RankWindow, times: np.ndarray) -> np.ndarray:
+    """Whether each instant of ``times`` falls inside the window's spans."""
+    spans = intervals.spans_of(w.spans)
+    los = np.array([lo for lo, _ in spans], np.int64)
+    his = np.array([hi for _, hi in spans], np.int64)
+    return samples_in(times, los, his) >= 0
