@@ -4,7 +4,6 @@ so a number reads the same in each."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from traceclf.render.ceilings import ceiling_rows, combined_row
@@ -18,7 +17,7 @@ from traceclf.render.text import (
 )
 from traceclf.report.contract import Report
 from traceclf.support.escape import visible
-from traceclf.support.units import counted, fmt_bytes, fmt_ms, fmt_us, pct
+from traceclf.support.units import counted, fmt_bytes, fmt_ms, fmt_us, pct, sig
 
 RANK_COLUMNS = (
     "rank",
@@ -486,10 +485,7 @@ def _fact(name: str, value) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, float):
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        text = f"{value:.3g}"  # (below 1e-4 that is "1.2e-05": three digits, positional)
-        return f"{value:.{2 - math.floor(math.log10(abs(value)))}f}" if "e" in text else text
+        return f"{value:,.0f}" if abs(value) >= 1000 else sig(value)
     if isinstance(value, list):
         return "[" + ", ".join(map(str, value)) + "]"
     return str(value)

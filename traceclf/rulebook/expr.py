@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from traceclf.support.units import fmt_ms, plural
+from traceclf.support.units import counted, fmt_ms, plural
 
 
 def _coalesce(*args: Any) -> Any:
@@ -29,8 +29,7 @@ def _count(n: float, noun: str) -> str:
         raise TypeError("count(number, noun)")
     if 0 < abs(n) < 0.95:  # (a fraction per step: "0.4 small copies", not "0 small copies")
         return f"{n:.1f} {plural(noun)}"
-    whole = math.floor(n + 0.5)  # (halves up, as a count reads: 2.5 is 3)
-    return f"{whole:,} {noun}" if whole == 1 else f"{whole:,} {plural(noun)}"
+    return counted(math.floor(n + 0.5), noun)  # (halves up, as a count reads: 2.5 is 3)
 
 
 def _ms(value: float) -> str | None:

@@ -19,13 +19,18 @@ def fmt_ms(v: float | None) -> str:
         return "–"
     if 0 < abs(v) < 0.001 and abs(float(f"{v * 1e6:.3g}")) < 1000:  # (999.6 ns: "0.001 ms")
         return f"{v * 1e6:.3g} ns"
-    return f"{_sig(v)} ms" if abs(float(f"{v:.3g}")) < 1000 else f"{_sig(v / 1000)} s"
+    return f"{sig(v)} ms" if abs(float(f"{v:.3g}")) < 1000 else f"{sig(v / 1000)} s"
 
 
-def _sig(v: float) -> str:
-    """Three significant digits, never in scientific notation ('1,000', not '1e+03')."""
+def sig(v: float) -> str:
+    """Three significant digits, never in scientific notation ('1,000', not '1e+03';
+    '0.0000123', not '1.23e-05')."""
     text = f"{v:.3g}"
-    return f"{v:,.0f}" if "e" in text else text
+    if "e" not in text:
+        return text
+    if abs(v) >= 1:
+        return f"{v:,.0f}"
+    return f"{v:.{2 - math.floor(math.log10(abs(v)))}f}"
 
 
 def fmt_us(v: float | None) -> str:
@@ -49,9 +54,9 @@ def fmt_bytes(v: float | None) -> str:
         return "–"
     for unit in ("B", "KB", "MB", "GB"):
         if abs(float(f"{v:.3g}")) < 1000:  # (as printed: 999.95 KB is 1 MB)
-            return f"{v:.0f} B" if unit == "B" else f"{_sig(v)} {unit}"
+            return f"{v:.0f} B" if unit == "B" else f"{sig(v)} {unit}"
         v /= 1000
-    return f"{_sig(v)} TB"
+    return f"{sig(v)} TB"
 
 
 def gain(value: float | None) -> str:
