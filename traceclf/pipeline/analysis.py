@@ -189,9 +189,9 @@ def _cached_run(first: Path, run: tuple[str, str], opts: AnalysisOptions) -> Rep
         else:
             out = Report.from_dict(data)
     if out is not None:  # (what the analysis warned about, warned again)
-        from traceclf.pipeline.leftout import warn_left_out
+        from traceclf.pipeline.leftout import left_out_of, warn_left_out
 
-        warn_left_out((out.grouping if isinstance(out, RunSet) else out.capture) or {})
+        warn_left_out(left_out_of(data))
     return out
 
 

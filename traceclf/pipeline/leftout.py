@@ -31,28 +31,27 @@ def checked_export(path: Path, check_pages: bool) -> NoGpuWork | None:
 
 
 def kept_and_left_out(
-    outcomes: list[tuple[R | NoGpuWork | None, str]],
+    outcomes: list[tuple[R | NoGpuWork, str]],
 ) -> tuple[list[tuple[R, str]], list[dict]]:
-    """Of each input's outcome (a result, why it holds no GPU work, or None: not analysed)
-    and its name as the user gave it: the results kept, with their names, and the inputs left
-    out as ``{path, problem}`` (each also a warning)."""
+    """Of each input's outcome (a result, or why it holds no GPU work) and its name as the
+    user gave it: the results kept, with their names, and the inputs left out as
+    ``{path, problem}`` (each also a warning)."""
     skipped = [
         {"path": str(named), "problem": why.problem}
         for why, named in outcomes
         if isinstance(why, NoGpuWork)
     ]
-    kept = [(r, named) for r, named in outcomes if r is not None and not isinstance(r, NoGpuWork)]
+    kept = [(r, named) for r, named in outcomes if not isinstance(r, NoGpuWork)]
     if not kept:  # (one input without GPU work, or every one: bad input)
         first = skipped[0]
         raise TraceError(first["path"], first["problem"] + _every_other(skipped))
-    warn_left_out({"skipped_inputs": skipped})
+    warn_left_out(skipped)
     return kept, skipped  # type: ignore[return-value]
 
 
-def warn_left_out(held: dict) -> None:
-    """A warning per input a report's block (``capture``, or a run set's ``grouping``) lists
-    as left out: again for a run whose report was cached."""
-    for entry in held.get("skipped_inputs") or []:
+def warn_left_out(skipped: list[dict]) -> None:
+    """A warning per input left out (again for a run whose report was cached)."""
+    for entry in skipped:
         warnings.warn(
             f"{entry['path']}: {entry['problem']}; left out, the other inputs analysed",
             TraceWarning,
@@ -69,10 +68,16 @@ def _every_other(skipped: list[dict]) -> str:
     return f"; nor does any other input hold GPU work to judge ({others})"
 
 
+def left_out_of(data: dict) -> list[dict]:
+    """The inputs a filed report lists as left out: a run set's under ``grouping``, one
+    run's under ``capture``."""
+    held = data.get("grouping") if "runs" in data else data.get("capture")
+    return (held or {}).get("skipped_inputs") or []
+
+
 def warn_filed(text: str | None) -> str | None:
     """A filed report's JSON text as it is, warned about again if it lists inputs left out
     (decoded only then: an ``--all-steps`` report runs to megabytes)."""
     if text is not None and LEFT_OUT.search(text):
-        data = json.loads(text)
-        warn_left_out((data.get("grouping") if "runs" in data else data.get("capture")) or {})
+        warn_left_out(left_out_of(json.loads(text)))
     return text
