@@ -3,6 +3,7 @@ fix, and which taxonomy entry classifies a kernel name, as rich console output."
 
 from __future__ import annotations
 
+import ast
 import difflib
 import re
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 from traceclf.judge.engine import by_workflow
 from traceclf.judge.vocabulary import load_rules
 from traceclf.rulebook.entries import Fix
-from traceclf.rulebook.expr import Template
+from traceclf.rulebook.expr import Expr, Template
 from traceclf.rulebook.fixparts import Pitfall, Precondition
 from traceclf.support.errors import TraceError
 from traceclf.support.escape import for_terminal, visible
@@ -210,7 +211,7 @@ def template_without_trace(template: Template) -> str:
             continue
         expr = part[0]
         names = sorted(expr.names)
-        source, unit = _unwrapped(expr.source.strip())
+        source, unit = _unwrapped(expr)
         if len(names) == 1 and names[0] in PLACEHOLDERS and source == names[0]:
             word = PLACEHOLDERS[names[0]]
         else:
@@ -220,18 +221,19 @@ def template_without_trace(template: Template) -> str:
     return " ".join(text.split())
 
 
-# ms(x) and count(n, "noun") read as "‹x› ms" and "‹n› nouns" without the trace's values
-UNIT_CALLS = re.compile(r'^(?:ms\((?P<ms>.*)\)|count\((?P<n>.*),\s*"(?P<noun>[^"]*)"\))$', re.S)
-
-
-def _unwrapped(source: str) -> tuple[str, str]:
-    """A field's expression without the function that gives it its unit, and that unit."""
-    m = UNIT_CALLS.match(source)
-    if m is None:
+def _unwrapped(expr: Expr) -> tuple[str, str]:
+    """A field's expression without the function that gives it its unit, and that unit:
+    ms(x) and count(n, "noun") read as "‹x› ms" and "‹n› nouns" without the trace's values."""
+    node, source = expr.tree.body, expr.source
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
         return source, ""
-    if m.group("ms") is not None:
-        return m.group("ms").strip(), " ms"
-    return m.group("n").strip(), f" {plural(m.group('noun'))}"
+    inner = ast.get_source_segment(source, node.args[0]) if node.args else None
+    if node.func.id == "ms" and len(node.args) == 1 and inner:
+        return inner, " ms"
+    noun = node.args[1] if len(node.args) == 2 else None
+    if node.func.id == "count" and inner and isinstance(noun, ast.Constant):
+        return inner, f" {plural(str(noun.value))}"
+    return source, ""
 
 
 def find_fix_id(asked: str, fixes: dict) -> str:
