@@ -15,6 +15,7 @@ import polars as pl
 from traceclf.ingest.assemble import NVTX_DOMAIN_CREATE
 from traceclf.ingest.reader import Reader, Span, rowid_in
 from traceclf.ingest.session import MAX_PAYLOAD_ROWS, RANK_PAYLOAD_SQL
+from traceclf.ingest.textfilter import text_condition
 from traceclf.ingest.utf8 import decode_text
 from traceclf.model.taxonomy import matches
 from traceclf.support.cpus import cpu_share
@@ -92,7 +93,7 @@ def _scan(reader: Reader, table: str, wanted: str, pattern: str, payload: str | 
     picked: list[int] | None = []
     steps: list[int] = []
     payloads: list[int] = []
-    for raw in _blocks(reader, table, wanted, payload):
+    for raw in _blocks(reader, table, wanted, text_condition("text", pattern), payload):
         if raw["text"].dtype != pl.Binary:  # (not read as bytes: every row with text)
             return _Found(picked, None, payloads)
         text, _repaired = decode_text(raw["text"])  # (repairs are counted on the rows read)
@@ -111,13 +112,20 @@ def _scan(reader: Reader, table: str, wanted: str, pattern: str, payload: str | 
     return _Found(picked, steps, payloads)
 
 
-def _blocks(reader: Reader, table: str, wanted: str, payload: str | None) -> Iterator[pl.DataFrame]:
-    """The rows of ``table`` that ``wanted`` or ``payload`` picks or that keep their own text,
+def _blocks(
+    reader: Reader, table: str, wanted: str, texts: str | None, payload: str | None
+) -> Iterator[pl.DataFrame]:
+    """The rows of ``table`` that ``wanted`` or ``payload`` picks or that keep their own text
+    (those ``texts`` picks, if given: :func:`~traceclf.ingest.textfilter.text_condition`),
     as (rowid ``r``, ``wanted`` and ``payload`` 1 or 0, ``text`` bytes, empty for none),
     :data:`SCAN_ROWS` rowids a query, in rowid order; the next queries run while a block is
-    matched (no more blocks held than there are queries at once)."""
+    matched (no more blocks held than there are queries at once). Each block also returns its
+    first row, whatever it holds (flagged like any other): connectorx types computed columns
+    from a first row it reads beforehand, and a block that picks few rows would be scanned
+    twice, once to find it."""
     carries = f"iif({payload}, 1, 0)" if payload else "0"
-    picks = f'{wanted} OR "text" IS NOT NULL' + (f" OR {payload}" if payload else "")
+    texts = texts or '"text" IS NOT NULL'
+    picks = f"{wanted} OR {texts}" + (f" OR {payload}" if payload else "")
     first, last = reader.sql(
         f"SELECT coalesce((SELECT min(rowid) FROM {table}), 0) AS a, "
         f"coalesce((SELECT max(rowid) FROM {table}), 0) AS b"
@@ -128,7 +136,8 @@ def _blocks(reader: Reader, table: str, wanted: str, payload: str | None) -> Ite
         return reader.sql(
             f"SELECT rowid AS r, iif({wanted}, 1, 0) AS wanted, {carries} AS payload, "
             f"coalesce(CAST(\"text\" AS BLOB), X'') AS text FROM {table} "
-            f"WHERE rowid > {after} AND rowid <= {after + SCAN_ROWS} AND ({picks})"
+            f"WHERE rowid > {after} AND rowid <= {after + SCAN_ROWS} AND ({picks} "
+            f"OR rowid = (SELECT min(rowid) FROM {table} WHERE rowid > {after}))"
         )
 
     starts = iter(range(first - 1, last, SCAN_ROWS))
