@@ -13,6 +13,7 @@ the decoder keeps, which gains a mark) always pass.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 try:  # (Python 3.11 moved the regex parser; it is the same parser)
@@ -27,6 +28,15 @@ from traceclf.ingest.utf8 import MAX_TEXT
 # Alternatives one condition may test (each a LIKE per row): more, and reading every text
 # costs less.
 MAX_LITERALS = 8
+# Characters of a literal tested at most (its start: SQLite refuses long LIKE patterns).
+MAX_LIKE = 1000
+# Non-ASCII characters that Unicode simple case folding (Rust's (?i)) makes ASCII letters.
+_TO_ASCII = {0x17F: "sS", 0x212A: "kK"}  # long s, Kelvin sign
+# Syntax Python's parser reads otherwise than Rust's: verbose mode (Rust skips Unicode white
+# space, and white space and comments inside classes and counted repetitions), and a "{"
+# that opens no counted repetition Python knows (Rust: one with spaces, or an error).
+_VERBOSE = re.compile(r"\(\?[a-zA-Z-]*x")
+_REPETITION = re.compile(r"\d+(,\d*)?\}")
 # Characters a match may start with, at most, for a test of the first (past this, it picks
 # most texts anyway).
 MAX_FIRST = 64
@@ -47,10 +57,16 @@ def text_condition(column: str, pattern: str) -> str | None:
     if first is not None:
         codes = ", ".join(str(c) for c in sorted(first))
         # (unicode(): the first character's code point, read without scanning the text)
-        tests.append(f"(unicode({col}) IN ({codes}) OR unicode({col}) > 127)")
+        # (NULL for a text that starts with a NUL byte)
+        tests.append(
+            f"(unicode({col}) IN ({codes}) OR unicode({col}) > 127 "
+            f"OR (unicode({col}) IS NULL AND {col} IS NOT NULL))"
+        )
     literals = required_literals(pattern)
     if literals is not None:
-        likes = [f"{col} LIKE '%{_like_escaped(lit)}%' ESCAPE '\\'" for lit in literals]
+        # (a required literal's start is required too: SQLite refuses LIKE patterns past
+        # 50,000 bytes)
+        likes = [f"{col} LIKE '%{_like_escaped(lit[:MAX_LIKE])}%' ESCAPE '\\'" for lit in literals]
         # (a BLOB's length is its bytes; a TEXT's, its characters before the first NUL)
         likes.append(f"length(CAST({col} AS BLOB)) != length({col})")
         likes.append(f"length(CAST({col} AS BLOB)) > {MAX_TEXT}")
@@ -87,11 +103,17 @@ def _parsed(pattern: str):
 
 
 def _rust_only(pattern: str) -> bool:
-    """Whether ``pattern`` has a class holding ``[`` or a class set operation (``&&``,
-    ``--``, ``~~``), which Rust reads as nested classes and Python as literal characters."""
+    """Whether Python may read ``pattern`` otherwise than Rust: a class holding ``[`` or a class
+    set operation (``&&``, ``--``, ``~~``: nested classes in Rust, literal characters in
+    Python), word boundaries ``\\<``, ``\\>``, ``\\b{start}``, verbose mode, or a ``{`` that
+    opens no repetition Python knows."""
+    if _VERBOSE.search(pattern):
+        return True
     escaped, opened, previous = False, "", ""
-    for ch in pattern:
+    for i, ch in enumerate(pattern):
         if escaped:
+            if ch in "<>" or (ch in "bB" and pattern[i + 1 : i + 2] == "{"):
+                return True
             escaped, previous = False, "\\"
             opened += ("\\" + ch) if opened else ""
             continue
@@ -108,6 +130,8 @@ def _rust_only(pattern: str) -> bool:
                 opened += ch
         elif ch == "[":
             opened = "["
+        elif ch == "{" and not _REPETITION.match(pattern, i + 1):
+            return True
         previous = ch
     return False
 
@@ -225,6 +249,7 @@ def _class(items, fold: bool) -> set[int] | None:
             out.add(av)
         elif op is _c.RANGE:
             out |= set(range(av[0], min(av[1], 127) + 1))
+            out |= {c for c in _TO_ASCII if av[0] <= c <= av[1]}
         elif op is _c.CATEGORY and av in _CATEGORIES:
             out |= _CATEGORIES[av]
         else:  # (NEGATE, a negated category)
@@ -236,6 +261,7 @@ def _folded(chars: set[int], fold: bool) -> set[int]:
     """``chars`` within ASCII, with the other case of each letter where case is ignored."""
     ascii_chars = {c for c in chars if c < 128}
     if fold:
+        ascii_chars |= {ord(x) for c in chars for x in _TO_ASCII.get(c, "")}
         ascii_chars |= {ord(chr(c).swapcase()) for c in ascii_chars if chr(c).isalpha()}
     return ascii_chars
 
