@@ -404,10 +404,10 @@ def _host_top(rep: dict) -> dict:
     label = {"osrt": "OS runtime", "python_sampling": "Python samples"}.get(top["source"])
     label = label or {"sched": "scheduling", "sampling": "CPU samples"}[top["source"]]
     if "calls" in d:
-        words = f"{label}, {d['calls']} call{'s' * (d['calls'] != 1)}"
+        words = f"{label}, {d['calls']:,} call{'s' * (d['calls'] != 1)}"
     elif "samples" in d:
-        words = f"{d['samples']} {label if d['samples'] != 1 else label[:-1]}"
-        words += f", {d['data_loading_samples']} in data-loading code" * bool(
+        words = f"{d['samples']:,} {label if d['samples'] != 1 else label[:-1]}"
+        words += f", {d['data_loading_samples']:,} in data-loading code" * bool(
             d["data_loading_samples"]
         )
     else:

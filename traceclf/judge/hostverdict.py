@@ -25,6 +25,8 @@ SOURCE_LABELS = {
     "sampling": "CPU samples",
     "unattributed": "unattributed",
 }
+# what one sample of a sampling source is called (its label is the plural)
+SAMPLE_NOUNS = {"python_sampling": "Python sample", "sampling": "CPU sample"}
 DATA_LOSS = ("dropped", "truncated", "cupti_error")  # diagnostics kinds: events missing
 
 
@@ -81,8 +83,8 @@ def evidence_words(row: dict) -> str:
         return f"{label}, {counted(n, 'call')}"
     if detail.get("samples") is not None:
         n, loading = detail["samples"], detail.get("data_loading_samples") or 0
-        words = f"{n} {label[:-1] if n == 1 else label}"
-        return words + (f", {loading} in data-loading code" if loading else "")
+        words = counted(n, SAMPLE_NOUNS.get(source, "sample"))
+        return words + (f", {loading:,} in data-loading code" if loading else "")
     return label
 
 
