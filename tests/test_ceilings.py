@@ -25,7 +25,6 @@ from realtraces import trace_path
 import traceclf
 from traceclf.judge import ceiling as ceil
 from traceclf.judge.engine import evaluate
-from traceclf.render.capture_text import capture_rows
 from traceclf.render.html import render_html
 from traceclf.render.markdown import render_markdown
 from traceclf.render.terminal import render_terminal
@@ -759,75 +758,3 @@ def test_cuda_graphs_leave_the_waits_for_input_to_the_input_pipeline():
     # a capture whose idle causes are unknown: every launch-starved ns, as before
     unknown = ceil.ceiling(graphs, env | {"launch_starved_input_frac": None})
     assert unknown["recoverable_ms"] == pytest.approx(60.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Steps guessed from a recurring kernel, over a sliver of the capture
-
-
-def _period_share_by_sql(path: Path) -> float:
-    """The CloverLeaf periods' span over the GPU span, from the rows: the anchor kernel's first
-    start to the rank's last kernel end (the last period ends there), over the first to the
-    last GPU work."""
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    (first,) = con.execute(
-        "SELECT min(k.start) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds n "
-        "ON n.id = k.demangledName WHERE n.value LIKE 'void clover::par_ranged2d_kernel<advec_cell%'"
-    ).fetchone()
-    (last,) = con.execute("SELECT max(end) FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchone()
-    lo, hi = con.execute(
-        "SELECT min(start), max(end) FROM (SELECT start, end FROM CUPTI_ACTIVITY_KIND_KERNEL "
-        "UNION ALL SELECT start, end FROM CUPTI_ACTIVITY_KIND_MEMCPY)"
-    ).fetchone()
-    return (last - first) / (hi - lo)
-
-
-@pytest.mark.parametrize("earlier", [0, 10])
-def test_periods_spanning_a_sliver_of_the_capture_lower_the_confidence(earlier, tmp_path):
-    """CloverLeaf (public export; steps from its recurring advection kernel): its periods span
-    92% of the GPU span, no doubt. The same export with one kernel of another name run 10
-    spans before the rest (constructed: every event moved later, a kernel left where the first
-    was; a capture whose recurring part is a sliver of it): the factor
-    is the periods' share over scoring.pattern_full_span (0.3), both from the rows by SQL,
-    and the Steps row says the periods may be layers of one pass."""
-    path = tmp_path / "clover.sqlite"
-    path.write_bytes(trace_path("cloverleaf_a100").read_bytes())
-    if earlier:
-        with sqlite3.connect(path) as con:
-            lo, hi = con.execute(
-                "SELECT min(start), max(end) FROM CUPTI_ACTIVITY_KIND_KERNEL"
-            ).fetchone()
-            # every event later by that many spans; then a kernel where the first one was
-            shift = earlier * (hi - lo)
-            timed = [
-                (t, {c for (_, c, *_r) in con.execute(f"PRAGMA table_info({t})")})
-                for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-            ]
-            for table, columns in timed:
-                for column in {"start", "end"} & columns:
-                    con.execute(f'UPDATE {table} SET "{column}" = "{column}" + ?', (shift,))
-            (name,) = con.execute("SELECT max(id) + 1 FROM StringIds").fetchone()
-            con.execute("INSERT INTO StringIds VALUES (?, 'setup_kernel')", (name,))
-            con.execute(
-                "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL SELECT * FROM CUPTI_ACTIVITY_KIND_KERNEL "
-                "WHERE rowid = (SELECT min(rowid) FROM CUPTI_ACTIVITY_KIND_KERNEL)"
-            )
-            con.execute(
-                "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = start - ?, end = end - ?, "
-                "demangledName = ?, shortName = ?, mangledName = NULL "
-                "WHERE rowid = (SELECT max(rowid) FROM CUPTI_ACTIVITY_KIND_KERNEL)",
-                (shift, shift, name, name),
-            )
-    r = traceclf.analyze(path)
-    share = _period_share_by_sql(path)
-    assert r.steps["source"] == "pattern"
-    assert r.capture["period_share_of_capture"] == pytest.approx(share, abs=1e-4)
-    factor = r.classification["confidence_basis"]["factors"]["coverage"]
-    assert factor == pytest.approx(min(1.0, share / 0.3), abs=1e-3)
-    row = dict(capture_rows(r))["Steps"]
-    if earlier:
-        assert share < 0.1 and factor < 0.3
-        assert f"the periods span {share:.1%} of the GPU span" in row
-        assert "may be the layers of one pass" in render_markdown(r)
-    else:
-        assert share > 0.9 and factor == 1.0 and "layers of one pass" not in row

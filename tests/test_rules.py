@@ -388,28 +388,6 @@ def test_unsure_window_lowers_confidence_and_a_weak_bound_says_so():
     assert c["evidence"][0].endswith("no wall dominates")
 
 
-@pytest.mark.parametrize(
-    ("source", "share", "factor"),
-    [("pattern", 0.15, 0.5), ("pattern", 0.03, 0.1), ("pattern", 0.6, 1.0), ("nvtx", 0.03, None),
-     ("pattern", None, None)],
-)  # fmt: skip
-def test_recurring_kernel_periods_over_a_sliver_of_the_capture_are_trusted_less(
-    source, share, factor
-):
-    """Steps guessed from a recurring kernel whose periods span under ``pattern_full_span``
-    (0.3) of the captured GPU span: reliability in proportion (the layers of one pass recur
-    too). Steps the user's NVTX ranges name are not doubted for it; unknown: no factor."""
-    facts = {
-        "metrics": {"gpu_busy_frac": 0.95, "gpu_idle_frac": 0.05, "compute_frac": 0.9},
-        "capture": {"training_loop": "training", "period_share_of_capture": share},
-        "steps": {"source": source, "used": 8, "cv": 0.0},
-    }
-    basis = evaluate(facts).classification["confidence_basis"]
-    assert basis["factors"].get("coverage") == (None if factor is None else pytest.approx(factor))
-    weight = {"pattern": 0.8, "nvtx": 1.0}[source]
-    assert basis["reliability"] == pytest.approx(weight * (factor or 1.0), abs=1e-3)
-
-
 def test_no_facts_at_all_gives_the_default_bound():
     verdict = evaluate({"metrics": {}})
     assert verdict.classification["bound"] == "compute"

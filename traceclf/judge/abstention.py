@@ -91,7 +91,6 @@ def capture_block(
         "warmup_dropped": _warmup(first),
         "window_ns": first.window_ns if first else [0, 0],
         "window_share_of_capture": _min(f.get("window_share_of_capture") for f in facts),
-        "period_share_of_capture": _min(f.get("period_share_of_capture") for f in facts),
         "kernels_outside": _outside(f.get("kernels_outside") or [] for f in facts),
         "read_path": _common(f.get("read_path", "whole") for f in facts) or "whole",
         "graph_trace_mode": _common(f.get("graph_trace_mode") for f in facts),

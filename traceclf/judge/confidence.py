@@ -29,9 +29,6 @@ def confidence(
     - ``graph_replays``: 1 − (1 − ``graph_level_replays``) × the share of the step inside
       graph-level traced CUDA-graph replays, whose kernels the trace hides
       (``graph_unresolved_frac``),
-    - ``coverage`` (steps from a recurring kernel only): the share of the captured GPU span its
-      periods span (``steps["period_share"]``: ``capture.period_share_of_capture``), over
-      ``pattern_full_span`` (capped at 1): the layers of one pass recur too,
     - ``capture_distortion``: ``capture.distorted_weight`` when the capture itself may have
       changed the verdict (profiler overhead, lost data); then also a key of its own."""
     weight = scoring.step_source_weight
@@ -54,9 +51,6 @@ def confidence(
         - (1.0 - weight.get("graph_level_replays", 1.0))
         * float(env.get("graph_unresolved_frac") or 0.0),
     }
-    span = steps.get("period_share")
-    if source == "pattern" and span is not None:
-        factors["coverage"] = min(1.0, float(span) / scoring.pattern_full_span)
     if capture_distortion is not None:
         factors["capture_distortion"] = capture_distortion
     reliability = 1.0

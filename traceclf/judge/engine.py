@@ -51,11 +51,7 @@ def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
     bound = _bound(scores, rs.scoring)
     # the capture may have changed the verdict (capture.warnings): a factor of reliability
     distorted = rs.capture.distorted_weight if distorts(rs, env, bound) else None
-    # (the periods' share of the capture: how much of it steps from a recurring kernel describe)
-    steps = (facts.get("steps") or {}) | {
-        "period_share": (facts.get("capture") or {}).get("period_share_of_capture")
-    }
-    confidence = window_confidence(bound, env, steps, rs.scoring, distorted)
+    confidence = window_confidence(bound, env, facts.get("steps") or {}, rs.scoring, distorted)
     # Walls reported with evidence and fixes: the bound and any other wall that matters.
     shown = [w for w in rs.scoring.workflow if w == bound or scores[w] >= rs.scoring.meaningful]
     return Verdict(

@@ -35,7 +35,6 @@ def capture_facts(w: RankWindow) -> dict:
         "kernels": trace.capture_rows.get("kernels", len(kernels)),
         "graph_replays": len(trace.graph_executions),
         "window_share_of_capture": round(min(w.wall / capture_ns, 1.0), 4),
-        "period_share_of_capture": _period_share(w, capture_ns),
         "read_path": trace.read_path,
         "graph_trace_mode": graph_trace_mode(w),
         "gpu_metrics": not trace.metrics_of_gpu((w.gpu or {}).get("gpu_id")).is_empty(),
@@ -58,20 +57,6 @@ def capture_facts(w: RankWindow) -> dict:
         "python_process": _python_process(w),
         "kernels_outside": kernels_outside(w),
     }
-
-
-def _period_share(w: RankWindow, capture_ns: int) -> float | None:
-    """A recurring kernel's periods, from the first one's start to the last one's end, over
-    the captured GPU span: how much of the capture the guessed steps describe (a single pass
-    whose layers recur spans a sliver of it). None for steps found otherwise (a sampled read
-    projects NVTX steps onto the GPU only where it analyses them)."""
-    if w.steps.source != "pattern" or not w.steps.count:
-        return None
-    periods = w.steps.table.drop_nulls(["gpu_start", "gpu_end"])
-    if periods.is_empty():
-        return None
-    span = int(periods["gpu_end"].max()) - int(periods["gpu_start"].min())  # type: ignore[arg-type]
-    return round(min(max(span, 0) / capture_ns, 1.0), 4)
 
 
 # A kernel that never runs in the window is named when it holds this share of the capture's

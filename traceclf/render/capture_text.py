@@ -77,13 +77,6 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
     if second:
         other = f"{second['source']}{anchor_label(second['source'], second.get('label'))}"
         steps += "; " + _second_anchor(second, other)
-    factors = (report.classification.get("confidence_basis") or {}).get("factors") or {}
-    if factors.get("coverage", 1.0) < 1.0:  # (scoring.pattern_full_span)
-        steps += (
-            f"; the periods span {pct(c.get('period_share_of_capture'))} of the GPU span: they may "
-            "be the layers of one pass rather than steps (check that the capture holds several "
-            "iterations)"
-        )
     evidence = c.get("training_evidence") or {}
     loop = LOOPS.get(c.get("training_loop"), c.get("training_loop") or "unknown")
     loop += (

@@ -60,8 +60,6 @@ def _factors(report: Report, d: int = 2) -> str:
         "spread": f"step spread {pct(steps.get('cv'))}",
         "second_anchor": "a second anchor disagrees",
         "graph_replays": "kernels hidden inside graph-level traced replays",
-        "coverage": f"periods spanning {pct((report.capture or {}).get('period_share_of_capture'))}"
-        " of the GPU span",
         "capture_distortion": "the capture may have changed the verdict",
     }
     parts = [f"{words.get(k, k)} ×{v:.{d}f}" for k, v in factors.items() if v < 1]

@@ -122,9 +122,6 @@ class Scoring:
     # Confidence = the bound's time share x how far the window can be trusted (docs/judgement.md)
     step_source_weight: dict[str, float]
     full_confidence_steps: int
-    # A recurring kernel's periods spanning less of the captured GPU span are trusted less
-    # (in proportion): they may be the layers of one pass rather than steps
-    pattern_full_span: float
     # When a fix's framework config (Megatron-Bridge, PyTorch) applies; else its generic advice
     framework_advice_when: Expr
     # One sentence per wall saying how much of the step the bound takes (the report's headline),
@@ -370,7 +367,6 @@ _SCORING_KEYS = (
     "next_wall_min_share",
     "step_source_weight",
     "full_confidence_steps",
-    "pattern_full_span",
     "framework_advice_when",
     "headline",
     "comparison",
@@ -394,15 +390,11 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
     if not isinstance(workflow, list) or sorted(workflow) != sorted(WALLS):
         raise TraceError(path, f"scoring: 'workflow' must list each of {', '.join(WALLS)} once")
     values = {}
-    for key in ("meaningful", "noteworthy", "dominant", "next_wall_min_share", "pattern_full_span"):
+    for key in ("meaningful", "noteworthy", "dominant", "next_wall_min_share"):
         value, path = get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise TraceError(path, f"scoring: {key!r} must be a number in [0, 1]")
         values[key] = float(value)
-    if not values["pattern_full_span"]:
-        raise TraceError(
-            get("pattern_full_span")[1], "scoring: 'pattern_full_span' must be above 0"
-        )
     bound, path = get("default_bound")
     if bound not in WALLS:
         raise TraceError(path, f"scoring: 'default_bound' must be one of {', '.join(WALLS)}")
@@ -468,7 +460,6 @@ def parse_scoring(raw: dict[str, tuple[Any, Path]], names: frozenset[str]) -> Sc
         values["next_wall_min_share"],
         {k: float(v) for k, v in weights.items()},
         steps,
-        values["pattern_full_span"],
         framework,
         headline,
         comparison,
