@@ -155,7 +155,7 @@ def test_the_scan_of_an_emit_nvtx_export_finds_the_same_rows(pattern: str, monke
     path = EXTERNAL / "ulysses_2gpu_forward_window.sqlite"
     returned: dict[str, int] = {}
 
-    def scan(condition: bool) -> pl.DataFrame:
+    def scan(condition: bool) -> tuple[pl.DataFrame, list[int] | None]:
         if not condition:
             monkeypatch.setattr(nvtx_rows, "text_condition", lambda _column, _pattern: None)
         reader = Reader(inspect_export(path))
@@ -168,12 +168,13 @@ def test_the_scan_of_an_emit_nvtx_export_finds_the_same_rows(pattern: str, monke
             return out
 
         monkeypatch.setattr(reader, "sql", counted)
-        rows, _payloads = nvtx_rows.step_rows(reader, pattern)
+        rows, payloads = nvtx_rows.step_rows(reader, pattern)
         monkeypatch.undo()
-        return rows.sort("start", "global_tid")
+        return rows.sort("start", "global_tid"), payloads
 
-    with_condition, without = scan(True), scan(False)
+    (with_condition, payloads), (without, payloads_without) = scan(True), scan(False)
     assert with_condition.equals(without)
+    assert payloads == payloads_without
     assert returned["False"] > 18_000
     assert returned["True"] < returned["False"] // 10
 
