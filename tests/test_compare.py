@@ -415,3 +415,42 @@ def test_a_folder_of_unrelated_runs_is_not_one_side(saved: dict[str, Path], tmp_
     code, out, err = run_cli("compare", saved[FAST], tmp_path, "-q")
     assert code == 2 and out == ""
     assert "holds 2 separate runs; compare one run at a time" in err
+
+
+def test_the_bound_line_names_what_moved_the_confidence(reports: dict[str, Report]) -> None:
+    """Host-launch before and after CUDA graphs: the confidence moves, and the line names the
+    bound's share and each factor whose value differs at two decimals, as the two reports'
+    confidence_basis hold them (a factor one run lacks counts as 1)."""
+    from traceclf.render.compared_runs import FACTOR_WORDS, bound_line
+
+    before, after = reports[SLOW], reports[FAST]
+    line = bound_line(compare_reports(before, after))
+    b, a = (r.classification["confidence_basis"] for r in (before, after))
+    assert f"confidence {before.classification['confidence']:.2f} → " in line
+    moved = [
+        (key, b["factors"].get(key, 1.0), a["factors"].get(key, 1.0))
+        for key in dict.fromkeys([*b["factors"], *a["factors"]])
+        if round(b["factors"].get(key, 1.0), 2) != round(a["factors"].get(key, 1.0), 2)
+    ]
+    assert moved  # (graph-level replays and the step spread differ between these runs)
+    for key, x, y in moved:
+        assert f"{FACTOR_WORDS[key]} ×{x:.2f} → ×{y:.2f}" in line
+    assert f"explained {b['explained']:.2f} → {a['explained']:.2f}" in line
+    same = compare_reports(before, before)
+    conf = f"{before.classification['confidence']:.2f}"
+    assert bound_line(same).endswith(f"(confidence {conf} → {conf}).")  # (nothing moved it)
+
+
+def test_a_saved_reports_confidence_factors_are_read_defensively(saved: dict[str, Path]) -> None:
+    """A saved report is untrusted: factors that are no numbers are left out, and of thousands
+    of long names only the first few, cut, are read."""
+    from traceclf.compare.regression import MAX_FACTOR_NAME, MAX_FACTORS, run_of
+
+    data = json.loads(saved[FAST].read_text())
+    basis = data["classification"]["confidence_basis"]
+    basis["factors"] = {str(i) + "x" * 10_000: 0.5 for i in range(5000)} | {"odd": "many"}
+    run = run_of("odd", Report.from_dict(data))
+    assert len(run.confidence_factors) == MAX_FACTORS
+    assert all(len(k) == MAX_FACTOR_NAME for k in run.confidence_factors)
+    basis["factors"] = {"anchor": "many", "spread": None, "steps": 0.5}
+    assert run_of("odd", Report.from_dict(data)).confidence_factors == {"steps": 0.5}

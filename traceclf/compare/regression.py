@@ -77,6 +77,10 @@ class Measure:
     floor: float = 0.0  # an absolute change below this is never material (counts)
 
 
+# Factors of a saved report's confidence read at most, and the characters of a name kept
+# (a report is untrusted: a hostile one may hold thousands of long names)
+MAX_FACTORS = 16
+MAX_FACTOR_NAME = 40
 MEASURES = (
     Measure("gpu_busy_frac", "GPU busy", "frac"),
     Measure("compute_frac", "compute", "frac"),
@@ -111,6 +115,8 @@ def run_of(source: str, report: Report) -> Run:
     s = report.steps if isinstance(report.steps, dict) else {}
     cls_ = report.classification if isinstance(report.classification, dict) else {}
     bound = cls_.get("bound")
+    basis = cls_.get("confidence_basis") if isinstance(cls_.get("confidence_basis"), dict) else {}
+    factors = basis.get("factors") if isinstance(basis.get("factors"), dict) else {}
     label = s.get("label") if isinstance(s.get("label"), str) else ""
     gpus = [g for g in report.gpus if isinstance(g, dict)] if isinstance(report.gpus, list) else []
     return Run(
@@ -127,6 +133,12 @@ def run_of(source: str, report: Report) -> Run:
         report_version=report.report_version if isinstance(report.report_version, int) else None,
         abstain_reason=cls_.get("abstain_reason") if bound is None else None,
         graph_tracing=graph_tracing(report),
+        confidence_explained=number(basis.get("explained")),
+        confidence_factors={
+            str(k)[:MAX_FACTOR_NAME]: float(v)  # type: ignore[arg-type]
+            for k, v in list(factors.items())[:MAX_FACTORS]
+            if number(v) is not None
+        },
     )
 
 

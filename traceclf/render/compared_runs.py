@@ -58,10 +58,42 @@ def moved_title(result: Comparison) -> str:
 
 
 def bound_line(result: Comparison) -> str:
+    """'Bound unchanged: compute (confidence 0.79 → 0.52: step spread ×0.99 → ×0.85).'"""
     b, a = result.before, result.after
+    why = _confidence_moves(b, a)
+    confidence = f"confidence {_conf(b)} → {_conf(a)}{f': {why}' if why else ''}"
     if result.bound_changed:
-        return f"Bound changed: {bound(b)} → {bound(a)} (confidence {_conf(b)} → {_conf(a)})."
-    return f"Bound unchanged: {bound(a)} (confidence {_conf(b)} → {_conf(a)})."
+        return f"Bound changed: {bound(b)} → {bound(a)} ({confidence})."
+    return f"Bound unchanged: {bound(a)} ({confidence})."
+
+
+# The factors of a confidence (classification.confidence_basis.factors) in words
+FACTOR_WORDS = {
+    "anchor": "step anchor",
+    "steps": "steady steps",
+    "spread": "step spread",
+    "second_anchor": "second anchor",
+    "graph_replays": "graph-level replays",
+    "capture_distortion": "capture distortion",
+}
+
+
+def _confidence_moves(b: Run, a: Run) -> str:
+    """What moved the confidence between the runs, where it moved: the bound's share of the
+    step ('explained') and each factor of the window's reliability whose value differs at two
+    decimals (a factor one run lacks counts as 1)."""
+    if _conf(b) == _conf(a):
+        return ""
+    moves = []
+    shares = (b.confidence_explained, a.confidence_explained)
+    if None not in shares and f"{shares[0]:.2f}" != f"{shares[1]:.2f}":
+        moves.append(f"explained {shares[0]:.2f} → {shares[1]:.2f}")
+    before, after = b.confidence_factors, a.confidence_factors
+    for key in dict.fromkeys([*before, *after]):
+        x, y = before.get(key, 1.0), after.get(key, 1.0)
+        if f"{x:.2f}" != f"{y:.2f}":
+            moves.append(f"{FACTOR_WORDS.get(key, key)} ×{x:.2f} → ×{y:.2f}")
+    return ", ".join(moves)
 
 
 def bound(r: Run) -> str:

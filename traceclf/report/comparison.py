@@ -30,6 +30,10 @@ class Run:
     report_version: int | None = None
     abstain_reason: str | None = None
     graph_tracing: str | None = None  # "graph" | "node" | None (no CUDA graphs)
+    # what the confidence is made of (classification.confidence_basis): the bound's share of
+    # the step and the factors of the window's reliability
+    confidence_explained: float | None = None
+    confidence_factors: dict[str, float] = field(default_factory=dict)
 
     @property
     def standard_error_ms(self) -> float | None:
