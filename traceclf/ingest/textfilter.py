@@ -1,5 +1,6 @@
 """A condition SQLite can test on a text column that every text a regex matches meets: the
-literal strings one of which any match must contain, as ``LIKE`` tests.
+characters a match may start with (a pattern anchored at the start), tested by ``unicode()``,
+and the literal strings one of which any match must contain, as ``LIKE`` tests.
 
 Pass 1 of step sampling looks for the step ranges among the NVTX rows that keep their own
 text (:mod:`traceclf.ingest.nvtx_rows`): where every op has a range (PyTorch's emit_nvtx:
@@ -77,8 +78,8 @@ def text_condition(column: str, pattern: str) -> str | None:
 def required_literals(pattern: str) -> list[str] | None:
     """ASCII strings one of which every match of ``pattern`` contains (compared without
     case), as few as cover it; None where none can be said: the pattern does not parse,
-    may parse otherwise in Rust's syntax (classes inside classes, class set operations),
-    or some way of matching it needs no literal."""
+    may parse otherwise in Rust's syntax (:func:`_rust_only`), or some way of matching it
+    needs no literal."""
     tree = _parsed(pattern)
     found = None if tree is None else _sequence(list(tree))
     if not found:
