@@ -44,6 +44,7 @@ from traceclf.measures.idle_claims import IdleClaims
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow
 from traceclf.model.taxonomy import by_name
+from traceclf.support.cpus import second_lane
 
 MEASURES: dict[str, str] = {
     "profiler_overhead_frac": "nsys's own work on the process (PROFILER_OVERHEAD: CUPTI buffer "
@@ -98,7 +99,10 @@ def attribute(w: RankWindow, gaps: pl.DataFrame, activities: list[dict]) -> Host
             [], overhead | {"idle_unattributed_frac": 0.0, "idle_host_sources_frac": 0.0}
         )
     gstart, gend = gaps["start"].to_numpy(), gaps["end"].to_numpy()
-    threads = launching_threads(w, gstart, gend)
+    # (the gaps' launching threads, which only the thread sources read: found beside the
+    # claims of the sources before them)
+    lane = second_lane("traceclf-launching-threads")
+    finding = lane.submit(launching_threads, w, gstart, gend)
     cause = gaps["cause"].to_physical().to_numpy()
     # (owners as 32-bit gap numbers: a third less of every copy of millions of pieces)
     owner = np.arange(len(gstart), dtype=np.int32 if len(gstart) < 1 << 31 else np.int64)
@@ -108,6 +112,7 @@ def attribute(w: RankWindow, gaps: pl.DataFrame, activities: list[dict]) -> Host
     _profiler(w, claims)
     _nvtx(w, gaps, activities, claims, details)
     _cuda_api(w, claims, details)
+    threads = finding.result()
     _osrt(w, threads, claims, details)
     _sampled(w, "python_sampling", threads, cause, claims, details)
     _sched(w, threads, claims)
@@ -189,10 +194,11 @@ def _cuda_api(w: RankWindow, claims: IdleClaims, details: dict) -> None:
     kind = by_name(calls.select("name"), names)["kind"].fill_null(-1).to_numpy()
     lo, hi = _arrays(calls)
     start, end, _gaps = claims.pieces
-    touching = _touching(lo, hi, start, end)
-    # the idle time inside each touching call (the pieces are disjoint and sorted)
-    in_gaps = Busy(start, end).covered(lo[touching], hi[touching])
+    # (the calls touching the gaps and the idle time in each, for the rows' details, found
+    # beside the claims: both only read the pieces as they are now)
+    touched = second_lane("traceclf-cuda-calls").submit(_idle_in_calls, lo, hi, start, end)
     taken = claims.take_in_order("cuda_api", labels, lo, hi, kind)
+    touching, in_gaps = touched.result()
     # per class, the calls touching the gaps and the name with the most idle time in its calls
     # (of equals, the first by name; not the most frequent: 20 cudaMemcpyAsync calls of 0.15 ms
     # named a row whose 177 ms were 10 cudaHostAlloc and 10 cudaFreeHost calls), summed per
@@ -455,6 +461,15 @@ def _labels(names: pl.Series) -> tuple[list[str], np.ndarray]:
 
 def _arrays(rows: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return rows["start"].to_numpy(), rows["end"].to_numpy()
+
+
+def _idle_in_calls(
+    lo: np.ndarray, hi: np.ndarray, start: np.ndarray, end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which calls [lo, hi) touch the idle pieces [start, end) (disjoint, sorted), and the idle
+    time inside each of those."""
+    touching = _touching(lo, hi, start, end)
+    return touching, Busy(start, end).covered(lo[touching], hi[touching])
 
 
 def _touching(lo: np.ndarray, hi: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
