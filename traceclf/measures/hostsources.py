@@ -194,21 +194,18 @@ def _cuda_api(w: RankWindow, claims: IdleClaims, details: dict) -> None:
     kind = by_name(calls.select("name"), names)["kind"].fill_null(-1).to_numpy()
     lo, hi = _arrays(calls)
     start, end, _gaps = claims.pieces
-    # (the calls touching the gaps and the idle time in each, for the rows' details, found
-    # beside the claims: both only read the pieces as they are now)
-    touched = second_lane("traceclf-cuda-calls").submit(_idle_in_calls, lo, hi, start, end)
+    # (the calls touching the gaps and the idle time in them, per name, for the rows'
+    # details, found beside the claims: both only read the pieces as they are now)
+    touched = second_lane("traceclf-cuda-calls").submit(
+        _idle_in_calls, calls["name"], lo, hi, start, end
+    )
     taken = claims.take_in_order("cuda_api", labels, lo, hi, kind)
-    touching, in_gaps = touched.result()
     # per class, the calls touching the gaps and the name with the most idle time in its calls
     # (of equals, the first by name; not the most frequent: 20 cudaMemcpyAsync calls of 0.15 ms
-    # named a row whose 177 ms were 10 cudaHostAlloc and 10 cudaFreeHost calls), summed per
-    # name (a name is of one class), not a filter of every call per class
+    # named a row whose 177 ms were 10 cudaHostAlloc and 10 cudaFreeHost calls), from the
+    # sums per name (a name is of one class), not a filter of every call per class
     counts = (
-        calls.select("name")
-        .filter(pl.Series(touching))
-        .with_columns(ns=pl.Series(in_gaps))
-        .group_by("name")
-        .agg(n=pl.len(), ns=pl.col("ns").sum())
+        touched.result()
         .join(names, on="name")
         .with_columns(pl.col("name").cast(pl.String))
         .sort(["kind", "ns", "name"], descending=[False, True, False])
@@ -464,12 +461,37 @@ def _arrays(rows: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _idle_in_calls(
-    lo: np.ndarray, hi: np.ndarray, start: np.ndarray, end: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Which calls [lo, hi) touch the idle pieces [start, end) (disjoint, sorted), and the idle
-    time inside each of those."""
-    touching = _touching(lo, hi, start, end)
-    return touching, Busy(start, end).covered(lo[touching], hi[touching])
+    names: pl.Series, lo: np.ndarray, hi: np.ndarray, start: np.ndarray, end: np.ndarray
+) -> pl.DataFrame:
+    """Per name (``names``, one per call [lo, hi)), how many calls touch the idle pieces
+    [start, end) (disjoint, sorted) and the idle time inside them: :data:`CALL_BLOCK` calls at
+    a time, each block against the pieces between its first start and its last end (memory
+    follows a block, not a window's millions of calls several times over)."""
+    parts = []
+    for a in range(0, len(lo), CALL_BLOCK):
+        b = min(a + CALL_BLOCK, len(lo))
+        call_lo, call_hi = lo[a:b], hi[a:b]
+        # (a piece before these ends by the earliest call's start, one after starts at or
+        # after the latest call's end: neither touches a call of the block)
+        p = int(np.searchsorted(end, call_lo.min(), side="right"))
+        q = int(np.searchsorted(start, call_hi.max(), side="left"))
+        touching = _touching(call_lo, call_hi, start[p:q], end[p:q])
+        if not touching.any():
+            continue
+        ns = Busy(start[p:q], end[p:q]).covered(call_lo[touching], call_hi[touching])
+        parts.append(
+            pl.DataFrame({"name": names.slice(a, b - a).filter(pl.Series(touching)), "ns": ns})
+            .group_by("name")
+            .agg(n=pl.len(), ns=pl.col("ns").sum())
+        )
+    if not parts:
+        return pl.DataFrame(
+            schema={"name": names.dtype, "n": pl.get_index_type(), "ns": pl.Int64}
+        )
+    return pl.concat(parts).group_by("name").agg(pl.col("n").sum(), pl.col("ns").sum())
+
+
+CALL_BLOCK = 1 << 20  # calls whose idle time :func:`_idle_in_calls` finds at once
 
 
 def _touching(lo: np.ndarray, hi: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
