@@ -61,7 +61,7 @@ def test_pass_one_finds_the_rows_the_scan_reads(with_payloads, cap, monkeypatch)
     if cap is not None:
         monkeypatch.setattr(nvtx_rows, "MAX_PAYLOAD_ROWS", cap)
         monkeypatch.setattr(session, "MAX_PAYLOAD_ROWS", cap)
-    _rows, rowids = nvtx_rows.step_rows(
+    _rows, rowids, _long = nvtx_rows.step_rows(
         Reader(inspect_export(with_payloads)), bundled().nvtx["step"]
     )
     named = [r for r, p in PAYLOADS if "Rank" in json.dumps(p) or "rank" in json.dumps(p)]

@@ -168,7 +168,7 @@ def test_the_scan_of_an_emit_nvtx_export_finds_the_same_rows(pattern: str, monke
             return out
 
         monkeypatch.setattr(reader, "sql", counted)
-        rows, payloads = nvtx_rows.step_rows(reader, pattern)
+        rows, payloads, _long = nvtx_rows.step_rows(reader, pattern)
         monkeypatch.undo()
         return rows.sort("start", "global_tid"), payloads
 

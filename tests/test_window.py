@@ -720,7 +720,7 @@ def test_pass_one_reads_the_nvtx_rows_whose_text_may_be_a_step(
     if cap is not None:
         monkeypatch.setattr(nvtx_rows, "MAX_INLINE_STEPS", cap)
     pattern = r"^Iteration \d+" if prefix else bundled().nvtx["step"]
-    got, _payloads = nvtx_rows.step_rows(Reader(inspect_export(path)), pattern)
+    got = nvtx_rows.step_rows(Reader(inspect_export(path)), pattern).rows
     with sqlite3.connect(path) as con:
         rows = con.execute(
             "SELECT n.rowid, n.start, n.eventType, CAST(coalesce(n.text, s.value) AS BLOB), "
@@ -762,7 +762,7 @@ def test_pass_one_scans_the_nvtx_table_a_block_at_a_time(pattern, cap, monkeypat
         "read",
         lambda *a, **k: asked.append(k.get("where") or "listed" * ("listed" in k)) or read(*a, **k),
     )
-    got, _payloads = nvtx_rows.step_rows(reader, pattern)
+    got = nvtx_rows.step_rows(reader, pattern).rows
     assert len(asked) == 1 and asked[0].startswith("listed" if cap is None else '"eventType"')
     with sqlite3.connect(path) as con:
         rows = con.execute(
@@ -774,6 +774,95 @@ def test_pass_one_scans_the_nvtx_table_a_block_at_a_time(pattern, cap, monkeypat
     want = [start for (start, kind, _), hit in zip(rows, step, strict=True) if hit or kind == 75]
     assert sorted(got["start"].to_list()) == sorted(want)
     assert sum(step) == (2 if cap else 20)
+
+
+def window_spans(path: Path) -> list[tuple[int, int]]:
+    """Three 2 ms spans at a quarter, half and three quarters of the NVTX ranges' time."""
+    with sqlite3.connect(path) as con:
+        lo, hi = con.execute('SELECT min(start), max("end") FROM NVTX_EVENTS').fetchone()
+    return [(lo + (hi - lo) * k // 4, lo + (hi - lo) * k // 4 + 2_000_000) for k in (1, 2, 3)]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["h100_comm_ep2_overlap", "h100_host_launch_gpumetrics_trimmed", "h100_moe_megatron_ep2"],
+)
+def test_window_nvtx_read_near_the_steps_is_the_scans(name: str, monkeypatch) -> None:
+    """Pass 2's NVTX ranges of the analysed steps, read as those starting near the spans
+    (rowid ranges) and those pass 1 found long: the rows of one filtered scan of the table,
+    in the same order, and those an independent SQL overlap test finds. Constructed
+    thresholds (real exports, in start order as nsys writes them): any table is big enough,
+    ranges over 1 ms are long, pass 1 scans 256 rows a query. Some rows come from the long
+    list alone (they start more than twice the threshold before their span)."""
+    from traceclf.ingest import nvtx_rows
+
+    monkeypatch.setattr(nvtx_rows, "NEAR_MIN_ROWS", 0)
+    monkeypatch.setattr(nvtx_rows, "LONG_RANGE_NS", 1_000_000)
+    monkeypatch.setattr(nvtx_rows, "SCAN_ROWS", 256)
+    path = FIXTURES / f"{name}.sqlite"
+    spans = window_spans(path)
+    r = reader.Reader(inspect_export(path))
+    with rowindex.connect(path) as con:
+        index = RowIndex.build(con, "NVTX_EVENTS")
+        assert nvtx_rows.reads_near(index)
+        steps = nvtx_rows.step_rows(r, bundled().nvtx["step"], long_ranges=True)
+        near = nvtx_rows.near_ranges(index, spans)
+    with sqlite3.connect(path) as con:
+        long = [
+            i for (i,) in con.execute('SELECT rowid FROM NVTX_EVENTS WHERE "end" - start > 1e6')
+        ]
+        overlap = " OR ".join(f'(start < {hi} AND "end" > {lo})' for lo, hi in spans)
+        want = con.execute(f'SELECT start, "end" FROM NVTX_EVENTS WHERE {overlap} ORDER BY rowid')
+        want = want.fetchall()
+    assert steps.long == long and near is not None
+    got = nvtx_rows.window_rows(r, spans, steps, near)
+    assert got.equals(nvtx_rows.window_rows(r, spans, steps, None))
+    ranges = got.filter(pl.col("end").is_not_null())
+    assert list(zip(ranges["start"], ranges["end"], strict=True)) == want
+    near_spans = [(lo - 2_000_000, hi + 1_000_000) for lo, hi in spans]
+    assert any(not any(a <= t <= b for a, b in near_spans) for t in ranges["start"])
+
+
+def test_window_nvtx_read_out_of_start_order_is_a_scan(tmp_path: Path, monkeypatch) -> None:
+    """Constructed: the NVTX rows of an export in reverse order. The sampled order check
+    fails, so pass 1 notes no long ranges and pass 2 scans the table; a two-pass read of the
+    export then holds the NVTX ranges of the export in order."""
+    from traceclf.ingest import nvtx_rows
+
+    monkeypatch.setattr(nvtx_rows, "NEAR_MIN_ROWS", 0)
+    name = "h100_comm_ep2_overlap"
+    path = copy_of(tmp_path, name)
+    reorder(path, "NVTX_EVENTS", "start DESC")
+    with rowindex.connect(path) as con:
+        assert not nvtx_rows.reads_near(RowIndex.build(con, "NVTX_EVENTS"))
+    budget = event_rows(path) // 2
+    shuffled = twopass.load_sampled(path, bundled(), budget=budget)
+    in_order = twopass.load_sampled(FIXTURES / f"{name}.sqlite", bundled(), budget=budget)
+    assert shuffled.plans and in_order.plans
+    key = ["start", "end", "text", "global_tid"]
+    assert (
+        shuffled.trace.nvtx.sort(key).select(key).equals(in_order.trace.nvtx.sort(key).select(key))
+    )
+
+
+def test_a_long_range_whose_end_is_not_a_number_is_read_either_way(tmp_path, monkeypatch) -> None:
+    """Constructed: an early NVTX range whose end is text (a damaged export) passes the
+    filtered scan's end test for any span; pass 1 counts it among the long ranges, so the
+    read near the steps holds it too."""
+    from traceclf.ingest import nvtx_rows
+
+    monkeypatch.setattr(nvtx_rows, "NEAR_MIN_ROWS", 0)
+    path = copy_of(tmp_path, "h100_comm_ep2_overlap")
+    spans = window_spans(path)
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE NVTX_EVENTS SET \"end\" = 'late' WHERE rowid = 2")
+    r = reader.Reader(inspect_export(path))
+    with rowindex.connect(path) as con:
+        near = nvtx_rows.near_ranges(RowIndex.build(con, "NVTX_EVENTS"), spans)
+    steps = nvtx_rows.step_rows(r, bundled().nvtx["step"], long_ranges=True)
+    assert steps.long is not None and 2 in steps.long
+    got = nvtx_rows.window_rows(r, spans, steps, near)
+    assert got.equals(nvtx_rows.window_rows(r, spans, steps, None))
 
 
 @pytest.mark.parametrize("many", [False, True])

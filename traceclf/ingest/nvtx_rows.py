@@ -9,11 +9,14 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import polars as pl
 
+from traceclf.ingest import rowindex
 from traceclf.ingest.assemble import NVTX_DOMAIN_CREATE
 from traceclf.ingest.reader import Reader, Span, rowid_in
+from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.session import MAX_PAYLOAD_ROWS, RANK_PAYLOAD_SQL
 from traceclf.ingest.textfilter import text_condition
 from traceclf.ingest.utf8 import decode_text
@@ -26,9 +29,24 @@ MAX_INLINE_STEPS = 100_000
 # NVTX rows per query of pass 1's scan (:func:`_scan`): its memory is bounded on any
 # export (a block's rowids and texts, ~50 MB where every row keeps its text).
 SCAN_ROWS = 1 << 20
+# Pass 1's scan also notes the ranges longer than this (steps, epochs, a whole run: few);
+# pass 2 then reads the window's ranges as those that start near it, by rowid range, and
+# the long ones that overlap it (:func:`window_rows`), not by a scan of the whole table.
+LONG_RANGE_NS = 50_000_000
+MAX_LONG_ROWS = 100_000  # more long ranges than this: pass 2 scans the table
+INT64_MAX = (1 << 63) - 1
+NEAR_MIN_ROWS = SCAN_ROWS  # NVTX rows from which pass 2 reads near the window, not by a scan
 
 
-def step_rows(reader: Reader, pattern: str) -> tuple[pl.DataFrame, list[int] | None]:
+class StepRows(NamedTuple):
+    """What pass 1 read of the NVTX table (:func:`step_rows`)."""
+
+    rows: pl.DataFrame  # the rows that may be steps, and the domains' creations
+    payloads: list[int] | None  # rows whose payload may name an NCCL rank (None: not looked)
+    long: list[int] | None  # ranges longer than LONG_RANGE_NS (None: not all of them found)
+
+
+def step_rows(reader: Reader, pattern: str, long_ranges: bool = False) -> StepRows:
     """The NVTX rows that may be step ranges (their text matches ``pattern``) and the domains'
     creations (their names): what pass 1 needs of a table that may hold a range for every
     layer of every step, or for every op (PyTorch's emit_nvtx: millions of texts, each
@@ -38,37 +56,86 @@ def step_rows(reader: Reader, pattern: str) -> tuple[pl.DataFrame, list[int] | N
     match rows without any: then every row is read.
 
     With them, the rowids of the first rows whose JSON payload may name an NCCL rank
-    (:func:`traceclf.ingest.session.nccl_ranks`), found by the same scan; None where it did
-    not look through the whole table."""
+    (:func:`traceclf.ingest.session.nccl_ranks`), and with ``long_ranges`` of the ranges
+    longer than :data:`LONG_RANGE_NS` (:func:`reads_near`), found by the same scan; None
+    where it did not look through the whole table."""
     table = reader.table_of("nvtx")
     columns = reader.info.columns.get(table or "", ())
     if table is None or matches(pl.Series([""]), pattern).any():
-        return reader.read("nvtx"), None
+        return StepRows(reader.read("nvtx"), None, None)
     strings = reader.strings
     ids = strings.filter(matches(strings["value"], pattern))["id"].drop_nulls().to_list()
     wanted = [f'"eventType" = {NVTX_DOMAIN_CREATE}']
     if ids and "textId" in columns:
         wanted.append(f'"textId" IN ({", ".join(str(int(i)) for i in ids)})')
     if "text" not in columns:
-        return reader.read("nvtx", where=" OR ".join(wanted)), None
+        return StepRows(reader.read("nvtx", where=" OR ".join(wanted)), None, None)
     payload = RANK_PAYLOAD_SQL if "jsonText" in columns else None
-    found = _scan(reader, table, " OR ".join(wanted), pattern, payload)
+    # (an end that is not a number, as a damaged export holds, passes ``"end" > X`` for any X,
+    # as in the filtered scan: such a row is long too, so either read finds it)
+    long = (
+        f'"end" - start > {LONG_RANGE_NS} OR "end" > {INT64_MAX}'
+        if long_ranges and "end" in columns
+        else None
+    )
+    found = _scan(reader, table, " OR ".join(wanted), pattern, payload, long)
     if found.steps is None:  # (past the cap: every row with text, matched after)
-        return reader.read("nvtx", where=" OR ".join([*wanted, '"text" IS NOT NULL'])), None
+        every = reader.read("nvtx", where=" OR ".join([*wanted, '"text" IS NOT NULL']))
+        return StepRows(every, None, None)
     if found.picked is None:  # (past the cap: what ``wanted`` picks, by a second scan)
         rows = reader.read("nvtx", where=" OR ".join([*wanted, rowid_in(found.steps)]))
     else:
         rows = reader.read("nvtx", listed=sorted(found.picked + found.steps))
-    return rows, found.payloads
+    return StepRows(rows, found.payloads, found.long)
 
 
-def window_rows(reader: Reader, spans: Sequence[Span], steps: pl.DataFrame) -> pl.DataFrame:
-    """The NVTX rows of the analysed steps: every range overlapping the spans read (one
-    filtered scan, in SQLite: :func:`traceclf.ingest.reader.overlap_clause`), and the
-    domains' creations (their names) from ``steps``, pass 1's rows (:func:`step_rows`),
-    which hold them all: not a second scan of the table."""
-    ranges = reader.read("nvtx", list(spans)) if spans else reader.empty("nvtx")
-    domains = steps.filter(pl.col("event_type") == NVTX_DOMAIN_CREATE)
+def reads_near(index: RowIndex | None) -> bool:
+    """Whether pass 2 may read the window's NVTX ranges near it (:func:`window_rows`): the
+    table (``index``) is in start order, as nsys writes it, and big enough that a scan of it
+    costs more than noting its long ranges in pass 1 (each row's end tested: 0.1 s of
+    SQLite's a 4.8 M-row table)."""
+    return index is not None and index.ordered and index.rows >= NEAR_MIN_ROWS
+
+
+def near_ranges(index: RowIndex | None, spans: Sequence[Span]) -> list[tuple[int, int]] | None:
+    """The rowid ranges ``(after, upto]`` of the NVTX rows that start near ``spans`` (from
+    twice :data:`LONG_RANGE_NS` before each to once after: a range out of place by less than
+    that is still found), where ``index`` (the table's) shows it in start order; else None.
+    Searched on the caller's thread, through the index's connection."""
+    if index is None or not index.ordered or not spans:
+        return None
+    lead, tail = 2 * LONG_RANGE_NS, LONG_RANGE_NS
+    return rowindex.merge([index.bounds(lo - lead, hi + tail) for lo, hi in spans])
+
+
+def window_rows(
+    reader: Reader,
+    spans: Sequence[Span],
+    steps: StepRows,
+    near: list[tuple[int, int]] | None = None,
+) -> pl.DataFrame:
+    """The NVTX rows of the analysed steps: every range overlapping the spans read, and the
+    domains' creations (their names) from pass 1's rows (:func:`step_rows`), which hold them
+    all. A range overlapping a span either starts at most :data:`LONG_RANGE_NS` before it or
+    is longer than that: where the table is in start order (``near``: :func:`near_ranges`)
+    and pass 1 found every long range, the ranges are those of the rowid ranges ``near`` and
+    the long ones, each tested against the spans in SQLite; else one filtered scan of the
+    table (:func:`traceclf.ingest.reader.overlap_clause`). Either way in rowid order."""
+    if not spans:
+        ranges = reader.empty("nvtx")
+    elif near is None or steps.long is None:
+        ranges = reader.read("nvtx", list(spans))
+    else:
+        parts = [reader.read("nvtx", list(spans), rowids=near, rowid=True)]
+        if steps.long:
+            parts.append(reader.read("nvtx", list(spans), listed=steps.long, rowid=True))
+        ranges = (
+            pl.concat(parts, how="vertical_relaxed")
+            .unique("_rowid", keep="first")
+            .sort("_rowid")
+            .drop("_rowid")
+        )
+    domains = steps.rows.filter(pl.col("event_type") == NVTX_DOMAIN_CREATE)
     return pl.concat([domains, ranges], how="vertical_relaxed")
 
 
@@ -79,9 +146,12 @@ class _Found:
     picked: list[int] | None  # by the SQL condition
     steps: list[int] | None  # by their own text
     payloads: list[int]  # rows whose payload may name a rank
+    long: list[int] | None  # ranges longer than LONG_RANGE_NS (None: not looked, or too many)
 
 
-def _scan(reader: Reader, table: str, wanted: str, pattern: str, payload: str | None) -> _Found:
+def _scan(
+    reader: Reader, table: str, wanted: str, pattern: str, payload: str | None, long: str | None
+) -> _Found:
     """One scan of ``table``, :data:`SCAN_ROWS` rows a query, as many at once as this analysis
     may keep cores busy (:func:`_blocks`): the rowids of the rows that ``wanted`` (SQL)
     picks, and of those whose own text matches ``pattern`` (each row with text read as its
@@ -89,13 +159,15 @@ def _scan(reader: Reader, table: str, wanted: str, pattern: str, payload: str | 
     None past :data:`MAX_INLINE_STEPS` rows, and the scan stops once the steps are. Where
     every row keeps its own text, each numbered (``aten::mm, seq = 7``), the distinct texts
     are as many as the rows: comparing them in SQL took 7 s of a 1.4 GB export. Also the
-    first :data:`MAX_PAYLOAD_ROWS` rows that ``payload`` (SQL) picks."""
+    first :data:`MAX_PAYLOAD_ROWS` rows that ``payload`` (SQL) picks, and the rows that
+    ``long`` (SQL) picks (None past :data:`MAX_LONG_ROWS`)."""
     picked: list[int] | None = []
     steps: list[int] = []
     payloads: list[int] = []
-    for raw in _blocks(reader, table, wanted, text_condition("text", pattern), payload):
+    longs: list[int] | None = [] if long else None
+    for raw in _blocks(reader, table, wanted, text_condition("text", pattern), payload, long):
         if raw["text"].dtype != pl.Binary:  # (not read as bytes: every row with text)
-            return _Found(picked, None, payloads)
+            return _Found(picked, None, payloads, None)
         text, _repaired = decode_text(raw["text"])  # (repairs are counted on the rows read)
         # (row by row, not by matches(): a block may open with repeated texts and go on with
         # numbered ones, and its distinct texts then cost more than the regex over its rows)
@@ -106,26 +178,36 @@ def _scan(reader: Reader, table: str, wanted: str, pattern: str, payload: str | 
             picked = picked if len(picked) <= MAX_INLINE_STEPS else None
         steps += rowids.filter(step & (raw["wanted"] == 0)).to_list()
         if len(steps) > MAX_INLINE_STEPS:  # (what ``wanted`` picks is then read by its SQL)
-            return _Found(picked, None, payloads)
+            return _Found(picked, None, payloads, None)
         room = MAX_PAYLOAD_ROWS - len(payloads)
         payloads += rowids.filter(raw["payload"] == 1).head(room).to_list()
-    return _Found(picked, steps, payloads)
+        if longs is not None:
+            longs += rowids.filter(raw["long"] == 1).to_list()
+            longs = longs if len(longs) <= MAX_LONG_ROWS else None
+    return _Found(picked, steps, payloads, longs)
 
 
 def _blocks(
-    reader: Reader, table: str, wanted: str, texts: str | None, payload: str | None
+    reader: Reader,
+    table: str,
+    wanted: str,
+    texts: str | None,
+    payload: str | None,
+    long: str | None = None,
 ) -> Iterator[pl.DataFrame]:
-    """The rows of ``table`` that ``wanted`` or ``payload`` picks or that keep their own text
-    (those ``texts`` picks, if given: :func:`~traceclf.ingest.textfilter.text_condition`),
-    as (rowid ``r``, ``wanted`` and ``payload`` 1 or 0, ``text`` bytes, empty for none),
+    """The rows of ``table`` that ``wanted``, ``payload`` or ``long`` picks or that keep their
+    own text (those ``texts`` picks, if given:
+    :func:`~traceclf.ingest.textfilter.text_condition`), as (rowid ``r``, ``wanted``,
+    ``payload`` and ``long`` 1 or 0, ``text`` bytes, empty for none),
     :data:`SCAN_ROWS` rowids a query, in rowid order; the next queries run while a block is
     matched (no more blocks held than there are queries at once). Each block also returns its
     first row, whatever it holds (flagged like any other): connectorx types computed columns
     from a first row it reads beforehand, and a block that picks few rows would be scanned
     twice, once to find it."""
     carries = f"iif({payload}, 1, 0)" if payload else "0"
+    lasts = f"iif({long}, 1, 0)" if long else "0"
     texts = texts or '"text" IS NOT NULL'
-    picks = f"{wanted} OR {texts}" + (f" OR {payload}" if payload else "")
+    picks = f"{wanted} OR {texts}" + "".join(f" OR {c}" for c in (payload, long) if c)
     first, last = reader.sql(
         f"SELECT coalesce((SELECT min(rowid) FROM {table}), 0) AS a, "
         f"coalesce((SELECT max(rowid) FROM {table}), 0) AS b"
@@ -135,6 +217,7 @@ def _blocks(
         # (no value read is null: connectorx types an expression's column by its first row)
         return reader.sql(
             f"SELECT rowid AS r, iif({wanted}, 1, 0) AS wanted, {carries} AS payload, "
+            f"{lasts} AS long, "
             f"coalesce(CAST(\"text\" AS BLOB), X'') AS text FROM {table} "
             f"WHERE rowid > {after} AND rowid <= {after + SCAN_ROWS} AND ({picks} "
             f"OR rowid = (SELECT min(rowid) FROM {table} WHERE rowid > {after}))"

@@ -485,9 +485,7 @@ def _idle_in_calls(
             .agg(n=pl.len(), ns=pl.col("ns").sum())
         )
     if not parts:
-        return pl.DataFrame(
-            schema={"name": names.dtype, "n": pl.get_index_type(), "ns": pl.Int64}
-        )
+        return pl.DataFrame(schema={"name": names.dtype, "n": pl.get_index_type(), "ns": pl.Int64})
     return pl.concat(parts).group_by("name").agg(pl.col("n").sum(), pl.col("ns").sum())
 
 

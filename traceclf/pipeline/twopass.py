@@ -34,7 +34,7 @@ from traceclf.ingest import rowindex
 from traceclf.ingest.assemble import begin_host_read, build_trace, nvtx_ranges
 from traceclf.ingest.devices import read_gpu_metrics
 from traceclf.ingest.load import load_trace
-from traceclf.ingest.nvtx_rows import step_rows, window_rows
+from traceclf.ingest.nvtx_rows import near_ranges, reads_near, step_rows, window_rows
 from traceclf.ingest.project import Projector
 from traceclf.ingest.reader import Reader, Span
 from traceclf.ingest.rowindex import RowIndex
@@ -143,7 +143,7 @@ def load_sampled(
             if plans is None:  # some rank's steps cannot be found cheaply: read it all
                 return SampledRead(load_trace(path, progress=progress), {})
             trace = _read_plans(reader, con, indexes, planner, budget, progress, memory)
-    return SampledRead(trace, plans, planner.payloads)
+    return SampledRead(trace, plans, planner.nvtx.payloads)
 
 
 def event_indexes(reader: Reader, con: sqlite3.Connection) -> dict[str, RowIndex]:
@@ -174,11 +174,13 @@ class _Planner:
         self.taxonomy, self.budget = taxonomy, budget
         self.settings: StepSettings = settings
         self.pattern = step_regex or taxonomy.nvtx["step"]
-        self.nvtx_raw, self.payloads = step_rows(reader, self.pattern)
+        table = reader.table_of("nvtx")
+        self.nvtx_index = RowIndex.build(con, table) if table else None
+        self.nvtx = step_rows(reader, self.pattern, long_ranges=reads_near(self.nvtx_index))
         self.spans: list[tuple[Span, Span]] = []  # (GPU rows, CUDA calls) to read per run
 
     def plans(self) -> dict[int, StepPlan] | None:
-        nvtx, pattern = nvtx_ranges(self.reader, self.nvtx_raw), self.pattern
+        nvtx, pattern = nvtx_ranges(self.reader, self.nvtx.rows), self.pattern
         found_steps, projectors = {}, {}
         for pid in self._rank_pids():
             found = self._nvtx(nvtx, pid, pattern) or self._graphs(pid) or self._pattern(pid)
@@ -438,8 +440,10 @@ def _read_plans(
     # The host side read on the threads of the calls read, beside the GPU's rows (built
     # anew where the calls are read again below and other threads made them)
     host = begin_host_read(reader, frames["api"], read_spans)
-    # (the NVTX ranges over the analysed steps: a filtered scan, SQLite's work, beside too)
-    nvtx = second_lane("traceclf-nvtx").submit(window_rows, reader, read_spans, planner.nvtx_raw)
+    # (the NVTX ranges over the analysed steps: SQLite's work, beside too; the rows near the
+    # steps found here, through ``con``, which no other thread searches meanwhile)
+    near = near_ranges(planner.nvtx_index, read_spans) if planner.nvtx.long is not None else None
+    nvtx = second_lane("traceclf-nvtx").submit(window_rows, reader, read_spans, planner.nvtx, near)
     p2.read(
         tuple(logical for logical in GPU_SIDE if logical not in whole),
         [gpu for gpu, _calls in planner.spans],
