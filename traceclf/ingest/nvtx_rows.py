@@ -92,8 +92,8 @@ def step_rows(reader: Reader, pattern: str, long_ranges: bool = False) -> StepRo
 def reads_near(index: RowIndex | None) -> bool:
     """Whether pass 2 may read the window's NVTX ranges near it (:func:`window_rows`): the
     table (``index``) is in start order, as nsys writes it, and big enough that a scan of it
-    costs more than noting its long ranges in pass 1 (each row's end tested: 0.1 s of
-    SQLite's a 4.8 M-row table)."""
+    costs more than noting its long ranges in pass 1 (each row's end tested: 0.1 s of SQLite's
+    time on a table of 4.8 M rows)."""
     return index is not None and index.ordered and index.rows >= NEAR_MIN_ROWS
 
 
