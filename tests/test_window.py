@@ -865,6 +865,84 @@ def test_a_long_range_whose_end_is_not_a_number_is_read_either_way(tmp_path, mon
     assert got.equals(nvtx_rows.window_rows(r, spans, steps, None))
 
 
+def test_a_row_out_of_place_near_the_steps_makes_the_read_a_scan(tmp_path, monkeypatch) -> None:
+    """Constructed: one NVTX row at a time, of those starting near a span, moved 5 s later (out
+    of place by more than the read near the steps tolerates, yet between the rows the order
+    check samples). Wherever it lies, and whichever row the binary search meets, the rows read
+    are the scan's: the read near the steps finds the rows beyond its bounds starting inside
+    them, or its own rows out of order, and scans instead."""
+    from traceclf.ingest import nvtx_rows
+
+    monkeypatch.setattr(nvtx_rows, "NEAR_MIN_ROWS", 0)
+    monkeypatch.setattr(nvtx_rows, "LONG_RANGE_NS", 1_000_000)
+    monkeypatch.setattr(nvtx_rows, "NEAR_CHECK_ROWS", 16)
+    source = FIXTURES / "h100_comm_ep2_overlap.sqlite"
+    with sqlite3.connect(source) as con:
+        (lo,) = con.execute("SELECT start FROM NVTX_EVENTS WHERE rowid = 1000").fetchone()
+        hi = lo + 2_000_000
+        spans = [(lo, hi)]
+        near = con.execute(
+            "SELECT rowid FROM NVTX_EVENTS WHERE start BETWEEN ? AND ?",
+            (lo - 2_000_000, hi + 1_000_000),
+        ).fetchall()
+    moved = [rowid for (rowid,) in near[:: max(len(near) // 12, 1)]]
+    scans = 0
+    for rowid in moved:
+        path = tmp_path / f"moved_{rowid}.sqlite"
+        shutil.copy(source, path)
+        with sqlite3.connect(path) as con:
+            con.execute(
+                'UPDATE NVTX_EVENTS SET start = start + 5e9, "end" = "end" + 5e9 WHERE rowid = ?',
+                (rowid,),
+            )
+        r = reader.Reader(inspect_export(path))
+        with rowindex.connect(path) as con:
+            index = RowIndex.build(con, "NVTX_EVENTS", samples=8)
+            steps = nvtx_rows.step_rows(r, bundled().nvtx["step"], long_ranges=True)
+            ranges = nvtx_rows.near_ranges(index, spans)
+        scans += ranges is None
+        got = nvtx_rows.window_rows(r, spans, steps, ranges)
+        assert got.equals(nvtx_rows.window_rows(r, spans, steps, None)), rowid
+    assert len(moved) >= 8 and scans
+
+
+def test_a_long_range_near_the_steps_is_read_once(tmp_path, monkeypatch) -> None:
+    """Constructed: a range longer than the threshold that also starts near the span, its text
+    not UTF-8. The read near the steps reads it once (by rowid range, not again from the long
+    list), so its repair is counted once, as the scan counts it."""
+    from traceclf.ingest import nvtx_rows
+
+    monkeypatch.setattr(nvtx_rows, "NEAR_MIN_ROWS", 0)
+    monkeypatch.setattr(nvtx_rows, "LONG_RANGE_NS", 1_000_000)
+    path = copy_of(tmp_path, "h100_comm_ep2_overlap")
+    with sqlite3.connect(path) as con:
+        rowid, start, end = con.execute(
+            'SELECT rowid, start, "end" FROM NVTX_EVENTS WHERE "end" - start > 3000000 '
+            "AND text IS NOT NULL ORDER BY rowid DESC LIMIT 1"
+        ).fetchone()
+        con.execute(
+            "UPDATE NVTX_EVENTS SET text = CAST(X'66ff6f' AS TEXT) WHERE rowid = ?", (rowid,)
+        )
+    spans = [(start + 1_000_000, start + 2_000_000)]
+
+    def read(near: bool) -> tuple[pl.DataFrame, dict]:
+        r = reader.Reader(inspect_export(path))
+        with rowindex.connect(path) as con:
+            index = RowIndex.build(con, "NVTX_EVENTS")
+            steps = nvtx_rows.step_rows(r, bundled().nvtx["step"], long_ranges=True)
+            ranges = nvtx_rows.near_ranges(index, spans) if near else None
+        assert rowid in steps.long and (ranges is not None or not near)
+        before = dict(r.repaired)
+        rows = nvtx_rows.window_rows(r, spans, steps, ranges)
+        return rows, {
+            k: v - before.get(k, 0) for k, v in r.repaired.items() if v != before.get(k, 0)
+        }
+
+    (near_rows, near_repairs), (scanned, scan_repairs) = read(True), read(False)
+    assert near_rows.equals(scanned) and end > spans[0][1]
+    assert near_repairs == scan_repairs == {"NVTX_EVENTS.text": 1}
+
+
 @pytest.mark.parametrize("many", [False, True])
 def test_rows_listed_by_rowid_are_read_by_their_list_alone(many: bool, monkeypatch) -> None:
     """A read of rows listed by rowid (pass 1's NVTX rows found by its scan) asks SQLite for

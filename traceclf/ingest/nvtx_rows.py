@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import polars as pl
 
 from traceclf.ingest import rowindex
@@ -36,6 +37,7 @@ LONG_RANGE_NS = 50_000_000
 MAX_LONG_ROWS = 100_000  # more long ranges than this: pass 2 scans the table
 INT64_MAX = (1 << 63) - 1
 NEAR_MIN_ROWS = SCAN_ROWS  # NVTX rows from which pass 2 reads near the window, not by a scan
+NEAR_CHECK_ROWS = 1024  # rows on either side of a near read checked for one out of place
 
 
 class StepRows(NamedTuple):
@@ -101,11 +103,31 @@ def near_ranges(index: RowIndex | None, spans: Sequence[Span]) -> list[tuple[int
     """The rowid ranges ``(after, upto]`` of the NVTX rows that start near ``spans`` (from
     twice :data:`LONG_RANGE_NS` before each to once after: a range out of place by less than
     that is still found), where ``index`` (the table's) shows it in start order; else None.
-    Searched on the caller's thread, through the index's connection."""
+    None too where one of the :data:`NEAR_CHECK_ROWS` rows on either side of a range starts
+    inside its stretch of time: the binary search met a row out of place, and the rows beyond
+    it would be lost without a word. Searched on the caller's thread, through the index's
+    connection."""
     if index is None or not index.ordered or not spans:
         return None
-    lead, tail = 2 * LONG_RANGE_NS, LONG_RANGE_NS
-    return rowindex.merge([index.bounds(lo - lead, hi + tail) for lo, hi in spans])
+    ranges = []
+    for lo, hi in spans:
+        first, last = lo - 2 * LONG_RANGE_NS, hi + LONG_RANGE_NS
+        after, upto = index.bounds(first, last)
+        if _starts_within(index, after - NEAR_CHECK_ROWS, after, first, last) or _starts_within(
+            index, upto, upto + NEAR_CHECK_ROWS, first, last
+        ):
+            return None
+        ranges.append((after, upto))
+    return rowindex.merge(ranges)
+
+
+def _starts_within(index: RowIndex, after: int, upto: int, first: int, last: int) -> bool:
+    """Whether a row of ``index``'s table in rowids ``(after, upto]`` starts in [first, last]."""
+    query = (
+        f"SELECT 1 FROM {index.table} WHERE rowid > ? AND rowid <= ? "
+        f'AND "{index.column}" BETWEEN ? AND ? LIMIT 1'
+    )
+    return index.con.execute(query, (after, upto, first, last)).fetchone() is not None
 
 
 def window_rows(
@@ -120,23 +142,42 @@ def window_rows(
     is longer than that: where the table is in start order (``near``: :func:`near_ranges`)
     and pass 1 found every long range, the ranges are those of the rowid ranges ``near`` and
     the long ones, each tested against the spans in SQLite; else one filtered scan of the
-    table (:func:`traceclf.ingest.reader.overlap_clause`). Either way in rowid order."""
-    if not spans:
-        ranges = reader.empty("nvtx")
-    elif near is None or steps.long is None:
-        ranges = reader.read("nvtx", list(spans))
-    else:
-        parts = [reader.read("nvtx", list(spans), rowids=near, rowid=True)]
-        if steps.long:
-            parts.append(reader.read("nvtx", list(spans), listed=steps.long, rowid=True))
-        ranges = (
-            pl.concat(parts, how="vertical_relaxed")
-            .unique("_rowid", keep="first")
-            .sort("_rowid")
-            .drop("_rowid")
-        )
+    table (:func:`traceclf.ingest.reader.overlap_clause`). Either way in rowid order where the
+    table is in start order (the scan's batches come in order of their first start;
+    :func:`traceclf.ingest.assemble.nvtx_ranges` sorts the ranges by start)."""
+    ranges = (
+        _near(reader, spans, steps.long, near)
+        if spans and near and steps.long is not None
+        else None
+    )
+    if ranges is None:
+        ranges = reader.read("nvtx", list(spans)) if spans else reader.empty("nvtx")
     domains = steps.rows.filter(pl.col("event_type") == NVTX_DOMAIN_CREATE)
     return pl.concat([domains, ranges], how="vertical_relaxed")
+
+
+def _near(
+    reader: Reader, spans: Sequence[Span], long: list[int], near: list[tuple[int, int]]
+) -> pl.DataFrame | None:
+    """The ranges overlapping ``spans`` among the rows of the rowid ranges ``near`` and the
+    ``long`` ones outside them (each row read once: its text decoded, and any repair counted,
+    once), in rowid order; None where the rows of ``near`` are not in start order (one out of
+    place may have misled the search that found them)."""
+    rows = reader.read("nvtx", list(spans), rowids=near, rowid=True).sort("_rowid")
+    if not rows["start"].is_sorted():
+        return None
+    ids = np.asarray(long, dtype=np.int64)
+    afters = np.array([after for after, _upto in near], dtype=np.int64)
+    uptos = np.array([upto for _after, upto in near], dtype=np.int64)
+    at = np.searchsorted(afters, ids, side="left") - 1  # the last range beginning below each
+    inside = (at >= 0) & (ids <= uptos[np.maximum(at, 0)])
+    if not inside.all():
+        outside = ids[~inside].tolist()
+        rows = pl.concat(
+            [rows, reader.read("nvtx", list(spans), listed=outside, rowid=True)],
+            how="vertical_relaxed",
+        ).sort("_rowid")
+    return rows.drop("_rowid")
 
 
 @dataclass(frozen=True)
