@@ -254,3 +254,13 @@ def test_piped_output_takes_columns_from_the_environment(monkeypatch) -> None:
     result = run_cli("analyze", path, "-q")
     assert max(cell_len(line) for line in result.stdout.splitlines()) <= 120
     assert "(continued)" not in result.stdout  # 120 columns fit the per-rank table
+
+
+def test_the_verdict_box_ends_on_its_last_line_of_text() -> None:
+    """The Ulysses window names no next wall and nothing already applied: its verdict box
+    closes after the last evidence bullet, with no blank lines (two were left before)."""
+    report = traceclf.analyze(trace_path("ulysses_2gpu_forward_window"))
+    assert report.next_wall is None and not report.applied
+    lines = render_terminal(report, to_string=True, width=80).splitlines()
+    closing = next(i for i, line in enumerate(lines) if line.startswith("╰"))
+    assert lines[closing - 1].strip("│ ")

@@ -105,7 +105,12 @@ def _verdict(report: Report) -> Panel:
     title = for_terminal(f" {verdict_title(report)} ", f"bold {style}")
     headline = for_terminal(verdict_line(report), "bold" if report.abstained else "")
     headline.append("\n")
-    body = [headline] if report.abstained else [headline, evidence, Text(""), tail]
+    # (no blank lines closing the box when nothing is applied and no next wall is named)
+    body = (
+        [headline]
+        if report.abstained
+        else [headline, evidence, *([Text(""), tail] if tail else [])]
+    )
     return Panel(Group(*body), title=title, title_align="left", border_style=style)
 
 
