@@ -94,23 +94,21 @@ def _verdict(report: Report) -> Panel:
     bound = cls.get("bound")
     style = WALL_STYLE.get(bound, "white")
     evidence = hanging([("•", for_terminal(line)) for line in cls.get("evidence", [])])
-    tail = Text()
+    closing = []
     if report.applied:
-        tail.append("Already applied: ", style="bold")
-        tail.append(for_terminal("; ".join(report.applied)))
-        tail.append("\n")
+        closing.append(
+            Text("Already applied: ", style="bold") + for_terminal("; ".join(report.applied))
+        )
     if report.next_wall:
-        tail.append("Next wall once this one is fixed: ", style="bold")
-        tail.append(for_terminal(report.next_wall, WALL_STYLE.get(report.next_wall, "")))
+        wall = for_terminal(report.next_wall, WALL_STYLE.get(report.next_wall, ""))
+        closing.append(Text("Next wall once this one is fixed: ", style="bold") + wall)
     title = for_terminal(f" {verdict_title(report)} ", f"bold {style}")
     headline = for_terminal(verdict_line(report), "bold" if report.abstained else "")
+    if report.abstained:
+        return Panel(headline, title=title, title_align="left", border_style=style)
     headline.append("\n")
     # (no blank lines closing the box when nothing is applied and no next wall is named)
-    body = (
-        [headline]
-        if report.abstained
-        else [headline, evidence, *([Text(""), tail] if tail else [])]
-    )
+    body = [headline, evidence, *([Text(""), Text("\n").join(closing)] if closing else [])]
     return Panel(Group(*body), title=title, title_align="left", border_style=style)
 
 
