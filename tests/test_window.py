@@ -886,24 +886,74 @@ def test_a_row_out_of_place_near_the_steps_makes_the_read_a_scan(tmp_path, monke
             (lo - 2_000_000, hi + 1_000_000),
         ).fetchall()
     moved = [rowid for (rowid,) in near[:: max(len(near) // 12, 1)]]
+    with sqlite3.connect(source) as con:
+        (kept,) = con.execute(  # (a range over the span, from before the rows near it)
+            f'SELECT min(rowid) FROM NVTX_EVENTS WHERE start < {lo - 2_000_000} AND "end" > {hi}'
+        ).fetchone()
     scans = 0
     for rowid in moved:
         path = tmp_path / f"moved_{rowid}.sqlite"
         shutil.copy(source, path)
         with sqlite3.connect(path) as con:
             con.execute(
-                'UPDATE NVTX_EVENTS SET start = start + 5e9, "end" = "end" + 5e9 WHERE rowid = ?',
+                'UPDATE NVTX_EVENTS SET start = start + 5000000000, "end" = "end" + 5000000000 WHERE rowid = ?',
                 (rowid,),
             )
-        r = reader.Reader(inspect_export(path))
-        with rowindex.connect(path) as con:
-            index = RowIndex.build(con, "NVTX_EVENTS", samples=8)
-            steps = nvtx_rows.step_rows(r, bundled().nvtx["step"], long_ranges=True)
-            ranges = nvtx_rows.near_ranges(index, spans)
-        scans += ranges is None
-        got = nvtx_rows.window_rows(r, spans, steps, ranges)
-        assert got.equals(nvtx_rows.window_rows(r, spans, steps, None)), rowid
+            # (a text that is not UTF-8 in the span: its repair is counted once either way)
+            con.execute(
+                "UPDATE NVTX_EVENTS SET text = CAST(X'66ff6f' AS TEXT) WHERE rowid = ?", (kept,)
+            )
+
+        (got, repairs, scanned), (want, scan_repairs, _) = (
+            window_read(path, spans, near=True),
+            window_read(path, spans, near=False),
+        )
+        scans += scanned
+        assert got.equals(want) and repairs == scan_repairs == 1, rowid
     assert len(moved) >= 8 and scans
+
+
+def test_rows_near_the_steps_out_of_order_are_scanned_and_decoded_once(tmp_path, monkeypatch):
+    """Constructed: two NVTX rows inside the stretch read near a span swap their starts (the
+    rows on either side of it stay in order, so the binary search's bounds pass their check),
+    and one of them holds a text that is not UTF-8. The rows' starts, read before any text,
+    show them out of order: the read is a scan, and the text is decoded, and its repair
+    counted, once."""
+    from traceclf.ingest import nvtx_rows
+
+    monkeypatch.setattr(nvtx_rows, "NEAR_MIN_ROWS", 0)
+    monkeypatch.setattr(nvtx_rows, "LONG_RANGE_NS", 1_000_000)
+    monkeypatch.setattr(nvtx_rows, "NEAR_CHECK_ROWS", 16)
+    path = copy_of(tmp_path, "h100_comm_ep2_overlap")
+    with sqlite3.connect(path) as con:
+        (lo,) = con.execute("SELECT start FROM NVTX_EVENTS WHERE rowid = 1000").fetchone()
+        (a,), (b,) = con.execute("SELECT start FROM NVTX_EVENTS WHERE rowid IN (1001, 1002)")
+        con.execute("UPDATE NVTX_EVENTS SET start = ? WHERE rowid = 1001", (b,))
+        con.execute("UPDATE NVTX_EVENTS SET start = ? WHERE rowid = 1002", (a,))
+        con.execute("UPDATE NVTX_EVENTS SET text = CAST(X'66ff6f' AS TEXT) WHERE rowid = 1001")
+    spans = [(lo, lo + 2_000_000)]
+    with rowindex.connect(path) as con:
+        assert nvtx_rows.near_ranges(RowIndex.build(con, "NVTX_EVENTS", samples=8), spans)
+    (got, repairs, _), (want, scan_repairs, _) = (
+        window_read(path, spans, near=True),
+        window_read(path, spans, near=False),
+    )
+    assert got.equals(want) and repairs == scan_repairs == 1
+
+
+def window_read(path: Path, spans: list, near: bool) -> tuple[pl.DataFrame, int, bool]:
+    """Pass 2's NVTX ranges over ``spans`` (near the steps where it may, or by a scan), the
+    non-UTF-8 texts that read repaired, and whether it scanned."""
+    from traceclf.ingest import nvtx_rows
+
+    r = reader.Reader(inspect_export(path))
+    with rowindex.connect(path) as con:
+        index = RowIndex.build(con, "NVTX_EVENTS", samples=8)
+        steps = nvtx_rows.step_rows(r, bundled().nvtx["step"], long_ranges=True)
+        ranges = nvtx_rows.near_ranges(index, spans) if near else None
+    before = r.repaired.get("NVTX_EVENTS.text", 0)
+    rows = nvtx_rows.window_rows(r, spans, steps, ranges)
+    return rows, r.repaired.get("NVTX_EVENTS.text", 0) - before, ranges is None
 
 
 def test_a_long_range_near_the_steps_is_read_once(tmp_path, monkeypatch) -> None:

@@ -23,6 +23,7 @@ from traceclf.ingest.textfilter import text_condition
 from traceclf.ingest.utf8 import decode_text
 from traceclf.model.taxonomy import matches
 from traceclf.support.cpus import cpu_share
+from traceclf.support.errors import TraceError
 
 # Rows whose own text matches the step pattern read by rowid at most (one per step and
 # thread); more, and every row with text is read and matched after.
@@ -162,10 +163,21 @@ def _near(
     """The ranges overlapping ``spans`` among the rows of the rowid ranges ``near`` and the
     ``long`` ones outside them (each row read once: its text decoded, and any repair counted,
     once), in rowid order; None where the rows of ``near`` are not in start order (one out of
-    place may have misled the search that found them)."""
-    rows = reader.read("nvtx", list(spans), rowids=near, rowid=True).sort("_rowid")
-    if not rows["start"].is_sorted():
+    place may have misled the search that found them), found from their starts alone before
+    any text is read (the scan then decodes each text once)."""
+    table = reader.table_of("nvtx")
+    try:
+        starts = reader.sql(
+            [
+                f"SELECT rowid AS r, start FROM {table} WHERE rowid > {a} AND rowid <= {b}"
+                for a, b in near
+            ]
+        )
+    except TraceError:  # (a start that is not an integer: the scan counts its row as damaged)
         return None
+    if not starts.sort("r")["start"].is_sorted():
+        return None
+    rows = reader.read("nvtx", list(spans), rowids=near, rowid=True).sort("_rowid")
     ids = np.asarray(long, dtype=np.int64)
     afters = np.array([after for after, _upto in near], dtype=np.int64)
     uptos = np.array([upto for _after, upto in near], dtype=np.int64)
