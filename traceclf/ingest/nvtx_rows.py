@@ -16,7 +16,7 @@ import polars as pl
 
 from traceclf.ingest import rowindex
 from traceclf.ingest.assemble import NVTX_DOMAIN_CREATE
-from traceclf.ingest.reader import Reader, Span, rowid_in
+from traceclf.ingest.reader import Reader, Span, in_ranges, rowid_in
 from traceclf.ingest.rowindex import RowIndex
 from traceclf.ingest.session import MAX_PAYLOAD_ROWS, RANK_PAYLOAD_SQL
 from traceclf.ingest.textfilter import text_condition
@@ -167,12 +167,7 @@ def _near(
     any text is read (the scan then decodes each text once)."""
     table = reader.table_of("nvtx")
     try:
-        starts = reader.sql(
-            [
-                f"SELECT rowid AS r, start FROM {table} WHERE rowid > {a} AND rowid <= {b}"
-                for a, b in near
-            ]
-        )
+        starts = reader.sql(in_ranges(f"SELECT rowid AS r, start FROM {table}", near, [], False))
     except TraceError:  # (a start that is not an integer: the scan counts its row as damaged)
         return None
     if not starts.sort("r")["start"].is_sorted():
