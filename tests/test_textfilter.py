@@ -7,18 +7,16 @@ emit_nvtx export finds the same rows with the condition as without it."""
 from __future__ import annotations
 
 import sqlite3
-from pathlib import Path
 
 import polars as pl
 import pytest
+from realtraces import trace_path
 
 from traceclf.ingest import nvtx_rows, textfilter
 from traceclf.ingest.reader import Reader
 from traceclf.ingest.schema import inspect_export
 from traceclf.ingest.utf8 import MAX_TEXT, decode_text
 from traceclf.model.taxonomy import bundled
-
-EXTERNAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "external"
 
 # (bytes of an NVTX text): steps as frameworks write them, per-op ranges, and what ASCII
 # tests could misjudge: Unicode case folding (long s, Kelvin sign), a no-break space that
@@ -152,7 +150,7 @@ def test_the_scan_of_an_emit_nvtx_export_finds_the_same_rows(pattern: str, monke
     """Ulysses (a public export, PyTorch's emit_nvtx: 18,656 ranges keeping their numbered
     text in the row): pass 1 picks the same rows with the condition as with every text read
     and matched, and with it far fewer rows come back from the scan."""
-    path = EXTERNAL / "ulysses_2gpu_forward_window.sqlite"
+    path = trace_path("ulysses_2gpu_forward_window")  # (fixtures/external in a clone)
     returned: dict[str, int] = {}
 
     def scan(condition: bool) -> tuple[pl.DataFrame, list[int] | None]:
