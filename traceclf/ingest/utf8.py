@@ -62,14 +62,6 @@ def bounded(text: pl.Series) -> pl.Series:
     ).to_series()
 
 
-def decode_bytes(value: object) -> str | None:
-    """One value read with Python's sqlite3 as bytes (``CAST(... AS BLOB)``): text with
-    U+FFFD for bad bytes; None for NULL or the empty string."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace") or None
-    return str(value) if value is not None else None
-
-
 def _valid(raw: bytes) -> bool:
     try:
         raw.decode("utf-8")

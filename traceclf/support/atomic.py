@@ -47,12 +47,6 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     _replace(path, data.encode("utf-8") if isinstance(data, str) else data, st)
 
 
-def write_output(path: str | Path, data: str | bytes, *, inputs: Iterable[Path] = ()) -> None:
-    """Write a report to ``path`` as described in the module docstring; raises TraceError."""
-    with written_together(inputs) as files:
-        files.add(path, data, named=True)
-
-
 class Together:
     """Files written as one: staged to temporaries by :meth:`add`, renamed into place by
     :meth:`publish`, or removed by :meth:`discard`."""
