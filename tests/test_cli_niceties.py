@@ -32,6 +32,20 @@ def test_python_dash_m_runs_the_cli(tmp_path: Path) -> None:
     assert done.stdout.strip() == f"traceclf, version {__version__}"
 
 
+def test_measures_defines_every_name_a_rule_may_use(cli, monkeypatch) -> None:
+    """docs/rules.md sends rule writers to `traceclf measures` for every name: the measures,
+    then the facts about the run (CONTEXT_NAMES), each with its definition."""
+    from traceclf.judge.vocabulary import CONTEXT_NAMES, known_names
+
+    monkeypatch.setenv("COLUMNS", "400")
+    code, out, err = cli("measures")
+    assert code == 0, err
+    defined = {line.split()[0] for line in out.splitlines() if line.strip()}
+    assert known_names() <= defined
+    line = next(line for line in out.splitlines() if line.split()[:1] == ["ranks_share_gpu"])
+    assert CONTEXT_NAMES["ranks_share_gpu"] in line
+
+
 @pytest.mark.parametrize("asked", ["deepep", "DeepEP", "DEEPEP", " deepep "])
 def test_fix_ids_are_case_insensitive(cli, asked: str) -> None:
     code, out, err = cli("explain", asked)

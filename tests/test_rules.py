@@ -395,10 +395,15 @@ def test_no_facts_at_all_gives_the_default_bound():
     assert verdict.fixes == []
 
 
-def test_rules_and_explain_print(capsys):
+def test_rules_and_explain_print(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # (no cell wrapped: each rule's text on one line)
     list_rules()
     out = capsys.readouterr().out
     assert "comm-exposed-all-to-all" in out and "selective-recompute" in out
+    # each rule's id over what it finds (its description, read from the rule file)
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "│ host-launch-bound " in line)
+    assert "│ GPU idle while the host is still issuing launches." in lines[at + 1]
     explain_fix("deepep")
     out = capsys.readouterr().out
     assert 'moe_token_dispatcher_type = "flex"' in out and "Pitfalls" in out

@@ -300,16 +300,24 @@ def compare(
 @cli.command("measures")
 def measures_cmd() -> None:
     """Define every measure in the report (all for the steady-state window; *_frac are
-    fractions of wall time unless stated)."""
+    fractions of wall time unless stated), then the facts about the run that rules may use
+    besides them."""
     from rich.table import Table
 
+    from traceclf.judge.vocabulary import CONTEXT_NAMES
     from traceclf.measures import MEASURES
     from traceclf.render.fit import new_console
 
-    table = Table("measure", "definition", show_edge=False, box=None)
-    for name, definition in MEASURES.items():
-        table.add_row(name, definition)
-    new_console().print(table)
+    def definitions(title: str, names: dict[str, str]) -> Table:
+        table = Table(title, "definition", show_edge=False, box=None)
+        for name, definition in names.items():
+            table.add_row(name, definition)
+        return table
+
+    console = new_console()
+    console.print(definitions("measure", MEASURES))
+    console.print()
+    console.print(definitions("fact about the run", CONTEXT_NAMES))
 
 
 @cli.command("rules")

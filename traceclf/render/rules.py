@@ -30,14 +30,19 @@ def list_rules(rules_dir: Path | None = None) -> None:
         title_justify="left",
         show_lines=False,
     )
-    rules.add_column("rule", no_wrap=True)
+    # (each rule's id over what it finds: the id whole on its own line, the words wrapped)
+    widest = max((len(r.id) for r in rs.rules.values()), default=4)
+    rules.add_column("rule", min_width=min(widest, 40), ratio=3, overflow="fold")
     rules.add_column("wall", no_wrap=True)
     for col, ratio in (("when", 3), ("score", 2), ("fixes", 2)):
         rules.add_column(col, overflow="fold", ratio=ratio)
     for rule in sorted(rs.rules.values(), key=lambda r: rs.scoring.workflow.index(r.wall)):
         when = rule.when.source if rule.enabled else f"(disabled) {rule.when.source}"
-        cells = (rule.id, rule.wall, when, rule.score.source, ", ".join(rule.fixes))
-        rules.add_row(*map(for_terminal, cells))
+        named = for_terminal(rule.id, "bold")
+        if rule.description:
+            named.append("\n").append_text(for_terminal(rule.description))
+        cells = (rule.wall, when, rule.score.source, ", ".join(rule.fixes))
+        rules.add_row(named, *map(for_terminal, cells))
     fixes = Table(title="Fixes (traceclf explain FIX_ID shows one in full)", title_justify="left")
     for col in ("fix", "wall", "title", "requires", "applied when"):
         fixes.add_column(col, overflow="fold")
