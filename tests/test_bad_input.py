@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -332,3 +334,48 @@ def test_inputs_left_out_of_several_runs_are_listed_once(tmp_path: Path) -> None
         again = run_cli("analyze", "--format", "json", "--cache-dir", cache, folder)
     assert json.loads(again.stdout) == out
     assert any("launcher.sqlite" in line and "left out" in line for line in again.stderr_lines)
+
+
+def without_column(src: Path, dst: Path, table: str, column: str) -> Path:
+    path = copy_export(src, dst)
+    with sqlite3.connect(path) as con:
+        con.execute(f'ALTER TABLE {table} DROP COLUMN "{column}"')
+    return path
+
+
+def test_an_error_while_another_read_runs_is_said(tmp_path: Path) -> None:
+    """A table that lacks a column fails its read on the main thread while the host tables are
+    read on another: that read holds descriptor 2 (Rust panics are kept off it), and the
+    message went into the held file, never written (a fuzzing run: exit 2, stderr empty, 26
+    times in 27). Three runs, each in a real process."""
+    path = without_column(
+        fixture_trace("h100_host_input_stall"),
+        tmp_path / "no_sync_end.sqlite",
+        "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION",
+        "end",
+    )
+    for _ in range(3):
+        assert_cli_rejects(run_cli_process("analyze", path, "--no-cache"), path, "lacks column")
+
+
+def test_the_message_is_written_though_a_read_holds_descriptor_2() -> None:
+    """The same, made certain: a thread inside a read (``panics_hidden``) that never ends, and
+    the main thread failing meanwhile."""
+    script = (
+        "import threading\n"
+        "from traceclf.cli.options import fail\n"
+        "from traceclf.support.panics import panics_hidden\n"
+        "inside = threading.Event()\n"
+        "def read():\n"
+        "    with panics_hidden():\n"
+        "        inside.set()\n"
+        "        threading.Event().wait()\n"
+        "threading.Thread(target=read, daemon=True).start()\n"
+        "inside.wait()\n"
+        "fail('run.sqlite: table X lacks column end')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2
+    assert done.stderr == "traceclf: error: run.sqlite: table X lacks column end\n"

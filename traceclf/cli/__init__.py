@@ -471,6 +471,9 @@ STREAM_WRITE_ERRORS = {errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT}
 def _internal(e: BaseException) -> None:
     """A bug, not bad input: one line, the traceback one env var away."""
     if os.environ.get("TRACECLF_DEBUG"):
+        from traceclf.support.panics import release
+
+        release()  # (the traceback goes to descriptor 2, which a running read may hold)
         raise e
     fail(f"internal error: {type(e).__name__}: {e} (set TRACECLF_DEBUG=1 for a traceback)")
 
@@ -496,8 +499,10 @@ def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
 
 def _stopped(terminated: bool) -> None:
     """End a run that SIGTERM or Ctrl-C stopped, its cleanup done: one line, 143 or 130."""
+    from traceclf.support.panics import release
     from traceclf.support.process import TERMINATED_EXIT
 
+    release()  # (a read still running on another thread holds descriptor 2)
     click.echo(f"traceclf: {'terminated' if terminated else 'aborted'}", err=True)
     sys.exit(TERMINATED_EXIT if terminated else 130)
 

@@ -76,7 +76,9 @@ MAX_PROBLEM_LINES = 50  # a rule folder with thousands of broken entries: the fi
 def fail(*problems: str) -> None:
     """Exit 2 with one line on stderr per problem (several: every faulty rule entry at once)."""
     from traceclf.support.escape import visible
+    from traceclf.support.panics import release
 
+    release()  # (a read still running on another thread holds descriptor 2)
     for problem in problems[:MAX_PROBLEM_LINES]:
         click.echo(f"traceclf: error: {visible(problem)}", err=True)
     if len(problems) > MAX_PROBLEM_LINES:

@@ -64,6 +64,16 @@ def panics_hidden() -> Iterator[None]:
                 _HELD.file = None
 
 
+def release() -> None:
+    """Give descriptor 2 back now, with what was held, though reads may still run: the process
+    is about to say why it stops and exit, and a reader thread left running (a lane beside the
+    one that failed) would otherwise keep the message in memory, never written."""
+    with _LOCK:
+        if _HELD.file is not None:
+            _give_back(_HELD.file, _HELD.saved)
+            _HELD.file = None
+
+
 def _give_back(held, saved: int) -> None:
     """Descriptor 2 as it was, and what was held written to it without the panic reports."""
     with contextlib.suppress(Exception):
