@@ -155,6 +155,25 @@ def test_a_time_of_another_type_is_left_out_and_counted(tmp_path: Path, case: st
     assert report["classification"]["bound"] == "host"
 
 
+def test_profiler_overhead_rows_without_a_time_are_left_out(tmp_path: Path) -> None:
+    """Constructed: one row of nsys's own work (PROFILER_OVERHEAD) with its end NULL. Those
+    rows alone were not checked as every timed table's are: on the public export where a
+    fuzzing run found it, the NULL became a garbage time and host attribution's interval
+    arithmetic an internal ValueError. Left out and counted like the rest; the verdict stays."""
+    first = "rowid = (SELECT min(rowid) FROM PROFILER_OVERHEAD)"
+    report = analysed(
+        edited(
+            tmp_path,
+            "CREATE TABLE o AS SELECT * FROM PROFILER_OVERHEAD",
+            "DROP TABLE PROFILER_OVERHEAD",
+            "ALTER TABLE o RENAME TO PROFILER_OVERHEAD",
+            f'UPDATE PROFILER_OVERHEAD SET "end" = NULL WHERE {first}',
+        )
+    )
+    assert report["capture"]["unusable_rows"] == {"overhead.no_time": 1}
+    assert report["classification"]["bound"] == "host"
+
+
 def test_rows_unusable_for_several_reasons_count_once(tmp_path: Path) -> None:
     """Constructed: 64 kernels with start and end negated (an end before the start, and
     times no capture has). Each was counted under both reasons (128 for 64 rows dropped);

@@ -312,7 +312,9 @@ def build_trace(
     if memory.height and (n := memory["delta"].null_count()):
         unusable["memory.implausible_bytes"] = n
         memory = memory.filter(pl.col("delta").is_not_null())
-    overhead = _names(strings, "name_id", "name")(read("overhead"))
+    # (a process-wide buffer flush may name no thread: kept; a row without times is not)
+    overhead = usable(read("overhead"), "overhead", unusable, process=False)
+    overhead = _names(strings, "name_id", "name")(overhead)
 
     step("GPU metrics")
     gpu_metrics = optional(
