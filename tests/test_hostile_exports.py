@@ -174,6 +174,25 @@ def test_profiler_overhead_rows_without_a_time_are_left_out(tmp_path: Path) -> N
     assert report["classification"]["bound"] == "host"
 
 
+def test_a_graph_replay_without_a_correlation_id_beside_collectives(tmp_path: Path) -> None:
+    """Constructed: a CUDA-graph export whose kernels are all named as NCCL's, one graph
+    replay's correlationId NULL. That one null made the critical path's correlationIds floats,
+    and the join with the collectives' ids an internal SchemaError (a fuzzing run)."""
+    report = analysed(
+        edited(
+            tmp_path,
+            "UPDATE StringIds SET value = 'ncclKernel_AllToAll' "
+            "WHERE id IN (SELECT demangledName FROM CUPTI_ACTIVITY_KIND_KERNEL)",
+            "CREATE TABLE g AS SELECT * FROM CUPTI_ACTIVITY_KIND_GRAPH_TRACE",
+            "DROP TABLE CUPTI_ACTIVITY_KIND_GRAPH_TRACE",
+            "ALTER TABLE g RENAME TO CUPTI_ACTIVITY_KIND_GRAPH_TRACE",
+            "UPDATE CUPTI_ACTIVITY_KIND_GRAPH_TRACE SET correlationId = NULL WHERE rowid = 7",
+            source="h100_host_cudagraph",
+        )
+    )
+    assert report["classification"]["bound"] in {"memory", "communication", "host", "compute"}
+
+
 def test_rows_unusable_for_several_reasons_count_once(tmp_path: Path) -> None:
     """Constructed: 64 kernels with start and end negated (an end before the start, and
     times no capture has). Each was counted under both reasons (128 for 64 rows dropped);

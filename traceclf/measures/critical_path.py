@@ -272,7 +272,9 @@ def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, Ops, tuple[np.ndarray, np.nd
     waits = dependencies.stream_waits(trace.syncs, calls)
     dep_end, dep_op, unresolved = dependencies.resolve_arrays(raw, waits, trace.events, rows)
     launch = _launch_ends(calls, raw)
-    corr = raw["correlation_id"].to_numpy()
+    # (a graph replay without one, as a damaged export holds: -1, no collective's; a null would
+    # make every id a float, which no join with the kernels' ids takes)
+    corr = raw["correlation_id"].fill_null(-1).to_numpy()
     ops = raw.select("kind", "start", "end", "transfer")
     del raw
     if rows is not None:
