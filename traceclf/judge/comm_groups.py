@@ -53,9 +53,7 @@ def communication_block(
         members = [
             (i, g) for i, r in enumerate(ranks) for g in r.measures.comm_groups if g["id"] == key
         ]
-        groups.append(
-            _group(key, members, ranks, metrics, shared, transfers.get(key) or [], moe, rs)
-        )
+        groups.append(_group(key, members, ranks, shared, transfers.get(key) or [], moe, rs))
     groups.sort(key=lambda g: -(g["exposed_ms_per_step"] or 0))
     return {
         "payload": payload,
@@ -70,7 +68,6 @@ def _group(
     key: str,
     members: list[tuple[int, dict]],
     ranks: list[RankResult],
-    metrics: list[dict],
     shared: list[set[int]],
     transfers: list[dict],
     moe: bool,
@@ -101,7 +98,6 @@ def _group(
         if busbw is None or link["gbps"] is None
         else busbw >= rs.thresholds["link_bound_frac"] * link["gbps"]
     )
-    step = _mean([metrics[i].get("step_time_ms") for i in indices])
     exposed = _mean([p["exposed_ms_per_step"] for p in per_rank])
     return {
         "id": key,
@@ -112,7 +108,7 @@ def _group(
         "dimension_evidence": evidence,
         "calls_per_step": _mean([p["kernels_per_step"] for p in per_rank]),
         "exposed_ms_per_step": exposed,
-        "exposed_frac": round(exposed / step, 4) if exposed is not None and step else None,
+        "exposed_frac": _mean([g.get("exposed_frac") for _, g in members]),
         "blocking_ms_per_step": _mean([p["blocking_ms_per_step"] for p in per_rank]),
         "bytes_per_step": _mean([p["bytes_per_step"] for p in per_rank]),
         "algbw_gbs": algbw,
@@ -311,7 +307,10 @@ def rule_facts(block: dict, cross: dict, metrics: dict) -> dict:
     step = metrics.get("step_time_ms")
     late = (cross.get("late_arrivals") or [None])[0]
     out = {
-        "ep_exposed_frac": round(sum(g["exposed_frac"] or 0 for g in ep), 4) if ep else None,
+        # (several EP communicators exposed at once count once at most: a share, never over 1)
+        "ep_exposed_frac": (
+            round(min(sum(g["exposed_frac"] or 0 for g in ep), 1.0), 4) if ep else None
+        ),
         "ep_spans_hosts": _any3([g["spans_hosts"] for g in ep]),
         "ep_link_bound": _any3([g["link_bound"] for g in ep]),
         "ep_busbw_gbs": max(
@@ -345,7 +344,9 @@ def _any3(values: list[bool | None]) -> bool | None:
 
 
 def _frac(ms: float | None, step: float | None) -> float | None:
-    return round(ms / step, 4) if ms is not None and step else None
+    """``ms`` per step as a share of the mean step, at most all of it (ms per analysed step
+    count the window's outlier steps, which the mean leaves out)."""
+    return round(min(ms / step, 1.0), 4) if ms is not None and step else None
 
 
 def _steps(rank: RankResult) -> int:

@@ -93,6 +93,9 @@ def groups_of(w: RankWindow, keyed: pl.DataFrame, blocking: list[CommBlocking]) 
                 "calls": _calls(rows),
                 "busy_ms_per_step": round(busy.get(key, 0) / NS_PER_MS / n, 4),
                 "exposed_ms_per_step": round(exposed.get(key, 0.0) / NS_PER_MS / n, 4),
+                # (of the window's wall, as every *_frac: the steps' mean leaves out the
+                # outliers a window holds, and exposed time over it passed 100%)
+                "exposed_frac": round(exposed.get(key, 0.0) / max(w.wall, 1), 4),
                 "blocking_ms_per_step": round(blocked.get(key, 0) / NS_PER_MS / n, 4),
                 "peers": _max(rows["peers"]),
                 "clues": clues.get(key, {}),

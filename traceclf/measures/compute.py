@@ -351,18 +351,37 @@ def gpu_metric_means(metrics: pl.DataFrame, window: intervals.Spans) -> dict[str
 
 
 def top_kernels(w: RankWindow, n: int = 10) -> list[dict]:
+    """The ``n`` kernels (by short name and family) with the most kernel time in the window:
+    their time summed, count, median, and ``frac``: the share of the window in which one of
+    them runs (their union: instances running at once on several streams, as collectives of
+    several communicators do, count once; their sum passed 100%)."""
     kern = w.kern
     if kern.is_empty():
         return []
+    keys = ["short_name", "family"]
     top = (
         kern.with_columns(dur=pl.col("end") - pl.col("start"))
-        .group_by("short_name", "family")
+        .group_by(keys)
         .agg(total_ns=pl.col("dur").sum(), count=pl.len(), median_ns=pl.col("dur").median())
         .sort("total_ns", descending=True)
         .head(n)
-        .with_columns(frac=pl.col("total_ns") / w.wall)
     )
-    return top.rename({"short_name": "name"}).to_dicts()
+    # each instance covers what it runs past the furthest end of the same kernel's instances
+    # started before it (a group's rows in the frame's order: by start)
+    reach = pl.col("end").cum_max().shift(1)
+    union = (
+        kern.join(top.select(keys), on=keys, how="semi")
+        .sort("start")
+        .group_by(keys)
+        .agg(union_ns=(pl.col("end") - pl.max_horizontal("start", reach)).clip(lower_bound=0).sum())
+    )
+    top = top.join(union, on=keys, how="left", maintain_order="left")
+    return (
+        top.with_columns(frac=pl.col("union_ns") / w.wall)
+        .drop("union_ns")
+        .rename({"short_name": "name"})
+        .to_dicts()
+    )
 
 
 KERNEL_SUMMARY_ROWS = 500

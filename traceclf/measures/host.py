@@ -111,7 +111,9 @@ def calls(w: RankWindow) -> dict[str, float | None]:
         ),
         # (the calls made while the GPU runs the window: they can leave it idle)
         "alloc_idle_frac": w.uncovered(w.api.filter(pl.col("is_alloc")), w.layers.work) / w.wall,
-        "wait_call_frac": _waited(w) / w.wall,
+        # (the calls whole may reach past the window, a wait outlast the steps: at most all
+        # of it, which is all removing them could give back)
+        "wait_call_frac": min(_waited(w), w.wall) / w.wall,
         "nvtx_ranges_per_launch": _nvtx_per_launch(w),
     }
 
