@@ -5,6 +5,7 @@ on every real trace (../shared/traces/README.md)."""
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import pytest
@@ -393,6 +394,24 @@ def test_no_facts_at_all_gives_the_default_bound():
     assert verdict.classification["bound"] == "compute"
     assert verdict.classification["confidence"] == 0
     assert verdict.fixes == []
+
+
+def test_the_contract_lists_every_bundled_fix_id() -> None:
+    """docs/report-contract.md's stable vocabulary of fix ids is the bundled fixes' (it had
+    left out prefetch-managed-memory, which a report may hold)."""
+    contract = (Path(__file__).resolve().parents[1] / "docs" / "report-contract.md").read_text()
+    listed = contract.split("Fix ids (stable vocabulary", 1)[1].split("Order:", 1)[0]
+    assert set(re.findall(r"`([a-z0-9-]+)`", listed)) == set(load_rules().fixes)
+
+
+def test_the_rules_guide_names_every_context_name() -> None:
+    """docs/rules.md's "Names" paragraph lists every fact about the run a rule may use (it had
+    left out training_loop and idle_top_activity, on which bundled fixes depend)."""
+    from traceclf.judge.vocabulary import CONTEXT_NAMES
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "rules.md").read_text()
+    names = guide.split("**Names.**", 1)[1].split("**Templates.**", 1)[0]
+    assert {n for n in CONTEXT_NAMES if f"`{n}`" not in names} == set()
 
 
 def test_rules_and_explain_print(capsys, monkeypatch):

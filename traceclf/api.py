@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # `import traceclf` stays light: polars and matplotlib load o
     from traceclf.measures import RankMeasures
     from traceclf.model.trace import Trace
     from traceclf.pipeline.analysis import AnalysisOptions
+    from traceclf.report.runset import RunSet
     from traceclf.steps.steady import Steps
 
 __all__ = [
@@ -60,9 +61,11 @@ def open(path: str | Path, *, use_cache: bool = True, cache_dir: Path | None = N
     return open_trace(path, use_cache=use_cache, cache_dir=cache_dir).with_text()
 
 
-def analyze(*paths: str | Path, step_range: str | None = None, **options) -> Report:
+def analyze(*paths: str | Path, step_range: str | None = None, **options) -> Report | RunSet:
     """Analyse one run (one or more exports, reports or folders; all their ranks) into a
-    :class:`~traceclf.report.contract.Report`, as ``traceclf analyze`` does.
+    :class:`~traceclf.report.contract.Report`, as ``traceclf analyze`` does; inputs that are
+    several runs (unrelated exports, or ``grouping="runs"``) into a
+    :class:`~traceclf.report.runset.RunSet` of them.
 
     ``step_range`` is the regular expression for the NVTX ranges that mark a step;
     ``options`` are those of :class:`~traceclf.pipeline.analysis.AnalysisOptions` (``use_cache``,
@@ -104,8 +107,9 @@ def load_report(path: str | Path) -> Report:
 
 
 def figures(report: Report) -> dict[str, Figure]:
-    """The report's figures by name (``step_timeline``, ``comm_overlap``, ``idle_gaps``,
-    ``gpu_metrics``), each a matplotlib Figure; only those the report has data for."""
+    """The report's figures by name (``step_timeline``, ``step_lanes``, ``comm_overlap``,
+    ``idle_gaps``, ``memory``, ``gpu_metrics``), each a matplotlib Figure; only those that say
+    something for this report (:func:`traceclf.figures.draw.report_figures`)."""
     from traceclf.figures.draw import report_figures
 
     return report_figures(report.series)

@@ -33,7 +33,7 @@ def cli() -> None:
     evidence and fixes, from Nsight Systems traces.
 
     Exit codes: 0 done; 1 `compare` found a regression; 2 bad input or usage; 3 `compare`
-    could not compare (a run without steps, or one traceclf abstained on).
+    could not compare (a run without steps, one traceclf abstained on, or runs not comparable).
     """
 
 
@@ -87,8 +87,9 @@ def cli() -> None:
     "--jobs",
     type=click.IntRange(min=1),
     default=None,
-    help="Files analysed in parallel (default: number of CPUs, at most 4); the ranks inside "
-    "one file are analysed one after another.",
+    help="Files analysed in parallel (default: number of CPUs, at most 4). Inside one file, "
+    "ranks are measured two at a time where two CPUs are free, one after another with "
+    "--all-steps.",
 )
 @click.option(
     "--dask",
@@ -226,7 +227,8 @@ def analyze(
     "-o",
     "--output",
     metavar="FILE",
-    help="Write to this file (atomically; never onto BEFORE or AFTER) instead of stdout. "
+    help="Write to this file (atomically; never onto BASELINE or a CANDIDATE) instead of "
+    "stdout. "
     "Required for html.",
 )
 @click.option(

@@ -1,7 +1,7 @@
 """Collectives across ranks: each rank's collective kernels (the map step keeps them:
 :func:`collectives_of`), their instances matched across ranks, clocks put on one timeline and
-wait vs transfer in collectives (:func:`matched`, for :func:`traceclf.measures.cross_rank.
-cross_rank` when a report has several ranks)."""
+wait vs transfer in collectives (:func:`matched`, for
+:func:`traceclf.measures.cross_rank.collective_waits` when a report has several ranks)."""
 
 from __future__ import annotations
 

@@ -14,14 +14,12 @@ Frames and their columns
   correlation_id, pid, graph_id, graph_exec_id
 - ``copies``: memcpy and memset rows: start, end, device_id, stream_id, correlation_id, pid,
   bytes, op ("memcpy"/"memset"), copy_kind, direction ("HtoD", "DtoH", "DtoD", ...), pageable
-- ``api``: CUDA runtime/driver calls: start, end, global_tid, pid, tid, correlation_id, name
+- ``api``: CUDA runtime/driver calls: start, end, global_tid, correlation_id, pid, name
 - ``syncs``: CUPTI synchronization records: start, end, pid, device_id, stream_id,
   correlation_id, sync_type, event_id, event_sync_id (cudaStreamWaitEvent rows name the
   waiting stream and the event record they wait for)
 - ``events``: cudaEventRecord records (CUPTI_ACTIVITY_KIND_CUDA_EVENT): pid, device_id,
   stream_id, correlation_id, event_id, event_sync_id
-- ``api``: CUDA runtime/driver calls: start, end, global_tid, pid, correlation_id, name
-- ``syncs``: CUPTI synchronization records: start, end, pid, sync_type
 - ``nvtx``: ranges only: start, end, text, domain, pid, tid, global_tid
 - ``gpu_metrics``: timestamp, source, metric ("sm_active", "sm_issue", "tensor_active": the
   nsys metric under whatever name this GPU gives it), value (%)

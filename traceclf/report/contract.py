@@ -1,5 +1,5 @@
 """The report object: what `traceclf analyze` found, in the shape of the JSON contract
-(../shared/docs/report-contract.md). Every renderer (terminal, Markdown, HTML) and `compare`
+(docs/report-contract.md). Every renderer (terminal, Markdown, HTML) and `compare`
 read this object, never the trace."""
 
 from __future__ import annotations
