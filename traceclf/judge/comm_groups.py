@@ -307,7 +307,8 @@ def rule_facts(block: dict, cross: dict, metrics: dict) -> dict:
     step = metrics.get("step_time_ms")
     late = (cross.get("late_arrivals") or [None])[0]
     out = {
-        # (several EP communicators exposed at once count once at most: a share, never over 1)
+        # (each rank's communicators split the time they are exposed together, so a rank's
+        # sum is at most 1; the groups' means over different ranks may pass it: capped)
         "ep_exposed_frac": (
             round(min(sum(g["exposed_frac"] or 0 for g in ep), 1.0), 4) if ep else None
         ),

@@ -63,7 +63,8 @@ MEASURES: dict[str, str] = {
     "(cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize; taxonomy cuda_api "
     "wait), the union over its threads, per step (the steps' calls, as sync_calls_per_step "
     "counts them: not a sync after the loop that the GPU window overlaps): all that removing "
-    "them gives back to a host that sets the pace",
+    "them gives back to a host that sets the pace (at most 1: waits that reach past the "
+    "window count up to its length)",
 }
 CALL_MEASURES = (
     "sync_calls_per_step",

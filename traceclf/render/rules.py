@@ -22,6 +22,7 @@ from traceclf.support.units import plural
 def list_rules(rules_dir: Path | None = None) -> None:
     """Print the rules and the fixes they can propose (rich tables, stdout)."""
     from rich.table import Table
+    from rich.text import Text
 
     rs = load_rules(rules_dir)
     console = _console()
@@ -38,9 +39,10 @@ def list_rules(rules_dir: Path | None = None) -> None:
         rules.add_column(col, overflow="fold", ratio=ratio)
     for rule in sorted(rs.rules.values(), key=lambda r: rs.scoring.workflow.index(r.wall)):
         when = rule.when.source if rule.enabled else f"(disabled) {rule.when.source}"
-        named = for_terminal(rule.id, "bold")
-        if rule.description:
-            named.append("\n").append_text(for_terminal(rule.description))
+        named = Text.assemble(
+            for_terminal(rule.id, "bold"),
+            *(("\n", for_terminal(rule.description)) if rule.description else ()),
+        )
         cells = (rule.wall, when, rule.score.source, ", ".join(rule.fixes))
         rules.add_row(named, *map(for_terminal, cells))
     fixes = Table(title="Fixes (traceclf explain FIX_ID shows one in full)", title_justify="left")

@@ -35,6 +35,7 @@ class _Held:
     readers: int = 0
     file: Any = None  # where descriptor 2 goes meanwhile (None: it could not be redirected)
     saved: int = -1  # descriptor 2 as it was
+    released: bool = False  # the process is stopping (release): descriptor 2 is not taken again
 
 
 _HELD = _Held()
@@ -46,7 +47,7 @@ def panics_hidden() -> Iterator[None]:
     at the same time); then write it back, Rust panic reports removed. Where descriptor 2
     cannot be redirected, the body runs as it is."""
     with _LOCK:
-        if not _HELD.readers:
+        if not _HELD.readers and not _HELD.released:
             _HELD.file = _scratch()
             if _HELD.file is not None:
                 with contextlib.suppress(Exception):
@@ -65,10 +66,13 @@ def panics_hidden() -> Iterator[None]:
 
 
 def release() -> None:
-    """Give descriptor 2 back now, with what was held, though reads may still run: the process
-    is about to say why it stops and exit, and a reader thread left running (a lane beside the
-    one that failed) would otherwise keep the message in memory, never written."""
+    """Give descriptor 2 back now, with what was held, though reads may still run, and never take
+    it again: the process is about to say why it stops and exit, and a reader thread left
+    running (a lane beside the one that failed) would otherwise keep the message in memory,
+    never written, or take the descriptor again for its next read. (A panic of such a read in
+    the moments before the exit is then printed as it is.)"""
     with _LOCK:
+        _HELD.released = True
         if _HELD.file is not None:
             _give_back(_HELD.file, _HELD.saved)
             _HELD.file = None
