@@ -3,6 +3,7 @@ to anything on disk: through the Python API and through ``traceclf analyze``."""
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import subprocess
@@ -399,3 +400,29 @@ def test_a_read_after_the_message_takes_descriptor_2_no_more() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.stderr == "written after the message\n"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["kernels", b"\x80abc"], ["analyze", b"run.sqlite", "--step-range", b"\x80"]],
+    ids=["a kernel name", "a step pattern"],
+)
+def test_text_arguments_that_are_not_utf8_are_usage_errors(args: list) -> None:
+    """A fuzzing run: bytes that are not UTF-8 reached polars as lone surrogates (an internal
+    UnicodeEncodeError). Now one line and exit 2, before anything is read."""
+    done = subprocess.run(
+        [sys.executable, "-m", "traceclf", *args], capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 2
+    (line,) = done.stderr.decode().splitlines()
+    assert line.startswith("traceclf: error: Invalid value for ") and "not valid UTF-8" in line
+
+
+def test_export_trace_finds_an_export_whose_name_is_not_utf8(tmp_path: Path) -> None:
+    """The report names the export with its odd byte written out (``bad\\x80name.sqlite``);
+    --export-trace opened the file by that text and said "no such file"."""
+    path = copy_export(real(), tmp_path / os.fsdecode(b"bad\x80name.sqlite"))
+    out = tmp_path / "window.json"
+    result = run_cli("analyze", path, "-q", "--no-cache", "--export-trace", out)
+    assert result.code == 0, result.stderr
+    assert json.loads(out.read_text())["traceEvents"]

@@ -198,3 +198,58 @@ def test_a_cv_no_run_can_have_loses_the_noise_band_whatever_its_size(
     verdict = strict_json(result.stdout)
     assert verdict["verdict"] == "regression"
     assert verdict["noise_ms"] is None
+
+
+@pytest.fixture(scope="module")
+def saved_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("saved2")
+    path = folder / "before.json"
+    result = run_cli(
+        "analyze", fixture_trace("h100_comm_ep2"), "-f", "json", "-o", path, "-q", "--no-cache"
+    )
+    assert result.code == 0, result.stderr
+    return path
+
+
+def _huge_idle(data: dict) -> None:
+    for rank in data["ranks"]:
+        rank["step_kernels"]["idle_by_cause_ms"]["launch"] = 1e308
+
+
+def _negative_kernel(data: dict) -> None:
+    for rank in data["ranks"]:
+        rank["step_kernels"]["kernels"][0]["ms"] = -50.0
+
+
+ODD_VALUES: dict[str, Callable[[dict], None]] = {
+    "a 401-digit integer": lambda d: d["metrics"].update(graph_frac=10**400),
+    "a rank that is not an object": lambda d: d["ranks"].__setitem__(0, "x"),
+    "launch shapes that are true": lambda d: d["ranks"][0]["step_kernels"]["kernels"][0].update(
+        shapes=True
+    ),
+    "idle of 1e308 ms on every rank": _huge_idle,
+    "a kernel of -50 ms": _negative_kernel,
+}
+
+
+@pytest.mark.parametrize("case", ODD_VALUES)
+def test_odd_values_of_a_saved_report_are_compared_as_unknown(
+    tmp_path: Path, saved_two_ranks: Path, case: str
+) -> None:
+    """Constructed (a fuzzing run of compare): the first three were internal errors (an
+    OverflowError, an AttributeError, a TypeError); 1e308 ms on two ranks summed to an
+    infinity that Markdown printed as "inf s", and a negative kernel time read as a gain. A
+    value no report can hold is unknown: that rank's per-step detail is left out, or the
+    value."""
+    data = json.loads(saved_two_ranks.read_text())
+    ODD_VALUES[case](data)
+    after = tmp_path / "after.json"
+    after.write_text(json.dumps(data))
+    for fmt in ("json", "md"):
+        result = run_cli("compare", saved_two_ranks, after, "-f", fmt)
+        assert result.code in (0, 1, 3) and "internal error" not in result.stderr, result.stderr
+        if fmt == "json":
+            strict_json(result.stdout)
+        words = set(result.stdout.replace("|", " ").split())
+        assert not words & {"inf", "-inf", "+inf", "nan", "-nan"}, case
+        assert "-50 ms" not in result.stdout

@@ -19,6 +19,7 @@ from traceclf.cli.options import (
     quiet_option,
     rules_option,
     run_inputs,
+    utf8_text,
 )
 from traceclf.support.errors import TraceError, TraceErrors, show_warnings
 from traceclf.support.version import __version__
@@ -332,7 +333,7 @@ def rules_cmd(rules_dir: Path | None) -> None:
 
 
 @cli.command("kernels")
-@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@click.argument("names", nargs=-1, required=True, metavar="NAME...", callback=utf8_text)
 @rules_option
 def kernels_cmd(names: tuple[str, ...], rules_dir: Path | None) -> None:
     """Say which kernel family each kernel NAME falls in, and why: the taxonomy entry that

@@ -86,10 +86,25 @@ def fail(*problems: str) -> None:
     sys.exit(2)
 
 
+def utf8_text(_ctx, _param, value):
+    """The text given (an option's value, an argument's values), refused where it is not valid
+    UTF-8: Python keeps undecodable bytes of the command line as lone surrogates, which match
+    nothing a trace holds and which the libraries the text reaches cannot encode (an internal
+    UnicodeEncodeError, where a usage error is due)."""
+    for text in value if isinstance(value, tuple) else (value,):
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise click.BadParameter("not valid UTF-8 text") from None
+    return value
+
+
 # Options shared by several commands, defined once so their help reads the same everywhere.
 step_range_option = click.option(
     "--step-range",
     metavar="REGEX",
+    callback=utf8_text,
     help="Regular expression for the NVTX ranges that mark one training step "
     "(default: names like 'step 12', 'iteration 3', 'batch 7', 'ProfilerStep#5').",
 )

@@ -36,7 +36,9 @@ def side_of(report: Report) -> Side | None:
     """The side's per-step detail, or None when a rank has no ``step_kernels`` (no steps, or
     a report saved by a traceclf before it)."""
     ranks = report.ranks if isinstance(report.ranks, list) else []
-    blocks = [_block(r) for r in ranks if isinstance(r, dict)]
+    if not all(isinstance(r, dict) for r in ranks):
+        return None
+    blocks = [_block(r) for r in ranks]
     if not blocks or any(b is None for b in blocks):
         return None
     count = len(blocks)
@@ -124,7 +126,8 @@ def _kernels(per_rank: list[list]) -> dict[str, dict]:
             k["instances"] += (number(row.get("instances")) or 0.0) / count
             sd = number(row.get("sd_ms"))
             k["sd_ms"] = None if sd is None or k["sd_ms"] is None else k["sd_ms"] + sd / count
-            for shape in row.get("shapes") or []:
+            shapes = row.get("shapes")
+            for shape in shapes if isinstance(shapes, list) else []:
                 if _shape(shape):
                     key = (shape[0], shape[1])
                     k["shapes"][key] = k["shapes"].get(key, 0.0) + shape[2] / count
@@ -192,8 +195,21 @@ def _blocking(ranks: list[tuple[dict, dict]]) -> float | None:
     return sum(v * b["step_ms"] for v, (_, b) in zip(values, ranks, strict=True)) / len(ranks)
 
 
+# The largest quantity a report holds (ms, bytes, counts, shares are all less): 1e15 ms is 31
+# years, 1e15 bytes a petabyte. Beyond it, sums over a thousand ranks could still overflow.
+MAX_QUANTITY = 1e15
+
+
 def number(v) -> float | None:
-    """A value of a saved report as a number, if it is a finite one (not a bool, a string,
-    NaN or an infinity); else None. Every reader of a comparison's sides uses this."""
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    return float(v) if ok else None
+    """A value of a saved report as a number, if it is a quantity a report can hold: finite,
+    0 or more, at most :data:`MAX_QUANTITY` (not a bool, a string, NaN, an infinity, an
+    integer too large for a float, a negative time); else None. Every reader of a
+    comparison's sides uses this: no sum of them overflows, nor a difference turns a
+    negative time into a gain."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        value = float(v)
+    except OverflowError:  # (an integer of 400 digits)
+        return None
+    return value if math.isfinite(value) and 0 <= value <= MAX_QUANTITY else None

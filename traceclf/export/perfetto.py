@@ -135,12 +135,18 @@ def write_trace(
     """Load each export of ``reports`` again (through the cache), write the trace-event file to
     ``path`` atomically (never onto an input) and return its number of events. With several
     ranks, also one file per rank into :func:`per_rank_folder` (``rank<N>.json``; several runs:
-    ``run<i>/rank<N>.json``), written together with it, for Holistic Trace Analysis."""
+    ``run<i>/rank<N>.json``), written together with it, for Holistic Trace Analysis.
+
+    A report names each export as text (:func:`~traceclf.support.escape.path_text`: a byte
+    that is not UTF-8 written out as ``\\xff``): the file is the one of ``inputs`` so named."""
     from traceclf.ingest.cache import open_trace
     from traceclf.support.atomic import written_together
+    from traceclf.support.escape import path_text
 
+    inputs = list(inputs)
+    named = {path_text(p): p for p in inputs}
     traces = {
-        file: open_trace(file, use_cache=use_cache, cache_dir=cache_dir)
+        file: open_trace(named.get(file, file), use_cache=use_cache, cache_dir=cache_dir)
         for file in dict.fromkeys(r["file"] for report in reports for r in report.ranks)
     }
     text, count = trace_json(reports, traces)
