@@ -35,6 +35,10 @@ CASES = {
         "h100_memory_offload",
         'UPDATE CUPTI_ACTIVITY_KIND_RUNTIME SET "end" = start + 100000000000',
     ),
+    "every memory event a free": (
+        "h100_memory_offload",
+        "UPDATE CUDA_GPU_MEMORY_USAGE_EVENTS SET memoryOperationType = 1",
+    ),
     "collectives on two streams at once": (
         "h100_nccl_overlap",
         f"CREATE TABLE k AS SELECT * FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE shortName IN "
@@ -104,6 +108,14 @@ def test_a_communicators_exposed_share_is_of_the_window(odd, case: str) -> None:
         for run in report["runs"]
         for g in run["communication"]["groups"]
     )
+
+
+def test_frees_alone_are_no_peak(odd) -> None:
+    """Frees of memory allocated before the capture take the level below its start: the peak
+    was that negative level (-87% of capacity, and a memory verdict on it)."""
+    _path, report = odd["every memory event a free"]
+    assert report["metrics"]["peak_memory_bytes"] == 0
+    assert report["metrics"]["peak_memory_frac"] == 0
 
 
 def test_waits_longer_than_the_window_are_all_of_it(odd) -> None:

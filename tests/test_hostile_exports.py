@@ -193,6 +193,20 @@ def test_a_graph_replay_without_a_correlation_id_beside_collectives(tmp_path: Pa
     assert report["classification"]["bound"] in {"memory", "communication", "host", "compute"}
 
 
+def test_a_rank_of_copies_alone_is_analysed_without_a_warning(tmp_path: Path) -> None:
+    """Constructed: one rank of h100_comm_ep2 without its kernels (copies only). Its device,
+    unknown, was compared with the device map's: polars warned on stderr that a comparison
+    with None is always null (a fuzzing run)."""
+    kernels = "CUPTI_ACTIVITY_KIND_KERNEL"
+    path = edited(
+        tmp_path,
+        f"DELETE FROM {kernels} WHERE globalPid = (SELECT min(globalPid) FROM {kernels})",
+        source="h100_comm_ep2",
+    )
+    result = child("analyze", path, "-f", "json", "--no-cache")  # (not -q: warnings shown)
+    assert result.code == 0 and "Warning" not in result.stderr, result.stderr
+
+
 def test_rows_unusable_for_several_reasons_count_once(tmp_path: Path) -> None:
     """Constructed: 64 kernels with start and end negated (an end before the start, and
     times no capture has). Each was counted under both reasons (128 for 64 rows dropped);

@@ -157,10 +157,12 @@ def device_memory(mem: pl.DataFrame) -> pl.DataFrame:
 
 def _peak(mem: pl.DataFrame) -> int:
     """The highest level of allocated bytes (allocations minus frees in time order, per
-    device); 0 without events."""
+    device), counted from the capture's start; 0 without events, and at least 0: frees of
+    memory allocated before the capture take the level below its start, which is no peak
+    (every event a free made it negative: -87% of capacity)."""
     level = pl.col("delta").cum_sum()
     devices = mem["device_id"]
     if devices.null_count() or devices.min() != devices.max():  # (one device: no grouping)
         level = level.over("device_id")
     top = mem.sort("start").select(level.max()).item()
-    return int(top or 0)  # type: ignore[arg-type]
+    return max(int(top or 0), 0)  # type: ignore[arg-type]

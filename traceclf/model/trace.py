@@ -262,6 +262,8 @@ class Trace:
         "device 0" may or may not be on one GPU."""
         devices = self.kernels.filter(pl.col("pid") == pid)["device_id"].drop_nulls()
         device = int(devices.mode()[0]) if len(devices) else None
+        if device is None:  # (a rank of copies alone: no device to look up)
+            return None, False
         mapped = not self.device_map.filter(
             (pl.col("pid") == pid) & (pl.col("device_id") == device)
         ).is_empty()
