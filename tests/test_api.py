@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -153,6 +154,27 @@ def test_figures(report: Report) -> None:
     # the GPU idles 0.3% of the step here: no idle-gap histogram (figures only where informative)
     assert list(figs) == ["step_timeline", "step_lanes", "comm_overlap"]
     assert all(isinstance(f, Figure) for f in figs.values())
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "said"),
+    [
+        ("ranks", None, "'ranks' is null"),
+        ("series", None, "'series' is null"),
+        ("steps", "x", "'steps' is a string"),
+        ("ranks", ["x"], "'ranks' holds an entry that is not an object"),
+    ],
+)
+def test_a_misshapen_saved_report_is_one_error(
+    report: Report, tmp_path: Path, section: str, value, said: str
+) -> None:
+    """Constructed (a fuzzing run of the API): each loaded, then its tables, figures or
+    Markdown failed with a TypeError or an AttributeError."""
+    data = report.to_dict() | {section: value}
+    saved = tmp_path / "report.json"
+    saved.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(traceclf.TraceError, match=f"not a report traceclf can render: {said}"):
+        api.load_report(saved)
 
 
 def test_load_report_and_compare(report: Report, tmp_path: Path) -> None:

@@ -102,8 +102,13 @@ def compare(
 
 
 def load_report(path: str | Path) -> Report:
-    """A report saved with ``traceclf analyze --format json -o report.json``."""
-    return Report.load(path)
+    """A report saved with ``traceclf analyze --format json -o report.json``; TraceError where
+    a section is not of the contract's type (``"ranks": null``: its tables, figures and
+    renderings would fail on it)."""
+    report = Report.load(path)
+    if wrong := report.misshapen():
+        raise TraceError(path, f"not a report traceclf can render: {'; '.join(wrong[:3])}")
+    return report
 
 
 def figures(report: Report) -> dict[str, Figure]:

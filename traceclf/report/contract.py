@@ -141,6 +141,25 @@ class Report:
         }
         return cls(**(defaults | {k: v for k, v in data.items() if k in names}))
 
+    def misshapen(self) -> list[str]:
+        """The sections whose JSON type is not the contract's (a saved report edited or
+        damaged: ``"ranks": null``), each as ``'ranks' is null``; [] for a report as
+        traceclf writes it. :meth:`load` reads such a report as it is (``compare`` reads what
+        it can of it); rendering it or its tables needs every section of its type."""
+        hints = {f.name: str(f.type) for f in fields(self)}
+        wrong = []
+        for name, hint in hints.items():
+            value = getattr(self, name)
+            kind = hint.split("[", 1)[0].split(" ", 1)[0]
+            expected = {"int": int, "str": str, "list": list, "dict": dict}.get(kind)
+            if expected is None or (value is None and "None" in hint):
+                continue
+            if not isinstance(value, expected) or isinstance(value, bool):
+                wrong.append(f"{name!r} is {_json_type(value)}")
+            elif hint.startswith("list[dict") and not all(isinstance(v, dict) for v in value):
+                wrong.append(f"{name!r} holds an entry that is not an object")
+        return wrong
+
     @classmethod
     def load(cls, path: str | Path) -> Report:
         """Read a saved JSON report (``traceclf analyze --format json -o report.json``): a
@@ -166,6 +185,16 @@ class Report:
             return cls.from_dict(data)
         except TraceError as e:
             raise TraceError(path, e.problem) from None
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "a list", str: "a string"}.get(
+        type(value), "a number" if isinstance(value, int | float) else type(value).__name__
+    )
 
 
 def _ordered(data: dict) -> dict:
