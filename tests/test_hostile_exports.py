@@ -207,6 +207,20 @@ def test_a_rank_of_copies_alone_is_analysed_without_a_warning(tmp_path: Path) ->
     assert result.code == 0 and "Warning" not in result.stderr, result.stderr
 
 
+def test_gpu_rows_all_before_the_capture_are_damage_not_an_idle_process(tmp_path: Path) -> None:
+    """Constructed: every kernel, copy and memset of the capture 10,000 s before its start (a
+    rank file whose clock was shifted, a fuzzing run). With every row left out no process had
+    GPU work, and the file was called one whose rows "name no process" (among several files:
+    left out with a warning, as a launcher's export); now the rows left out and why."""
+    shifted = [
+        f'UPDATE {t} SET start = start - 10000000000000, "end" = "end" - 10000000000000'
+        for t in ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY",
+                  "CUPTI_ACTIVITY_KIND_MEMSET")
+    ]  # fmt: skip
+    result = child("analyze", edited(tmp_path, *shifted), "-q", "--no-cache")
+    one_line_error(result, "run.sqlite", "no usable kernel row", "implausible time")
+
+
 def test_rows_unusable_for_several_reasons_count_once(tmp_path: Path) -> None:
     """Constructed: 64 kernels with start and end negated (an end before the start, and
     times no capture has). Each was counted under both reasons (128 for 64 rows dropped);
