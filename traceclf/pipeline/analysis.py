@@ -336,9 +336,9 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     pids = sorted(plans) if plans else trace.rank_pids
     if not pids:  # (rows left out are damage, not an export without work: bad input)
         left_out = [k for k, n in trace.unusable_rows.items() if n]
-        if any(k.split(".")[0] in ("kernels", "graphs") for k in left_out):
-            if not all(k.endswith(".no_process") for k in left_out):
-                raise _no_kernel(trace, path)  # (times no capture has, ...: each reason)
+        kernels = [k for k in left_out if k.split(".")[0] in ("kernels", "graphs")]
+        if kernels and not all(k.endswith(".no_process") for k in kernels):
+            raise _no_kernel(trace, path)  # (times no capture has, ...: each reason)
         damaged = any(k.endswith(".no_process") for k in left_out)
         error = TraceError if damaged else NoGpuWork
         raise error(path, "no process ran GPU work (kernel and copy rows name no process)")
