@@ -362,6 +362,13 @@ def test_an_error_while_another_read_runs_is_said(tmp_path: Path) -> None:
         assert_cli_rejects(run_cli_process("analyze", path, "--no-cache"), path, "lacks column")
 
 
+def python_script(script: str) -> subprocess.CompletedProcess:
+    """``script`` run by a fresh interpreter, its output as text."""
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
 def test_the_message_is_written_though_a_read_holds_descriptor_2() -> None:
     """The same, made certain: a thread inside a read (``panics_hidden``) that never ends, and
     the main thread failing meanwhile."""
@@ -378,9 +385,7 @@ def test_the_message_is_written_though_a_read_holds_descriptor_2() -> None:
         "inside.wait()\n"
         "fail('run.sqlite: table X lacks column end')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
-    )
+    done = python_script(script)
     assert done.returncode == 2
     assert done.stderr == "traceclf: error: run.sqlite: table X lacks column end\n"
 
@@ -398,9 +403,7 @@ def test_a_read_after_the_message_takes_descriptor_2_no_more() -> None:
         "    os.write(2, b'written after the message\\n')\n"
         "    os._exit(2)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
-    )
+    done = python_script(script)
     assert done.stderr == "written after the message\n"
 
 

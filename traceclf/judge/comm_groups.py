@@ -108,7 +108,7 @@ def _group(
         "dimension_evidence": evidence,
         "calls_per_step": _mean([p["kernels_per_step"] for p in per_rank]),
         "exposed_ms_per_step": exposed,
-        "exposed_frac": _mean([g.get("exposed_frac") for _, g in members]),
+        "exposed_frac": _mean([g["exposed_frac"] for _, g in members]),
         "blocking_ms_per_step": _mean([p["blocking_ms_per_step"] for p in per_rank]),
         "bytes_per_step": _mean([p["bytes_per_step"] for p in per_rank]),
         "algbw_gbs": algbw,
