@@ -85,6 +85,50 @@ def test_the_same_capture_given_twice_is_analysed_once(tmp_path: Path) -> None:
     assert report.metrics == alone.metrics
 
 
+def test_a_process_in_two_inputs_is_analysed_once(
+    rank_files, single: Report, tmp_path: Path
+) -> None:
+    """Constructed: the two-rank export beside its own per-rank split. The split's processes
+    were counted again, four ranks for two; now each is analysed once, from the first file
+    that holds it, and the numbers are the export's own."""
+    combined = copy_export(fixture_trace(EP2), tmp_path / "all.sqlite")
+    for f in rank_files:
+        copy_export(f, tmp_path / f.name)
+    with pytest.warns(UserWarning) as caught:
+        report = analyze(tmp_path, jobs=1)
+    assert sorted(str(w.message).replace(str(tmp_path), "") for w in caught) == [
+        f"/rank_{i}.sqlite: process {pid} is also in /all.sqlite (the same host, pid and "
+        "steady-state window): analysed once"
+        for i, pid in enumerate(EP2_PIDS)
+    ]
+    assert isinstance(report, Report)
+    assert [(r["pid"], Path(r["file"]).name) for r in report.ranks] == [
+        (pid, combined.name) for pid in EP2_PIDS
+    ]
+    assert [Path(i["path"]).name for i in report.inputs] == [combined.name]
+    for key in ("exposed_comm_frac", "gpu_busy_frac", "step_time_ms"):
+        assert report.metrics[key] == single.metrics[key], key
+
+
+def test_an_input_keeps_the_processes_no_earlier_one_holds(
+    rank_files, single: Report, tmp_path: Path
+) -> None:
+    """Constructed: rank 0's own file, then the export of both ranks. The later export keeps
+    only the process the first lacks (said as its ``part``), and the two make the job."""
+    first = copy_export(rank_files[0], tmp_path / "a.sqlite")
+    both = copy_export(fixture_trace(EP2), tmp_path / "b.sqlite")
+    with pytest.warns(UserWarning, match=r"b\.sqlite: process 1191 is also in .*a\.sqlite"):
+        report = analyze(tmp_path, jobs=1)
+    assert isinstance(report, Report)
+    assert [(r["pid"], Path(r["file"]).name) for r in report.ranks] == [
+        (EP2_PIDS[0], first.name),
+        (EP2_PIDS[1], both.name),
+    ]
+    assert report.inputs[1]["part"] == f"pid {EP2_PIDS[1]}" and "part" not in report.inputs[0]
+    for key in ("exposed_comm_frac", "gpu_busy_frac", "step_time_ms"):
+        assert report.metrics[key] == pytest.approx(single.metrics[key], rel=1e-6), key
+
+
 def test_runs_come_in_the_order_they_were_named(tmp_path: Path) -> None:
     """Files named one by one keep their order (a folder's files come in natural order); the
     summary is a polars frame keyed by file names, and its text takes string operations."""

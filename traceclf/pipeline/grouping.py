@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from traceclf.support.errors import TraceWarning
 
 if TYPE_CHECKING:
-    from traceclf.measures.handoff import ExportResult
+    from traceclf.measures.handoff import ExportResult, RankResult
 
 # Ranks of one synchronous job wait for each other every step: their step times agree closely.
 STEP_TOLERANCE = 0.25
@@ -141,8 +141,12 @@ class Grouping:
 def without_repeats(results: list[ExportResult]) -> list[ExportResult]:
     """``results`` with each capture once: an export whose capture started and ran its GPU
     work at the same ns as an earlier one's, with the same processes, is that capture again
-    (a copy, or a folder holding a copy and a link), said so, not a second rank of a job."""
+    (a copy, or a folder holding a copy and a link), said so, not a second rank of a job.
+    Then each process once: a process that an earlier export holds too (an export of every
+    rank beside its own per-rank split) is left out of the later one, said so, and an export
+    left with none is left out whole."""
     seen: dict[tuple, str] = {}
+    processes: dict[tuple, str] = {}
     out = []
     for result in results:
         capture = evidence(result).capture_utc_ns  # (when its GPU work ran, in UTC ns)
@@ -157,8 +161,37 @@ def without_repeats(results: list[ExportResult]) -> list[ExportResult]:
             continue
         if key is not None:
             seen[key] = result.path
-        out.append(result)
+        kept = []
+        for rank in result.ranks:
+            process = _process(rank)
+            if process is not None and process in processes:
+                warnings.warn(
+                    f"{result.path}: process {rank.pid} is also in {processes[process]} (the "
+                    "same host, pid and steady-state window): analysed once",
+                    TraceWarning,
+                    stacklevel=2,
+                )
+                continue
+            if process is not None:
+                processes[process] = result.path
+            kept.append(rank)
+        if len(kept) < len(result.ranks) and kept:
+            pids = ", ".join(str(rank.pid) for rank in kept)
+            result = replace(result, ranks=tuple(kept), part=f"pid{'s' * (len(kept) > 1)} {pids}")
+        if kept:
+            out.append(result)
     return out
+
+
+def _process(rank: RankResult) -> tuple | None:
+    """What names one process of one capture across exports: its host and pid, and its
+    steady-state window in UTC ns (a pid is reused only after the process ended); None
+    without a UTC clock (a window in session time alone would match another session's)."""
+    offset = rank.clock.utc_offset_ns
+    window = rank.steps.window_ns
+    if offset is None or len(window) != 2:
+        return None
+    return (rank.clock.host, rank.pid, offset + window[0], offset + window[1])
 
 
 def split_unrelated_ranks(results: list[ExportResult], how: str = "auto") -> list[ExportResult]:
