@@ -185,8 +185,9 @@ def without_repeats(results: list[ExportResult]) -> list[ExportResult]:
 
 def _process(rank: RankResult) -> tuple | None:
     """What names one process of one capture across exports: its host and pid, and its
-    steady-state window in UTC ns (a pid is reused only after the process ended); None
-    without a UTC clock (a window in session time alone would match another session's)."""
+    steady-state window in UTC ns, to the ns (the ranks of a job in containers on several
+    nodes may share a pid and no host name, never a window to the ns); None without a UTC
+    clock (a window in session time alone would match another session's)."""
     offset = rank.clock.utc_offset_ns
     window = rank.steps.window_ns
     if offset is None or len(window) != 2:
