@@ -345,6 +345,16 @@ def test_gemms_run_slower_beside_communication() -> None:
 # ------------------------------------------------------------- exports without sizes
 
 
+def nccl_streams(path: Path) -> list[int]:
+    """The streams NCCL's kernels ran on, from the kernel table."""
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        rows = db.execute(
+            "SELECT DISTINCT k.streamId FROM CUPTI_ACTIVITY_KIND_KERNEL k "
+            "JOIN StringIds s ON s.id = k.shortName WHERE s.value LIKE 'nccl%'"
+        ).fetchall()
+    return sorted(r[0] for r in rows)
+
+
 def test_without_payload_values_the_report_says_how_to_get_them() -> None:
     """h100_comm_ep2 and the Ulysses window declare NCCL's payload schemas but hold no
     values: bytes and bandwidth are null, and the report says to re-export with
@@ -355,7 +365,12 @@ def test_without_payload_values_the_report_says_how_to_get_them() -> None:
         assert comm["payload"] == "declared_empty"
         assert "nsys export --type sqlite --include-blobs=true" in comm["sizes_note"]
         assert all(g["bytes_per_step"] is None and g["busbw_gbs"] is None for g in comm["groups"])
-        assert all(g["id"].startswith("stream ") for g in comm["groups"])
+        # each rank's first communication stream, with the nsys ids its NCCL kernels ran on
+        # (read here from the kernel table: "stream 0" had named no stream of the trace)
+        assert [g["id"] for g in comm["groups"]] == ["comm stream 1"]
+        assert comm["groups"][0]["stream_ids"] == nccl_streams(path)
+        per_rank = [p["stream_ids"] for p in comm["groups"][0]["per_rank"]]
+        assert sorted({s for ids in per_rank for s in ids}) == nccl_streams(path)
     assert report(NO_VALUES)["communication"]["groups"][0]["dimension"] == "ep"
     ulysses = report(ULYSSES)["communication"]["groups"][0]
     assert ulysses["dimension"] == "unknown"

@@ -87,6 +87,7 @@ def _group(
             "exposed_ms_per_step": g["exposed_ms_per_step"],
             "blocking_ms_per_step": g["blocking_ms_per_step"],
             "bytes_per_step": _bytes_per_step(g["calls"], n, rules, _steps(ranks[i])),
+            "stream_ids": g.get("stream_ids") or [],
         }
         for i, g in members
     ]
@@ -102,6 +103,8 @@ def _group(
     return {
         "id": key,
         "kinds": kinds,
+        # (the nsys ids of the streams its kernels ran on, each rank's own: per_rank)
+        "stream_ids": sorted({s for p in per_rank for s in p["stream_ids"]}),
         "ranks": indices,
         "nranks": nranks,
         "dimension": dimension,

@@ -97,6 +97,11 @@ def collectives_of(keyed: pl.DataFrame, steps: Steps) -> dict[str, list]:
     }
 
 
+# A communicator where no NCCL payload names one: a rank's communication stream, numbered from 1
+# by first use (stream ids are each process's own); the report adds the nsys stream ids.
+STREAM_KEY = "comm stream {}"
+
+
 def rank_collectives(rank: dict) -> pl.DataFrame:
     """The rank's collectives with ``ordinal``: the communicator NCCL's payloads name (its id
     is the same on every rank), else the rank's communication stream numbered by first use
@@ -119,7 +124,7 @@ def rank_collectives(rank: dict) -> pl.DataFrame:
     lo, hi = rank.get("window") or (None, None)
     first = df.group_by("stream_id").agg(first=pl.col("start").min())
     ordinal = first.sort("first", "stream_id").with_columns(
-        stream=pl.format("stream {}", pl.int_range(pl.len()))
+        stream=pl.format(STREAM_KEY, pl.int_range(1, pl.len() + 1))
     )
     return (
         df.join(ordinal.select("stream_id", "stream"), on="stream_id")

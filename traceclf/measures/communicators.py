@@ -17,6 +17,7 @@ import numpy as np
 import polars as pl
 
 from traceclf.measures import intervals
+from traceclf.measures.collectives import STREAM_KEY
 from traceclf.measures.comm_calls import communicator_sizes
 from traceclf.measures.critical_path import CommBlocking
 from traceclf.measures.window import RankWindow
@@ -46,7 +47,7 @@ def stream_ordinals(comm_all: pl.DataFrame) -> pl.DataFrame:
 
 def with_keys(comm_all: pl.DataFrame) -> pl.DataFrame:
     """``comm_all`` (the rank's refined communication kernels, :func:`traceclf.measures.
-    communication.refine_kinds`) with ``group``: its communicator's id, or ``stream N`` where
+    communication.refine_kinds`) with ``group``: its communicator's id, or ``comm stream N`` where
     no payload names it."""
     ids = comm_all["comm_id"].drop_nulls().unique().to_list()
     names = pl.DataFrame(
@@ -57,7 +58,7 @@ def with_keys(comm_all: pl.DataFrame) -> pl.DataFrame:
         comm_all.join(stream_ordinals(comm_all), on="stream_id", how="left")
         .join(names, on="comm_id", how="left")
         .with_columns(
-            group=pl.coalesce("_hex", pl.format("stream {}", pl.col("ordinal").fill_null(-1)))
+            group=pl.coalesce("_hex", pl.format(STREAM_KEY, pl.col("ordinal").fill_null(-1) + 1))
         )
         .drop("_hex", "ordinal")
     )
@@ -89,6 +90,7 @@ def groups_of(w: RankWindow, keyed: pl.DataFrame, blocking: list[CommBlocking]) 
                 "nranks": size[0] if size else None,
                 "rank_in_comm": size[1] if size else None,
                 "kinds": sorted(rows["comm_kind"].cast(pl.String).unique().to_list()),
+                "stream_ids": sorted(rows["stream_id"].drop_nulls().unique().to_list()),
                 "kernels": rows.height,
                 "calls": _calls(rows),
                 "busy_ms_per_step": round(busy.get(key, 0) / NS_PER_MS / n, 4),

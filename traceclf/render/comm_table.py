@@ -24,8 +24,8 @@ GROUP_COLUMNS = (
 LATE_COLUMNS = ("rank", "late ms/step", "cause", "ms/step", "detail")
 TITLE = "Communicators"
 NOTE = (
-    "per communicator (NCCL's communicator id, or the stream when the export has no NCCL "
-    "payload), averaged over its ranks: calls, exposed and blocking ms, bytes per step; "
+    "per communicator (NCCL's communicator id; without NCCL payloads, the ranks' communication "
+    "streams numbered by first use, with the nsys stream ids), averaged over its ranks: calls, exposed and blocking ms, bytes per step; "
     "exposed = its kernels with no compute running (shared while several run), blocking = "
     "compute waited for it; bytes as nccl-tests counts them; algorithm and bus bandwidth "
     "(nccl-tests' formula) and the link's peak per direction in GB/s"
@@ -36,7 +36,7 @@ def group_rows(report: Report) -> list[list[str]]:
     """GROUP_COLUMNS per communicator, most exposed first."""
     return [
         [
-            str(g["id"]),
+            str(g["id"]),  # (the streams' nsys ids in its note: the table stays narrow)
             str(g["dimension"]),
             ", ".join(g["kinds"]),
             ", ".join(map(str, g["ranks"]))
@@ -51,6 +51,15 @@ def group_rows(report: Report) -> list[list[str]]:
         ]
         for g in (report.communication or {}).get("groups") or []
     ]
+
+
+def _streams(group: dict) -> str:
+    """For a communicator numbered by stream (no NCCL payload names it): the nsys ids of the
+    streams its kernels ran on, which the timeline shows; else nothing."""
+    ids = group.get("stream_ids") or []
+    if not ids or str(group["id"]).startswith("0x"):
+        return ""
+    return f"; nsys stream{'s' * (len(ids) > 1)} {', '.join(map(str, ids))}"
 
 
 def group_notes(report: Report) -> list[str]:
@@ -74,7 +83,8 @@ def group_notes(report: Report) -> list[str]:
         if g.get("link_note"):
             parts.append(str(g["link_note"]))
         notes.append(
-            f"{g['id']} ({str(g['dimension']).upper()}): " + " · ".join(p for p in parts if p)
+            f"{g['id']} ({str(g['dimension']).upper()}{_streams(g)}): "
+            + " · ".join(p for p in parts if p)
         )
     if comm.get("sizes_note"):
         notes.append(f"Message sizes: {comm['sizes_note']}")

@@ -284,6 +284,7 @@ COMMUNICATOR_SCHEMA = {
     "id": pl.String,
     "dimension": pl.String,
     "kinds": pl.String,
+    "stream_ids": pl.String,
     "ranks": pl.String,
     "nranks": pl.Int64,
     "calls_per_step": pl.Float64,
@@ -302,15 +303,15 @@ COMMUNICATOR_SCHEMA = {
 
 
 def communicators_table(report: Sections) -> pl.DataFrame:
-    """Per communicator (``communication.groups``): its dimension, kinds and ranks
-    (``;``-joined), calls, exposed and blocking ms per step (mean over its ranks), bytes per
+    """Per communicator (``communication.groups``): its dimension, kinds, nsys stream ids and
+    ranks (``;``-joined), calls, exposed and blocking ms per step (mean over its ranks), bytes per
     step, algorithm and bus bandwidth (GB/s) against the link's peak, and the evidence for its
     dimension (``;``-joined sentences)."""
     rows = [
         {
             k: (
                 ";".join(map(str, g.get(k) or []))
-                if k in ("kinds", "ranks")
+                if k in ("kinds", "stream_ids", "ranks")
                 else "; ".join(g.get(k) or [])
                 if k == "dimension_evidence"
                 else g.get(k)
