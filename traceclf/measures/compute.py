@@ -65,6 +65,10 @@ MEASURES: dict[str, str] = {
     "optimizer_by_position_frac": "share of kernel time in kernels counted as the optimizer's "
     "only by where they run, inside an optimizer's run (not by name, nor by an optimizer NVTX "
     "range): part of optimizer_time_frac, a premise to check",
+    "optimizer_pass_frac": "share of kernel time in the optimizer's longest pass over every "
+    "parameter: the multi-tensor optimizer kernels of one name (a foreach op, taxonomy "
+    "training.optimizer_pass), summed; a fused optimizer still makes at least such a pass, so "
+    "it is not part of what fusing the optimizer saves (0 without multi-tensor kernels)",
     "optimizer_kernels_per_step": "optimizer kernels per step (by name, launched inside an "
     "optimizer NVTX range, or inside an optimizer's run; graph-level tracing: the eager "
     "iteration's): dozens mean a per-tensor, unfused optimizer (null when neither an optimizer "
@@ -91,6 +95,7 @@ KERNEL_SHAPE_MEASURES = (
     "small_grid_kernel_frac",
     "theoretical_occupancy_mean",
     "optimizer_by_position_frac",
+    "optimizer_pass_frac",
     *(f"{fam}_time_frac" for fam in FAMILY_NAMES),
 )
 
@@ -244,6 +249,7 @@ def _kernel_measures(
     gpu = w.gpu
     sm_count = (gpu or {}).get("sm_count")
     positioned = "optimizer_by_position" in kern.columns
+    one_pass = _optimizer_pass_ns(kern, w.taxonomy)
     kern = kern.select(  # (only what is read here: no frame of every column)
         "family",
         "grid_blocks",
@@ -278,7 +284,23 @@ def _kernel_measures(
         out[f"{fam}_time_frac"] = by_family.get(fam, 0) / total if total else 0.0
     placed = int(kern["dur"].filter(kern["by_position"]).sum())
     out["optimizer_by_position_frac"] = placed / total if total else 0.0
+    out["optimizer_pass_frac"] = one_pass / total if total else 0.0
     return out
+
+
+def _optimizer_pass_ns(kern: pl.DataFrame, taxonomy: Taxonomy) -> int:
+    """ns of the optimizer's longest pass over every parameter: its multi-tensor kernels
+    (taxonomy ``training.optimizer_pass``) of one name, summed (a foreach op launches one such
+    kernel per chunk of its tensor lists; two ops of one name count as one pass: an Adam's
+    two moment updates of one name move fewer bytes than its fused pass over parameters,
+    gradients and both moments)."""
+    optimizer = kern.filter(pl.col("family") == "optimizer")
+    if optimizer.is_empty():
+        return 0
+    per_name = optimizer.group_by("name").agg(ns=(pl.col("end") - pl.col("start")).sum())
+    names = per_name["name"].cast(pl.String)
+    passes = per_name.filter(matches(names, taxonomy.training["optimizer_pass"]))
+    return int(passes["ns"].max() or 0)
 
 
 def families(taxonomy: Taxonomy) -> tuple[str, ...]:

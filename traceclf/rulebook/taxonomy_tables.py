@@ -89,7 +89,13 @@ EXTRA_FIELDS = {"nvtx_collectives": ("domain", "source")}
 PATTERN_MAPS = {
     "nvtx": ("step", "forward", "backward", "optimizer"),
     "cuda_api": ("sync", "wait", "launch", "alloc", "host_alloc", "graph_launch", "module", "jit"),
-    "training": ("backward_kernel", "autograd_thread", "backward_nvtx", "framework_kernel"),
+    "training": (
+        "backward_kernel",
+        "autograd_thread",
+        "backward_nvtx",
+        "framework_kernel",
+        "optimizer_pass",
+    ),
     "moe": ("kernel", "nvtx"),
     "host_frames": ("system_module", "python_library", "data_loading", "python_process"),
 }
