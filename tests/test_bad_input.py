@@ -257,6 +257,8 @@ def test_exports_without_gpu_work_beside_ranks_are_left_out(tmp_path: Path) -> N
     copy_export(real(), folder / "rank_0.sqlite")
     set_up_calls_only(tmp_path).rename(folder / "launcher.sqlite")
     copies_only(tmp_path).rename(folder / "copier.sqlite")
+    # another tool's database in the folder (a public set held a DLProf one) had failed the run
+    plain_sqlite(folder / "recipes.sqlite")
     before = snapshot(folder / "launcher.sqlite")
     both = run_cli("analyze", "--format", "json", "--no-cache", folder)
     alone = run_cli("analyze", "--format", "json", "--no-cache", folder / "rank_0.sqlite")
@@ -272,8 +274,9 @@ def test_exports_without_gpu_work_beside_ranks_are_left_out(tmp_path: Path) -> N
     assert f"no kernel ran in this capture (only {rows} memcpy/memset rows)" in line
     report, single = json.loads(both.stdout), json.loads(alone.stdout)
     left = {Path(e["path"]).name: e["problem"] for e in report["capture"]["skipped_inputs"]}
-    assert set(left) == {"launcher.sqlite", "copier.sqlite"}
+    assert set(left) == {"launcher.sqlite", "copier.sqlite", "recipes.sqlite"}
     assert "issued no kernel" in left["launcher.sqlite"]
+    assert "not an Nsight Systems export" in left["recipes.sqlite"]
     assert report["capture"]["inputs"] == 1 and single["capture"]["skipped_inputs"] == []
     assert report["classification"] == single["classification"]
     assert [Path(i["path"]).name for i in report["inputs"]] == ["rank_0.sqlite"]

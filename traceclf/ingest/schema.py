@@ -244,9 +244,11 @@ def inspect_export(path: Path, *, check_pages: bool = True) -> ExportInfo:
         raise TraceError(path, f"corrupt SQLite database ({e})") from None
     finally:
         con.close()
-    if not _written_by_nsys(columns):
-        raise TraceError(
-            path, "SQLite database, but not an Nsight Systems export (no META_DATA_EXPORT table)"
+    if not _written_by_nsys(columns):  # (among several inputs, left out: another tool's file)
+        raise NoGpuWork(
+            path,
+            "SQLite database, but not an Nsight Systems export (none of the tables nsys "
+            "writes: its metadata, CUPTI activity or string tables)",
         )
     if not any(t in columns for t in GPU_ACTIVITY_TABLES):
         raise NoGpuWork(path, _no_gpu_activity(columns, issued))

@@ -1,6 +1,6 @@
 """Inputs left out of a run (``capture.skipped_inputs``): of several exports, one that holds
 no GPU work to judge (a launcher's or a CPU-only process's beside the ranks' exports of a
-folder, or one that only copied) is left out with a warning rather than stopping the run.
+folder, one that only copied, or another tool's SQLite database) is left out with a warning rather than stopping the run.
 Alone, or when every input is one, it is bad input."""
 
 from __future__ import annotations
