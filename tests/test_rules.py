@@ -124,6 +124,15 @@ def test_a_clause_whose_number_the_trace_lacks_is_left_out():
     assert t.render({"peak": 64, "link": "PCIe"}).startswith("at n/a GB/s, against 64")
     spaced = Template.parse("a [[ {b} ]] c")
     assert spaced.render({}) == "a c" and spaced.render({"b": 1}) == "a 1 c"
+    # nonzero(): a clause about a share only where the share is not zero (a graph-level
+    # trace's compute share is at most what it says; other traces' is what it says)
+    share = Template.parse("{c:.0%}[[, at most: {nonzero(g):.0%} in replays]]")
+    assert share.render({"c": 0.96, "g": 0.0}) == "96%"
+    assert share.render({"c": 1.0, "g": 1.0}) == "100%, at most: 100% in replays"
+    # when(): words a clause shows only where a condition holds (false or null: left out)
+    said = Template.parse('{n:.0f} times[[ ({when(est, "estimated")})]]')
+    assert said.render({"n": 1019.4, "est": True}) == "1019 times (estimated)"
+    assert said.render({"n": 240, "est": False}) == said.render({"n": 240}) == "240 times"
     for bad in ("a [[ b", "a ]] b", "[[ [[ b ]] ]]", "[[ {a:.0q} ]]"):
         with pytest.raises(ExprError):
             Template.parse(bad)

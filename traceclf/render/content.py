@@ -117,8 +117,9 @@ def ranks_title(report: Report) -> str:
 
 
 def ranks_note(report: Report) -> str:
-    span = "the window's" if unit(report) == "window" else "the steady-state"
-    return f"Share of {span} wall time, per rank."
+    if unit(report) == "window":
+        return "Share of the window's wall time, per rank."
+    return "Share of the steady-state wall time, per rank; step: the steady steps' mean."
 
 
 def details_head(report: Report) -> str:
@@ -244,7 +245,7 @@ def budget_rows(report: Report) -> list[tuple[str, str]]:
     rows = [
         (
             "Budget per step",
-            f"iteration {fmt_ms(step)} (n = {used}) · device busy {ms('gpu_busy_frac')} · "
+            f"iteration {fmt_ms(step)} mean (n = {used}) · device busy {ms('gpu_busy_frac')} · "
             f"non-transfer busy {ms('non_transfer_busy_frac')} · compute busy "
             f"{ms('compute_frac')} · compute-absent {ms('compute_absent_frac')}",
         ),

@@ -40,6 +40,20 @@ def _ms(value: float) -> str | None:
     )
 
 
+def _nonzero(value: Any) -> Any:
+    """``value``, or null where it is 0: a ``[[...]]`` clause about a share is then shown only
+    where the share is not zero."""
+    return None if value == 0 else value
+
+
+def _when(condition: Any, text: str) -> str | None:
+    """``text`` where ``condition`` holds, else null: words a ``[[...]]`` clause shows only
+    then ("estimated from the eager warm-up" where the kernel mix is)."""
+    if not isinstance(text, str):
+        raise TypeError("when(condition, text)")
+    return text if condition is True else None
+
+
 _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "min": min,
     "max": max,
@@ -47,6 +61,8 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
     "coalesce": _coalesce,  # the first argument that is not null: a fallback for a measure
     "count": _count,  # a number with its noun: count(launch_calls_per_step, "launch")
     "ms": _ms,  # a duration in ms as the report writes one: "0.143 ms", "2.4 ms", "1.23 s"
+    "nonzero": _nonzero,  # null where 0: a clause shown only for a share that is not zero
+    "when": _when,  # words where a condition holds, else null: a clause shown only then
 }
 _NULL_SAFE = {"coalesce"}  # functions that take null arguments (the others return null)
 
