@@ -142,6 +142,25 @@ def test_host_sync_relays_to_the_copy_it_waited_for(tmp_path):
     }
 
 
+def test_a_blocking_copy_returning_before_its_last_bytes_is_the_copy_not_the_sync(tmp_path):
+    # a blocking cudaMemcpy of pageable memory: the call stages the copy and returns 50 µs
+    # before its last bytes land (a public export: 0.15 ms before 100 ms copies, all of whose
+    # time had read as the call's return latency); the next gemm runs after the copy
+    x = Export()
+    x.kernel("gemm", 1_000, 2_000, launch_at=100)
+    x.copy(2_500, 150_000, launch_at=2_200, call="cudaMemcpy_v3020", call_ns=97_800)
+    x.kernel("gemm", 150_200, 151_000, launch_at=100_100)
+    b = budget(x, tmp_path, (1_000, 151_000))
+    assert classes(b) == {
+        # before the call, and after it until the gemm's launch returned (the copy running)
+        "launch_starved": 200 + 200,
+        "blocking_host_sync": 300,  # in the call before the copy began: staging it
+        # the copy ran until the call returned, then from the gemm's launch to its end
+        "blocking_copy": (100_000 - 2_500) + (150_000 - 100_200),
+        "dependency_stalled": 200,  # the gemm started 200 ns after the copy ended
+    }
+
+
 def test_graph_launch_is_one_operation_and_its_inside_is_unresolved(tmp_path):
     # graph-level tracing: a replay on stream 7 after NCCL on the same stream
     x = Export()

@@ -238,6 +238,8 @@ FUNCTIONS = {
     "coalesce": _coalesce,
     "count": _count,
     "ms": _ms,
+    "nonzero": lambda x: None if x == 0 else x,
+    "when": lambda condition, text: text if condition is True else None,
 }
 
 

@@ -136,10 +136,14 @@ class Export:
         stream: int = 7,
         launch_at: int | None = None,
         pid: int | None = None,
+        call: str = "cudaMemcpyAsync_v3020",
+        call_ns: int = LAUNCH_NS,
     ) -> int:
+        """A copy on the GPU, issued by ``call`` (from ``launch_at``, lasting ``call_ns``: a
+        blocking ``cudaMemcpy_v3020`` of pageable memory lasts while it stages the copy)."""
         pid = self.pid if pid is None else pid
         corr = (
-            self._call("cudaMemcpyAsync_v3020", launch_at, LAUNCH_NS, pid)
+            self._call(call, launch_at, call_ns, pid)
             if launch_at is not None
             else self._next_silent()
         )

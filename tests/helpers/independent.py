@@ -946,6 +946,26 @@ def _kernel_mix(w: Window) -> dict:
         "small_grid_gemm_frac": sum(k["end"] - k["start"] for k in small) / gemm_ns
         if gemm_ns and sm_count
         else None,
+        # the SMs the small GEMMs fill, weighted by their time
+        "small_grid_gemm_fill": sum(k["grid"] / sm_count * (k["end"] - k["start"]) for k in small)
+        / sum(k["end"] - k["start"] for k in small)
+        if small and sum(k["end"] - k["start"] for k in small)
+        else None,
+        # the optimizer's longest one-pass op: its multi-tensor kernels of one name, summed
+        "optimizer_pass_frac": max(
+            (
+                sum(d for k, d in zip(shape, dur, strict=True) if k["name"] == name)
+                for name in {
+                    k["name"]
+                    for k in shape
+                    if k["family"] == "optimizer" and "multi_tensor_apply" in k["name"].lower()
+                }
+            ),
+            default=0,
+        )
+        / total
+        if total
+        else 0.0,
     }
 
 
