@@ -794,6 +794,22 @@ def test_a_fused_optimizer_keeps_one_pass_of_a_foreach_one() -> None:
     assert "0% where it runs none: then an upper bound" in fix["ceiling"]["assumes"]
 
 
+def test_selective_recompute_saves_the_re_run_it_measures() -> None:
+    """Full recompute of the offload run re-runs its first layer's forward GEMMs in backward:
+    8 nvjet launches per step, 11.5 ms at the forward's own times, which the ceiling is (it
+    had been compute x 0.5 / 3.5 = 12.6 ms, every kernel counted as GEMM work). Where
+    activations are offloaded, what selective recompute keeps crosses the link too: said as a
+    condition. Independent: the helper's per-shape walk over the rows (plain sqlite3)."""
+    path = FIXTURES / "h100_memory_offload.sqlite"
+    rep, (mine,) = report(path), recomputed(path)
+    m = rep["metrics"]
+    assert m["recompute_ms_per_step"] == pytest.approx(mine["recompute_ms_per_step"], rel=0.01)
+    assert m["recompute_ms_per_step"] == pytest.approx(11.47, abs=0.1)
+    (fix,) = [f for f in rep["fixes"] if f["id"] == "selective-recompute"]
+    assert fix["ceiling"]["recoverable_ms"] == pytest.approx(m["recompute_ms_per_step"], abs=0.01)
+    assert any("Activations are offloaded here" in p for p in fix["preconditions"])
+
+
 # ---------------------------------------------------------------- the README's expert conclusions
 
 

@@ -926,6 +926,7 @@ def _kernel_mix(w: Window) -> dict:
         else None,
         "optimizer_kernels_per_step": _optimizer_kernels(w, shape, per_step),
         "recompute_frac": _recompute(w),
+        "recompute_ms_per_step": _recompute_ms(w),
     }
     for fam in [f for f, _ in taxonomy()["families"]] + ["other"]:
         fam_ns = sum(d for k, d in zip(shape, dur, strict=True) if k["family"] == fam)
@@ -1063,6 +1064,31 @@ def _recompute(w: Window) -> float | None:
     if not forward:
         return None
     return sum(min(forward.count(s), backward.count(s)) for s in set(forward)) / len(forward)
+
+
+def _recompute_ms(w: Window) -> float | None:
+    """ms per step of the launches _recompute counts: per shape, min(forward, backward)
+    launches at the shape's mean forward duration."""
+    nvtx = taxonomy()["nvtx"]
+    fwd = _nvtx(w, nvtx["forward"])
+    bwd = [r for r in _nvtx(w, nvtx["backward"]) if r not in fwd]
+    if not fwd or not bwd:
+        return None
+
+    def heavy(ranges) -> list[dict]:
+        return [k for k in _launched_in(w, ranges) if k["family"] in ("gemm", "attention")]
+
+    forward, backward = heavy(fwd), heavy(bwd)
+    if not forward:
+        return None
+    back = [(k["name"], k["grid"], k["block"]) for k in backward]
+    total = 0.0
+    for shape in {(k["name"], k["grid"], k["block"]) for k in forward}:
+        times = [
+            k["end"] - k["start"] for k in forward if (k["name"], k["grid"], k["block"]) == shape
+        ]
+        total += min(len(times), back.count(shape)) * statistics.fmean(times)
+    return total / MS / w.steps
 
 
 def _memory_peak(w: Window) -> dict:

@@ -44,6 +44,9 @@ MEASURES: dict[str, str] = {
     "d2h_gbps": "achieved device->host bandwidth (GB/s) of copies >= 1 MiB (null: none)",
     "recompute_frac": "share of forward GEMM/attention kernels re-run in backward (needs "
     "forward/backward NVTX ranges; null otherwise)",
+    "recompute_ms_per_step": "ms per step of the forward GEMM/attention work re-run in "
+    "backward: per kernel shape re-run, the forward's mean time times the launches re-run "
+    "(null where recompute_frac is)",
     "peak_memory_bytes": "peak device memory allocated over the whole capture, not only the "
     "window (CUDA_GPU_MEMORY_USAGE_EVENTS of the device's own memory kinds: pinned and "
     "pageable host buffers left out)",
@@ -103,32 +106,38 @@ def _gbps(copies: pl.DataFrame) -> float | None:
     return int(big["bytes"].sum()) / ns if ns else None  # bytes per ns = GB/s
 
 
-def recompute_frac(w: RankWindow, phase_ranges: pl.DataFrame) -> float | None:
+def recompute(w: RankWindow, phase_ranges: pl.DataFrame) -> dict[str, float | None]:
     """Forward GEMM/attention kernels seen again in backward: a full-recompute signature.
     Without recompute, backward runs different GEMMs (dgrad/wgrad shapes and layouts).
-    ``phase_ranges``: the rank's NVTX ranges of a phase (measures/phases.py: ``labelled``)."""
+    ``phase_ranges``: the rank's NVTX ranges of a phase (measures/phases.py: ``labelled``).
+    ``recompute_frac`` counts the launches re-run; ``recompute_ms_per_step`` times them, each
+    shape at its forward's mean (the work a selective recompute stops re-running)."""
+    unknown = {"recompute_frac": None, "recompute_ms_per_step": None}
     phases = phase_ranges.filter(pl.col("phase").is_in(["forward", "backward"]))
     if (
         phases.filter(pl.col("phase") == "forward").is_empty()
         or phases.filter(pl.col("phase") == "backward").is_empty()
     ):
-        return None
+        return unknown
     heavy = w.kern.filter(pl.col("family").is_in(["gemm", "attention"]))
     heavy = heavy.with_columns(w.trace.launched_in(heavy, phases, "phase")).drop_nulls("phase")
     sig = ["name", "grid_blocks", "block_threads"]
-    counts = (
-        heavy.group_by([*sig, "phase"])
-        .len()
-        .pivot(on="phase", index=sig, values="len")
-        .fill_null(0)
+    per = heavy.group_by([*sig, "phase"]).agg(
+        n=pl.len(), ns=(pl.col("end") - pl.col("start")).sum()
     )
-    if "forward" not in counts.columns or "backward" not in counts.columns:
-        return 0.0 if "forward" in counts.columns else None
-    forward = int(counts["forward"].sum())
-    if not forward:
-        return None
-    repeated = int(counts.select(pl.min_horizontal("forward", "backward")).to_series().sum())
-    return repeated / forward
+    forward = per.filter(pl.col("phase") == "forward").drop("phase")
+    backward = per.filter(pl.col("phase") == "backward").select(*sig, back=pl.col("n"))
+    launches = int(forward["n"].sum())
+    if not launches:
+        return unknown
+    both = forward.join(backward, on=sig, how="left", nulls_equal=True).with_columns(
+        again=pl.min_horizontal("n", pl.col("back").fill_null(0))
+    )
+    rerun_ns = float((both["again"] * both["ns"] / both["n"]).sum())
+    return {
+        "recompute_frac": int(both["again"].sum()) / launches,
+        "recompute_ms_per_step": rerun_ns / 1e6 / w.n_steps,
+    }
 
 
 def peak(w: RankWindow, device: pl.DataFrame) -> dict[str, float | None]:

@@ -167,7 +167,7 @@ def _gpu_side(
     m |= mix
     # (the NVTX ranges of a phase: recompute's forward and backward, and the phase spans)
     phase_ranges = phases.labelled(w)
-    m["recompute_frac"] = memory.recompute_frac(w, phase_ranges)
+    m |= memory.recompute(w, phase_ranges)
     # (the whole capture's events of the GPU's own memory: filtered once, read twice)
     device_memory = memory.device_memory(w.trace.memory)
     m |= memory.peak(w, device_memory)
