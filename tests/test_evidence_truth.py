@@ -214,6 +214,7 @@ def _count(n: float, noun: str) -> str:
         "launch": "launches",
         "kernel": "kernels",
         "rank": "ranks",
+        "free": "frees",
     }
     words = noun.split()
     if round(n) != 1:

@@ -144,6 +144,19 @@ def test_a_clause_whose_number_the_trace_lacks_is_left_out():
     assert with_link.endswith("against 64 GB/s per direction for PCIe Gen5 x16")
 
 
+def test_allocations_never_freed_are_not_said_to_be_freed():
+    """A public OpenACC loop allocated once a period and never freed: its evidence said
+    "allocated and freed inside the step" (its facts here; the export is not committed)."""
+    rule = load_rules().rules["memory-allocator-churn"]
+    facts = {"alloc_calls_per_step": 1.0, "alloc_idle_frac": 0.132}
+    never = rule.evidence.render(facts | {"free_calls_per_step": 0.0})
+    assert "1 cudaMalloc/cudaFree call per step (0 frees)" in never
+    assert "allocated inside the step, and no call frees it: the memory in use grows" in never
+    assert "and freed" not in never
+    both = rule.evidence.render(facts | {"alloc_calls_per_step": 23, "free_calls_per_step": 11.4})
+    assert "(11 frees)" in both and "allocated and freed inside the step (" in both
+
+
 # ---------------------------------------------------------------------------------------------
 # Rule files
 

@@ -788,6 +788,7 @@ def _host(w: Window) -> dict:
         "sync_calls_per_step": w.per_step(len(calls["sync"])),
         "launch_calls_per_step": w.per_step(len(calls["launch"])),
         "alloc_calls_per_step": w.per_step(len(calls["alloc"])),
+        "free_calls_per_step": w.per_step(sum(api_is("free", a["name"]) for a in calls["alloc"])),
         "median_launch_us": median_launch / 1e3 if launch_ns else None,
         "short_kernel_frac": sum(d < median_launch for d in kernel_ns) / len(kernel_ns)
         if kernel_ns and launch_ns

@@ -18,6 +18,8 @@ MEASURES: dict[str, str] = {
     "(the calls of the analysed steps, not those made while the GPU runs the window)",
     "alloc_calls_per_step": "cudaMalloc/cudaFree (and driver equivalents) per step (the calls "
     "of the analysed steps)",
+    "free_calls_per_step": "those of alloc_calls_per_step that free device memory (taxonomy "
+    "cuda_api.free)",
     "launch_calls_per_step": "kernel and graph launch calls per step (the calls of the analysed "
     "steps)",
     "median_launch_us": "median duration of a launch call of the analysed steps on the host",
@@ -69,6 +71,7 @@ MEASURES: dict[str, str] = {
 CALL_MEASURES = (
     "sync_calls_per_step",
     "alloc_calls_per_step",
+    "free_calls_per_step",
     "launch_calls_per_step",
     "median_launch_us",
     "short_kernel_frac",
@@ -103,6 +106,7 @@ def calls(w: RankWindow) -> dict[str, float | None]:
     return {
         "sync_calls_per_step": len(api.filter(pl.col("is_sync"))) / n_steps,
         "alloc_calls_per_step": len(api.filter(pl.col("is_alloc"))) / n_steps,
+        "free_calls_per_step": len(api.filter(pl.col("is_free"))) / n_steps,
         "launch_calls_per_step": len(launches) / n_steps,
         "median_launch_us": launch_median / 1e3 if launch_median is not None else None,
         "short_kernel_frac": (

@@ -87,15 +87,15 @@ class RankWindow:
         return self.kern.select("start", "end", "is_comm").filter(pl.col("is_comm")).drop("is_comm")
 
     def step_calls(self) -> pl.DataFrame:
-        """The sync, launch and allocation calls (start, end, is_sync, is_launch, is_alloc) of
-        the analysed steps (:attr:`step_call_mask`); made when asked and not kept: millions of
-        calls over ``--all-steps``. Without steps, every call overlapping the window, whole:
+        """The sync, launch and allocation calls (start, end, is_sync, is_launch, is_alloc,
+        is_free) of the analysed steps (:attr:`step_call_mask`); made when asked and not kept:
+        millions of calls over ``--all-steps``. Without steps, every call overlapping the window, whole:
         clipped to it, a launch made before the first kernel looked 2 µs long where it took
         38 µs."""
         mine = pl.Series(self.step_call_mask)
         if not self.steps.count:
             return self.flagged.filter(mine)
-        flags = self.flagged.select("is_sync", "is_launch", "is_alloc")
+        flags = self.flagged.select("is_sync", "is_launch", "is_alloc", "is_free")
         counted = pl.any_horizontal(pl.all().fill_null(False))
         keep = flags.select(counted & mine).to_series()
         calls = self.trace.api.select("start", "end")
@@ -282,8 +282,8 @@ def optimizer_family(kern: pl.DataFrame) -> pl.DataFrame:
 
 
 def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
-    """Flag sync (and of those, wait-only), launch and allocation calls (regexes once per
-    distinct API name)."""
+    """Flag sync (and of those, wait-only), launch and allocation calls (and of those, frees;
+    regexes once per distinct API name)."""
     names = (
         api.select("name")
         .unique()
@@ -292,6 +292,7 @@ def classify_api(api: pl.DataFrame, taxonomy: Taxonomy) -> pl.DataFrame:
             is_wait=taxonomy.is_api("wait"),
             is_launch=taxonomy.is_api("launch"),
             is_alloc=taxonomy.is_api("alloc"),
+            is_free=taxonomy.is_api("alloc") & taxonomy.is_api("free"),
         )
     )
     return by_name(api, names)

@@ -88,7 +88,17 @@ EXTRA_FIELDS = {"nvtx_collectives": ("domain", "source")}
 # single-pattern maps and the names each must define
 PATTERN_MAPS = {
     "nvtx": ("step", "forward", "backward", "optimizer"),
-    "cuda_api": ("sync", "wait", "launch", "alloc", "host_alloc", "graph_launch", "module", "jit"),
+    "cuda_api": (
+        "sync",
+        "wait",
+        "launch",
+        "alloc",
+        "free",
+        "host_alloc",
+        "graph_launch",
+        "module",
+        "jit",
+    ),
     "training": (
         "backward_kernel",
         "autograd_thread",
