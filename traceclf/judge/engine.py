@@ -269,9 +269,11 @@ def _bound_stays(bound: str, shares: dict, fixes: list[dict], env: Mapping[str, 
         return False
     recovered = max(
         (
-            f["ceiling"]["recoverable_ms"]
+            ceiling["recoverable_ms"]
             for f in fixes
-            if f["wall"] == bound and (f.get("ceiling") or {}).get("unit") == "step"
+            if f["wall"] == bound
+            and (ceiling := f.get("ceiling") or {}).get("unit") == "step"
+            and isinstance(ceiling.get("recoverable_ms"), (int, float))
         ),
         default=0.0,
     )
