@@ -458,6 +458,35 @@ def test_pinned_host_allocation_is_its_own_class_named_by_its_time(tmp_path):
     assert before["allocator"]["detail"]["top_call"] == "cudaFree_v3020"
 
 
+def test_host_copies_outside_the_window_are_said():
+    """A public CUTLASS benchmark spent 69% of its GPU time in pageable copies (setup and
+    read-back) outside its timed loop's window, and the report said nothing of them. The
+    slow-loader run loads its data before the steady state: the capture block gives those
+    copies' time and share of the capture's GPU work. Independent: plain SQL over the rows,
+    the window from the report."""
+    path = trace_path("h100_host_slow_loader")
+    rep = report(path)
+    lo, hi = rep["ranks"][0]["steps"]["window_ns"]
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        ((outside,),) = db.execute(
+            "SELECT sum(end - start) FROM CUPTI_ACTIVITY_KIND_MEMCPY WHERE copyKind IN "
+            "(1, 2, 3, 4, 11, 12) AND (start < ? OR start >= ?)",
+            (lo, hi),
+        ).fetchall()
+        ((work,),) = db.execute(
+            "SELECT (SELECT sum(end - start) FROM CUPTI_ACTIVITY_KIND_KERNEL) + "
+            "(SELECT sum(end - start) FROM CUPTI_ACTIVITY_KIND_MEMCPY) + "
+            "(SELECT coalesce(sum(end - start), 0) FROM CUPTI_ACTIVITY_KIND_MEMSET)"
+        ).fetchall()
+    copies = rep["capture"]["copies_outside"]
+    assert copies["ms"] == pytest.approx(outside / 1e6, abs=1e-3)
+    assert copies["share"] == pytest.approx(outside / work, abs=1e-3)
+    assert copies["share"] > 0.5
+    code, md, _ = run_cli("analyze", path, "-f", "md", "-q", "--no-cache")
+    assert code == 0
+    assert "capture's GPU work) run outside the window, not analysed" in md
+
+
 def test_kernels_that_run_only_outside_the_window_are_named(tmp_path):
     """A benchmark's second phase (1050 tiled GEMMs after 1050 naive ones, 42% of its kernel
     time) lay outside the window and the report named it nowhere. CONSTRUCTED from a real

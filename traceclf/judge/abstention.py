@@ -92,6 +92,12 @@ def capture_block(
         "window_ns": first.window_ns if first else [0, 0],
         "window_share_of_capture": _min(f.get("window_share_of_capture") for f in facts),
         "kernels_outside": _outside(f.get("kernels_outside") or [] for f in facts),
+        # (the rank whose copies outside hold the largest share of its GPU work)
+        "copies_outside": max(
+            (f["copies_outside"] for f in facts if f.get("copies_outside")),
+            key=lambda c: c["share"],
+            default=None,
+        ),
         "read_path": _common(f.get("read_path", "whole") for f in facts) or "whole",
         "graph_trace_mode": _common(f.get("graph_trace_mode") for f in facts),
         "kernel_mix_source": _common(f.get("kernel_mix_source") for f in facts),

@@ -13,6 +13,7 @@ from traceclf.measures.hostframes import in_window
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow, optimizer_ranges
 from traceclf.model.taxonomy import by_name, match_counts
+from traceclf.model.trace import DEVICE_TO_HOST, HOST_TO_DEVICE
 from traceclf.steps.find import step_ranges
 
 
@@ -56,6 +57,7 @@ def capture_facts(w: RankWindow) -> dict:
         else 0.0,
         "python_process": _python_process(w),
         "kernels_outside": kernels_outside(w),
+        "copies_outside": copies_outside(w),
     }
 
 
@@ -100,6 +102,28 @@ def kernels_outside(w: RankWindow) -> list[dict]:
         {"name": name, "ms": round(ns / 1e6, 4), "share": round(ns / total, 4)}
         for name, ns in alone.select("name", "ns").iter_rows()
     ]
+
+
+def copies_outside(w: RankWindow) -> dict | None:
+    """The host<->device copies that run outside the window, where they hold at least
+    :data:`OUTSIDE_SHARE` of the capture's GPU work (kernels, copies and memsets summed):
+    ``ms``, ``share``; a benchmark's setup and read-back (69% of a public CUTLASS run's GPU
+    time, which a window of its timed loop said nothing of). None otherwise, and for a
+    step-sampled read (it holds the analysed steps' rows alone)."""
+    trace = w.trace
+    if trace.read_path != "whole":
+        return None
+    work = _durations(trace.kernels) + _durations(trace.copies)
+    host = trace.copies.filter(pl.col("direction").is_in([*HOST_TO_DEVICE, *DEVICE_TO_HOST]))
+    outside = host.filter(pl.Series(~in_window(w, host["start"].to_numpy())))
+    ns = _durations(outside)
+    if not work or ns < OUTSIDE_SHARE * work:
+        return None
+    return {"ms": round(ns / 1e6, 4), "share": round(ns / work, 4)}
+
+
+def _durations(rows: pl.DataFrame) -> int:
+    return int((rows["end"] - rows["start"]).sum()) if rows.height else 0
 
 
 DIAGNOSTICS_SHOWN = 20  # messages that matter, at most (each text cut by the loader)

@@ -120,6 +120,15 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
             for e in outside
         )
         rows.append(("Not in window", f"{names}: run only outside the window, not analysed"))
+    copies = c.get("copies_outside")
+    if copies:  # (a benchmark's setup and read-back: GPU time the window does not show)
+        rows.append(
+            (
+                "Not in window",
+                f"host↔device copies {fmt_ms(copies['ms'])} ({pct(copies['share'])} of the "
+                "capture's GPU work) run outside the window, not analysed",
+            )
+        )
     if any(unusable.values()):
         rows.append(("Unusable rows", ", ".join(f"{k} {v:,}" for k, v in unusable.items() if v)))
     repaired = {k: v for k, v in (c.get("repaired_strings") or {}).items() if v}
