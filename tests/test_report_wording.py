@@ -292,3 +292,19 @@ def test_because_row_gives_bytes_in_their_unit():
     sizes = {999: "999 B", 999.6: "1 KB", 999_950: "1 MB", 9.996e8: "1 GB", 2.5e15: "2,500 TB"}
     assert {v: fmt_bytes(v) for v in sizes} == sizes
     assert fmt_bytes(float("nan")) == "–"
+
+
+def test_an_export_without_metadata_says_its_nsys_version_is_unknown():
+    """A public OpenACC export has no metadata table: its provenance read "nsys ?, schema ?"
+    (constructed input entries, as reports hold them)."""
+    from traceclf.render.text import nsys_text
+
+    assert nsys_text({"nsys_version": None, "schema_version": None}) == (
+        "nsys version unknown (no export metadata)"
+    )
+    assert nsys_text({"nsys_version": "2025.3.2.0", "schema_version": "3.20.3"}) == (
+        "nsys 2025.3.2.0 (schema 3.20.3)"
+    )
+    assert nsys_text({"nsys_version": "2021.1.1", "schema_version": None}) == (
+        "nsys 2021.1.1 (schema unknown)"
+    )

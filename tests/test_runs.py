@@ -325,3 +325,18 @@ def test_why_runs_are_separate_is_said_once_names_in_the_order_of_their_values(
         flat = " ".join(html.unescape(text).split())
         assert flat.count("separate runs (--job to merge)") == 1, fmt
         assert flat.count("steps found differently") == 2, fmt  # two pairs, each once
+
+
+def test_why_runs_differ_names_a_kernel_anchor_by_its_function() -> None:
+    """A public CUTLASS benchmark's step anchor is a 5 KB demangled kernel name, printed twice
+    in the line saying why two runs are separate (15 KB). Constructed evidence: the kernel is
+    named by its function, cut to a line, as the report's steps line names it."""
+    from traceclf.pipeline.grouping import Evidence
+
+    long = "void cutlass::Kernel<" + "cutlass::gemm::GemmShape<128, 128, 32>, " * 100 + ">(P)"
+    a = Evidence(
+        "a.sqlite", frozenset({"T4"}), ("pattern", long), 1.0, None, None, "a", frozenset()
+    )
+    b = Evidence("b.sqlite", frozenset({"T4"}), ("nvtx", "step"), 1.0, None, None, "b", frozenset())
+    (found,) = [x for x in match(a, b)[1] if x.startswith("steps found differently")]
+    assert found == 'steps found differently (pattern "Kernel" vs nvtx "step")'

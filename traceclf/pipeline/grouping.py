@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from traceclf.render.text import anchor_label
 from traceclf.support.errors import TraceWarning
 
 if TYPE_CHECKING:
@@ -281,5 +282,7 @@ def _anchor_key(e: Evidence) -> tuple[str, str]:
 
 
 def _anchor(e: Evidence) -> str:
+    """The step anchor as the report names it: a recurring kernel by its function, any label
+    cut to a line (a CUTLASS kernel's demangled name, 5 KB, made a summary line of 15 KB)."""
     source, label = e.anchor
-    return f'{source} "{label}"' if label else source
+    return f"{source}{anchor_label(source, label)}"

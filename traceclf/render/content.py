@@ -9,6 +9,7 @@ from pathlib import Path
 from traceclf.render.ceilings import ceiling_rows, combined_row
 from traceclf.render.text import (
     anchor_label,
+    nsys_text,
     sampled,
     span_title,
     steps_counted,
@@ -327,8 +328,7 @@ def provenance_rows(report: Report) -> list[tuple[str, str]]:
         (
             "Files" if len(report.inputs) > 1 else "File",
             "; ".join(
-                f"{Path(i['path']).name} (nsys {i.get('nsys_version') or '?'}, schema "
-                f"{i.get('schema_version') or '?'}, {counted(i.get('ranks', 1), 'rank')})"
+                f"{Path(i['path']).name} ({nsys_text(i)}, {counted(i.get('ranks', 1), 'rank')})"
                 for i in report.inputs
             ),
         ),

@@ -10,14 +10,18 @@ from traceclf.report.contract import Report
 from traceclf.support.units import counted, fmt_ms, pct
 
 
+def nsys_text(entry: dict) -> str:
+    """An input's nsys and export schema versions, as far as the export says them (exports of
+    old nsys versions, or written by a wrapper, may have no metadata table)."""
+    nsys, schema = entry.get("nsys_version"), entry.get("schema_version")
+    if not nsys and not schema:
+        return "nsys version unknown (no export metadata)"
+    return f"nsys {nsys or 'version unknown'} (schema {schema or 'unknown'})"
+
+
 def provenance(report: Report) -> str:
     """Where the numbers come from: files, nsys versions, GPU, ranks."""
-    versions = sorted(
-        {
-            f"nsys {i.get('nsys_version') or '?'} (schema {i.get('schema_version') or '?'})"
-            for i in report.inputs
-        }
-    )
+    versions = sorted({nsys_text(i) for i in report.inputs})
     gpus = sorted({g.get("name") or "unknown GPU" for g in report.gpus}) or ["unknown GPU"]
     ranks = len(report.ranks)
     return (
