@@ -758,3 +758,28 @@ def test_cuda_graphs_leave_the_waits_for_input_to_the_input_pipeline():
     # a capture whose idle causes are unknown: every launch-starved ns, as before
     unknown = ceil.ceiling(graphs, env | {"launch_starved_input_frac": None})
     assert unknown["recoverable_ms"] == pytest.approx(60.0)
+
+
+def test_pinned_memory_counts_the_staging_inside_pageable_copy_calls():
+    """The slow loader copies each batch from pageable memory: the call stages the copy before
+    the GPU starts it, the host's own time, which pinned memory removes. It had been walked
+    back as "blocking compute" (the kernel that ended before the call began), and pinned
+    memory's ceiling left it out (0.135 ms per step; now 0.278). Independent: plain SQL over
+    the window's pageable host-to-device copies, their call's start to the copy's."""
+    r = report("h100_host_slow_loader")
+    m = r.metrics
+    lo, hi = r.steps["window_ns"]
+    path = trace_path("h100_host_slow_loader")
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+        ((staging,),) = con.execute(
+            "SELECT sum(max(c.start - r.start, 0)) FROM CUPTI_ACTIVITY_KIND_MEMCPY c "
+            "JOIN CUPTI_ACTIVITY_KIND_RUNTIME r ON r.correlationId = c.correlationId "
+            "WHERE c.copyKind = 1 AND c.srcKind = 0 AND c.start >= ? AND c.start < ?",
+            (lo, hi),
+        ).fetchall()
+    per_step = staging / 1e6 / r.steps["analysed"]
+    assert m["blocking_compute_frac"] == 0.0
+    assert m["blocking_host_sync_frac"] * m["step_time_ms"] == pytest.approx(per_step, rel=0.1)
+    pinned = ceiling_of(r, "pinned-memory")
+    both = (m["blocking_copy_frac"] + m["blocking_host_sync_frac"]) * m["step_time_ms"]
+    assert pinned["recoverable_ms"] == pytest.approx(both, abs=0.002)

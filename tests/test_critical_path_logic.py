@@ -161,6 +161,34 @@ def test_a_blocking_copy_returning_before_its_last_bytes_is_the_copy_not_the_syn
     }
 
 
+@pytest.mark.parametrize("lands", [99_999, 100_001])
+def test_a_blocking_copy_is_the_copy_whether_it_lands_before_or_after_the_return(tmp_path, lands):
+    # the same blocking call, its copy's last bytes landing 1 ns before or after it returns:
+    # the copy ran, the call staged it for 300 ns first and returned at most 1 ns after it
+    # (a walk from the copy had blamed the gemm that ended before the call began)
+    x = Export()
+    x.kernel("gemm", 1_000, 2_000, launch_at=100)
+    x.copy(2_500, lands, launch_at=2_200, call="cudaMemcpy_v3020", call_ns=97_800)
+    x.kernel("gemm", 150_200, 151_000, launch_at=100_100)
+    b = classes(budget(x, tmp_path, (1_000, 151_000)))
+    assert b["blocking_copy"] == min(lands, 100_000) - 2_500
+    assert b["blocking_host_sync"] == 300 + max(100_000 - lands, 0)
+    assert "blocking_compute" not in b and "residual" not in b
+
+
+def test_a_blocking_copy_after_another_streams_collective_blames_the_collective(tmp_path):
+    # the copy starts right after a collective on another stream ends, an order the export
+    # does not record (the legacy default stream's): the collective held it, then 100 ns of
+    # staging; not 37.9 µs of staging
+    x = Export()
+    x.kernel("gemm", 1_000, 2_000, launch_at=100)
+    x.kernel(NCCL, 1_500, 40_000, launch_at=150, stream=13)
+    x.copy(40_100, 100_000, launch_at=2_200, call="cudaMemcpy_v3020", call_ns=97_800)
+    x.kernel("gemm", 150_200, 151_000, launch_at=100_100)
+    b = classes(budget(x, tmp_path, (1_000, 151_000)))
+    assert b["blocking_comm"] == 40_000 - 2_200 and b["blocking_host_sync"] == 100
+
+
 def test_graph_launch_is_one_operation_and_its_inside_is_unresolved(tmp_path):
     # graph-level tracing: a replay on stream 7 after NCCL on the same stream
     x = Export()

@@ -38,7 +38,8 @@ LAUNCH_STARVED, HOST_SYNC = CLASSES.index("launch_starved"), CLASSES.index("bloc
 STALLED, UNRESOLVED = CLASSES.index("dependency_stalled"), CLASSES.index("unresolved")
 # A piece of a gap: start, end (ns), its class (index into CLASSES, one or one per piece) and
 # the operation that ran then (its id, one per piece) where the piece is a producer's run, -1
-# where no operation ran (launch-starved, stalled, unresolved, a sync's return latency).
+# where no operation ran (launch-starved, stalled, unresolved, a sync's return latency or a
+# blocking copy's staging).
 Piece = tuple[np.ndarray, np.ndarray, np.ndarray | int, np.ndarray | int]
 NO_OP = -1
 
@@ -173,7 +174,9 @@ def attribute_gaps(
       sat in a synchronising call (``host_syncs``: start, end): then it was waiting for the
       GPU, and the time is attributed to the work it waited for (the last GPU operation that
       finished before the call returned, walked back as below) and to the call's own return
-      latency (blocking_host_sync).
+      latency (blocking_host_sync); a copy the call issued itself (a blocking copy) ran until
+      it ended or the call returned, and before it started the call staged it (host sync),
+      after what it waited for.
     - After K was issued, the critical path is walked back from K through what each operation
       waited for (``resolve_dependencies``): the time a producer ran is ``blocking_<class>``
       of that producer (collective, copy, compute); the time between a producer's (or K's)
@@ -248,8 +251,9 @@ def _split_host_syncs(
     """Launch-starved intervals minus the time the host sat in a synchronising call; for each
     such stretch [s0, s1], the GPU operation it waited for (the last to finish by s1) seeds a
     walk (appended to ``seeds``), and the time after that operation finished is the call's
-    return latency. Only the (few) intervals a call overlaps are split; the others are
-    launch-starved whole."""
+    return latency; an operation the calls issued themselves (a blocking copy) is split by
+    :func:`_issued_by_the_calls`. Only the (few) intervals a call overlaps are split; the
+    others are launch-starved whole."""
     if syncs is None or not len(start):
         yield start, end, LAUNCH_STARVED, NO_OP
         return
@@ -272,30 +276,59 @@ def _split_host_syncs(
     # last bytes land (0.15 ms before, for 100 ms copies of a public export, whose time had
     # read as the call's return latency).
     h_start, h_end = intervals.union_sorted(held[0], held[1])
-    by_end, ends = ops.by_end
-    x = np.searchsorted(ends, h_end, side="right") - 1
+    x_op = _last_finished(ops, h_end)
     y = np.searchsorted(ops.start, h_end - 1, side="right") - 1
-    x_op = np.where(x >= 0, by_end[np.maximum(x, 0)], -1)
     y0 = np.maximum(y, 0)
     y_end = ops.end[y0]
-    issued = ops.launch[1][y0] & (ops.launch[0][y0] >= h_start) & (ops.launch[0][y0] <= h_end)
-    late = (y >= 0) & (y_end > h_end) & ((y_end <= h_end + SYNC_SLACK_NS) | issued)
+    late = (y >= 0) & (y_end > h_end)
+    late &= (y_end <= h_end + SYNC_SLACK_NS) | _issued_in(ops, y0, h_start, h_end)
     x_op = np.where(late, y, x_op)
-    # An operation the calls issued ran from its start to their return; before it started,
-    # what it waited for ran (walked back from there), and after that the calls were staging
-    # it: their own time. (Its launch ends after it starts: a walk from it would take that for
-    # its readiness and blame whatever ran before.)
-    own = late & issued
-    began = np.clip(ops.start[y0], h_start, h_end)
-    walked = ops.dep[1][y0] & (ops.dep_op[y0] >= 0)
-    ready = np.clip(np.where(walked, ops.dep[0][y0], h_start), h_start, began)
-    yield began[own], h_end[own], ops.producer[y0[own]], y0[own]
-    yield ready[own], began[own], HOST_SYNC, NO_OP
-    seeds.append((h_start[own], np.full(int(own.sum()), STALLED), ready[own], ops.dep_op[y0[own]]))
+    at = np.maximum(x_op, 0)
+    own = (x_op >= 0) & _issued_in(ops, at, h_start, h_end)
+    yield from _issued_by_the_calls(h_start[own], h_end[own], at[own], ops, seeds)
     has = (x_op >= 0) & ~own
-    x_end = np.clip(ops.end[np.maximum(x_op, 0)], h_start, h_end)
+    x_end = np.clip(ops.end[at], h_start, h_end)
     yield np.where(has, x_end, h_start)[~own], h_end[~own], HOST_SYNC, NO_OP
     seeds.append((h_start[has], np.full(int(has.sum()), STALLED), x_end[has], x_op[has]))
+
+
+def _last_finished(ops: Ops, t: np.ndarray) -> np.ndarray:
+    """The operation that finished last by each time of ``t`` (-1: none)."""
+    by_end, ends = ops.by_end
+    x = np.searchsorted(ends, t, side="right") - 1
+    return np.where(x >= 0, by_end[np.maximum(x, 0)], -1)
+
+
+def _issued_in(ops: Ops, op: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Whether each operation's launch call returned within [lo, hi]."""
+    when, known = ops.launch
+    return known[op] & (when[op] >= lo) & (when[op] <= hi)
+
+
+def _issued_by_the_calls(
+    h_start: np.ndarray, h_end: np.ndarray, op: np.ndarray, ops: Ops, seeds: list
+) -> Iterator[Piece]:
+    """Stretches [h_start, h_end] of synchronising calls that waited for an operation they
+    issued themselves (a blocking copy of pageable memory stages it, then waits for it): it
+    ran from its start until it ended or they returned, and after it ended they returned (their
+    latency); before it started, what it waited for ran (its dependency, or the operation that
+    finished last by then where that ended later: an implicit order nsys does not record, as
+    the legacy default stream's), walked back from there, and after that they were staging it, their own time
+    (unresolved where it also waited for an event the export cannot resolve). Its launch ends
+    after it starts: a walk from it would take that for its readiness and blame whatever ran
+    before, even work that ended before the calls began."""
+    ended = np.clip(ops.end[op], h_start, h_end)
+    began = np.clip(ops.start[op], h_start, ended)
+    yield began, ended, ops.producer[op], op
+    yield ended, h_end, HOST_SYNC, NO_OP
+    known = ops.dep[1][op] & (ops.dep_op[op] >= 0)
+    prior = _last_finished(ops, began)
+    prior_end = np.where(prior >= 0, ops.end[np.maximum(prior, 0)], 0)
+    later = ~known | (prior_end > ops.dep[0][op])  # (an order the export does not show)
+    before = np.where(later, prior, ops.dep_op[op])
+    ready = np.clip(np.where(later, prior_end, ops.dep[0][op]), h_start, began)
+    yield ready, began, np.where(ops.unresolved[op], UNRESOLVED, HOST_SYNC), NO_OP
+    seeds.append((h_start, np.full(len(op), STALLED), ready, before))
 
 
 def _walk(

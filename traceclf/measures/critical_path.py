@@ -51,7 +51,8 @@ MEASURES: dict[str, str] = {
     "(exposed_copy_frac is the upper bound)",
     "blocking_compute_frac": "blocking time whose producer is a compute kernel or graph replay",
     "blocking_host_sync_frac": "compute-absent time the host sat in a synchronising call after "
-    "the GPU work it waited for had finished (the sync's return latency)",
+    "the GPU work it waited for had finished (the sync's return latency), or in a blocking "
+    "copy's call before the copy began (staging pageable memory)",
     "dependency_stalled_frac": "compute-absent time the next compute kernel was issued and its "
     "resolved dependencies done, yet it did not run (queueing, another process on the GPU, a "
     "dependency the export does not show)",
