@@ -155,6 +155,10 @@ def test_allocations_never_freed_are_not_said_to_be_freed():
     assert "and freed" not in never
     both = rule.evidence.render(facts | {"alloc_calls_per_step": 23, "free_calls_per_step": 11.4})
     assert "(11 frees)" in both and "allocated and freed inside the step (" in both
+    # a free every third step is a free: no "no call frees it"
+    rare = rule.evidence.render(facts | {"free_calls_per_step": 1 / 3})
+    assert "(0.3 frees)" in rare and "allocated and freed inside" in rare
+    assert "no call frees it" not in rare
 
 
 # ---------------------------------------------------------------------------------------------
@@ -609,6 +613,30 @@ def test_real_trace_next_wall():
     (fix,) = [f for f in verdict.fixes if f["id"] == "input-pipeline"]
     left = m["gpu_idle_frac"] - fix["ceiling"]["recoverable_ms"] / m["step_time_ms"]
     assert left > m["compute_frac"] and verdict.next_wall is None
+
+
+def test_the_bound_stays_only_as_far_as_its_fixes_are_known():
+    """Constructed: a host-bound step (idle 60%, compute 40%). Without a fix whose per-step
+    ceiling has a number nothing says how far the host can be fixed, so the next wall is
+    still named from the shares; with one, the bound stays where its fixes leave it the
+    largest wall (the fixes' combined ceiling, not each alone)."""
+    from traceclf.judge.engine import _bound_stays
+
+    shares = {"memory": 0.0, "communication": 0.0, "host": 0.6, "compute": 0.4}
+    env = {"step_time_ms": 100.0}
+
+    def host_fix(ms, source="compute-absent/launch-starved"):
+        ceiling = {"unit": "step", "recoverable_ms": ms, "from": source}
+        return {"id": source, "wall": "host", "ceiling": ceiling}
+
+    assert not _bound_stays("host", shares, [], env)
+    assert not _bound_stays("host", shares, [host_fix(None)], env)
+    assert not _bound_stays("host", shares, [{"id": "x", "wall": "host", "ceiling": None}], env)
+    assert _bound_stays("host", shares, [host_fix(10.0)], env)  # 50% left > 40%
+    assert not _bound_stays("host", shares, [host_fix(30.0)], env)  # 30% left < 40%
+    # two disjoint fixes together recover 25 ms: 35% left
+    two = [host_fix(15.0), host_fix(10.0, "compute-absent/blocking/host-sync")]
+    assert not _bound_stays("host", shares, two, env)
 
 
 def test_collectives_waiting_for_a_late_rank_point_at_the_rank_not_the_fabric():

@@ -54,9 +54,10 @@ def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
     confidence = window_confidence(bound, env, facts.get("steps") or {}, rs.scoring, distorted)
     # Walls reported with evidence and fixes: the bound and any other wall that matters.
     shown = [w for w in rs.scoring.workflow if w == bound or scores[w] >= rs.scoring.meaningful]
+    fixes = _propose(hits, shown, rs, env)
     return Verdict(
         classification=_classification(hits, scores, bound, confidence, shown, rs, env),
-        fixes=(fixes := _propose(hits, shown, rs, env)),
+        fixes=fixes,
         applied=[_applied_sentence(f, env) for f in by_workflow(rs) if _is_applied(f, env)],
         next_wall=_next_wall(scores, bound, rs.scoring, env, fixes),
     )
@@ -261,22 +262,17 @@ def _next_wall(
 
 
 def _bound_stays(bound: str, shares: dict, fixes: list[dict], env: Mapping[str, Any]) -> bool:
-    """Whether the bound's share of the step, less the largest per-step ceiling of its fixes,
-    still outweighs every other wall's: pinned memory for copies that fill 96% of a step
-    leaves 128 ms of them at the link's rate, against 21 ms of compute."""
+    """Whether the bound's share of the step, less what its fixes recover together (their
+    combined per-step ceiling, no interval counted twice), still outweighs every other wall's:
+    pinned memory for copies that fill 96% of a step leaves 128 ms of them at the link's rate,
+    against 21 ms of compute. False where no fix of the bound has a per-step ceiling with a
+    number: nothing then says how far the bound can be fixed."""
     step = env.get("step_time_ms")
     if not isinstance(step, (int, float)) or step <= 0:
         return False
-    recovered = max(
-        (
-            ceiling["recoverable_ms"]
-            for f in fixes
-            if f["wall"] == bound
-            and (ceiling := f.get("ceiling") or {}).get("unit") == "step"
-            and isinstance(ceiling.get("recoverable_ms"), (int, float))
-        ),
-        default=0.0,
-    )
+    recovered = ceiling.combined([f for f in fixes if f["wall"] == bound], step)["recoverable_ms"]
+    if recovered is None:
+        return False
     left = shares[bound] - recovered / step
     return all(left >= shares[w] for w in WALLS if w != bound)
 
