@@ -485,6 +485,13 @@ def test_host_copies_outside_the_window_are_said():
     code, md, _ = run_cli("analyze", path, "-f", "md", "-q", "--no-cache")
     assert code == 0
     assert "capture's GPU work) run outside the window, not analysed" in md
+    # a run traced at graph level holds the same work as its node-level twin: its replays'
+    # time counts as GPU work (the copies had read 70% of it, against 33%)
+    graph, node = (
+        report(trace_path(n))["capture"]["copies_outside"]
+        for n in ("h100_host_cudagraph", "h100_host_cudagraph_nodetrace")
+    )
+    assert graph["share"] == pytest.approx(node["share"], abs=0.03)
 
 
 def test_kernels_that_run_only_outside_the_window_are_named(tmp_path):

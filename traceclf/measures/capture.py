@@ -106,14 +106,16 @@ def kernels_outside(w: RankWindow) -> list[dict]:
 
 def copies_outside(w: RankWindow) -> dict | None:
     """The host<->device copies that run outside the window, where they hold at least
-    :data:`OUTSIDE_SHARE` of the capture's GPU work (kernels, copies and memsets summed):
+    :data:`OUTSIDE_SHARE` of the capture's GPU work (kernels, graph-level replays, copies and
+    memsets summed):
     ``ms``, ``share``; a benchmark's setup and read-back (69% of a public CUTLASS run's GPU
     time, which a window of its timed loop said nothing of). None otherwise, and for a
     step-sampled read (it holds the analysed steps' rows alone)."""
     trace = w.trace
     if trace.read_path != "whole":
         return None
-    work = _durations(trace.kernels) + _durations(trace.copies)
+    # (graph-level replays hide their kernels: their time is the GPU work they hold)
+    work = _durations(trace.kernels) + _durations(trace.graphs) + _durations(trace.copies)
     host = trace.copies.filter(pl.col("direction").is_in([*HOST_TO_DEVICE, *DEVICE_TO_HOST]))
     outside = host.filter(pl.Series(~in_window(w, host["start"].to_numpy())))
     ns = _durations(outside)
