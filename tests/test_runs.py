@@ -129,6 +129,16 @@ def test_an_input_keeps_the_processes_no_earlier_one_holds(
         assert report.metrics[key] == pytest.approx(single.metrics[key], rel=1e-6), key
 
 
+def test_runs_keep_each_file_whole(rank_files, tmp_path: Path) -> None:
+    """--runs reports each file as it is: rank 0's own file and the export of both ranks are
+    two runs, the second with both ranks (its first process is not taken out of it)."""
+    copy_export(rank_files[0], tmp_path / "a.sqlite")
+    copy_export(fixture_trace(EP2), tmp_path / "b.sqlite")
+    runs = analyze(tmp_path, jobs=1, grouping="runs")
+    assert isinstance(runs, RunSet)
+    assert [[r["pid"] for r in run.ranks] for run in runs.runs] == [[EP2_PIDS[0]], EP2_PIDS]
+
+
 def test_runs_come_in_the_order_they_were_named(tmp_path: Path) -> None:
     """Files named one by one keep their order (a folder's files come in natural order); the
     summary is a polars frame keyed by file names, and its text takes string operations."""

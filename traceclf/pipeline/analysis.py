@@ -120,7 +120,9 @@ def analyze_inputs(
             [r.path for r in results],
             opts.step_regex,
         )
-    results = split_unrelated_ranks(without_repeats(results), opts.grouping)
+    # (--runs reports each file whole: a process two of them hold is in both reports)
+    results = without_repeats(results, each_process=opts.grouping != "runs")
+    results = split_unrelated_ranks(results, opts.grouping)
     grouping = group(results, opts.grouping)
     # the inputs left out: in the one report's capture block, or once for several runs
     several = len(grouping.groups) > 1

@@ -139,13 +139,13 @@ class Grouping:
         return {"mode": self.mode, "decided_by": self.decided_by, "reason": self.reason}
 
 
-def without_repeats(results: list[ExportResult]) -> list[ExportResult]:
+def without_repeats(results: list[ExportResult], each_process: bool = True) -> list[ExportResult]:
     """``results`` with each capture once: an export whose capture started and ran its GPU
     work at the same ns as an earlier one's, with the same processes, is that capture again
     (a copy, or a folder holding a copy and a link), said so, not a second rank of a job.
-    Then each process once: a process that an earlier export holds too (an export of every
-    rank beside its own per-rank split) is left out of the later one, said so, and an export
-    left with none is left out whole."""
+    Then, with ``each_process``, each process once: a process that an earlier export holds too
+    (an export of every rank beside its own per-rank split) is left out of the later one, said
+    so, and an export left with none is left out whole."""
     seen: dict[tuple, str] = {}
     processes: dict[tuple, str] = {}
     out = []
@@ -164,7 +164,7 @@ def without_repeats(results: list[ExportResult]) -> list[ExportResult]:
             seen[key] = result.path
         kept = []
         for rank in result.ranks:
-            process = _process(rank)
+            process = _process(rank) if each_process else None
             if process is not None and process in processes:
                 warnings.warn(
                     f"{result.path}: process {rank.pid} is also in {processes[process]} (the "
