@@ -58,7 +58,10 @@ def with_keys(comm_all: pl.DataFrame) -> pl.DataFrame:
         comm_all.join(stream_ordinals(comm_all), on="stream_id", how="left")
         .join(names, on="comm_id", how="left")
         .with_columns(
-            group=pl.coalesce("_hex", pl.format(STREAM_KEY, pl.col("ordinal").fill_null(-1) + 1))
+            # (a kernel without a stream id: no ordinal, a stream no other matches)
+            group=pl.coalesce(
+                "_hex", pl.format(STREAM_KEY, pl.col("ordinal") + 1), pl.lit("comm stream unknown")
+            )
         )
         .drop("_hex", "ordinal")
     )

@@ -23,8 +23,9 @@ class TraceError(Exception):
 
 
 class NoGpuWork(TraceError):
-    """An export that holds no GPU work at all (a launcher's, a CPU-only process's): alone it
-    is bad input; among several, it is left out of the run with a warning."""
+    """An export that holds no GPU work at all (a launcher's, a CPU-only process's), or a file
+    that is no nsys export (another tool's SQLite database): alone it is bad input; among
+    several, it is left out of the run with a warning."""
 
 
 class TraceErrors(TraceError):
