@@ -561,6 +561,30 @@ def test_constructed_tp_dp_pp_cp_communicators(tmp_path: Path) -> None:
     assert groups[TP]["calls_per_step"] == 2 and groups[TP]["ranks"] == [0, 1]
 
 
+def test_constructed_slow_exchange_on_one_host_names_the_transport_to_check(tmp_path: Path) -> None:
+    """CONSTRUCTED: a DP all-reduce of 64 MiB in 40 ms between two ranks of one host, each on
+    an H100 of its own: 1.68 GB/s, slower than any link between GPUs of one host carries (a
+    capture whose NCCL was told the ranks were on two hosts exchanged through sockets at 1.9
+    GB/s), so the note names the transport to check; the same bytes at NVLink's pace do not
+    get it, nor messages too small to measure a rate, nor ranks that share one GPU (their
+    time slices stretch each other's kernels: the real captures here)."""
+    for case in ("slow", "fast", "small"):
+        (tmp_path / case).mkdir()
+    slow = [{"comm": DP, "call": "ncclAllReduce", "bytes": 64 * MiB, "us": 40_000}]
+    (dp,) = _job(tmp_path / "slow", slow)["communication"]["groups"]
+    assert dp["busbw_gbs"] == pytest.approx(64 * MiB / 40e6, rel=1e-3) and dp["busbw_gbs"] < 5
+    assert "slower than any link between GPUs of one host" in dp["link_note"]
+    assert "NCCL_DEBUG=INFO" in dp["link_note"]
+    fast = [{"comm": DP, "call": "ncclAllReduce", "bytes": 64 * MiB, "us": 400}]
+    (dp,) = _job(tmp_path / "fast", fast)["communication"]["groups"]
+    assert not dp["link_note"]
+    small = [{"comm": DP, "call": "ncclAllReduce", "bytes": 64 * 1024, "us": 400}]
+    (dp,) = _job(tmp_path / "small", small)["communication"]["groups"]
+    assert dp["busbw_gbs"] < 5 and not dp["link_note"]
+    shared = report(GROUPS)["communication"]["groups"]
+    assert all(g["busbw_gbs"] < 5 and "slower than any" not in g["link_note"] for g in shared)
+
+
 def test_constructed_unnamed_send_recv_and_all_to_all_stay_unknown(tmp_path: Path) -> None:
     """CONSTRUCTED: without an NVTX name, send/recv to one peer is PP or CP (ring attention)
     and all-to-all without MoE routing is EP or CP: both unknown, with the candidates."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from traceclf.rulebook.comm_rules import DIMENSIONS, CommRules
 from traceclf.rulebook.layers import RuleSet
+from traceclf.support.units import fmt_bytes
 
 if TYPE_CHECKING:
     from traceclf.measures.handoff import RankResult
@@ -100,6 +101,11 @@ def _group(
         else busbw >= rs.thresholds["link_bound_frac"] * link["gbps"]
     )
     exposed = _mean([p["exposed_ms_per_step"] for p in per_rank])
+    bytes_per_step = _mean([p["bytes_per_step"] for p in per_rank])
+    calls = _mean([p["kernels_per_step"] for p in per_rank])
+    # (ranks that time-slice one GPU stretch each other's kernels: no rate is measured there)
+    one_gpu = any(set(indices) <= g for g in shared)
+    slow = None if one_gpu else _slow_on_one_host(busbw, link, bytes_per_step, calls, rs)
     return {
         "id": key,
         "kinds": kinds,
@@ -113,13 +119,13 @@ def _group(
         "exposed_ms_per_step": exposed,
         "exposed_frac": _mean([g["exposed_frac"] for _, g in members]),
         "blocking_ms_per_step": _mean([p["blocking_ms_per_step"] for p in per_rank]),
-        "bytes_per_step": _mean([p["bytes_per_step"] for p in per_rank]),
+        "bytes_per_step": bytes_per_step,
         "algbw_gbs": algbw,
         "busbw_gbs": busbw,
         "bandwidth_basis": basis,
         "link": link["name"],
         "link_peak_gbs": link["gbps"],
-        "link_note": link["note"],
+        "link_note": "; ".join(n for n in (link["note"], slow) if n) or None,
         "spans_hosts": link["spans_hosts"],
         "link_bound": bound,
         "per_rank": per_rank,
@@ -269,6 +275,39 @@ def _link(
             "sets the pace"
         )
     return out
+
+
+def _slow_on_one_host(
+    busbw: float | None,
+    link: dict,
+    bytes_per_step: float | None,
+    calls_per_step: float | None,
+    rs: RuleSet,
+) -> str | None:
+    """A note where the ranks of one host, each on a GPU of its own (``link``: its
+    ``spans_hosts`` is False), exchange messages big enough to measure bandwidth
+    (``local_exchange_min_bytes`` a call) slower than any link between GPUs of one host
+    carries (``local_exchange_slow_gbps``): a premise for the user to check, since the export
+    does not say which transport NCCL chose."""
+    t = rs.thresholds
+    if (
+        busbw is None
+        or link["spans_hosts"] is not False
+        or not bytes_per_step
+        or not calls_per_step
+    ):
+        return None
+    if bytes_per_step / calls_per_step < t["local_exchange_min_bytes"]:
+        return None
+    if busbw >= t["local_exchange_slow_gbps"]:
+        return None
+    return (
+        f"{busbw:.3g} GB/s between GPUs of one host, on messages of "
+        f"{fmt_bytes(bytes_per_step / calls_per_step)} a call: slower than any link between "
+        "GPUs of one host, as when NCCL exchanges through the network stack (its socket "
+        "transport, or peer-to-peer and shared memory turned off); NCCL_DEBUG=INFO names the "
+        "transport it chose"
+    )
 
 
 def _host(rank: RankResult) -> str | None:

@@ -124,6 +124,8 @@ JUDGE_THRESHOLDS = (
     "wait_dominates_frac",  # the cross-rank verdict (judge/straggler.py)
     "clock_alignment_max_us",  # matched collectives across hosts trusted (judge/straggler.py)
     "link_bound_frac",  # a communicator near its link's peak (judge/comm_groups.py)
+    "local_exchange_slow_gbps",  # a communicator of one host far below any link (comm_groups)
+    "local_exchange_min_bytes",
     "worth_doing_frac",  # a fix beside the bound (judge/engine.py)
     "negligible_gain_frac",  # a fix that wins back next to nothing (judge/engine.py)
 )
