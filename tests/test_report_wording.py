@@ -308,3 +308,17 @@ def test_an_export_without_metadata_says_its_nsys_version_is_unknown():
     assert nsys_text({"nsys_version": "2021.1.1", "schema_version": None}) == (
         "nsys 2021.1.1 (schema unknown)"
     )
+
+
+def test_a_bound_its_fixes_leave_the_largest_wall_is_its_own_next_wall():
+    """ep2's one fix with a measured ceiling (EP overlap) hides 2% of a step that is 97%
+    all-to-all: "Next wall: compute" had rested on DeepEP's "up to the exposed all-to-all",
+    which bounds nothing. Every format says the bound stays, and why."""
+    from traceclf.render.html import render_html
+    from traceclf.render.markdown import render_markdown
+
+    r = traceclf.analyze(trace_path("h100_comm_ep2"))
+    assert r.bound == r.next_wall == "communication"
+    said = "communication still: its fixes with a measured ceiling leave it the largest wall"
+    assert f"**Next wall once this one is fixed:** {said}" in render_markdown(r)
+    assert said in render_html(r)

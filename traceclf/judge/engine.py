@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from traceclf.judge.hostverdict import (
     distorts,
     top_context,
 )
+from traceclf.judge.nextwall import next_wall
 from traceclf.judge.vocabulary import COMMUNICATION_FACTS, load_rules
 from traceclf.rulebook.entries import WALLS, Fix, GpuFamily, Rule, Scoring
 from traceclf.rulebook.expr import Expr
@@ -59,7 +60,7 @@ def evaluate(facts: dict, rules_dir: Path | None = None) -> Verdict:
         classification=_classification(hits, scores, bound, confidence, shown, rs, env),
         fixes=fixes,
         applied=[_applied_sentence(f, env) for f in by_workflow(rs) if _is_applied(f, env)],
-        next_wall=_next_wall(scores, bound, rs.scoring, env, fixes),
+        next_wall=next_wall(scores, bound, rs.scoring, env, fixes),
     )
 
 
@@ -225,56 +226,6 @@ def _bound(scores: dict[str, float], scoring: Scoring) -> str:
     """The strongest wall (workflow order breaks ties); the default when no rule fired."""
     ranked = sorted(scores, key=lambda w: (-scores[w], scoring.workflow.index(w)))
     return ranked[0] if scores[ranked[0]] > 0 else scoring.default_bound
-
-
-def _next_wall(
-    scores: dict[str, float],
-    bound: str,
-    scoring: Scoring,
-    env: Mapping[str, Any],
-    fixes: list[dict],
-) -> str | None:
-    """The wall the run hits once the bound is fixed: the strongest other wall that scores;
-    else none where what the bound's best fix leaves of its share (its ceiling, not all of
-    it) still outweighs every other wall's; else the next wall of the workflow that scores,
-    or, before the last wall of the workflow, the wall with the largest share of what is left
-    of the step once the bound's share is gone."""
-    others = sorted((w for w in WALLS if w != bound), key=lambda w: -scores[w])
-    if others and scores[others[0]] >= scoring.meaningful:
-        return others[0]
-    shares = {w: scoring.time_share[w].value(env) for w in WALLS}
-    known = all(isinstance(v, (int, float)) for v in shares.values())
-    if known and _bound_stays(bound, shares, fixes, env):
-        return None
-    after = scoring.workflow[scoring.workflow.index(bound) + 1 :]
-    scored = next((w for w in after if scores[w] > 0), None)
-    if scored or not after:
-        return scored
-    if not known:
-        return None
-    rest = 1 - shares[bound]
-    remaining = {
-        w: shares[w] / rest
-        for w in others
-        if rest > 0 and shares[w] / rest >= scoring.next_wall_min_share
-    }
-    return max(remaining, key=remaining.__getitem__) if remaining else None
-
-
-def _bound_stays(bound: str, shares: dict, fixes: list[dict], env: Mapping[str, Any]) -> bool:
-    """Whether the bound's share of the step, less what its fixes recover together (their
-    combined per-step ceiling, no interval counted twice), still outweighs every other wall's:
-    pinned memory for copies that fill 96% of a step leaves 128 ms of them at the link's rate,
-    against 21 ms of compute. False where no fix of the bound has a per-step ceiling with a
-    number: nothing then says how far the bound can be fixed."""
-    step = env.get("step_time_ms")
-    if not isinstance(step, (int, float)) or step <= 0:
-        return False
-    recovered = ceiling.combined([f for f in fixes if f["wall"] == bound], step)["recoverable_ms"]
-    if recovered is None:
-        return False
-    left = shares[bound] - recovered / step
-    return all(left >= shares[w] for w in WALLS if w != bound)
 
 
 def _propose(hits: list[_Hit], shown: list[str], rs: RuleSet, env: dict[str, Any]) -> list[dict]:

@@ -39,7 +39,7 @@ from traceclf.render.hostlines import (
     options_title,
 )
 from traceclf.render.markdown import config_language
-from traceclf.render.text import input_names, steps_line
+from traceclf.render.text import input_names, next_wall_text, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.render.verdict import verdict_line, verdict_title
 from traceclf.report.contract import Report
@@ -142,7 +142,7 @@ def _verdict(report: Report) -> str:
         parts.append(f"<p><b>Already applied:</b> {for_html('; '.join(report.applied))}</p>")
     if report.next_wall:
         parts.append(
-            f"<p><b>Next wall once this one is fixed:</b> {for_html(report.next_wall)}</p>"
+            f"<p><b>Next wall once this one is fixed:</b> {for_html(next_wall_text(report))}</p>"
         )
     return (
         f'<section class="verdict" style="--wall:{_wall_color(report.bound)}">'

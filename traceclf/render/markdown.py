@@ -41,7 +41,7 @@ from traceclf.render.hostlines import (
     option_rows,
     options_title,
 )
-from traceclf.render.text import input_names, steps_line
+from traceclf.render.text import input_names, next_wall_text, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.render.verdict import verdict_line, verdict_title
 from traceclf.report.contract import Report
@@ -115,7 +115,7 @@ def _verdict(report: Report) -> str:
     if report.applied:
         lines += ["", f"**Already applied:** {_prose('; '.join(report.applied))}"]
     if report.next_wall:
-        lines += ["", f"**Next wall once this one is fixed:** {_md(report.next_wall)}"]
+        lines += ["", f"**Next wall once this one is fixed:** {_md(next_wall_text(report))}"]
     return "\n".join(lines)
 
 

@@ -38,7 +38,7 @@ from traceclf.render.hostlines import (
     option_rows,
     options_title,
 )
-from traceclf.render.text import provenance, steps_line
+from traceclf.render.text import next_wall_text, provenance, steps_line
 from traceclf.render.timeline import PHASE_COLUMNS, PHASE_NOTE, nsys_rows, phase_rows
 from traceclf.render.verdict import verdict_line, verdict_title
 from traceclf.report.contract import Report
@@ -100,7 +100,7 @@ def _verdict(report: Report) -> Panel:
             Text("Already applied: ", style="bold") + for_terminal("; ".join(report.applied))
         )
     if report.next_wall:
-        wall = for_terminal(report.next_wall, WALL_STYLE.get(report.next_wall, ""))
+        wall = for_terminal(next_wall_text(report), WALL_STYLE.get(report.next_wall, ""))
         closing.append(Text("Next wall once this one is fixed: ", style="bold") + wall)
     title = for_terminal(f" {verdict_title(report)} ", f"bold {style}")
     headline = for_terminal(verdict_line(report), "bold" if report.abstained else "")

@@ -10,6 +10,15 @@ from traceclf.report.contract import Report
 from traceclf.support.units import counted, fmt_ms, pct
 
 
+def next_wall_text(report: Report) -> str | None:
+    """The wall the run hits once its bound is fixed; the bound itself where its fixes with a
+    measured ceiling leave it the largest wall (``next_wall`` is then the bound)."""
+    wall = report.next_wall
+    if wall and wall == report.bound:
+        return f"{wall} still: its fixes with a measured ceiling leave it the largest wall"
+    return wall
+
+
 def nsys_text(entry: dict) -> str:
     """An input's nsys and export schema versions, as far as the export says them (exports of
     old nsys versions, or written by a wrapper, may have no metadata table)."""
