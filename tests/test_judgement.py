@@ -198,9 +198,9 @@ def test_cudagraph_run_acts_on_its_optimizer_not_on_batched_gemms():
     # headline (the node trace measures 96%, with gaps inside the replays)
     (busy,) = [e for e in graph["classification"]["evidence"] if e.startswith("compute kernels")]
     hidden = graph["metrics"]["graph_unresolved_frac"]
-    assert f"at most: {hidden:.0%} of the step is inside graph-level traced replays" in busy
+    assert f"an upper bound: the {hidden:.0%} of the step inside graph-level traced" in busy
     (busy,) = [e for e in node["classification"]["evidence"] if e.startswith("compute kernels")]
-    assert node["metrics"]["graph_unresolved_frac"] == 0 and "at most" not in busy
+    assert node["metrics"]["graph_unresolved_frac"] == 0 and "upper bound" not in busy
 
 
 def test_a_count_from_the_eager_warm_up_says_it_is_estimated():

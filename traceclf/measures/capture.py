@@ -6,10 +6,11 @@ covers, and the kernels that run only outside it."""
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
 from traceclf.measures import intervals
-from traceclf.measures.hostframes import in_window
+from traceclf.measures.hostframes import in_window, samples_in
 from traceclf.measures.intervals import Busy
 from traceclf.measures.window import RankWindow, optimizer_ranges
 from traceclf.model.taxonomy import by_name, match_counts
@@ -105,19 +106,26 @@ def kernels_outside(w: RankWindow) -> list[dict]:
 
 
 def copies_outside(w: RankWindow) -> dict | None:
-    """The host<->device copies that run outside the window, where they hold at least
+    """The host<->device copies that run outside every step found (not only the window's: a
+    warm-up step's copies are the steps' own kind), where they hold at least
     :data:`OUTSIDE_SHARE` of the capture's GPU work (kernels, graph-level replays, copies and
-    memsets summed):
-    ``ms``, ``share``; a benchmark's setup and read-back (69% of a public CUTLASS run's GPU
-    time, which a window of its timed loop said nothing of). None otherwise, and for a
-    step-sampled read (it holds the analysed steps' rows alone)."""
+    memsets summed): ``ms``, ``share``; a benchmark's setup and read-back (69% of a public
+    CUTLASS run's GPU time, which a window of its timed loop said nothing of). None
+    otherwise, and for a step-sampled read (it holds the analysed steps' rows alone)."""
     trace = w.trace
     if trace.read_path != "whole":
         return None
     # (graph-level replays hide their kernels: their time is the GPU work they hold)
     work = _durations(trace.kernels) + _durations(trace.graphs) + _durations(trace.copies)
     host = trace.copies.filter(pl.col("direction").is_in([*HOST_TO_DEVICE, *DEVICE_TO_HOST]))
-    outside = host.filter(pl.Series(~in_window(w, host["start"].to_numpy())))
+    starts = host["start"].to_numpy()
+    steps = w.steps.table.drop_nulls(["gpu_start", "gpu_end"]).sort("gpu_start")
+    in_steps = (
+        samples_in(starts, steps["gpu_start"].to_numpy(), steps["gpu_end"].to_numpy()) >= 0
+        if steps.height
+        else np.zeros(len(starts), bool)
+    )
+    outside = host.filter(pl.Series(~in_window(w, starts) & ~in_steps))
     ns = _durations(outside)
     if not work or ns < OUTSIDE_SHARE * work:
         return None

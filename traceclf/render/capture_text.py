@@ -126,7 +126,7 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
             (
                 "Not in window",
                 f"host↔device copies {fmt_ms(copies['ms'])} ({pct(copies['share'])} of the "
-                "capture's GPU work) run outside the window, not analysed",
+                "capture's GPU work) run outside every step found, not analysed",
             )
         )
     if any(unusable.values()):
