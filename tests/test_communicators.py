@@ -561,7 +561,7 @@ def test_constructed_tp_dp_pp_cp_communicators(tmp_path: Path) -> None:
     assert groups[TP]["calls_per_step"] == 2 and groups[TP]["ranks"] == [0, 1]
 
 
-def test_constructed_slow_exchange_on_one_host_names_the_transport_to_check(tmp_path: Path) -> None:
+def test_constructed_slow_exchange_on_one_host_names_a_transport(tmp_path: Path) -> None:
     """CONSTRUCTED: a DP all-reduce of 64 MiB in 40 ms between two ranks of one host, each on
     an H100 of its own: 1.68 GB/s, slower than any link between GPUs of one host carries (a
     capture whose NCCL was told the ranks were on two hosts exchanged through sockets at 1.9

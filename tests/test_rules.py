@@ -606,10 +606,10 @@ def test_real_trace_next_wall():
     assert next_wall("host_launch") == "compute"
     assert next_wall("memory_offload") == "compute"
     assert next_wall("compute_dense") is None  # compute is the last wall: retune
-    # A bound that its fixes, at their ceilings, leave larger than every other wall is its own
-    # next wall ("host still"): input workers as the ceiling assumes them (8) still leave the host feeding
-    # the GPU slower than it computes (idle 96% less the ceiling's 88% of the step, against
-    # 4% compute). It was "compute", as though the idle time went whole.
+    # A bound its fixes, at their ceilings, leave larger than every other wall is its own next
+    # wall ("host still"): input workers as the ceiling assumes them (8) still leave the host
+    # feeding the GPU slower than it computes (idle 96% less the ceiling's 88% of the step,
+    # against 4% compute). It was "compute", as though the idle time went whole.
     facts = facts_of(first_available(*REAL["host_input_stall"][0]))
     verdict, m = evaluate(facts), facts["metrics"]
     (fix,) = [f for f in verdict.fixes if f["id"] == "input-pipeline"]

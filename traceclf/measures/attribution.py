@@ -310,13 +310,13 @@ def _issued_by_the_calls(
 ) -> Iterator[Piece]:
     """Stretches [h_start, h_end] of synchronising calls that waited for an operation they
     issued themselves (a blocking copy of pageable memory stages it, then waits for it): it
-    ran from its start until it ended or they returned, and after it ended they returned (their
-    latency); before it started, what it waited for ran (its dependency, or the operation that
-    finished last by then where that ended later: an implicit order nsys does not record, as
-    the legacy default stream's), walked back from there, and after that they were staging it, their own time
-    (unresolved where it also waited for an event the export cannot resolve). Its launch ends
-    after it starts: a walk from it would take that for its readiness and blame whatever ran
-    before, even work that ended before the calls began."""
+    ran from its start until it ended or they returned, and after it ended they returned
+    (their latency). Before it started, what it waited for ran (its dependency, or the
+    operation that finished last by then where that ended later: an implicit order nsys does
+    not record, as the legacy default stream's), walked back from there, and after that they
+    were staging it, their own time (unresolved where it also waited for an event the export
+    cannot resolve). Its launch ends after it starts: a walk from it would take that for its
+    readiness and blame whatever ran before, even work that ended before the calls began."""
     ended = np.clip(ops.end[op], h_start, h_end)
     began = np.clip(ops.start[op], h_start, ended)
     yield began, ended, ops.producer[op], op
