@@ -224,6 +224,13 @@ def test_a_count_from_the_eager_warm_up_says_it_is_estimated():
     )
     assert recorded == 1024
     assert low["metrics"]["small_gemm_repeats_per_step"] == pytest.approx(recorded, rel=0.01)
+    # the optimizer's share of a graph-level run comes from the same eager kernels, and says so
+    graph, node = report("h100_host_cudagraph"), report("h100_host_cudagraph_nodetrace")
+    warm = "of kernel time (in the eager warm-up's kernels, as the graph replays hide theirs):"
+    (said,) = [e for e in graph["classification"]["evidence"] if e.startswith("optimizer")]
+    assert warm in said
+    (said,) = [e for e in node["classification"]["evidence"] if e.startswith("optimizer")]
+    assert "eager" not in said
     launch = report("h100_host_launch_gpumetrics")
     (small,) = [e for e in launch["classification"]["evidence"] if e.startswith("one GEMM shape")]
     assert "estimated" not in small
