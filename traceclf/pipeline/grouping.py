@@ -152,36 +152,37 @@ def without_repeats(results: list[ExportResult], each_process: bool = True) -> l
     for result in results:
         capture = evidence(result).capture_utc_ns  # (when its GPU work ran, in UTC ns)
         key = None if capture is None else (capture, tuple(sorted(r.pid for r in result.ranks)))
-        if key is not None and key in seen:
-            warnings.warn(
-                f"{result.path}: the same capture as {seen[key]} (its start, GPU span and "
-                "processes): analysed once",
-                TraceWarning,
-                stacklevel=2,
-            )
+        same = "the same capture as {} (its start, GPU span and processes)"
+        if _seen_before(seen, key, result.path, same):
             continue
-        if key is not None:
-            seen[key] = result.path
         kept = []
         for rank in result.ranks:
             process = _process(rank) if each_process else None
-            if process is not None and process in processes:
-                warnings.warn(
-                    f"{result.path}: process {rank.pid} is also in {processes[process]} (the "
-                    "same host, pid and steady-state window): analysed once",
-                    TraceWarning,
-                    stacklevel=2,
-                )
-                continue
-            if process is not None:
-                processes[process] = result.path
-            kept.append(rank)
+            also = (
+                f"process {rank.pid} is also in {{}} (the same host, pid and steady-state window)"
+            )
+            if not _seen_before(processes, process, result.path, also):
+                kept.append(rank)
         if len(kept) < len(result.ranks) and kept:
             pids = ", ".join(str(rank.pid) for rank in kept)
             result = replace(result, ranks=tuple(kept), part=f"pid{'s' * (len(kept) > 1)} {pids}")
         if kept:
             out.append(result)
     return out
+
+
+def _seen_before(seen: dict[tuple, str], key: tuple | None, path: str, same: str) -> bool:
+    """Whether an earlier input held ``key`` (warned: ``path``, then ``same`` with that input's
+    name in its ``{}``); else ``key`` is noted as ``path``'s. A None key is never seen."""
+    if key is None:
+        return False
+    if key in seen:
+        warnings.warn(
+            f"{path}: {same.format(seen[key])}: analysed once", TraceWarning, stacklevel=3
+        )
+        return True
+    seen[key] = path
+    return False
 
 
 def _process(rank: RankResult) -> tuple | None:
