@@ -1047,29 +1047,9 @@ def _optimizer_kernels(w: Window, shape: list[dict], per_step: float | None) -> 
     return n / per_step if per_step else None
 
 
-def _recompute(w: Window) -> float | None:
-    """Forward GEMM/attention launches seen again in backward, by (name, grid, block): the sum
-    over shapes of min(forward, backward) over the forward launches (null without both
-    forward and backward NVTX ranges)."""
-    nvtx = taxonomy()["nvtx"]
-    fwd = _nvtx(w, nvtx["forward"])
-    bwd = [r for r in _nvtx(w, nvtx["backward"]) if r not in fwd]
-    if not fwd or not bwd:
-        return None
-
-    def shapes(ranges) -> list[tuple]:
-        heavy = [k for k in _launched_in(w, ranges) if k["family"] in ("gemm", "attention")]
-        return [(k["name"], k["grid"], k["block"]) for k in heavy]
-
-    forward, backward = shapes(fwd), shapes(bwd)
-    if not forward:
-        return None
-    return sum(min(forward.count(s), backward.count(s)) for s in set(forward)) / len(forward)
-
-
-def _recompute_ms(w: Window) -> float | None:
-    """ms per step of the launches _recompute counts: per shape, min(forward, backward)
-    launches at the shape's mean forward duration."""
+def _forward_backward(w: Window) -> tuple[list[dict], list[dict]] | None:
+    """The GEMM/attention kernels launched inside the forward and inside the backward NVTX
+    ranges (null without both, or without such a kernel in the forward)."""
     nvtx = taxonomy()["nvtx"]
     fwd = _nvtx(w, nvtx["forward"])
     bwd = [r for r in _nvtx(w, nvtx["backward"]) if r not in fwd]
@@ -1079,15 +1059,36 @@ def _recompute_ms(w: Window) -> float | None:
     def heavy(ranges) -> list[dict]:
         return [k for k in _launched_in(w, ranges) if k["family"] in ("gemm", "attention")]
 
-    forward, backward = heavy(fwd), heavy(bwd)
-    if not forward:
+    forward = heavy(fwd)
+    return (forward, heavy(bwd)) if forward else None
+
+
+def _shape(k: dict) -> tuple:
+    return (k["name"], k["grid"], k["block"])
+
+
+def _recompute(w: Window) -> float | None:
+    """Forward GEMM/attention launches seen again in backward, by (name, grid, block): the sum
+    over shapes of min(forward, backward) over the forward launches (null without both
+    forward and backward NVTX ranges)."""
+    found = _forward_backward(w)
+    if found is None:
         return None
-    back = [(k["name"], k["grid"], k["block"]) for k in backward]
+    forward, backward = ([_shape(k) for k in ks] for ks in found)
+    return sum(min(forward.count(s), backward.count(s)) for s in set(forward)) / len(forward)
+
+
+def _recompute_ms(w: Window) -> float | None:
+    """ms per step of the launches _recompute counts: per shape, min(forward, backward)
+    launches at the shape's mean forward duration."""
+    found = _forward_backward(w)
+    if found is None:
+        return None
+    forward, backward = found
+    back = [_shape(k) for k in backward]
     total = 0.0
-    for shape in {(k["name"], k["grid"], k["block"]) for k in forward}:
-        times = [
-            k["end"] - k["start"] for k in forward if (k["name"], k["grid"], k["block"]) == shape
-        ]
+    for shape in {_shape(k) for k in forward}:
+        times = [k["end"] - k["start"] for k in forward if _shape(k) == shape]
         total += min(len(times), back.count(shape)) * statistics.fmean(times)
     return total / MS / w.steps
 
