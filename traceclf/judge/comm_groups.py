@@ -115,7 +115,7 @@ def _group(
         "nranks": nranks,
         "dimension": dimension,
         "dimension_evidence": evidence,
-        "calls_per_step": _mean([p["kernels_per_step"] for p in per_rank]),
+        "calls_per_step": calls,
         "exposed_ms_per_step": exposed,
         "exposed_frac": _mean([g["exposed_frac"] for _, g in members]),
         "blocking_ms_per_step": _mean([p["blocking_ms_per_step"] for p in per_rank]),

@@ -89,9 +89,9 @@ class RankWindow:
     def step_calls(self) -> pl.DataFrame:
         """The sync, launch and allocation calls (start, end, is_sync, is_launch, is_alloc,
         is_free) of the analysed steps (:attr:`step_call_mask`); made when asked and not kept:
-        millions of calls over ``--all-steps``. Without steps, every call overlapping the window, whole:
-        clipped to it, a launch made before the first kernel looked 2 µs long where it took
-        38 µs."""
+        millions of calls over ``--all-steps``. Without steps, every call overlapping the
+        window, whole: clipped to it, a launch made before the first kernel looked 2 µs long
+        where it took 38 µs."""
         mine = pl.Series(self.step_call_mask)
         if not self.steps.count:
             return self.flagged.filter(mine)
