@@ -102,6 +102,18 @@ def collectives_of(keyed: pl.DataFrame, steps: Steps) -> dict[str, list]:
 STREAM_KEY = "comm stream {}"
 
 
+def stream_keys(rows: pl.DataFrame) -> pl.DataFrame:
+    """(stream_id, stream): each communication stream of a rank's ``rows`` (stream_id, start)
+    named by its place in the order of first use (:data:`STREAM_KEY`), which the ranks of a
+    job share where their stream ids differ."""
+    return (
+        rows.group_by("stream_id")
+        .agg(first=pl.col("start").min())
+        .sort("first", "stream_id")
+        .select("stream_id", stream=pl.format(STREAM_KEY, pl.int_range(1, pl.len() + 1)))
+    )
+
+
 def rank_collectives(rank: dict) -> pl.DataFrame:
     """The rank's collectives with ``ordinal``: the communicator NCCL's payloads name (its id
     is the same on every rank), else the rank's communication stream numbered by first use
@@ -122,12 +134,8 @@ def rank_collectives(rank: dict) -> pl.DataFrame:
         "row"
     )
     lo, hi = rank.get("window") or (None, None)
-    first = df.group_by("stream_id").agg(first=pl.col("start").min())
-    ordinal = first.sort("first", "stream_id").with_columns(
-        stream=pl.format(STREAM_KEY, pl.int_range(1, pl.len() + 1))
-    )
     return (
-        df.join(ordinal.select("stream_id", "stream"), on="stream_id")
+        df.join(stream_keys(df), on="stream_id")
         .with_columns(ordinal=pl.coalesce("group", "stream"), row=pl.col("row").cast(pl.Int64))
         .sort("start")
         .with_columns(

@@ -17,7 +17,7 @@ import numpy as np
 import polars as pl
 
 from traceclf.measures import intervals
-from traceclf.measures.collectives import STREAM_KEY
+from traceclf.measures.collectives import stream_keys
 from traceclf.measures.comm_calls import communicator_sizes
 from traceclf.measures.critical_path import CommBlocking
 from traceclf.measures.window import RankWindow
@@ -32,38 +32,23 @@ def hex_id(comm_id: int) -> str:
     return f"0x{int(comm_id):016x}"
 
 
-def stream_ordinals(comm_all: pl.DataFrame) -> pl.DataFrame:
-    """(stream_id, ordinal): the rank's communication streams numbered by first use, as the
-    matching across ranks numbers them (:func:`traceclf.measures.collectives.rank_collectives`):
-    stream ids are each process's own, the order of first use is not."""
-    return (
-        comm_all.group_by("stream_id")
-        .agg(first=pl.col("start").min())
-        .sort("first", "stream_id")
-        .with_columns(ordinal=pl.int_range(pl.len()).cast(pl.Int64))
-        .select("stream_id", "ordinal")
-    )
-
-
 def with_keys(comm_all: pl.DataFrame) -> pl.DataFrame:
     """``comm_all`` (the rank's refined communication kernels, :func:`traceclf.measures.
-    communication.refine_kinds`) with ``group``: its communicator's id, or ``comm stream N`` where
-    no payload names it."""
+    communication.refine_kinds`) with ``group``: its communicator's id, or ``comm stream N``
+    where no payload names it (:func:`~traceclf.measures.collectives.stream_keys`)."""
     ids = comm_all["comm_id"].drop_nulls().unique().to_list()
     names = pl.DataFrame(
         {"comm_id": ids, "_hex": [hex_id(i) for i in ids]},
         schema={"comm_id": pl.UInt64, "_hex": pl.String},
     )
     return (
-        comm_all.join(stream_ordinals(comm_all), on="stream_id", how="left")
+        comm_all.join(stream_keys(comm_all), on="stream_id", how="left")
         .join(names, on="comm_id", how="left")
         .with_columns(
-            # (a kernel without a stream id: no ordinal, a stream no other matches)
-            group=pl.coalesce(
-                "_hex", pl.format(STREAM_KEY, pl.col("ordinal") + 1), pl.lit("comm stream unknown")
-            )
+            # (a kernel without a stream id: no key, a stream no other matches)
+            group=pl.coalesce("_hex", "stream", pl.lit("comm stream unknown"))
         )
-        .drop("_hex", "ordinal")
+        .drop("_hex", "stream")
     )
 
 
