@@ -263,9 +263,12 @@ def printed(value: object, spec: str) -> str:
         return ", ".join(map(str, value)) or "none"
     if spec:
         try:
-            return format(value, spec)
+            text = format(value, spec)
         except (ValueError, TypeError):  # (a text fallback, as coalesce(x, "not known") gives)
             pass
+        else:  # a share above zero never reads "0%": "<1%" (.0%), "<0.1%" (.1%)
+            below = re.fullmatch(r"\.(\d)%", spec) and value > 0 and float(text[:-1]) == 0
+            return f"<{10 ** -int(spec[1]) / 100:{spec}}" if below else text
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 

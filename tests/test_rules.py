@@ -129,6 +129,10 @@ def test_a_clause_whose_number_the_trace_lacks_is_left_out():
     share = Template.parse("{c:.0%}[[, at most: {nonzero(g):.0%} in replays]]")
     assert share.render({"c": 0.96, "g": 0.0}) == "96%"
     assert share.render({"c": 1.0, "g": 1.0}) == "100%, at most: 100% in replays"
+    # a share above zero never prints as none: "<1%" (and "<0.1%" at one decimal)
+    assert share.render({"c": 0.004, "g": 0.005}) == "<1%, at most: <1% in replays"
+    assert Template.parse("{a:.1%} {b:.0%}").render({"a": 0.0004, "b": 0.006}) == "<0.1% 1%"
+    assert Template.parse("{a:.0%}").render({"a": 0.0}) == "0%"
     # when(): words a clause shows only where a condition holds (false or null: left out)
     said = Template.parse('{n:.0f} times[[ ({when(est, "estimated")})]]')
     assert said.render({"n": 1019.4, "est": True}) == "1019 times (estimated)"

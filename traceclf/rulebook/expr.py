@@ -378,5 +378,16 @@ def _format(value: Any, spec: str) -> str:
     if isinstance(value, (list, tuple)):
         return ", ".join(str(v) for v in value) or "none"
     if spec and _formats(value, spec):
-        return format(value, spec)
+        return _below_precision(value, spec) or format(value, spec)
     return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _below_precision(value: Any, spec: str) -> str | None:
+    """A share above zero that its percentage prints as zero, written as under the last digit
+    ("<1%" for ``.0%``, "<0.1%" for ``.1%``): "0%" says the trace showed none."""
+    digits = re.fullmatch(r"\.(\d)%", spec)
+    if digits is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if value <= 0 or float(format(value, spec)[:-1]) != 0:
+        return None
+    return f"<{10 ** -int(digits.group(1)) / 100:{spec}}"
