@@ -1022,3 +1022,50 @@ def test_cuda_graphs_ceiling_states_what_it_assumes_of_the_hosts_other_work(name
     assert f"{host:.0%} of the step in gaps of 1 ms or more" in fix["ceiling"]["assumes"]
     for m, mine in zip(ranks, recomputed(path), strict=True):
         assert m["launch_starved_host_frac"] <= mine["idle_host_frac"] + FRACTION_TOL
+
+
+def test_a_one_rank_all_to_all_is_a_device_copy_and_says_so() -> None:
+    """With one rank, NCCL's all-to-all copies its buffer with cudaMemcpyAsync (device to
+    device): no NCCL kernel runs, so the run reads compute-bound, but 13% of the step is those
+    copies with no kernel running, two thirds of their time issued inside `ncclAlltoAll`
+    (the rest: the experts' permutation copies, in no collective). The evidence names them
+    on the memory wall, with no fix. Independent: plain SQL over the report's window, the
+    copy's call found by correlationId and its NVTX ranges on the calling thread."""
+    path = FIXTURES / "h100_comm_a2a_gpumetrics_trimmed.sqlite"
+    rep = report(path)
+    m, (rank,) = rep["metrics"], rep["ranks"]
+    lo, hi = rep["steps"]["window_ns"]
+    rows = raw(
+        path,
+        "SELECT m.start, m.end, m.bytes, EXISTS (SELECT 1 FROM NVTX_EVENTS n "
+        "LEFT JOIN StringIds s ON s.id = n.textId WHERE n.globalTid = r.globalTid "
+        "AND n.start <= r.start AND n.end >= r.start "
+        "AND coalesce(n.text, s.value) LIKE 'ncclAllToAll%') "
+        "FROM CUPTI_ACTIVITY_KIND_MEMCPY m JOIN CUPTI_ACTIVITY_KIND_RUNTIME r "
+        "ON r.correlationId = m.correlationId WHERE m.copyKind = 8 AND m.start >= ? AND m.end <= ?",
+        lo,
+        hi,
+    )
+    wall = (hi - lo) / 1e9
+    per_step = sum(b for _s, _e, b, _in in rows) / rep["steps"]["analysed"]
+    copies = sum(e - s for s, e, _b, _in in rows)  # (one stream: the copies never overlap)
+    inside = sum(e - s for s, e, _b, inside in rows if inside)
+    assert m["d2d_bytes_per_step"] == pytest.approx(per_step, rel=0.01)
+    assert rank["metrics"]["d2d_frac"] == pytest.approx(copies / 1e9 / wall, abs=0.005)
+    assert m["d2d_in_collective_frac"] == pytest.approx(inside / copies, abs=0.01)
+    assert m["d2d_in_collective_frac"] == pytest.approx(0.66, abs=0.02)
+    cls = rep["classification"]
+    assert cls["bound"] == "compute"
+    said = [e for e in cls["evidence"] if e.startswith("device→device copies")]
+    assert said == [
+        f"device→device copies on the GPU take {m['d2d_frac']:.0%} of the step "
+        f"({per_step / 1e9:.1f} GB per step), {m['exposed_d2d_frac']:.0%} of the step with no "
+        f"kernel running; {m['d2d_in_collective_frac']:.0%} of their time is issued inside "
+        "collectives' NVTX ranges: where a communicator has one rank, its collective is this "
+        "copy and moves nothing between GPUs"
+    ]
+    assert not [f for f in rep["fixes"] if f["wall"] == "memory"]
+    # where device copies are a sliver of the step, nothing is said of them
+    dense = report(FIXTURES / "h100_compute_dense_gpumetrics_trimmed.sqlite")
+    assert 0 < dense["metrics"]["d2d_frac"] < 0.05
+    assert not [e for e in dense["classification"]["evidence"] if "device→device" in e]

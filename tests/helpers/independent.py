@@ -239,6 +239,7 @@ def read_export(path: Path) -> dict[str, list[dict]]:
         c["peer"] = kind.endswith("_PTOP")
         c["uvm"] = "_UVM_" in kind
         c["on_device"] = kind.endswith(("_DTOD", "_PTOP", "_ATOA", "_ATOD", "_DTOA"))
+        c["local"] = kind.endswith("_DTOD") and "_UVM_" not in kind  # within one GPU
         c["pageable"] = any(
             mem_kinds.get(c[k], "").endswith("_PAGEABLE") for k in ("srcKind", "dstKind")
         )
@@ -738,7 +739,12 @@ def _copies(w: Window) -> dict:
         return sum(c["bytes"] for c in big) / ns if ns else None  # bytes per ns = GB/s
 
     h2d_bytes, d2h_bytes = sum(c["bytes"] for c in h2d), sum(c["bytes"] for c in d2h)
+    local = [c for c in w.memcpy if c["local"]]
     return {
+        "d2d_frac": length(spans(local)) / w.wall,
+        "d2d_bytes_per_step": w.per_step(sum(c["bytes"] for c in local)),
+        "exposed_d2d_frac": (length(spans(local), kernels) - length(kernels)) / w.wall,
+        "d2d_in_collective_frac": _in_collectives(w, local),
         "offload_copy_frac": length(spans(h2d + d2h)) / w.wall,
         "h2d_frac": length(spans(h2d)) / w.wall,
         "d2h_frac": length(spans(d2h)) / w.wall,
@@ -768,6 +774,26 @@ def _copies(w: Window) -> dict:
             else None
         ),
     }
+
+
+def _in_collectives(w: Window, copies: list[dict]) -> float | None:
+    """Share of the copies' time (a union) whose CUDA call started inside a collective NVTX
+    range (taxonomy.nvtx_collectives, any source) on the same thread, ends included; null
+    without copies or NVTX ranges."""
+    if not copies or not w.rows["nvtx"]:
+        return None
+    calls = {a["corr"]: a for a in w.rows["api"]}
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for n in w.rows["nvtx"]:
+        if any(p.search(n["text"]) for _, _, p in taxonomy()["nvtx_collectives"]):
+            ranges.setdefault(n["tid"], []).append((n["start"], n["end"]))
+
+    def inside(c: dict) -> bool:
+        call = calls.get(c["corr"])
+        around = ranges.get(call["tid"], ()) if call else ()
+        return any(s <= call["start"] <= e for s, e in around)  # type: ignore[index]
+
+    return length(spans([c for c in copies if inside(c)])) / length(spans(copies))
 
 
 def _host(w: Window) -> dict:

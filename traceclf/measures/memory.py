@@ -3,6 +3,7 @@ recompute and device memory at capacity."""
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
 from traceclf.measures import intervals
@@ -25,6 +26,13 @@ MEASURES: dict[str, str] = {
     "GPUs, CUDA arrays and unified memory: copy kinds DtoD, PtoP, AtoA, AtoD, DtoA, UVM_DtoD): "
     "copies that use no host link",
     "memset_bytes_per_step": "bytes set by memsets per step",
+    "d2d_frac": "union of the time of copies within one GPU's memory (copy kind DtoD)",
+    "d2d_bytes_per_step": "bytes of those copies per step",
+    "exposed_d2d_frac": "time of those copies with no kernel (compute or communication) running",
+    "d2d_in_collective_frac": "share of those copies' time (a union) whose CUDA call started "
+    "inside a collective's NVTX range on its thread (taxonomy nvtx_collectives: NCCL's or "
+    "PyTorch's), as NCCL's copy of a one-rank communicator's buffer is (null without copies "
+    "or without NVTX ranges)",
     "pageable_copies_per_step": "memcpys from/to pageable host memory per step",
     "pageable_bytes_per_step": "bytes of those copies per step",
     "small_d2h_per_step": "device->host copies of <= 1 KiB per step (.item(), nonzero results)",
@@ -66,6 +74,7 @@ def copies(w: RankWindow) -> dict[str, float]:
     d2h = memcpy.filter(pl.col("direction").is_in(DEVICE_TO_HOST))
     offload = pl.concat([h2d, d2h])
     on_device = memcpy.filter(pl.col("direction").is_in(DEVICE_TO_DEVICE))
+    local = memcpy.filter(pl.col("direction") == "DtoD")
     memset = w.copies.filter(pl.col("op") == "memset")
     pageable = memcpy.filter(pl.col("pageable"))
     uvm = offload.filter(pl.col("direction").is_in(["UVM_HtoD", "UVM_DtoH"]))
@@ -75,6 +84,10 @@ def copies(w: RankWindow) -> dict[str, float]:
         "d2h_bytes_per_step": int(d2h["bytes"].sum()) / n_steps,
         "device_copy_bytes_per_step": int(on_device["bytes"].sum()) / n_steps,
         "memset_bytes_per_step": int(memset["bytes"].fill_null(0).sum()) / n_steps,
+        "d2d_frac": intervals.total(local) / w.wall,
+        "d2d_bytes_per_step": int(local["bytes"].sum()) / n_steps,
+        "exposed_d2d_frac": w.uncovered(local, w.layers.compute_comm) / w.wall,
+        "d2d_in_collective_frac": _in_collectives(local, w),
         "offload_copy_frac": intervals.total(offload) / w.wall,
         "pageable_copies_per_step": len(pageable) / n_steps,
         "pageable_bytes_per_step": int(pageable["bytes"].sum()) / n_steps,
@@ -89,6 +102,31 @@ def copies(w: RankWindow) -> dict[str, float]:
         "h2d_gbps": _gbps(h2d),
         "d2h_gbps": _gbps(d2h),
     }
+
+
+def _in_collectives(copies: pl.DataFrame, w: RankWindow) -> float | None:
+    """Share of ``copies``' time (a union) whose CUDA call started inside a collective's NVTX
+    range (NCCL's or PyTorch's, taxonomy ``nvtx_collectives``) on the calling thread, ends
+    included as for the collectives' kinds; null without copies or without NVTX ranges."""
+    total = intervals.total(copies)
+    nvtx = w.trace.nvtx
+    if not total or nvtx.is_empty():
+        return None
+    tax = w.taxonomy
+    named = pl.any_horizontal(tax.nvtx_collective(s).is_not_null() for s in tax.collective_sources)
+    ranges = nvtx.filter(named).select("start", "end", "global_tid")
+    calls = w.trace.call_index  # the call that issued each copy, by correlationId
+    # (a copy whose call is not in the trace: no thread, never inside)
+    at = calls.column("start", copies["pid"], copies["correlation_id"]).fill_null(0).to_numpy()
+    tid = calls.column("global_tid", copies["pid"], copies["correlation_id"])
+    tid = tid.fill_null(-1).to_numpy()
+    inside = np.zeros(len(copies), bool)
+    for (thread,), rows in ranges.group_by("global_tid"):
+        busy = Busy.of(rows)  # (nested ranges: one union per thread)
+        mine = tid == thread
+        j = np.searchsorted(busy.start, at[mine], side="right") - 1
+        inside[mine] = (j >= 0) & (at[mine] <= busy.end[np.maximum(j, 0)])
+    return intervals.total(copies.filter(pl.Series(inside))) / total
 
 
 def _duplex(h2d: pl.DataFrame, d2h: pl.DataFrame) -> float | None:
