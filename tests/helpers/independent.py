@@ -779,10 +779,12 @@ def _copies(w: Window) -> dict:
 def _in_collectives(w: Window, copies: list[dict]) -> float | None:
     """Share of the copies' time (a union) whose CUDA call started inside a collective NVTX
     range (taxonomy.nvtx_collectives, any source) on the same thread, ends included; null
-    without copies or NVTX ranges."""
+    without copies, NVTX ranges or the calls that made them."""
     if not copies or not w.rows["nvtx"]:
         return None
     calls = {a["corr"]: a for a in w.rows["api"]}
+    if not any(c["corr"] in calls for c in copies):  # no call traced: unknown
+        return None
     ranges: dict[int, list[tuple[int, int]]] = {}
     for n in w.rows["nvtx"]:
         if any(p.search(n["text"]) for _, _, p in taxonomy()["nvtx_collectives"]):

@@ -31,8 +31,8 @@ MEASURES: dict[str, str] = {
     "exposed_d2d_frac": "time of those copies with no kernel (compute or communication) running",
     "d2d_in_collective_frac": "share of those copies' time (a union) whose CUDA call started "
     "inside a collective's NVTX range on its thread (taxonomy nvtx_collectives: NCCL's or "
-    "PyTorch's), as NCCL's copy of a one-rank communicator's buffer is (null without copies "
-    "or without NVTX ranges)",
+    "PyTorch's), as NCCL's copy of a one-rank communicator's buffer is (null without copies, "
+    "NVTX ranges or the CUDA calls that made them)",
     "pageable_copies_per_step": "memcpys from/to pageable host memory per step",
     "pageable_bytes_per_step": "bytes of those copies per step",
     "small_d2h_per_step": "device->host copies of <= 1 KiB per step (.item(), nonzero results)",
@@ -107,7 +107,8 @@ def copies(w: RankWindow) -> dict[str, float]:
 def _in_collectives(copies: pl.DataFrame, w: RankWindow) -> float | None:
     """Share of ``copies``' time (a union) whose CUDA call started inside a collective's NVTX
     range (NCCL's or PyTorch's, taxonomy ``nvtx_collectives``) on the calling thread, ends
-    included as for the collectives' kinds; null without copies or without NVTX ranges."""
+    included as for the collectives' kinds; null without copies, without NVTX ranges or
+    without the calls that made them."""
     total = intervals.total(copies)
     nvtx = w.trace.nvtx
     if not total or nvtx.is_empty():
@@ -116,9 +117,11 @@ def _in_collectives(copies: pl.DataFrame, w: RankWindow) -> float | None:
     named = pl.any_horizontal(tax.nvtx_collective(s).is_not_null() for s in tax.collective_sources)
     ranges = nvtx.filter(named).select("start", "end", "global_tid")
     calls = w.trace.call_index  # the call that issued each copy, by correlationId
+    tid = calls.column("global_tid", copies["pid"], copies["correlation_id"])
+    if tid.null_count() == len(tid):  # (no CUDA call traced: where they were made is unknown)
+        return None
     # (a copy whose call is not in the trace: no thread, never inside)
     at = calls.column("start", copies["pid"], copies["correlation_id"]).fill_null(0).to_numpy()
-    tid = calls.column("global_tid", copies["pid"], copies["correlation_id"])
     tid = tid.fill_null(-1).to_numpy()
     inside = np.zeros(len(copies), bool)
     for (thread,), rows in ranges.group_by("global_tid"):
