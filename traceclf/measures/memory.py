@@ -113,16 +113,26 @@ def _in_collectives(copies: pl.DataFrame, w: RankWindow) -> float | None:
     nvtx = w.trace.nvtx
     if not total or nvtx.is_empty():
         return None
-    tax = w.taxonomy
-    named = pl.any_horizontal(tax.nvtx_collective(s).is_not_null() for s in tax.collective_sources)
-    ranges = nvtx.filter(named).select("start", "end", "global_tid")
     calls = w.trace.call_index  # the call that issued each copy, by correlationId
-    tid = calls.column("global_tid", copies["pid"], copies["correlation_id"])
-    if tid.null_count() == len(tid):  # (no CUDA call traced: where they were made is unknown)
+    made = calls.column("global_tid", copies["pid"], copies["correlation_id"])
+    if made.null_count() == len(made):  # (no CUDA call traced: where they were made is unknown)
         return None
     # (a copy whose call is not in the trace: no thread, never inside)
     at = calls.column("start", copies["pid"], copies["correlation_id"]).fill_null(0).to_numpy()
-    tid = tid.fill_null(-1).to_numpy()
+    tid = made.fill_null(-1).to_numpy()
+    # the names are matched only on the ranges that may hold a call (the calling threads',
+    # over the calls' time): a window's NVTX rows are many, its device copies few
+    tax = w.taxonomy
+    named = pl.any_horizontal(tax.nvtx_collective(s).is_not_null() for s in tax.collective_sources)
+    ranges = (
+        nvtx.filter(
+            pl.col("global_tid").is_in(made.drop_nulls().unique().implode())
+            & (pl.col("start") <= int(at[tid >= 0].max()))
+            & (pl.col("end") >= int(at[tid >= 0].min()))
+        )
+        .filter(named)
+        .select("start", "end", "global_tid")
+    )
     inside = np.zeros(len(copies), bool)
     for (thread,), rows in ranges.group_by("global_tid"):
         busy = Busy.of(rows)  # (nested ranges: one union per thread)
