@@ -397,3 +397,35 @@ def test_device_allocations_of_every_kind_are_allocator_calls(call: str, alloc: 
 
     got = pl.DataFrame({"name": [call]}).select(bundled().is_api("alloc")).item()
     assert got is alloc
+
+
+@pytest.mark.parametrize(
+    ("call", "sync", "wait"),
+    [
+        ("cudaDeviceSynchronize_v3020", True, True),
+        # its old name, which older codes call after every kernel (Rodinia's Gaussian
+        # elimination, public exports of it: 8,190 calls that had read "other CUDA call")
+        ("cudaThreadSynchronize_v3020", True, True),
+        ("cudaMemcpy_v3020", True, False),
+        # copies to and from CUDA arrays block the host as cudaMemcpy does (a public kNN code
+        # copies its input to an array every step)
+        ("cudaMemcpyToArray_v3020", True, False),
+        ("cudaMemcpy2DToArray_v3020", True, False),
+        ("cudaMemcpy3D_v3020", True, False),
+        # asynchronous copies, and device-to-device driver copies, block nothing on the host
+        ("cudaMemcpyAsync_v3020", False, False),
+        ("cudaMemcpy2DToArrayAsync_v3020", False, False),
+        ("cudaMemcpy3DAsync_v3020", False, False),
+        ("cuMemcpyDtoD_v2", False, False),
+        ("cudaStreamWaitEvent_v3020", False, False),
+    ],
+)
+def test_synchronising_calls_of_every_kind(call: str, sync: bool, wait: bool) -> None:
+    import polars as pl
+
+    from traceclf.model.taxonomy import bundled
+
+    got = pl.DataFrame({"name": [call]}).select(
+        sync=bundled().is_api("sync"), wait=bundled().is_api("wait")
+    )
+    assert got.row(0) == (sync, wait)
