@@ -184,6 +184,35 @@ def test_no_process_with_gpu_work_is_an_error(tmp_path, monkeypatch):
     assert code == 2 and err.startswith(f"traceclf: error: {path.name}: no process ran GPU work")
 
 
+GPU_TABLES = (
+    "CUPTI_ACTIVITY_KIND_KERNEL",
+    "CUPTI_ACTIVITY_KIND_MEMCPY",
+    "CUPTI_ACTIVITY_KIND_MEMSET",
+    "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION",
+)
+
+
+def test_gpu_rows_of_tables_without_process_ids_are_the_calls_one_process(tmp_path):
+    """GPU tables with no process column at all (nsys always writes one; nsys-ai's test
+    fixtures, built by hand, have none, and were refused): CUDA calls launch every kernel and
+    copy, so where the calls name one process the rows are its, and the report says so.
+    CONSTRUCTED from a real export: h100_host_input_stall with globalPid dropped from its GPU
+    tables; every measure stays the export's own. Where the calls name two processes
+    (h100_comm_ep2's), nothing says whose a row is: refused as before."""
+    drop = [f"ALTER TABLE {t} DROP COLUMN globalPid" for t in GPU_TABLES]
+    mine = report(edited(tmp_path, "h100_host_input_stall", *drop))
+    theirs = report(trace_path("h100_host_input_stall"))
+    (rank,) = theirs["ranks"]
+    assert mine["capture"]["pid_from_calls"] == [rank["pid"]]
+    assert theirs["capture"]["pid_from_calls"] == []
+    assert mine["classification"] == theirs["classification"]
+    assert mine["metrics"] == theirs["metrics"]
+    code, out, _ = run_cli("analyze", edited(tmp_path, "h100_host_input_stall", *drop), "-q")
+    assert code == 0 and f"they are taken as the work of pid {rank['pid']}" in " ".join(out.split())
+    code, _, err = run_cli("analyze", edited(tmp_path, "h100_comm_ep2", *drop), "--no-cache", "-q")
+    assert code == 2 and "no process ran GPU work" in err
+
+
 @pytest.mark.parametrize("regex", ["^Iter(?=ation)", "(unclosed"])
 def test_step_regex_the_engine_cannot_run_fails_before_loading(regex):
     code, _, err = run_cli("analyze", trace_path("h100_comm_ep2"), "--step-range", regex)

@@ -386,6 +386,7 @@ def build_trace(
         nccl_payload=payload,
         unusable_rows=dict(sorted(unusable.items())),
         repaired_strings=dict(sorted(reader.repaired.items())),
+        pid_from_calls=reader.pid_from_calls,
         read_spans=read_spans,
         capture_span=capture[0],
         capture_rows=capture[1],

@@ -115,6 +115,7 @@ def read_entry(entry: Path, path: Path) -> Trace | None:
         session=meta["session"],
         unusable_rows=dict(meta["unusable_rows"]),
         repaired_strings=dict(meta["repaired_strings"]),
+        pid_from_calls=meta.get("pid_from_calls"),
         host_sources=tuple(meta["host_sources"]),
         host_notes=dict(meta["host_notes"]),
         **dict(zip(Trace.FRAMES, frames, strict=True)),
@@ -142,6 +143,7 @@ def _read_meta(file: Path) -> dict:
         and all(isinstance(n, int) for n in meta["unusable_rows"].values())
         and isinstance(meta.get("repaired_strings"), dict)
         and all(isinstance(n, int) for n in meta["repaired_strings"].values())
+        and isinstance(meta.get("pid_from_calls"), int | None)
         and isinstance(meta.get("host_sources"), list)
         and all(isinstance(t, str) for t in meta["host_sources"])
         and isinstance(meta.get("host_notes"), dict)
@@ -187,6 +189,7 @@ def write_entry(trace: Trace, slot: Path, key: str) -> bool:
             "frames": {name: _frame_meta(getattr(trace, name)) for name in Trace.FRAMES},
             "unusable_rows": trace.unusable_rows,
             "repaired_strings": trace.repaired_strings,
+            "pid_from_calls": trace.pid_from_calls,
             "host_sources": list(trace.host_sources),
             "host_notes": trace.host_notes,
         }

@@ -22,7 +22,7 @@ import connectorx as cx
 import polars as pl
 
 from traceclf.ingest.schema import BEING_WRITTEN, ExportInfo, changed_since, readonly_uri
-from traceclf.ingest.tables import ROW_FILTERS, TABLES, TIMED, Col
+from traceclf.ingest.tables import EVENT_TABLES, ROW_FILTERS, TABLES, TIMED, Col
 from traceclf.ingest.utf8 import blob_sql, decode_text
 from traceclf.support.cpus import cpu_share, in_worker
 from traceclf.support.errors import TraceError
@@ -67,6 +67,8 @@ class Reader:
         self.uri = _uri(info.path)
         # strings that were not UTF-8, by "TABLE.column": repaired with U+FFFD (ingest/utf8.py)
         self.repaired: dict[str, int] = {}
+        # the process given to GPU rows of a table that names none (:meth:`_named_process`)
+        self.pid_from_calls: int | None = None
         self._counting = threading.Lock()  # (host side and NCCL payloads: threads of their own)
 
     def sql(self, query: str | list[str]) -> pl.DataFrame:
@@ -141,6 +143,8 @@ class Reader:
         if table is None:
             return empty_frame(cols)
         present = frozenset(self.info.columns[table])
+        if logical in EVENT_TABLES and logical != "api":
+            cols = self._named_process(cols, present)
         clauses = [where] if where else []
         if logical in ROW_FILTERS:
             column, condition, comes_with = ROW_FILTERS[logical]
@@ -237,6 +241,33 @@ class Reader:
             queries = queries + tail if isinstance(queries, str) else [q + tail for q in queries]
         return (self.sql(queries) if queries else pl.DataFrame()), columns
 
+    def _named_process(self, cols: tuple[Col, ...], present: frozenset[str]) -> tuple[Col, ...]:
+        """``cols`` of a GPU table, its process column given the one process that the
+        export's CUDA calls name where the table has no process column at all (an export
+        trimmed by hand or by another tool): CUDA calls launch every kernel and copy, so
+        those of a process that is alone in making them are its. Else ``cols`` as they are
+        (several processes, or no calls: the rows name no process, and are left out)."""
+        pid = next((c for c in cols if c.name == "pid"), None)
+        if pid is None or pid.sql is None or pid.sql(present) is not None:
+            return cols
+        if self._calls_process is None:
+            return cols
+        self.pid_from_calls = self._calls_process
+        constant = Col("pid", (), pl.Int32, sql=lambda _present: str(self._calls_process))
+        return tuple(constant if c is pid else c for c in cols)
+
+    @functools.cached_property
+    def _calls_process(self) -> int | None:
+        """The process of the export's CUDA calls where they name one and only one."""
+        api = self.table_of("api")
+        pid = self.pid_sql("api")
+        if api is None or pid is None:
+            return None
+        found = self.sql(
+            f"SELECT pid FROM (SELECT DISTINCT {pid} AS pid FROM {api} WHERE {pid} >= 0 LIMIT 2)"
+        )
+        return int(found["pid"][0]) if found.height == 1 else None
+
     @functools.cache  # noqa: B019 (one reader per export, a handful of tables)
     def _rowids(self, table: str) -> tuple[int, int]:
         """``(first - 1, last)`` rowid of the table (``(0, 0)`` when empty): SQLite reads both
@@ -250,10 +281,13 @@ class Reader:
     def pid_sql(self, logical: str) -> str | None:
         """SQL expression of a row's process id in ``logical``'s table, if it has one."""
         table = self.table_of(logical)
-        col = next((c for c in TABLES[logical][1] if c.name == "pid"), None)
-        if table is None or col is None or col.sql is None:
+        if table is None:
             return None
-        return col.sql(frozenset(self.info.columns[table]))
+        cols, present = TABLES[logical][1], frozenset(self.info.columns[table])
+        if logical in EVENT_TABLES and logical != "api":
+            cols = self._named_process(cols, present)
+        col = next((c for c in cols if c.name == "pid"), None)
+        return None if col is None or col.sql is None else col.sql(present)
 
     def empty(self, logical: str) -> pl.DataFrame:
         """A frame with ``logical``'s columns and no rows."""

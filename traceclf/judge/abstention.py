@@ -108,6 +108,8 @@ def capture_block(
         "capture_ms": max((f.get("capture_ms") or 0 for f in facts), default=0),
         "kernels": sum(f.get("kernels") or 0 for f in facts),
         "unusable_rows": _sum_counts(f.get("unusable_rows") or {} for f in facts),
+        # the processes given to GPU rows that named none (the CUDA calls' one process)
+        "pid_from_calls": sorted({p for f in facts if (p := f.get("pid_from_calls")) is not None}),
         # per export: the strings of one export are shared by its ranks
         "repaired_strings": _sum_counts(e.repaired_strings for e in exports),
         # the host side (docs/judgement.md, "What the host was doing"): the sources every rank

@@ -44,6 +44,7 @@ def capture_facts(w: RankWindow) -> dict:
         "repeating": repeating,
         "training_evidence": training,
         "unusable_rows": dict(getattr(trace, "unusable_rows", {}) or {}),
+        "pid_from_calls": trace.pid_from_calls,
         "cuda_api_traced": w.host_traced,
         "nvtx_step_ranges": 0 if nvtx_steps is None else len(nvtx_steps),
         "host_sources": list(trace.host_sources),

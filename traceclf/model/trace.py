@@ -108,6 +108,9 @@ class Trace:
     unusable_rows: dict[str, int] = field(default_factory=dict)
     # strings that were not UTF-8, repaired with U+FFFD, by "<TABLE>.<column>" (ingest/utf8.py)
     repaired_strings: dict[str, int] = field(default_factory=dict)
+    # the process given to GPU rows whose table names none: the one process the CUDA calls
+    # name (Reader.pid_from_calls); None where the rows name theirs
+    pid_from_calls: int | None = None
     # time spans (ns) the event frames cover; None: the whole capture
     read_spans: tuple[tuple[int, int], ...] | None = None
     # with ``read_spans``: first start and last end of GPU work in the whole capture, and the rows

@@ -129,6 +129,15 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
                 "capture's GPU work) run outside every step found, not analysed",
             )
         )
+    if c.get("pid_from_calls"):
+        pids = ", ".join(str(p) for p in c["pid_from_calls"])
+        rows.append(
+            (
+                "Processes",
+                f"the GPU rows name no process: they are taken as the work of pid {pids}, the one "
+                "process whose CUDA calls the export holds",
+            )
+        )
     if any(unusable.values()):
         rows.append(("Unusable rows", ", ".join(f"{k} {v:,}" for k, v in unusable.items() if v)))
     repaired = {k: v for k, v in (c.get("repaired_strings") or {}).items() if v}
