@@ -126,8 +126,7 @@ def _nvtx_kinds(comm: pl.DataFrame, w: RankWindow) -> pl.DataFrame | None:
     found = []
     for source in w.taxonomy.collective_sources:
         ranges = (
-            trace.nvtx.with_columns(nvtx_kind=w.taxonomy.nvtx_collective(source))
-            .filter(pl.col("nvtx_kind").is_not_null())
+            w.collective_ranges.filter(pl.col("source") == source)
             .select("start", "global_tid", "nvtx_kind", nvtx_end="end")
             .sort("start")
         )

@@ -120,21 +120,8 @@ def _in_collectives(copies: pl.DataFrame, w: RankWindow) -> float | None:
     # (a copy whose call is not in the trace: no thread, never inside)
     at = calls.column("start", copies["pid"], copies["correlation_id"]).fill_null(0).to_numpy()
     tid = made.fill_null(-1).to_numpy()
-    # the names are matched only on the ranges that may hold a call (the calling threads',
-    # over the calls' time): a window's NVTX rows are many, its device copies few
-    tax = w.taxonomy
-    named = pl.any_horizontal(tax.nvtx_collective(s).is_not_null() for s in tax.collective_sources)
-    ranges = (
-        nvtx.filter(
-            pl.col("global_tid").is_in(made.drop_nulls().unique().implode())
-            & (pl.col("start") <= int(at[tid >= 0].max()))
-            & (pl.col("end") >= int(at[tid >= 0].min()))
-        )
-        .filter(named)
-        .select("start", "end", "global_tid")
-    )
     inside = np.zeros(len(copies), bool)
-    for (thread,), rows in ranges.group_by("global_tid"):
+    for (thread,), rows in w.collective_ranges.group_by("global_tid"):
         busy = Busy.of(rows)  # (nested ranges: one union per thread)
         mine = tid == thread
         j = np.searchsorted(busy.start, at[mine], side="right") - 1

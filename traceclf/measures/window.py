@@ -102,6 +102,23 @@ class RankWindow:
         return pl.concat([calls, flags], how="horizontal").filter(keep)
 
     @functools.cached_property
+    def collective_ranges(self) -> pl.DataFrame:
+        """The rank's NVTX ranges that name a collective (taxonomy ``nvtx_collectives``):
+        start, end, global_tid, source and ``nvtx_kind``, once per source that names it;
+        matched once for the communication kernels' kinds and the device copies issued
+        inside collectives."""
+        tax, nvtx = self.taxonomy, self.trace.nvtx
+        parts = [
+            nvtx.select("start", "end", "global_tid", nvtx_kind=tax.nvtx_collective(source))
+            .filter(pl.col("nvtx_kind").is_not_null())
+            .with_columns(source=pl.lit(source))
+            for source in tax.collective_sources
+        ]
+        schema = {"start": pl.Int64, "end": pl.Int64, "global_tid": pl.Int64}
+        empty = pl.DataFrame(schema=schema | {"nvtx_kind": pl.String, "source": pl.String})
+        return pl.concat(parts) if parts and not nvtx.is_empty() else empty
+
+    @functools.cached_property
     def step_call_mask(self) -> np.ndarray:
         """Whether each CUDA call of the trace (row for row) is one of the analysed steps'
         (:func:`step_call_mask`; without steps, one overlapping the window): found once for

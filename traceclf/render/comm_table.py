@@ -27,8 +27,9 @@ NOTE = (
     "per communicator (NCCL's communicator id; without NCCL payloads, the ranks' communication "
     "streams numbered by first use, with the nsys stream ids), averaged over its ranks: calls, "
     "exposed and blocking ms, bytes per step; exposed = its kernels with no compute running "
-    "(shared while several run), blocking = compute waited for it; bytes as nccl-tests counts them; algorithm and bus bandwidth "
-    "(nccl-tests' formula) and the link's peak per direction in GB/s"
+    "(shared while several run), blocking = compute waited for it; bytes as nccl-tests counts "
+    "them; algorithm and bus bandwidth (nccl-tests' formula) and the link's peak per direction "
+    "in GB/s"
 )
 
 
