@@ -385,7 +385,14 @@ def top_kernels(w: RankWindow, n: int = 10) -> list[dict]:
         kern.with_columns(dur=pl.col("end") - pl.col("start"))
         .group_by(keys)
         .agg(total_ns=pl.col("dur").sum(), count=pl.len(), median_ns=pl.col("dur").median())
-        .sort("total_ns", descending=True)
+        # (equal totals by name: the groups come in no set order, and the report would not
+        # read the same twice)
+        .sort(
+            "total_ns",
+            pl.col("short_name").cast(pl.String),
+            pl.col("family").cast(pl.String),
+            descending=[True, False, False],
+        )
         .head(n)
     )
     # each instance covers what it runs past the furthest end of the same kernel's instances
