@@ -644,13 +644,7 @@ def _communication(w: Window) -> dict:
     rank of their communicator is all-to-all, else send/recv (NCCL's payloads)."""
     tax = taxonomy()
     launch = {a["corr"]: a for a in w.rows["api"]}
-    ranges: dict[int, list[tuple]] = {}
-    for n in w.rows["nvtx"]:
-        hit = next(
-            ((src, kind) for src, kind, p in tax["nvtx_collectives"] if p.search(n["text"])), None
-        )
-        if hit:
-            ranges.setdefault(n["tid"], []).append((n["start"], n["end"], *hit))
+    ranges = _collective_ranges(w)
     sources = list(dict.fromkeys(src for src, _, _ in tax["nvtx_collectives"]))
     kinds = []
     for k in w.comm_kernels:
@@ -685,6 +679,20 @@ def _communication(w: Window) -> dict:
             {first(tax["comm_libraries"], callee(k["name"])) for k in w.comm_kernels} - {None}
         ),
     }
+
+
+def _collective_ranges(w: Window) -> dict[int, list[tuple]]:
+    """Per thread, the NVTX ranges that name a collective: (start, end, source, kind) of the
+    first entry of taxonomy.nvtx_collectives that matches."""
+    out: dict[int, list[tuple]] = {}
+    for n in w.rows["nvtx"]:
+        hit = next(
+            ((src, kind) for src, kind, p in taxonomy()["nvtx_collectives"] if p.search(n["text"])),
+            None,
+        )
+        if hit:
+            out.setdefault(n["tid"], []).append((n["start"], n["end"], *hit))
+    return out
 
 
 def _overlap_tax(w: Window) -> dict:
@@ -785,15 +793,12 @@ def _in_collectives(w: Window, copies: list[dict]) -> float | None:
     calls = {a["corr"]: a for a in w.rows["api"]}
     if not any(c["corr"] in calls for c in copies):  # no call traced: unknown
         return None
-    ranges: dict[int, list[tuple[int, int]]] = {}
-    for n in w.rows["nvtx"]:
-        if any(p.search(n["text"]) for _, _, p in taxonomy()["nvtx_collectives"]):
-            ranges.setdefault(n["tid"], []).append((n["start"], n["end"]))
+    ranges = _collective_ranges(w)
 
     def inside(c: dict) -> bool:
         call = calls.get(c["corr"])
         around = ranges.get(call["tid"], ()) if call else ()
-        return any(s <= call["start"] <= e for s, e in around)  # type: ignore[index]
+        return any(r[0] <= call["start"] <= r[1] for r in around)  # type: ignore[index]
 
     return length(spans([c for c in copies if inside(c)])) / length(spans(copies))
 
