@@ -91,7 +91,7 @@ def test_no_fix_contradicts_its_gpu_requirement() -> None:
         if "gpu_family" not in required:
             continue
         allowed = set(re.findall(r'"([a-z0-9]+)"', required))
-        named = {f for f in FAMILIES for p in fix.preconditions if f in p.lower()}
+        named = {f for f in FAMILIES for p in fix.premises if f in p.text.lower()}
         assert named <= allowed, (fix.id, named - allowed)
 
 

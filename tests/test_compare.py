@@ -228,9 +228,9 @@ def test_measures_compare_in_points_or_relative() -> None:
     by_key = {m.key: m for m in result.measures}
     busy, kernels = by_key["gpu_busy_frac"], by_key["kernels_per_step"]
     assert busy.change == pytest.approx(-0.05) and busy.material
-    assert busy.describe() == "GPU busy 90% → 85% (-5.0 pp)"
+    assert busy.cells() == ("GPU busy", "90%", "85%", "-5.0 pp")
     assert kernels.change == pytest.approx(0.30) and kernels.material
-    assert kernels.describe() == "kernels/step 100 → 130 (+30%)"
+    assert kernels.cells() == ("kernels/step", "100", "130", "+30%")
     assert [m.key for m in result.moved] == ["gpu_busy_frac", "kernels_per_step"]
 
 

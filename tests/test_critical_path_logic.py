@@ -309,10 +309,11 @@ def test_long_streams_keep_their_stream_order():
             for c in ("pid", "device_id", "stream_id", "correlation_id", "event_sync_id")
         }
     )
-    deps = dependencies.resolve_dependencies(ops, empty, empty)
-    assert deps["dep_end"].to_list() == [None, *ops["end"].to_list()[:-1]]
-    assert deps["dep_op"].to_list() == [None, *range(n - 1)]
-    assert not deps["unresolved_wait"].any()
+    dep_end, dep_op, unresolved = dependencies.resolve_arrays(ops, empty, empty)
+    assert dep_end[0] == dependencies.NULL and dep_op[0] < 0  # (the first op depends on none)
+    assert dep_end[1:].tolist() == ops["end"].to_list()[:-1]
+    assert dep_op[1:].tolist() == list(range(n - 1))
+    assert not unresolved.any()
 
 
 def test_per_step_rows_are_rounded_as_python_rounds_them() -> None:

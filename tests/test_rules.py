@@ -179,7 +179,7 @@ def test_bundled_rules_define_the_contract_vocabulary_and_the_pitfalls():
     overlap = rs.fixes["ep-overlap"]
     assert "overlap_moe_expert_parallel_comm = True" in overlap.config
     assert "moe_shared_expert_overlap = False" in overlap.config
-    text = " ".join(overlap.preconditions + tuple(p.text for p in overlap.pitfalls))
+    text = " ".join(p.text for p in overlap.premises + overlap.pitfalls)
     assert "virtual_pipeline_model_parallel_size" in text and "full" in text
     assert any("silently skipped" in p.text.lower() for p in rs.fixes["deepep"].pitfalls)
     assert "reduce-overhead" in rs.fixes["cuda-graphs"].pytorch

@@ -178,7 +178,7 @@ def attribute_gaps(
       it ended or the call returned, and before it started the call staged it (host sync),
       after what it waited for.
     - After K was issued, the critical path is walked back from K through what each operation
-      waited for (``resolve_dependencies``): the time a producer ran is ``blocking_<class>``
+      waited for (``resolve_arrays``): the time a producer ran is ``blocking_<class>``
       of that producer (collective, copy, compute); the time between a producer's (or K's)
       readiness and its start is dependency_stalled (issued, dependencies done, not running:
       queueing, another process on the GPU, a dependency the export does not show).

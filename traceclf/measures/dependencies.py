@@ -131,18 +131,6 @@ def start_end_order(start: np.ndarray, end: np.ndarray) -> np.ndarray | None:
     return np.lexsort((end, start))  # (stable: ties keep their row order)
 
 
-def resolve_dependencies(
-    ops: pl.DataFrame, waits: pl.DataFrame, records: pl.DataFrame
-) -> pl.DataFrame:
-    """``ops`` with the columns of :func:`resolve_arrays` (nulls where there is none)."""
-    dep_end, dep_op, unresolved = resolve_arrays(ops, waits, records)
-    return ops.with_columns(
-        dep_end=_nullable(dep_end, dep_end != NULL),
-        dep_op=_nullable(dep_op.astype(np.int64), dep_op >= 0),
-        unresolved_wait=pl.Series(unresolved),
-    )
-
-
 def resolve_arrays(
     ops: pl.DataFrame,
     waits: pl.DataFrame,

@@ -66,8 +66,7 @@ def _terminal(result: Comparison, to_string: bool) -> str | None:
     for col in ("measure", "before", "after", "change"):
         moved.add_column(col, justify="left" if col == "measure" else "right")
     for m in result.moved:
-        cells = (m.label, m.value(m.before), m.value(m.after), m.delta())
-        moved.add_row(*map(for_terminal, cells))
+        moved.add_row(*map(for_terminal, m.cells()))
     console.print(moved if result.moved else Text("No measure moved materially."))
     _terminal_inside(console, result)
     if result.explanations:
@@ -133,14 +132,7 @@ def comparison_markdown(result: Comparison) -> str:
     ]
     if result.moved:
         lines += ["| measure | before | after | change |", "| --- | ---: | ---: | ---: |"]
-        lines += [
-            "| "
-            + " | ".join(
-                map(for_markdown, (m.label, m.value(m.before), m.value(m.after), m.delta()))
-            )
-            + " |"
-            for m in result.moved
-        ]
+        lines += ["| " + " | ".join(map(for_markdown, m.cells())) + " |" for m in result.moved]
     else:
         lines.append("No measure moved materially.")
     lines += ["", "## What changed inside the step", ""]

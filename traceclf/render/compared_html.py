@@ -52,7 +52,7 @@ def _body(c: Comparison, level: int, n: int) -> str:
         f"<p>{escape(bound_line(c))}</p>",
         f"<{h2}>{escape(moved_title(c))}</{h2}>",
     ]
-    moved = [(m.label, m.value(m.before), m.value(m.after), m.delta()) for m in c.moved]
+    moved = [m.cells() for m in c.moved]
     out.append(
         _table(("measure", "before", "after", "change"), moved, numeric={1, 2, 3})
         if moved

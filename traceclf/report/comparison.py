@@ -57,9 +57,9 @@ class MeasureChange:
     change: float | None  # points for fractions, relative for the rest; None: from zero
     material: bool
 
-    def describe(self) -> str:
-        """'exposed communication 97% → 12% (−85 pp)'."""
-        return f"{self.label} {self.value(self.before)} → {self.value(self.after)} ({self.delta()})"
+    def cells(self) -> tuple[str, str, str, str]:
+        """The row every format shows: ('exposed communication', '97%', '12%', '-85 pp')."""
+        return (self.label, self.value(self.before), self.value(self.after), self.delta())
 
     def value(self, v: float | None) -> str:
         if v is None:

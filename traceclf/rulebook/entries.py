@@ -59,11 +59,6 @@ class Fix:
     config_when: tuple[tuple[Expr, str], ...] = ()  # config lines added when the expr holds
     recovers: Recovers | None = None
 
-    @property
-    def preconditions(self) -> tuple[str, ...]:
-        """What must hold before applying the fix, as sentences."""
-        return tuple(p.text for p in self.premises)
-
 
 @dataclass(frozen=True)
 class LinearPattern:
