@@ -239,3 +239,35 @@ def test_a_fifo_beside_a_report_is_never_opened(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "rep" / "run.sqlite")
     result = child("analyze", report, "--nsys", nsys, "--cache-dir", tmp_path / "cache", "-q")
     assert result.code == 0 and "HOST-bound" in result.stdout, result.stderr
+
+
+
+def test_the_python_api_never_writes_onto_the_analysed_export(tmp_path: Path) -> None:
+    """docs/api.md's calls as it shows them, without ``inputs=``: a report or its trace-event
+    file aimed at the export it was made from is refused (TraceError naming the file), and
+    the export is unchanged; both wrote onto it before. A table whose name a report's input
+    has (constructed: the report's input renamed) is refused likewise."""
+    import dataclasses
+
+    import traceclf
+    from traceclf.export.files import export_tables
+    from traceclf.export.perfetto import write_trace
+    from traceclf.render import render
+
+    run = tiny(tmp_path)
+    report = traceclf.analyze(run, cache_dir=tmp_path / "cache")
+    before = file_state(run)
+    for write in (
+        lambda: render(report, "html", run),
+        lambda: render(report, "md", run),
+        lambda: write_trace([report], run, cache_dir=tmp_path / "cache"),
+    ):
+        with pytest.raises(traceclf.TraceError, match="run.sqlite"):
+            write()
+        assert file_state(run) == before
+    table = tmp_path / "ranks.csv"
+    table.write_text("not a table\n")
+    named = dataclasses.replace(report, inputs=[{"path": str(table)}])
+    with pytest.raises(traceclf.TraceError, match="ranks.csv"):
+        export_tables(named, tmp_path, "csv")
+    assert table.read_text() == "not a table\n"

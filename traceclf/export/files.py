@@ -51,10 +51,11 @@ def export_tables(
     report: Report | RunSet, folder: str | Path, fmt: str = "csv", inputs: Iterable[Path] = ()
 ) -> list[Path]:
     """Write every table of ``report`` (:data:`traceclf.report.frames.TABLES`) into ``folder``
-    (created if missing) as ``<table>.csv`` or ``<table>.parquet``; returns the files written."""
+    (created if missing) as ``<table>.csv`` or ``<table>.parquet``; returns the files written.
+    Nothing is written onto ``inputs`` or the report's own inputs."""
     folder = Path(folder)
     written = []
-    with written_together(inputs) as files:
+    with written_together([*inputs, *report.input_files()]) as files:
         # (on failure, removed with the tables: only the folders made here, if still empty)
         files.made(make_folder(folder))
         for name, df in report.tables().items():

@@ -133,7 +133,8 @@ def write_trace(
     cache_dir: Path | None = None,
 ) -> int:
     """Load each export of ``reports`` again (through the cache), write the trace-event file to
-    ``path`` atomically (never onto an input) and return its number of events. With several
+    ``path`` atomically (never onto ``inputs`` or the reports' own inputs) and return its
+    number of events. With several
     ranks, also one file per rank into :func:`per_rank_folder` (``rank<N>.json``; several runs:
     ``run<i>/rank<N>.json``), written together with it, for Holistic Trace Analysis.
 
@@ -143,7 +144,8 @@ def write_trace(
     from traceclf.support.atomic import written_together
     from traceclf.support.escape import path_text
 
-    inputs = list(inputs)
+    # (the caller's paths last: the files a report names as text are those, where both name one)
+    inputs = [*(path for report in reports for path in report.input_files()), *inputs]
     named = {path_text(p): p for p in inputs}
     traces = {
         file: open_trace(named.get(file, file), use_cache=use_cache, cache_dir=cache_dir)

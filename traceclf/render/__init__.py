@@ -17,8 +17,8 @@ def render(
     """Render ``report`` (one job, or several runs) as ``fmt`` to ``output`` (atomically) or
     stdout. Markdown written to a file gets its figures as PNG files beside it (none on
     stdout), written with the report: all of them or none. csv is the per-rank table
-    (report/frames.py). Nothing is written onto ``inputs``."""
-    with written_together(inputs) as files:
+    (report/frames.py). Nothing is written onto ``inputs`` or the report's own inputs."""
+    with written_together([*inputs, *report.input_files()]) as files:
         _render(report, fmt, output, files)
 
 

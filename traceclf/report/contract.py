@@ -109,6 +109,11 @@ class Report:
         """The HTML report in a notebook cell (style scoped to it, figures inline)."""
         return display.notebook_html(self)
 
+    def input_files(self) -> list[Path]:
+        """The exports the report was made from, as its ``inputs`` name them: what nothing
+        written for it may overwrite, whether or not the caller names them too."""
+        return [Path(i["path"]) for i in self.inputs if isinstance(i.get("path"), str)]
+
     def __repr__(self) -> str:
         files = ", ".join(Path(i.get("path", "?")).name for i in self.inputs) or "no input"
         bound = f"{self.bound}-bound" if self.bound else "no verdict"

@@ -44,6 +44,10 @@ class RunSet:
         """The summary as the JSON holds it: one dict per run."""
         return [summary_row(r) for r in self.runs]
 
+    def input_files(self) -> list[Path]:
+        """Every run's :meth:`Report.input_files`."""
+        return [path for run in self.runs for path in run.input_files()]
+
     def to_dict(self) -> dict:
         return {
             "report_version": self.report_version,
