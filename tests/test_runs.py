@@ -85,6 +85,20 @@ def test_the_same_capture_given_twice_is_analysed_once(tmp_path: Path) -> None:
     assert report.metrics == alone.metrics
 
 
+def test_another_name_of_one_file_is_analysed_once_and_said(tmp_path: Path) -> None:
+    """Constructed: a folder holding an export and a link to it named after it (``z`` sorts
+    after ``a``), and one path named twice. Each was dropped without a word, and the folder's
+    report named the link; now the first name in natural order is kept and the other said."""
+    first = copy_export(fixture_trace("h100_host_input_stall"), tmp_path / "a.sqlite")
+    (tmp_path / "z.sqlite").symlink_to("a.sqlite")
+    with pytest.warns(UserWarning, match=r"z\.sqlite: the same file as .*a\.sqlite: analysed once"):
+        report = analyze(tmp_path, jobs=1)
+    assert [Path(i["path"]).name for i in report.inputs] == ["a.sqlite"]
+    with pytest.warns(UserWarning, match=r"a\.sqlite: named twice: analysed once"):
+        again = analyze(first, first, jobs=1)
+    assert len(again.ranks) == len(report.ranks) == 1
+
+
 def test_a_process_in_two_inputs_is_analysed_once(
     rank_files, single: Report, tmp_path: Path
 ) -> None:

@@ -12,13 +12,14 @@ import errno
 import glob
 import os
 import re
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from traceclf.ingest.exportstamp import is_export_of, made_by_traceclf
 from traceclf.ingest.nsys import REPORT_SUFFIXES, beside_export, export_report, report_key
 from traceclf.ingest.schema import is_sqlite_file
-from traceclf.support.errors import TraceError
+from traceclf.support.errors import TraceError, TraceWarning
 
 EXPORT_SUFFIX = ".sqlite"
 GLOB_CHARS = re.compile(r"[*?\[]")
@@ -149,7 +150,9 @@ def _scan_folder(folder: Path) -> list[Path]:
     ]
     if not found:
         raise TraceError(folder, "folder holds no .sqlite or .nsys-rep files")
-    return found
+    # (in natural order, as the user reads the folder: of two names of one file, the first is
+    # the one kept)
+    return sorted(found, key=natural_key)
 
 
 def _checked_file(path: Path) -> Path:
@@ -167,10 +170,14 @@ def _checked_file(path: Path) -> Path:
 
 
 def _unique(paths: Iterable[Path]) -> list[Path]:
-    """First occurrence of each file, however it was named (relative, absolute, via a link)."""
+    """First occurrence of each file, however it was named (relative, absolute, via a link);
+    each other name of it is dropped with a warning, as a copy of a capture is (README)."""
     seen: dict[Path, Path] = {}
     for path in paths:
-        seen.setdefault(path.resolve(), path)
+        first = seen.setdefault(path.resolve(), path)
+        if first is not path:
+            same = "named twice" if first == path else f"the same file as {first}"
+            warnings.warn(f"{path}: {same}: analysed once", TraceWarning, stacklevel=2)
     return list(seen.values())
 
 
