@@ -124,7 +124,7 @@ CASES = {
     "random .nsys-rep": Case(
         written("random.nsys-rep", os.urandom(4096)), "cannot open report file", nsys="export"
     ),
-    "nsys missing": Case(fake_report, "nsys export --type sqlite -o run.sqlite run.nsys-rep"),
+    "nsys missing": Case(fake_report, "nsys export --type sqlite --include-blobs=true -o "),
     "nsys export failing": Case(fake_report, "Importer error: the report file is damaged", "fail"),
     "nsys writes nothing": Case(fake_report, "produced no SQLite file", nsys="nofile"),
     "nsys failing beside the user's export": Case(

@@ -259,7 +259,8 @@ def test_cli_without_nsys_says_how_to_export(report: Path) -> None:
     assert result.code == 2
     (line,) = result.stderr_lines
     assert line.startswith(f"traceclf: error: {report}: nsys not found")
-    assert "nsys export --type sqlite -o run.sqlite run.nsys-rep" in line
+    sqlite = report.with_suffix(".sqlite")
+    assert f"nsys export --type sqlite --include-blobs=true -o {sqlite} {report}" in line
     assert "--nsys" in line and "NSYS" in line
     assert file_state(report) == before
 

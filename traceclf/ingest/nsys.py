@@ -24,6 +24,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -114,8 +115,7 @@ def export_report(
         raise TraceError(
             report,
             f"cannot write its SQLite export into the cache folder {target.parent} "
-            "(pass a writable --cache-dir, or export it by hand: "
-            f"nsys export --type sqlite -o {beside_export(report).name} {report.name})",
+            f"(pass a writable --cache-dir, or export it by hand: {by_hand(report)})",
         )
     from traceclf.support.progress import status  # (rich: only when a report is exported)
 
@@ -308,7 +308,14 @@ def _terminate_group(proc: subprocess.Popen[str]) -> None:
 
 def _nsys_missing(report: Path, explicit: Path | None) -> str:
     where = f"{explicit} is not an executable" if explicit else "nsys not found ($NSYS, PATH)"
+    return f"{where}; export it by hand: {by_hand(report)} (or pass --nsys / set NSYS)"
+
+
+def by_hand(report: Path) -> str:
+    """The command that exports ``report`` beside it as traceclf would, keeping the blobs that
+    hold NCCL's message sizes (an nsys too old for the option refuses it: there, without it),
+    with the paths as the user named them."""
     return (
-        f"{where}; export it by hand: nsys export --type sqlite "
-        f"-o {beside_export(report).name} {report.name} (or pass --nsys / set NSYS)"
+        f"nsys export --type sqlite {BLOBS_OPTION}=true "
+        f"-o {shlex.quote(str(beside_export(report)))} {shlex.quote(str(report))}"
     )
