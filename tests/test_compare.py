@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import sqlite3
@@ -13,6 +14,7 @@ from helpers.cli import run_cli
 from realtraces import trace_path
 
 import traceclf
+from traceclf.compare.changes import graph_tracing
 from traceclf.compare.regression import compare_reports
 from traceclf.render.compared import comparison_markdown
 from traceclf.report.contract import WALLS, Report
@@ -229,6 +231,7 @@ def test_measures_compare_in_points_or_relative() -> None:
     busy, kernels = by_key["gpu_busy_frac"], by_key["kernels_per_step"]
     assert busy.change == pytest.approx(-0.05) and busy.material
     assert busy.cells() == ("GPU busy", "90%", "85%", "-5.0 pp")
+    assert busy.describe() == "GPU busy 90% → 85% (-5.0 pp)"  # (docs/api.md)
     assert kernels.change == pytest.approx(0.30) and kernels.material
     assert kernels.cells() == ("kernels/step", "100", "130", "+30%")
     assert [m.key for m in result.moved] == ["gpu_busy_frac", "kernels_per_step"]
@@ -276,6 +279,14 @@ def test_tracing_mode_difference_is_not_gated() -> None:
     )
     assert "kernels_per_step" not in {m.key for m in result.moved}
     assert (result.before.graph_tracing, result.after.graph_tracing) == ("graph", "node")
+    # (what the reports' capture blocks say, and what their measures show without them)
+    assert (graph.capture["graph_trace_mode"], node.capture["graph_trace_mode"]) == (
+        "graph",
+        "node",
+    )
+    bare = [dataclasses.replace(r, capture={}) for r in (graph, node)]
+    assert [graph_tracing(r) for r in bare] == ["graph", "node"]
+    assert graph_tracing(dataclasses.replace(graph, capture={"graph_trace_mode": "node"})) == "node"
     assert "graph-level → node-level" in result.explanations[0]
     assert "## Measures that differ (inconclusive comparison" in comparison_markdown(result)
     # the idle between a node-traced replay's kernels is in the replays, not outside them
@@ -368,7 +379,7 @@ def test_saved_report_version_2_that_abstains(saved: dict[str, Path]) -> None:
     v2 = json.loads(saved[FAST].read_text())
     v2 |= {
         "report_version": 2,
-        "capture": {"cuda_graph_trace": "graph"},
+        "capture": {"graph_trace_mode": "graph"},
         "classification": v2["classification"]
         | {"bound": None, "abstain_reason": "too few steady steps"},
     }

@@ -23,14 +23,12 @@ _MODE = {"graph": "graph-level", "node": "node-level"}
 def graph_tracing(report: Report) -> str | None:
     """How the run's CUDA graphs were traced: "graph" (one row per graph execution), "node"
     (one row per kernel inside it) or None (no graphs). Read from the report's capture block
-    when it says, else from the measures: graph executions appear as their own rows only
-    under graph-level tracing."""
+    (``graph_trace_mode``) when it says one of those, else from the measures: graph
+    executions appear as their own rows only under graph-level tracing."""
     capture = getattr(report, "capture", None)
-    if isinstance(capture, dict):
-        for key in ("cuda_graph_trace", "graph_trace", "cuda_graph_tracing"):
-            mode = capture.get(key)
-            if isinstance(mode, str) and mode.lower() in ("graph", "node"):
-                return mode.lower()
+    mode = capture.get("graph_trace_mode") if isinstance(capture, dict) else None
+    if mode in ("graph", "node"):
+        return mode
     m = metrics_of(report)
     if not m.get("uses_cuda_graphs") and not (number(m.get("graph_frac")) or 0) > 0:
         return None

@@ -58,8 +58,13 @@ class MeasureChange:
     material: bool
 
     def cells(self) -> tuple[str, str, str, str]:
-        """The row every format shows: ('exposed communication', '97%', '12%', '-85 pp')."""
+        """The row every format shows: ('exposed communication', '97%', '12%', '-85.0 pp')."""
         return (self.label, self.value(self.before), self.value(self.after), self.delta())
+
+    def describe(self) -> str:
+        """'exposed communication 97% → 12% (-85.0 pp)' (docs/api.md)."""
+        label, before, after, delta = self.cells()
+        return f"{label} {before} → {after} ({delta})"
 
     def value(self, v: float | None) -> str:
         if v is None:
