@@ -255,6 +255,22 @@ def test_kernels_command_says_which_entry_and_why():
     assert "family other: no entry of the taxonomy matches it" in out
 
 
+def test_the_rules_pages_example_taxonomy_loads_and_classifies(tmp_path):
+    """docs/rules.md's `--rules` taxonomy example, as printed: it loads (each example matched
+    by its own pattern) and names its kernel's family and kind (its patterns once missed the
+    `void ` of a demangled name and were refused)."""
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "rules.md").read_text(encoding="utf-8")
+    start = page.index("taxonomy:\n  families:\n    - name: my_fabric")
+    (tmp_path / "kernels.yaml").write_text(page[start : page.index("```", start)])
+    name = "void my_fabric::dispatch<bf16>(my_fabric::Args)"
+    code, out, err = run_cli("kernels", "--rules", tmp_path, name)
+    assert code == 0, err
+    assert "family communication, by entry 'my_fabric'" in out
+    assert "collective kind all_to_all" in out
+
+
 def test_kernels_command_needs_a_name():
     code, _out, err = run_cli("kernels")
     assert code == 2 and "NAME" in err

@@ -123,8 +123,8 @@ rules_option = click.option(
 no_cache_option = click.option(
     "--no-cache",
     is_flag=True,
-    help="Neither read nor write the cache (each export's trace model as Parquet and its "
-    "analysis result).",
+    help="Neither read nor write the cache (each export's analysis result, and its trace "
+    "model as Parquet where the whole export is read).",
 )
 
 
