@@ -262,12 +262,12 @@ def test_the_python_api_never_writes_onto_the_analysed_export(tmp_path: Path) ->
         lambda: render(report, "md", run),
         lambda: write_trace([report], run, cache_dir=tmp_path / "cache"),
     ):
-        with pytest.raises(traceclf.TraceError, match="run.sqlite"):
+        with pytest.raises(traceclf.TraceError, match=r"run\.sqlite"):
             write()
         assert file_state(run) == before
     table = tmp_path / "ranks.csv"
     table.write_text("not a table\n")
     named = dataclasses.replace(report, inputs=[{"path": str(table)}])
-    with pytest.raises(traceclf.TraceError, match="ranks.csv"):
+    with pytest.raises(traceclf.TraceError, match=r"ranks\.csv"):
         export_tables(named, tmp_path, "csv")
     assert table.read_text() == "not a table\n"
