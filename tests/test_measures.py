@@ -266,3 +266,41 @@ def test_nvtx_cover_joins_gaps_a_block_at_a_time_with_the_same_answer(monkeypatc
     # a gap's own range (40 of its 50 ns) is innermost; in the first gap, the nested range
     # that starts latest and still covers half of it (level 25, from 25 ns) starts after it
     assert whole["nvtx"].to_list() == ["level 25"] + [f"gap {i * 100}" for i in range(1, 40)]
+
+
+@pytest.mark.parametrize("name", ["h100_host_launch_gpumetrics", "h100_host_cudagraph_nodetrace"])
+def test_fusable_chains_recomputed_kernel_by_kernel(name):
+    """The kernel-fusion ceiling's measure, recomputed by a plain loop over each stream's
+    kernels in start order: a chain is a run of elementwise/reduction kernels outside the
+    optimizer, and each chain of two or more loses all but its longest kernel."""
+    from itertools import groupby
+
+    from realtraces import trace_path
+
+    from traceclf.ingest.load import load_trace
+    from traceclf.measures.compute import fusable_chain_ms
+    from traceclf.measures.window import prepare
+    from traceclf.model.taxonomy import bundled
+    from traceclf.steps.find import find_steps
+
+    trace = load_trace(trace_path(name))
+    (pid,) = trace.rank_pids
+    taxonomy = bundled()
+    w = prepare(trace, find_steps(trace, None, taxonomy), trace.gpu_of(pid), taxonomy)
+    rows = w.kern.select("stream_id", "start", "end", "family", "in_optimizer").to_dicts()
+    removable = 0
+    for _stream, kernels in groupby(
+        sorted(rows, key=lambda r: (r["stream_id"], r["start"])), key=lambda r: r["stream_id"]
+    ):
+        linked = [
+            (r["family"] in ("elementwise", "reduction") and not r["in_optimizer"], r)
+            for r in kernels
+        ]
+        for link, chain in groupby(linked, key=lambda x: x[0]):
+            durations = [r["end"] - r["start"] for _, r in chain]
+            if link and len(durations) >= 2:
+                removable += sum(durations) - max(durations)
+    assert removable > 0
+    assert fusable_chain_ms(w.kern, w.n_steps) == pytest.approx(removable / 1e6 / w.n_steps)
+    (m,) = [r.metrics for _, r in measured(f"{name}.sqlite")]
+    assert m["fusable_chain_ms"] == pytest.approx(removable / 1e6 / w.n_steps, abs=1e-6)

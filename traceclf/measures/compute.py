@@ -3,6 +3,7 @@ graphs, GEMM precision, the optimizer's kernels and what the GPU metrics say."""
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
 from traceclf.ingest.devices import METRIC_NAMES
@@ -140,26 +141,21 @@ def fusable_chain_ms(kern: pl.DataFrame, per_step: float) -> float:
     chains = kern.select("stream_id", "start", link=link, dur=pl.col("end") - pl.col("start"))
     # per stream in start order: the kernels are in start order already, and a stable sort by
     # stream alone keeps it (a sort by both keys of millions of rows cost 4x as much)
-    runs = (
-        (
-            chains.sort("stream_id", maintain_order=True)
-            if chains["start"].is_sorted()
-            else chains.sort("stream_id", "start", maintain_order=True)
-        )
-        .with_columns(
-            run=(
-                (pl.col("link") != pl.col("link").shift(1))
-                | (pl.col("stream_id") != pl.col("stream_id").shift(1))
-            )
-            .fill_null(True)
-            .cum_sum()
-        )
-        .filter("link")
-        .group_by("run")
-        .agg(n=pl.len(), total=pl.col("dur").sum(), longest=pl.col("dur").max())
-        .filter(pl.col("n") >= 2)
+    chains = (
+        chains.sort("stream_id", maintain_order=True)
+        if chains["start"].is_sorted()
+        else chains.sort("stream_id", "start", maintain_order=True)
     )
-    removable = int((runs["total"] - runs["longest"]).sum()) if len(runs) else 0
+    # the chain members, in that order
+    at = np.flatnonzero(chains["link"].fill_null(False).to_numpy())
+    if not len(at):
+        return 0.0
+    stream, dur = chains["stream_id"].to_numpy()[at], chains["dur"].to_numpy()[at]
+    # a chain begins where the member before is not the row before, or on another stream;
+    # each keeps its longest member and loses the rest (a lone member loses nothing): the
+    # chains as runs of consecutive members, not groups (millions of them)
+    begins = np.flatnonzero(np.r_[True, (np.diff(at) != 1) | (stream[1:] != stream[:-1])])
+    removable = int(dur.sum()) - int(np.maximum.reduceat(dur, begins).sum())
     return removable / 1e6 / per_step
 
 
@@ -377,10 +373,14 @@ def top_kernels(w: RankWindow, n: int = 10) -> list[dict]:
     their time summed, count, median, and ``frac``: the share of the window in which one of
     them runs (their union: instances running at once on several streams, as collectives of
     several communicators do, count once; their sum passed 100%)."""
-    kern = w.kern
+    keys = ["short_name", "family"]
+    # (the four columns read here: millions of kernels, every column copied by the join below;
+    # in start order, as the window's kernels are, for the union below)
+    kern = w.kern.select(*keys, "start", "end")
     if kern.is_empty():
         return []
-    keys = ["short_name", "family"]
+    if not kern["start"].is_sorted():
+        kern = kern.sort("start", maintain_order=True)
     top = (
         kern.with_columns(dur=pl.col("end") - pl.col("start"))
         .group_by(keys)
@@ -396,11 +396,10 @@ def top_kernels(w: RankWindow, n: int = 10) -> list[dict]:
         .head(n)
     )
     # each instance covers what it runs past the furthest end of the same kernel's instances
-    # started before it (a group's rows in the frame's order: by start)
+    # started before it (a group's rows in the frame's order, kept by the join: by start)
     reach = pl.col("end").cum_max().shift(1)
     union = (
-        kern.join(top.select(keys), on=keys, how="semi")
-        .sort("start")
+        kern.join(top.select(keys), on=keys, how="semi", maintain_order="left")
         .group_by(keys)
         .agg(union_ns=(pl.col("end") - pl.max_horizontal("start", reach)).clip(lower_bound=0).sum())
     )
