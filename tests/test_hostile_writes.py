@@ -241,7 +241,6 @@ def test_a_fifo_beside_a_report_is_never_opened(tmp_path: Path) -> None:
     assert result.code == 0 and "HOST-bound" in result.stdout, result.stderr
 
 
-
 def test_the_python_api_never_writes_onto_the_analysed_export(tmp_path: Path) -> None:
     """docs/api.md's calls as it shows them, without ``inputs=``: a report or its trace-event
     file aimed at the export it was made from is refused (TraceError naming the file), and
