@@ -34,11 +34,16 @@ GFM_PAYLOAD = (
     "mail@evil.example ~~struck~~ _em_ *em* "
 )
 # What a terminal or a browser acts on: C0 controls but newline, DEL, C1, bidi overrides and
-# isolates, and line/paragraph separators.
+# isolates, and line/paragraph separators; and what shows nothing: zero-width characters, the
+# byte order mark, soft hyphen, tag characters.
 INVISIBLE = re.compile(
-    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+    "\u00ad\u200b-\u200d\u2060-\u2064\ufeff\U000e0000-\U000e007f]"
 )
-CONTROL_PAYLOAD = "\x1b[31m\x07\u202eevil\x1b]8;;http://evil.example\x1b\\link\x1b]8;;\x1b\\ "
+CONTROL_PAYLOAD = (
+    "\x1b[31m\x07\u202eevil\x1b]8;;http://evil.example\x1b\\link\x1b]8;;\x1b\\"
+    "\u200b\ufeff\U000e0041\u00ad "
+)
 # The tags a Markdown report renders to (cmark-gfm) when nothing is injected.
 REPORT_TAGS = {"h1", "h2", "h3", "p", "strong", "code", "pre", "ul", "li", "img", "br"}
 REPORT_TAGS |= {"table", "thead", "tbody", "tr", "th", "td"}
@@ -61,10 +66,26 @@ def hostile_export(folder: Path, payload: str, name: str = "run.sqlite") -> Path
     return path
 
 
+def yaml_quoted(text: str) -> str:
+    """``text`` as a YAML double-quoted scalar, every character not printable ASCII escaped
+    (YAML's \\x, \\u and \\U: a JSON string spells U+E0041 as two surrogates, which YAML
+    refuses)."""
+
+    def escaped(c: str) -> str:
+        code = ord(c)
+        if 0x20 <= code < 0x7F and c not in '"\\':
+            return c
+        if code < 0x100:
+            return f"\\x{code:02x}"
+        return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+    return '"' + "".join(map(escaped, text)) + '"'
+
+
 def hostile_rules(folder: Path, payload: str) -> Path:
     """A rule that always fires, and its fix, whose prose starts with ``payload``."""
     folder.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(payload)  # a YAML double-quoted scalar is a JSON string
+    text = yaml_quoted(payload)
     (folder / "mine.yaml").write_text(
         "rules:\n"
         "  - id: always\n"
@@ -218,3 +239,26 @@ def test_perfetto_trace_holds_no_raw_control_or_bidi_character(tmp_path: Path) -
         e["args"]["full_name"] for e in events["traceEvents"] if "full_name" in e.get("args", {})
     ]
     assert full and all(name.startswith("\\x1b[31m") for name in full)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "``<img src=x onerror=alert(1)>`",
+        'data_wait ``<a href="https://evil.example">click</a>`',
+        "Z!``<<img src=x onerror=1>`a",
+        "Z[``--><img src=x onerror=1>\\`",
+    ],
+)
+def test_a_stray_backtick_run_in_prose_opens_no_html(value: str) -> None:
+    """A trace value in rule prose (evidence names frames and NVTX ranges) with a run of two
+    backticks then one: a code span was found from the run's second backtick, kept raw, and
+    GitHub read the run as text and the tag inside as HTML (an adversarial review's find).
+    (The value's odd backtick may still pair with the rule's own code span: literal text
+    either way.)"""
+    from traceclf.support.escape import for_markdown
+
+    prose = for_markdown(f"GPU idle while in {value} (a.py): set `cfg.x = 1`", code_spans=True)
+    page = read_html(gfm(f"- {prose}\n"))
+    assert set(page.tags) <= {"ul", "li", "code"}, page.tags
+    assert "onerror" not in value or "onerror=" in "".join(page.text)  # shown as text

@@ -15,15 +15,17 @@ from typing import Any
 
 # What a terminal may act on or that hides text: C0 controls, DEL, C1 controls (U+009B is CSI
 # on terminals that honour 8-bit controls), bidirectional overrides and isolates ("Trojan
-# Source" reordering), line/paragraph separators, and lone surrogates (the bytes of a file
-# name that is not UTF-8, which cannot even be written to a UTF-8 stream).
-_UNSAFE = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+# Source" reordering), line/paragraph separators, lone surrogates (the bytes of a file name
+# that is not UTF-8, which cannot even be written to a UTF-8 stream), and the characters that
+# show nothing: zero-width spaces and joiners, word joiners and invisible operators, the byte
+# order mark, soft hyphen, interlinear annotation marks and tag characters (which can carry
+# hidden text, and make two names that read the same differ).
+_INVISIBLE = (
+    "\u00ad\u034f\u061c\u180e\u200b-\u200f\u2028\u2029\u202a-\u202e\u2060-\u2064"
+    "\u2066-\u2069\ufeff\ufff9-\ufffb\U000e0000-\U000e007f\ud800-\udfff"
 )
-_UNSAFE_MULTILINE = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
-    "\ud800-\udfff]"
-)
+_UNSAFE = re.compile(f"[\x00-\x1f\x7f-\x9f{_INVISIBLE}]")
+_UNSAFE_MULTILINE = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_INVISIBLE}]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -34,7 +36,9 @@ def _shown(match: re.Match[str]) -> str:
         return _NAMED[c]
     if 0xDC80 <= code <= 0xDCFF:  # surrogateescape: the undecodable byte itself
         return f"\\x{code - 0xDC00:02x}"
-    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 _UNDECODED = re.compile("[\udc80-\udcff]")
@@ -69,7 +73,7 @@ def for_terminal(value: Any, style: str = "", *, multiline: bool = False):
 # that restyles the text around the value, and so would "_" anywhere but between two letters
 # or digits (as in "h100_comm_ep2", where it opens nothing and stays as it is).
 _MD_SPECIAL = re.compile(r"([\\`*~&\[\]<|]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z]))")
-_MD_SPECIAL_PROSE = re.compile(r"([\\*~&\[\]<]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z]))")
+_MD_SPECIAL_PROSE = re.compile(r"([\\`*~&\[\]<]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z]))")
 _LINE_BREAKS = re.compile("[\r\n\u2028\u2029]+")
 # GFM links bare URLs ("http://", "https://", "ftp://"), "www." names and e-mail addresses
 # (autolink extension). A backslash before ":" or "." ends the first two; an address is found
@@ -78,8 +82,11 @@ _LINE_BREAKS = re.compile("[\r\n\u2028\u2029]+")
 _URL = re.compile(r"(?<=[A-Za-z])(:)(?=//)")
 _WWW = re.compile(r"([Ww]{3})(\.)")
 _EMAIL = re.compile(r"@(?=[A-Za-z0-9])")
-# Code spans of rule prose (``config names``): literal already, left as they are.
-_CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1(?!`)")
+# Code spans of rule prose (``config names``): literal already, left as they are. As
+# CommonMark reads them: a whole run of backticks (none just before it) closed by the next run
+# of the same length; a backtick outside them is escaped, so that a value's stray run (``)
+# opens nothing and pairs with nothing.
+_CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`).+?(?<!`)\1(?!`)")
 # What a value could start at the beginning of a line: a heading, a quote, a list item, a
 # setext underline or thematic break ("-12%" or "1.5 ms" start none of them).
 _LINE_START = re.compile(r"^([#>]|[-+=](?=[-=\s]|$))|^(\d{1,9})([.)])(?=\s|$)")
