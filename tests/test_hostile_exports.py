@@ -363,3 +363,51 @@ def test_an_export_being_written_is_said_to_be_so(tmp_path: Path) -> None:
         stop.set()
         writer.join()
     one_line_error(result, "run.sqlite", "still being written")
+
+
+def test_an_unforeseen_failure_names_its_file(tmp_path: Path) -> None:
+    """CONSTRUCTED (an adversarial review's case): StringIds rebuilt by a tool without column
+    types, its ids made text. What no check foresees still ends in one line and exit 2, and
+    now names the export, among others that are fine: the run failed as "internal error"
+    without saying which file."""
+    bad = edited(
+        tmp_path,
+        "CREATE TABLE s AS SELECT * FROM StringIds",
+        "DROP TABLE StringIds",
+        'CREATE TABLE StringIds ("id", "value")',
+        "INSERT INTO StringIds SELECT 's' || id, value FROM s",
+        "DROP TABLE s",
+        name="bad.sqlite",
+    )
+    good = copy_export(fixture_trace(TINY), tmp_path / "good.sqlite")
+    result = child("analyze", good, bad, "-f", "json", "-q", "--no-cache", "--runs")
+    assert result.code == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"traceclf: error: {bad}: internal error: "), line
+
+
+@pytest.mark.parametrize("size", [-5, 0, 2**62])
+def test_a_gpu_size_no_gpu_has_is_unknown(tmp_path: Path, size: int) -> None:
+    """CONSTRUCTED: the GPU's SM count and memory set to a size no GPU has. -5 SMs and -1 bytes
+    were echoed, and the report said "peak device memory -80789367500% of capacity"; now they
+    are unknown, as a missing table's are, and what they scale is null."""
+    path = edited(tmp_path, f"UPDATE TARGET_INFO_GPU SET smCount = {size}, totalMemory = {size}")
+    report = analysed(path)
+    (gpu,) = report["gpus"]
+    assert gpu["sm_count"] is None and gpu["memory_bytes"] is None
+    assert report["metrics"]["peak_memory_frac"] is None
+    assert report["metrics"]["small_grid_kernel_frac"] is None
+    assert (
+        report["classification"]["bound"]
+        == analysed(fixture_trace(TINY))["classification"]["bound"]
+    )
+
+
+@pytest.mark.parametrize("value", [5000, 9223372036854775807, -1e9])
+def test_gpu_metric_samples_outside_a_percentage_are_left_out(tmp_path: Path, value) -> None:
+    """CONSTRUCTED: every sample of the metrics read set to a value no percentage has. 5000 was
+    averaged into "SMs active 5000%" in the evidence (sm_active_mean 50.0); now such samples
+    are left out as negative ones were, and no mean is made of none."""
+    path = edited(tmp_path, f"UPDATE GPU_METRICS SET value = {value}", source=METRICS)
+    metrics = analysed(path)["metrics"]
+    assert metrics["sm_active_mean"] is None and metrics["tensor_active_mean"] is None

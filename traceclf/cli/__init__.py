@@ -478,7 +478,14 @@ def _internal(e: BaseException) -> None:
 
         release()  # (the traceback goes to descriptor 2, which a running read may hold)
         raise e
-    fail(f"internal error: {type(e).__name__}: {e} (set TRACECLF_DEBUG=1 for a traceback)")
+    from traceclf.support.errors import analysed_file
+
+    where = analysed_file(e)
+    what = next((line for line in str(e).splitlines() if line.strip()), "")
+    fail(
+        f"{f'{where}: ' if where else ''}internal error: {type(e).__name__}: {what} "
+        "(set TRACECLF_DEBUG=1 for a traceback)"
+    )
 
 
 def _reader_gone() -> None:

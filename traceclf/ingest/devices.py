@@ -88,8 +88,9 @@ def read_gpu_metrics(
         return pl.DataFrame(schema=GPU_METRICS_SCHEMA)
     return (
         raw.join(wanted.select("typeId", "metricId", "metricName"), on=["typeId", "metricId"])
-        # nsys 2025.3 writes some unsigned values as negative: those samples are invalid.
-        .filter(pl.col("value") >= 0)
+        # nsys 2025.3 writes some unsigned values as negative: those samples are invalid, as
+        # is a percentage over 100 (5000% SMs active was a verdict's evidence)
+        .filter(pl.col("value").is_between(0, 100))
         .select(
             pl.col("timestamp").cast(pl.Int64),
             source=pl.col("typeId").cast(pl.Int64),
@@ -120,6 +121,19 @@ GPU_COLUMNS: dict[str, tuple[str, ...]] = {
     "compute_minor": ("computeMinor", "computeCapabilityMinor"),
     "bus": ("busLocation",),
     "uuid": ("uuid",),
+}
+# The GPU's sizes and limits, and the largest any GPU could have: a value outside (0, that]
+# is read as unknown (a hand-edited or damaged table: the verdict must not scale by it).
+GPU_SIZES = {
+    "sm_count": 100_000,
+    "memory_bytes": 1 << 50,
+    "max_warps_per_sm": 1_024,
+    "max_blocks_per_sm": 1_024,
+    "max_registers_per_sm": 1 << 24,
+    "max_shmem_per_sm": 1 << 30,
+    "threads_per_warp": 1_024,
+    "memory_bandwidth": 1 << 50,
+    "clock_rate": 1 << 40,
 }
 GPU_SCHEMA = {
     out: (pl.String if out in ("name", "chip", "bus", "uuid") else pl.Int64) for out in GPU_COLUMNS
@@ -159,7 +173,11 @@ def _gpu_table(reader: Reader, table: str) -> pl.DataFrame:
 
     def column(out: str) -> pl.Expr:
         src = next((s for s in GPU_COLUMNS[out] if s in raw.columns), None)
-        return (pl.col(src) if src else pl.lit(None)).cast(GPU_SCHEMA[out], strict=False)
+        value = (pl.col(src) if src else pl.lit(None)).cast(GPU_SCHEMA[out], strict=False)
+        if out not in GPU_SIZES:
+            return value
+        # (a size no GPU has is unknown, not a fact: -5 SMs made memory -80789367500% full)
+        return pl.when(value.is_between(1, GPU_SIZES[out])).then(value)
 
     return raw.select([column(out).alias(out) for out in GPU_COLUMNS]).unique(
         "gpu_id", maintain_order=True

@@ -22,6 +22,18 @@ class TraceError(Exception):
         return (type(self), (self.path, self.problem))
 
 
+# The note an unforeseen error gets while an export is analysed (pipeline/analysis.py), so
+# that its one line names the file, as bad input's does.
+WHILE_ANALYSING = "while analysing "
+
+
+def analysed_file(e: BaseException) -> str | None:
+    """The export ``e`` was raised while analysing, if its notes say (the last one: the
+    innermost export of a run)."""
+    notes = [n for n in getattr(e, "__notes__", ()) if n.startswith(WHILE_ANALYSING)]
+    return notes[-1][len(WHILE_ANALYSING) :] if notes else None
+
+
 class NoGpuWork(TraceError):
     """An export that holds no GPU work at all (a launcher's, a CPU-only process's), or a file
     that is no nsys export (another tool's SQLite database): alone it is bad input; among
