@@ -155,6 +155,27 @@ def test_a_time_of_another_type_is_left_out_and_counted(tmp_path: Path, case: st
     assert report["classification"]["bound"] == "host"
 
 
+def test_whole_numbers_stored_as_real_are_read_as_the_integers(tmp_path: Path) -> None:
+    """Constructed: the kernel table rebuilt with REAL start and end columns holding whole
+    numbers, as pandas writes a table back. Each row was left out as having no time, and the
+    export refused; now they are the integers, and the report is the export's own."""
+    path = copy_export(fixture_trace(TINY), tmp_path / "run.sqlite")
+    with sqlite3.connect(path) as con:
+        table = "CUPTI_ACTIVITY_KIND_KERNEL"
+        names = [row[1] for row in con.execute(f"PRAGMA table_info({table})")]
+        typed = ", ".join(f'"{n}" REAL' if n in ("start", "end") else f'"{n}"' for n in names)
+        con.execute(f"CREATE TABLE k ({typed})")
+        con.execute(f"INSERT INTO k SELECT * FROM {table}")
+        con.execute(f"DROP TABLE {table}")
+        con.execute(f"ALTER TABLE k RENAME TO {table}")
+        (kind,) = con.execute(f"SELECT DISTINCT typeof(start) FROM {table}").fetchone()
+    con.close()
+    assert kind == "real"
+    report, original = analysed(path), analysed(fixture_trace(TINY))
+    assert report["capture"]["unusable_rows"] == {}
+    assert report["metrics"] == original["metrics"]
+
+
 def test_profiler_overhead_rows_without_a_time_are_left_out(tmp_path: Path) -> None:
     """Constructed: one row of nsys's own work (PROFILER_OVERHEAD) with its end NULL. Those
     rows alone were not checked as every timed table's are: on the public export where a

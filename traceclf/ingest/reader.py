@@ -215,8 +215,13 @@ class Reader:
                 select.append(f"{blob_sql(src)} AS {col.name}")
                 columns.text[col.name] = src
             elif src is not None and col.sql is None and checked and src != "rowid":
+                # (a whole number stored as REAL, as a table written back by pandas holds
+                # it, is that integer; below 2^53 a double holds every integer exactly)
                 select.append(
-                    f'iif(typeof("{src}") = \'integer\', "{src}", {CHECKED_MISSING}) AS {col.name}'
+                    f'iif(typeof("{src}") = \'integer\', "{src}", '
+                    f'iif(typeof("{src}") = \'real\' AND abs("{src}") < 9007199254740992 '
+                    f'AND "{src}" = CAST("{src}" AS INTEGER), CAST("{src}" AS INTEGER), '
+                    f"{CHECKED_MISSING})) AS {col.name}"
                 )
                 columns.checked.append(col.name)
             elif src is not None and col.sql is None:
