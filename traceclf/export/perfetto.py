@@ -134,9 +134,9 @@ def write_trace(
 ) -> int:
     """Load each export of ``reports`` again (through the cache), write the trace-event file to
     ``path`` atomically (never onto ``inputs`` or the reports' own inputs) and return its
-    number of events. With several
-    ranks, also one file per rank into :func:`per_rank_folder` (``rank<N>.json``; several runs:
-    ``run<i>/rank<N>.json``), written together with it, for Holistic Trace Analysis.
+    number of events. With several ranks, also one file per rank into
+    :func:`per_rank_folder` (``rank<N>.json``; several runs: ``run<i>/rank<N>.json``), written
+    together with it, for Holistic Trace Analysis.
 
     A report names each export as text (:func:`~traceclf.support.escape.path_text`: a byte
     that is not UTF-8 written out as ``\\xff``): the file is the one of ``inputs`` so named."""
