@@ -478,14 +478,9 @@ def _internal(e: BaseException) -> None:
 
         release()  # (the traceback goes to descriptor 2, which a running read may hold)
         raise e
-    from traceclf.support.errors import analysed_file
+    from traceclf.support.errors import internal_problem
 
-    where = analysed_file(e)
-    what = next((line for line in str(e).splitlines() if line.strip()), "")
-    fail(
-        f"{f'{where}: ' if where else ''}internal error: {type(e).__name__}: {what} "
-        "(set TRACECLF_DEBUG=1 for a traceback)"
-    )
+    fail(internal_problem(e))
 
 
 def _reader_gone() -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from traceclf.measures.handoff import Clock, ExportResult, Placement, RankResult, StepSummary
 from traceclf.report.contract import Report
-from traceclf.support.errors import WHILE_ANALYSING, NoGpuWork, TraceError
+from traceclf.support.errors import NoGpuWork, TraceError, naming
 from traceclf.support.version import __version__, sources_digest
 
 if TYPE_CHECKING:
@@ -288,13 +288,8 @@ def analyze_export(path: Path, opts: AnalysisOptions, show_progress: bool = Fals
         if hit is not None:
             with contextlib.suppress(Exception):  # an older or damaged layout: recompute
                 return ExportResult.from_dict(hit).named(path)
-    try:
+    with naming(path):  # (what no check foresaw names the file it came from)
         result = _measure_export(path, opts, show_progress)
-    except TraceError:
-        raise
-    except Exception as e:  # (what no check foresaw: the error names the file it came from)
-        e.add_note(f"{WHILE_ANALYSING}{path}")
-        raise
     if key is not None:
         cache.write_result(path, variant, key, result.to_dict(), opts.cache_dir)
     return result

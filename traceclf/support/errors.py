@@ -22,16 +22,33 @@ class TraceError(Exception):
         return (type(self), (self.path, self.problem))
 
 
-# The note an unforeseen error gets while an export is analysed (pipeline/analysis.py), so
-# that its one line names the file, as bad input's does.
+# The note an unforeseen error gets while an export is analysed (:func:`naming`), so that its
+# one line names the file, as bad input's does.
 WHILE_ANALYSING = "while analysing "
 
 
-def analysed_file(e: BaseException) -> str | None:
-    """The export ``e`` was raised while analysing, if its notes say (the last one: the
-    innermost export of a run)."""
+@contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """What no check foresaw while the body analyses ``path`` is raised with a note naming
+    it (:func:`internal_problem`); bad input names its file already."""
+    try:
+        yield
+    except TraceError:
+        raise
+    except Exception as e:
+        e.add_note(f"{WHILE_ANALYSING}{path}")
+        raise
+
+
+def internal_problem(e: BaseException) -> str:
+    """The one line a bug gets: the export it was raised while analysing (the innermost one
+    its notes name), its type and the first line of its message."""
     notes = [n for n in getattr(e, "__notes__", ()) if n.startswith(WHILE_ANALYSING)]
-    return notes[-1][len(WHILE_ANALYSING) :] if notes else None
+    where = f"{notes[-1][len(WHILE_ANALYSING) :]}: " if notes else ""
+    what = next((line for line in str(e).splitlines() if line.strip()), "")
+    return (
+        f"{where}internal error: {type(e).__name__}: {what} (set TRACECLF_DEBUG=1 for a traceback)"
+    )
 
 
 class NoGpuWork(TraceError):
