@@ -553,3 +553,47 @@ def test_kernels_that_run_only_outside_the_window_are_named(tmp_path):
     code, md, _ = run_cli("analyze", path, "-f", "md", "-q", "--no-cache")
     assert code == 0
     assert "second_phase_kernel" in md and "run only outside the window, not analysed" in md
+
+
+@pytest.mark.parametrize("every", [3, 1])
+def test_kernels_whose_launch_calls_are_missing_bound_the_launch_starved_share(tmp_path, every):
+    """h100_host_launch_gpumetrics with the correlationIds of every third kernel (or all of
+    them) moved past every CUDA call's, as a tool that rewrote or merged exports leaves them:
+    the gaps those kernels end cannot be split, so the launch-starved share measured is a
+    lower bound. The share of kernels without a launch call is counted straight from the
+    tables, the report warns, and the host-launch rule still scores the time the split could
+    not attribute (it scored 0, and its fix vanished, when the residual was left out)."""
+    name = "h100_host_launch_gpumetrics"
+    shift = (
+        "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET correlationId = correlationId + 1000000000"
+        f" WHERE correlationId % {every} = 0"
+    )
+    r = report(edited(tmp_path, name, shift))
+    lo, hi = r["capture"]["window_ns"]
+    with sqlite3.connect(f"file:{tmp_path / f'edited-{name}.sqlite'}?mode=ro", uri=True) as con:
+        inside, missing = con.execute(
+            "SELECT count(*), sum(correlationId NOT IN (SELECT correlationId FROM "
+            "CUPTI_ACTIVITY_KIND_RUNTIME)) FROM CUPTI_ACTIVITY_KIND_KERNEL "
+            "WHERE start BETWEEN ? AND ?",  # (the window's ends included, as traceclf's)
+            (lo, hi),
+        ).fetchone()
+    con.close()
+    m = r["metrics"]
+    assert m["launch_call_missing_frac"] == pytest.approx(missing / inside, abs=1e-6)
+    assert 0.3 < missing / inside <= 1
+    assert [w for w in r["capture"]["warnings"] if "no launch call in the export" in w]
+    assert f"{missing / inside:.0%} of the analysed window's compute kernels" in " ".join(
+        r["capture"]["warnings"]
+    )
+    launch = {x["id"]: x["score"] for x in r["classification"]["rules"]}["host-launch-bound"]
+    bound = min(m["launch_starved_frac"] + m["attribution_residual_frac"], 1)
+    assert launch == pytest.approx(min(m["idle_launch_frac"], bound), abs=1e-3)
+    assert launch > 0.5 and r["classification"]["bound"] == "host"
+
+
+def test_every_kernel_has_its_launch_call_on_the_shared_traces():
+    """No shared export has a kernel without its launch call: the measure is 0, no warning."""
+    for name in ("h100_host_launch_gpumetrics", "h100_comm_ep2", "h100_host_cudagraph"):
+        r = report(trace_path(name))
+        assert r["metrics"]["launch_call_missing_frac"] == 0, name
+        assert not [w for w in r["capture"]["warnings"] if "no launch call" in w], name

@@ -73,6 +73,10 @@ MEASURES: dict[str, str] = {
     "their kernels, so what runs inside them is unknown, and they are counted as compute (an "
     "upper bound: compute_frac is at most this much too high; 0 with node-level tracing, which "
     "shows the kernels)",
+    "launch_call_missing_frac": "share of the window's compute operations (kernels, graph "
+    "replays) whose launch call the export lacks (a correlationId that matches no CUDA call): "
+    "the gaps they end cannot be split into launch-starved and dependency-stalled time, which "
+    "then count as attribution_residual_frac (null without a CUDA API trace)",
     "event_waits_unresolved": "cudaStreamWaitEvent calls in the window whose event record "
     "cannot be found by eventSyncId (older exports have none; the reused event handle is "
     "never used instead)",
@@ -113,7 +117,10 @@ def measure(
         return total[col] / wall
 
     inside = intervals.inside("start", w.spans)  # (a sum, not a filtered copy of every column)
-    unresolved = int(ops.select(pl.col("unresolved_wait").filter(inside).sum()).item())
+    unresolved, missing = ops.select(
+        pl.col("unresolved_wait").filter(inside).sum(),
+        (~pl.col("launch_found")).filter(inside & pl.col("compute")).mean(),
+    ).row(0)
     m: dict[str, float | int | None] = {
         "non_transfer_busy_frac": frac("non_transfer_busy"),
         "compute_absent_frac": frac("compute_absent"),
@@ -125,13 +132,16 @@ def measure(
         "attribution_residual_frac": frac("residual"),
         "graph_internal_frac": frac("graph_internal"),
         "graph_unresolved_frac": frac("in_graph"),
-        "event_waits_unresolved": unresolved,
+        "launch_call_missing_frac": missing,
+        "event_waits_unresolved": int(unresolved),
     }
     api = w.trace.api
     if not w.host_traced or api["correlation_id"].null_count() == api.height:
         # without launch calls (not traced, or none with a correlationId to find its work by)
         # the split is unknown, not zero
-        m |= dict.fromkeys(("launch_starved_frac", "dependency_stalled_frac"))
+        m |= dict.fromkeys(
+            ("launch_starved_frac", "dependency_stalled_frac", "launch_call_missing_frac")
+        )
     return m, _rounded_rows(per_step.with_columns(pl.col(c) / 1e6 for c in BUDGET_COLUMNS), 4)
 
 
@@ -283,7 +293,11 @@ def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, Ops, tuple[np.ndarray, np.nd
         launch = launch[0][rows], launch[1][rows]
     coll = np.flatnonzero(kind_is(ops, ("collective",)))
     collectives = coll, corr[rows[coll] if rows is not None else coll]
-    ops = ops.with_columns(unresolved_wait=pl.Series(unresolved))
+    ops = ops.with_columns(
+        unresolved_wait=pl.Series(unresolved),
+        launch_found=pl.Series(launch[1]),
+        compute=pl.Series(kind_is(ops, COMPUTE_KINDS)),
+    )
     has_dep = dep_end != dependencies.NULL
     dep_end[~has_dep] = 0  # (in place: Ops reads a null as 0 and not valid)
     return ops, Ops.of_arrays(ops, launch, (dep_end, has_dep), dep_op, unresolved), collectives
