@@ -747,6 +747,8 @@ def test_cuda_graphs_leave_the_waits_for_input_to_the_input_pipeline():
     env = {
         "step_time_ms": 100.0,
         "launch_starved_frac": 0.6,
+        "attribution_residual_frac": 0.0,
+        "launch_starved_bound": 0.6,  # (rules/definitions.yaml: the two above added)
         "launch_starved_input_frac": 0.45,
         "launch_starved_host_frac": 0.05,
         "launch_calls_per_step": 900,

@@ -589,6 +589,13 @@ def test_kernels_whose_launch_calls_are_missing_bound_the_launch_starved_share(t
     bound = min(m["launch_starved_frac"] + m["attribution_residual_frac"], 1)
     assert launch == pytest.approx(min(m["idle_launch_frac"], bound), abs=1e-3)
     assert launch > 0.5 and r["classification"]["bound"] == "host"
+    # CUDA graphs' ceiling: at most the launch-starved time and what the split left, never 0
+    # (a measured 0 had dropped the fix as winning nothing)
+    graphs = {f["id"]: f["ceiling"] for f in r["fixes"]}["cuda-graphs"]
+    starved = m["launch_starved_frac"] - (m.get("launch_starved_input_frac") or 0)
+    assert graphs["recoverable_ms"] == pytest.approx(
+        (starved + m["attribution_residual_frac"]) * m["step_time_ms"], rel=1e-3
+    )
 
 
 def test_every_kernel_has_its_launch_call_on_the_shared_traces():

@@ -921,6 +921,8 @@ def test_removing_syncs_gives_back_the_hosts_wait_and_leaves_its_other_work():
         "idle_after_wait_frac": 0.73,
         "wait_call_frac": 0.00535 / 0.052426,
         "launch_starved_frac": 0.73,
+        "attribution_residual_frac": 0.0,
+        "launch_starved_bound": 0.73,  # (rules/definitions.yaml: the two above added)
         "blocking_host_sync_frac": 0.0,
         "sync_calls_per_step": 1.0,
         "host_call_ms_per_step": 0.026637,
