@@ -27,8 +27,9 @@ class CliResult:
 
 
 def run_cli(*args: str | Path) -> CliResult:
-    """``traceclf ARGS`` in this process, through ``traceclf.cli.main`` (the console script's
-    entry point, so error handling and exit codes are the real ones). Environment variables
+    """``traceclf ARGS`` in this process, through ``traceclf.cli.main`` (what the console
+    script's entry point runs, so error handling and exit codes are the real ones; the entry
+    point's own exit past running reads is tested in a fresh process). Environment variables
     are read from ``os.environ`` (use monkeypatch)."""
     from traceclf.cli import main
 

@@ -11,6 +11,10 @@ address space, and what it writes to a stdout that is not UTF-8.
   aborts the process): such a limit is refused up front, in one line.
 - At exit the interpreter does not search what it still holds for reference cycles: the
   analysis is written by then, and the search took 0.2 s after a default run.
+- A run that stops while a read still runs on a daemon thread (an error on the other lane,
+  Ctrl-C, SIGTERM) ends at once, its output flushed (:func:`exit_past_reads`): the
+  interpreter's shutdown would stop that thread inside connectorx's Rust code, which aborts
+  the process (SIGABRT, exit -6 instead of 2, about one run in 20).
 - A stdout whose encoding is not UTF-8 (``PYTHONIOENCODING=ascii``, a latin-1 locale) gets
   ``\\xb7``-style escapes for what it cannot encode, not a UnicodeEncodeError.
 """
@@ -21,8 +25,11 @@ import atexit
 import codecs
 import contextlib
 import gc
+import os
 import signal
 import sys
+import threading
+from collections.abc import Callable
 
 from traceclf.support.errors import TraceError
 
@@ -45,6 +52,27 @@ def end_on_sigterm() -> None:
 
     with contextlib.suppress(ValueError, OSError):  # not the main thread: leave it as it is
         signal.signal(signal.SIGTERM, terminated)
+
+
+def exit_past_reads(main: Callable[[], None]) -> None:
+    """``main()``; when it exits while a daemon thread of traceclf's is still at work (a read
+    beside the one that failed, stopped by Ctrl-C), the process ends there, stdout and stderr
+    flushed, without the interpreter's shutdown: that stops a daemon thread when it next takes
+    the interpreter's lock, which a thread in connectorx's Rust code does on its way back, and
+    unwinding Rust frames that way aborts the process. The CLI's entry point only: a caller
+    that runs ``main`` in its own process (the tests) keeps its interpreter."""
+    try:
+        main()
+    except SystemExit as e:
+        if any(
+            t.daemon and t.is_alive() and t.name.startswith("traceclf-")
+            for t in threading.enumerate()
+        ):
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)
+        raise
 
 
 def exit_without_collecting() -> None:
