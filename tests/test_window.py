@@ -94,6 +94,51 @@ def test_sampled_steps_are_spread_and_keep_the_verdict(name: str) -> None:
     assert indexes[0] == steady[0] and indexes[-1] >= steady[-1] - 1
 
 
+def periods_of_one_kernel(tmp_path: Path, n: int) -> Path:
+    """CONSTRUCTED from h100_compute_low_occupancy: its graphs and CUDA calls dropped and its
+    kernels replaced by ``n`` copies of its first, one every 10 µs (2 µs each): a capture whose
+    only step anchor is a recurring kernel, ``n`` periods of it, within the row budget."""
+    path = Path(shutil.copy(FIXTURES / "h100_compute_low_occupancy.sqlite", tmp_path / "p.sqlite"))
+    columns = [
+        row[1]
+        for row in sqlite3.connect(path).execute("PRAGMA table_info(CUPTI_ACTIVITY_KIND_KERNEL)")
+    ]
+    copied = ", ".join(
+        {"start": "k.start + i * 10000", "end": "k.start + i * 10000 + 2000"}.get(c, f"k.{c}")
+        for c in columns
+    ).replace("k.correlationId", "i + 1").replace("k.graphNodeId", "NULL")
+    with sqlite3.connect(path) as con:
+        con.executescript(
+            "CREATE TEMP TABLE k AS SELECT * FROM CUPTI_ACTIVITY_KIND_KERNEL LIMIT 1;"
+            "DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL; DROP TABLE CUPTI_ACTIVITY_KIND_RUNTIME;"
+            "DELETE FROM CUPTI_ACTIVITY_KIND_GRAPH_TRACE; DELETE FROM CUDA_GRAPH_EVENTS;"
+            f"WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < {n - 1})"
+            f" INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL SELECT {copied} FROM n, temp.k;"
+        )
+    con.close()
+    return path
+
+
+def test_a_capture_read_whole_analyses_no_more_steps_than_a_sampled_one(tmp_path: Path) -> None:
+    """Within the row budget a capture is read whole, but no more than STEP_BUDGET steady steps
+    are analysed, in the runs step sampling chooses: a million 10 µs periods of one kernel (1 M
+    rows, within the budget) had analysed a million steps, 41 s and 8 GB, for a report of a
+    million step rows. The same export read by step sampling (its budget just under its rows)
+    analyses the same steps and measures the same; --all-steps analyses every one."""
+    path = periods_of_one_kernel(tmp_path, 3000)
+    whole = analyze_inputs([str(path)], AnalysisOptions(use_cache=False, quiet=True, jobs=1))
+    sampled = analysed(path, 2000)
+    assert whole.capture["read_path"] == "whole" and sampled.capture["read_path"] != "whole"
+    assert whole.steps["count"] == 3000 and whole.steps["source"] == "pattern"
+    assert whole.steps["analysed"] == twopass.STEP_BUDGET == sampled.steps["analysed"]
+    assert [row["index"] for row in whole.series[0]["step_breakdown"]] == [
+        row["index"] for row in sampled.series[0]["step_breakdown"]
+    ]
+    assert whole.steps["window_ns"] == sampled.steps["window_ns"]
+    assert fractions(whole) == pytest.approx(fractions(sampled), abs=1e-6)
+    assert analysed(path, None).steps["analysed"] == whole.steps["used"]
+
+
 @pytest.mark.parametrize("third", [False, True], ids=["whole", "a third"])
 def test_ranks_measured_two_at_a_time_report_as_one_at_a_time(third: bool, monkeypatch) -> None:
     """Without --all-steps the ranks of one export are measured two at a time where two

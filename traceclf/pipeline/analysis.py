@@ -308,7 +308,7 @@ def _result_cached(path: Path, opts: AnalysisOptions) -> bool:
 def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> ExportResult:
     from traceclf.ingest.session import job_evidence, nccl_ranks, session_info
     from traceclf.measures import measure_rank
-    from traceclf.pipeline.twopass import load_for_analysis
+    from traceclf.pipeline.twopass import STEP_BUDGET, load_for_analysis
     from traceclf.steps.find import find_steps
     from traceclf.support.cpus import second_lane, two_at_a_time
     from traceclf.support.progress import LoadProgress
@@ -357,7 +357,8 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
 
     def rank(pid: int) -> RankResult:
         rank_trace = trace.for_pid(pid)
-        steps = find_steps(rank_trace, opts.step_regex, taxonomy, plans.get(pid), settings)
+        most = None if opts.all_steps else STEP_BUDGET  # (as many as a sampled read's at most)
+        steps = find_steps(rank_trace, opts.step_regex, taxonomy, plans.get(pid), settings, most)
         gpu = trace.gpu_of(pid)
         return RankResult(
             pid=pid,

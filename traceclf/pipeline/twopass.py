@@ -16,7 +16,9 @@ events are read whole, as the peak of allocated memory needs, on another thread 
 plans; of NVTX, the rows that may be steps (pass 1) and the ranges over the analysed spans
 (pass 2: :mod:`traceclf.ingest.nvtx_rows`).
 
-An export whose event tables fit in the budget is read whole, as ``--all-steps`` does.
+An export whose event tables fit in the budget is read whole, as ``--all-steps`` does; of its
+steady steps no more than ``STEP_BUDGET`` are analysed either way, in the runs a plan would
+choose (:func:`traceclf.steps.plan.at_most`).
 """
 
 from __future__ import annotations

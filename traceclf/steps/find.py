@@ -25,7 +25,7 @@ import polars as pl
 
 from traceclf.model.taxonomy import Taxonomy, matches
 from traceclf.model.trace import Trace, outermost
-from traceclf.steps.plan import StepPlan, planned_steps
+from traceclf.steps.plan import StepPlan, at_most, planned_steps
 from traceclf.steps.settings import StepSettings, bundled_settings
 from traceclf.steps.steady import Steps, choose_window, empty_steps_table
 from traceclf.support.cpus import second_lane
@@ -40,12 +40,15 @@ def find_steps(
     taxonomy: Taxonomy | None = None,
     plan: StepPlan | None = None,
     settings: StepSettings | None = None,
+    most: int | None = None,
 ) -> Steps:
     """Steps of a single-rank trace (see :meth:`Trace.for_pid`); ``taxonomy`` (default: the
     bundled one) names step ranges and graph launches, ``settings`` (default: the bundled
     thresholds) decide warm-up, outliers and regularity. With a ``plan`` (step sampling: the
     steps found in the first pass and those chosen for analysis) only the chosen steps are
-    projected onto the GPU, from the rows ``trace`` holds for them."""
+    projected onto the GPU, from the rows ``trace`` holds for them; without one, at most
+    ``most`` steady steps are analysed (None: all), in the runs a plan would choose
+    (:func:`~traceclf.steps.plan.at_most`)."""
     from traceclf.model.taxonomy import bundled
 
     settings = settings or bundled_settings()
@@ -54,16 +57,18 @@ def find_steps(
     taxonomy = taxonomy or bundled()
     if len(_graph_launches(trace, taxonomy)) >= 2:
         finders = (_nvtx_steps, _graph_steps, _pattern_steps)
-        return _first_found(trace, step_regex, taxonomy, settings, finders)
-    # no graph steps: the recurring kernel is asked for, as the anchor or as the cross-check,
-    # whatever the NVTX ranges show; it is found beside them
-    pattern = second_lane("traceclf-steps").submit(_pattern_steps, trace, None, taxonomy, settings)
-    finders = (_nvtx_steps, _no_steps, lambda *_: pattern.result())
-    steps = _first_found(trace, step_regex, taxonomy, settings, finders)
-    # (settled before returning, even where no finder asked for it: no thread is left at work
-    # after the call, which a fork, a --jobs worker or HTA's pool, would copy mid-lock)
-    pattern.exception()
-    return steps
+        steps = _first_found(trace, step_regex, taxonomy, settings, finders)
+    else:
+        # no graph steps: the recurring kernel is asked for, as the anchor or as the
+        # cross-check, whatever the NVTX ranges show; it is found beside them
+        lane = second_lane("traceclf-steps")
+        pattern = lane.submit(_pattern_steps, trace, None, taxonomy, settings)
+        finders = (_nvtx_steps, _no_steps, lambda *_: pattern.result())
+        steps = _first_found(trace, step_regex, taxonomy, settings, finders)
+        # (settled before returning, even where no finder asked for it: no thread is left at
+        # work after the call, which a fork, a --jobs worker or HTA's pool, would copy mid-lock)
+        pattern.exception()
+    return steps if most is None else at_most(steps, most, settings)
 
 
 def _first_found(
