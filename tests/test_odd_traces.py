@@ -192,14 +192,21 @@ GPU_TABLES = (
 )
 
 
-def test_gpu_rows_of_tables_without_process_ids_are_the_calls_one_process(tmp_path):
+@pytest.mark.parametrize("how", ["DROP", "NULL"])
+def test_gpu_rows_of_tables_without_process_ids_are_the_calls_one_process(tmp_path, how):
     """GPU tables with no process column at all (nsys always writes one; nsys-ai's test
-    fixtures, built by hand, have none, and were refused): CUDA calls launch every kernel and
-    copy, so where the calls name one process the rows are its, and the report says so.
-    CONSTRUCTED from a real export: h100_host_input_stall with globalPid dropped from its GPU
-    tables; every measure stays the export's own. Where the calls name two processes
-    (h100_comm_ep2's), nothing says whose a row is: refused as before."""
-    drop = [f"ALTER TABLE {t} DROP COLUMN globalPid" for t in GPU_TABLES]
+    fixtures, built by hand, have none, and were refused), or one a tool left null in every
+    row: CUDA calls launch every kernel and copy, so where the calls name one process the rows
+    are its, and the report says so. CONSTRUCTED from a real export: h100_host_input_stall with
+    globalPid dropped from its GPU tables, or set to NULL; every measure stays the export's
+    own. Where the calls name two processes (h100_comm_ep2's), nothing says whose a row is:
+    refused as before."""
+    drop = [
+        f"ALTER TABLE {t} DROP COLUMN globalPid"
+        if how == "DROP"
+        else f"UPDATE {t} SET globalPid = NULL"
+        for t in GPU_TABLES
+    ]
     mine = report(edited(tmp_path, "h100_host_input_stall", *drop))
     theirs = report(trace_path("h100_host_input_stall"))
     (rank,) = theirs["ranks"]

@@ -144,7 +144,7 @@ class Reader:
             return empty_frame(cols)
         present = frozenset(self.info.columns[table])
         if logical in EVENT_TABLES and logical != "api":
-            cols = self._named_process(cols, present)
+            cols = self._named_process(cols, table, present)
         clauses = [where] if where else []
         if logical in ROW_FILTERS:
             column, condition, comes_with = ROW_FILTERS[logical]
@@ -246,20 +246,42 @@ class Reader:
             queries = queries + tail if isinstance(queries, str) else [q + tail for q in queries]
         return (self.sql(queries) if queries else pl.DataFrame()), columns
 
-    def _named_process(self, cols: tuple[Col, ...], present: frozenset[str]) -> tuple[Col, ...]:
+    def _named_process(
+        self, cols: tuple[Col, ...], table: str, present: frozenset[str]
+    ) -> tuple[Col, ...]:
         """``cols`` of a GPU table, its process column given the one process that the
-        export's CUDA calls name where the table has no process column at all (an export
-        trimmed by hand or by another tool): CUDA calls launch every kernel and copy, so
-        those of a process that is alone in making them are its. Else ``cols`` as they are
-        (several processes, or no calls: the rows name no process, and are left out)."""
+        export's CUDA calls name where the table has no process column at all, or one whose
+        first row is null (an export trimmed by hand or rewritten by another tool): CUDA calls
+        launch every kernel and copy, so those of a process that is alone in making them are
+        its. Else ``cols`` as they are (several processes, or no calls: the rows that name no
+        process are left out)."""
         pid = next((c for c in cols if c.name == "pid"), None)
-        if pid is None or pid.sql is None or pid.sql(present) is not None:
+        if pid is None or pid.sql is None:
+            return cols
+        # (the calls' process last: finding that no second one exists scans every call)
+        named = pid.sql(present)
+        if named is not None and not self._first_pid_null(
+            table, next(c for c in pid.sources if c in present)
+        ):
             return cols
         if self._calls_process is None:
             return cols
+        # a column a tool left null (every row, as its first): the rows that name a process
+        # keep it; those that name none are the calls' process's
+        sql = (
+            str(self._calls_process)
+            if named is None
+            else f"coalesce(nullif({named}, -1), {self._calls_process})"
+        )
         self.pid_from_calls = self._calls_process
-        constant = Col("pid", (), pl.Int32, sql=lambda _present: str(self._calls_process))
-        return tuple(constant if c is pid else c for c in cols)
+        given = Col("pid", (), pl.Int32, sql=lambda _present: sql)
+        return tuple(given if c is pid else c for c in cols)
+
+    @functools.cache  # noqa: B019 (one reader per export, a handful of tables)
+    def _first_pid_null(self, table: str, column: str) -> bool:
+        """Whether the first row of ``table`` names no process (one row read, not a scan)."""
+        first = self.sql(f'SELECT "{column}" IS NULL AS null_pid FROM {table} LIMIT 1')
+        return bool(first.height and first["null_pid"][0])
 
     @functools.cached_property
     def _calls_process(self) -> int | None:
@@ -290,7 +312,7 @@ class Reader:
             return None
         cols, present = TABLES[logical][1], frozenset(self.info.columns[table])
         if logical in EVENT_TABLES and logical != "api":
-            cols = self._named_process(cols, present)
+            cols = self._named_process(cols, table, present)
         col = next((c for c in cols if c.name == "pid"), None)
         return None if col is None or col.sql is None else col.sql(present)
 
