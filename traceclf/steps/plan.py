@@ -127,11 +127,10 @@ def at_most(steps: Steps, n: int, settings: StepSettings) -> Steps:
         chosen = chosen | position.is_between(a, b)
     table = table.with_columns(analysed=pl.col("steady") & chosen)
     table = flag_outliers(table, pl.col("analysed"), settings)
-    starts, ends = table["gpu_start"], table["gpu_end"]
-    # (a run's last step ends where the next step starts, the capture's last one at its end)
-    spans = [
-        (int(starts[a]), int(starts[b + 1] if b + 1 < len(table) else ends[b])) for a, b in runs
-    ]
+    starts, durations = table["gpu_start"].to_list(), table["duration"].to_list()
+    # (a run's last step ends where the next step starts, as its duration says: the
+    # capture's last one at its own end)
+    spans = [(starts[a], max(starts[b] + durations[b], starts[a] + 1)) for a, b in runs]
     return replace(steps, table=table, window=(spans[0][0], spans[-1][1]), spans=tuple(spans))
 
 
