@@ -293,8 +293,9 @@ def _split_at(parts: Pieces, bounds: np.ndarray) -> Pieces:
     return lo, hi, owner[part]
 
 
-def merged(a: Pieces, b: Pieces) -> Pieces:
-    """Two sets of disjoint sorted pieces, disjoint from each other, as one in order."""
+def merged(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """Two sets of disjoint sorted pieces, disjoint from each other, as one in order (with
+    any arrays after start, end and owner that go with each piece)."""
     if not len(a[0]) or not len(b[0]):  # (one thread's gaps are often all of them)
         return b if not len(a[0]) else a
     # merged by position (each of ``b``'s placed among ``a``'s by a binary search), not sorted
@@ -307,4 +308,4 @@ def merged(a: Pieces, b: Pieces) -> Pieces:
         both = np.empty(len(mine), np.result_type(x, y))
         both[mine], both[at] = x, y
         out.append(both)
-    return out[0], out[1], out[2]
+    return tuple(out)

@@ -237,11 +237,12 @@ def _osrt(w: RankWindow, threads: np.ndarray, claims: IdleClaims, details: dict)
         mine = calls.filter(pl.col("global_tid") == int(tid))
         if mine.is_empty():
             continue
-        part = claims.split(threads[claims.pieces[2]] == tid)
-        hit = pl.Series(_touching(*_arrays(mine), part.pieces[0], part.pieces[1]))
+        lo, hi = _arrays(mine)
+        part = claims.split_touched(threads[claims.held[2]] == tid, lo, hi)
+        hit = pl.Series(_touching(lo, hi, part.pieces[0], part.pieces[1]))
         names = mine["name"].cast(pl.String).fill_null("?")
         whats, codes = _labels(names)
-        taken = part.take("osrt", whats, *_arrays(mine), label=codes)
+        taken = part.take("osrt", whats, lo, hi, label=codes)
         claims.join(part)
         # the calls touching the gaps, per name: how many, and their most frequent top frame
         # (one pass over the thread's calls, not one filter of them per name)
