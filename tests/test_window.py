@@ -103,10 +103,14 @@ def periods_of_one_kernel(tmp_path: Path, n: int) -> Path:
         row[1]
         for row in sqlite3.connect(path).execute("PRAGMA table_info(CUPTI_ACTIVITY_KIND_KERNEL)")
     ]
-    copied = ", ".join(
-        {"start": "k.start + i * 10000", "end": "k.start + i * 10000 + 2000"}.get(c, f"k.{c}")
-        for c in columns
-    ).replace("k.correlationId", "i + 1").replace("k.graphNodeId", "NULL")
+    copied = (
+        ", ".join(
+            {"start": "k.start + i * 10000", "end": "k.start + i * 10000 + 2000"}.get(c, f"k.{c}")
+            for c in columns
+        )
+        .replace("k.correlationId", "i + 1")
+        .replace("k.graphNodeId", "NULL")
+    )
     with sqlite3.connect(path) as con:
         con.executescript(
             "CREATE TEMP TABLE k AS SELECT * FROM CUPTI_ACTIVITY_KIND_KERNEL LIMIT 1;"
@@ -137,6 +141,60 @@ def test_a_capture_read_whole_analyses_no_more_steps_than_a_sampled_one(tmp_path
     assert whole.steps["window_ns"] == sampled.steps["window_ns"]
     assert fractions(whole) == pytest.approx(fractions(sampled), abs=1e-6)
     assert analysed(path, None).steps["analysed"] == whole.steps["used"]
+
+
+def test_ranks_read_whole_analyse_the_same_steps(monkeypatch) -> None:
+    """The ranks of an export read whole, capped as a sampled read's are (the cap lowered to
+    4 of h100_comm_ep2's 8 steady steps), analyse the same steps, so that their collectives
+    are matched as --all-steps matches them: one group of like ranks."""
+    monkeypatch.setattr(twopass, "STEP_BUDGET", 4)
+    path = FIXTURES / "h100_comm_ep2.sqlite"
+    capped = analyze_inputs([str(path)], AnalysisOptions(use_cache=False, quiet=True, jobs=1))
+    chosen = [[row["index"] for row in series["step_breakdown"]] for series in capped.series]
+    assert len(chosen) == 2 and chosen[0] == chosen[1] and len(chosen[0]) == 4
+    assert capped.steps["analysed"] == 4 and capped.steps["used"] == 8
+    everything = analysed(path, None)
+    assert capped.cross_rank["rank_groups"] == everything.cross_rank["rank_groups"] == [[0, 1]]
+    assert capped.cross_rank["collectives_matched"] > 0
+
+
+def test_steady_ranges_that_differ_are_capped_to_the_steps_every_rank_has() -> None:
+    """CONSTRUCTED step tables (no export has a rank whose warm-up lasts longer than the
+    other's by this much): 400 steps each, steady from position 1 on one rank and 9 on the
+    other. Capped at 256 each on its own, they would share 192 steps; capped alike, both
+    analyse the same 256 of the steps both have steady; one rank alone is capped within its
+    own steady range, and a rank with no more steps than the cap keeps them all."""
+    from traceclf.steps.plan import at_most_alike
+    from traceclf.steps.settings import bundled_settings
+    from traceclf.steps.steady import Steps
+
+    def steps(first: int, n: int = 400) -> Steps:
+        table = pl.DataFrame(
+            {
+                "index": range(n),
+                "name": ["step"] * n,
+                "gpu_start": [i * 1000 for i in range(n)],
+                "gpu_end": [i * 1000 + 900 for i in range(n)],
+                "duration": [1000] * n,
+                "complete": [i < n - 1 for i in range(n)],
+                "steady": [first <= i < n - 1 for i in range(n)],
+                "outlier": [False] * n,
+            }
+        )
+        return Steps("nvtx", table, (first * 1000, (n - 1) * 1000), "step")
+
+    def chosen(s: Steps) -> list[int]:
+        return s.table.filter(pl.col("analysed"))["index"].to_list()
+
+    settings = bundled_settings()
+    a, b = at_most_alike([steps(1), steps(9)], 256, settings)
+    assert chosen(a) == chosen(b) and len(chosen(a)) == 256
+    assert min(chosen(a)) == 9 and max(chosen(a)) == 398
+    assert a.spans == b.spans and a.wall == 256 * 1000
+    (alone,) = at_most_alike([steps(1)], 256, settings)
+    assert len(chosen(alone)) == 256 and min(chosen(alone)) == 1
+    few = steps(1, 100)
+    assert at_most_alike([few], 256, settings) == [few]
 
 
 @pytest.mark.parametrize("third", [False, True], ids=["whole", "a third"])

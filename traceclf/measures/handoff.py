@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from traceclf.support.escape import path_text
 from traceclf.support.records import from_json
+
+if TYPE_CHECKING:
+    from traceclf.steps.steady import Steps
 
 # What the host was doing while the GPU idled (measures/host.py: idle_gaps), in the order every
 # table and report lists them: the ``idle_<cause>_frac`` measures, the phase table's columns.
@@ -68,6 +72,29 @@ class StepSummary:
     outliers: int
     worst: dict | None  # the slowest steady step (steps/steady.py: slowest_step)
     second_anchor: dict | None  # a second anchor's step time (steps/find.py: cross_check)
+
+    @classmethod
+    def of(cls, steps: Steps) -> StepSummary:
+        from traceclf.steps.steady import slowest_step  # (not at import: a cached report
+        # is read back without polars)
+
+        durations = steps.durations()
+        return cls(
+            source=steps.source,
+            label=steps.label,
+            count=steps.count,
+            used=steps.used,
+            analysed=steps.analysed,
+            mean_ms=float(durations.mean()) / 1e6 if len(durations) else None,
+            median_ms=float(durations.median()) / 1e6 if len(durations) else None,
+            cv=float(durations.std()) / float(durations.mean()) if len(durations) > 1 else None,
+            window_ns=list(steps.window),
+            durations_ms=[round(d / 1e6, 4) for d in steps.table["duration"].to_list()],
+            steady=steps.table["steady"].to_list(),
+            outliers=int(steps.steady["outlier"].sum()) if steps.count else 0,
+            worst=slowest_step(steps),
+            second_anchor=steps.second,
+        )
 
 
 @dataclass(frozen=True)

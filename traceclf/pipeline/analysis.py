@@ -309,7 +309,7 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     from traceclf.ingest.session import job_evidence, nccl_ranks, session_info
     from traceclf.measures import measure_rank
     from traceclf.pipeline.twopass import STEP_BUDGET, load_for_analysis
-    from traceclf.steps.find import find_steps
+    from traceclf.steps.find import find_steps, steps_alike
     from traceclf.support.cpus import second_lane, two_at_a_time
     from traceclf.support.progress import LoadProgress
 
@@ -355,17 +355,24 @@ def _measure_export(path: Path, opts: AnalysisOptions, show_progress: bool) -> E
     if trace.kernels.is_empty() and trace.graphs.is_empty():
         raise _no_kernel(trace, path)
 
+    # A capture read whole: its ranks' steps found first, no more analysed than a sampled
+    # read's, and the same ones on ranks whose steps match (as step sampling's plans are)
+    found = {}
+    if not (opts.all_steps or plans):
+        found = steps_alike(trace, pids, opts.step_regex, taxonomy, settings, STEP_BUDGET)
+
     def rank(pid: int) -> RankResult:
         rank_trace = trace.for_pid(pid)
-        most = None if opts.all_steps else STEP_BUDGET  # (as many as a sampled read's at most)
-        steps = find_steps(rank_trace, opts.step_regex, taxonomy, plans.get(pid), settings, most)
+        steps = found.get(pid) or find_steps(
+            rank_trace, opts.step_regex, taxonomy, plans.get(pid), settings
+        )
         gpu = trace.gpu_of(pid)
         return RankResult(
             pid=pid,
             process_name=names.get(pid),
             path=str(path),
             gpu=gpu,
-            steps=_steps_summary(steps),
+            steps=StepSummary.of(steps),
             measures=measure_rank(rank_trace, steps, gpu, taxonomy),
             placement=_placement(trace, pid, gpu, path),
             clock=_clock(trace, path),
@@ -496,25 +503,3 @@ def _result_variant(opts: AnalysisOptions) -> str:
     return hashlib.sha256(
         f"{_analysis_fingerprint()}:{opts.step_regex or ''}:{taxonomy}:{steps}".encode()
     ).hexdigest()[:24]
-
-
-def _steps_summary(steps) -> StepSummary:
-    from traceclf.steps.steady import slowest_step
-
-    durations = steps.durations()
-    return StepSummary(
-        source=steps.source,
-        label=steps.label,
-        count=steps.count,
-        used=steps.used,
-        analysed=steps.analysed,
-        mean_ms=float(durations.mean()) / 1e6 if len(durations) else None,
-        median_ms=float(durations.median()) / 1e6 if len(durations) else None,
-        cv=float(durations.std()) / float(durations.mean()) if len(durations) > 1 else None,
-        window_ns=list(steps.window),
-        durations_ms=[round(d / 1e6, 4) for d in steps.table["duration"].to_list()],
-        steady=steps.table["steady"].to_list(),
-        outliers=int(steps.steady["outlier"].sum()) if steps.count else 0,
-        worst=slowest_step(steps),
-        second_anchor=steps.second,
-    )

@@ -18,7 +18,7 @@ plans; of NVTX, the rows that may be steps (pass 1) and the ranges over the anal
 
 An export whose event tables fit in the budget is read whole, as ``--all-steps`` does; of its
 steady steps no more than ``STEP_BUDGET`` are analysed either way, in the runs a plan would
-choose (:func:`traceclf.steps.plan.at_most`).
+choose (:func:`traceclf.steps.plan.at_most_alike`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import polars as pl
 
 from traceclf.model.taxonomy import Taxonomy, matches
 from traceclf.model.trace import Trace, outermost
-from traceclf.steps.plan import StepPlan, at_most, planned_steps
+from traceclf.steps.plan import StepPlan, at_most_alike, planned_steps
 from traceclf.steps.settings import StepSettings, bundled_settings
 from traceclf.steps.steady import Steps, choose_window, empty_steps_table
 from traceclf.support.cpus import second_lane
@@ -40,15 +40,12 @@ def find_steps(
     taxonomy: Taxonomy | None = None,
     plan: StepPlan | None = None,
     settings: StepSettings | None = None,
-    most: int | None = None,
 ) -> Steps:
     """Steps of a single-rank trace (see :meth:`Trace.for_pid`); ``taxonomy`` (default: the
     bundled one) names step ranges and graph launches, ``settings`` (default: the bundled
     thresholds) decide warm-up, outliers and regularity. With a ``plan`` (step sampling: the
     steps found in the first pass and those chosen for analysis) only the chosen steps are
-    projected onto the GPU, from the rows ``trace`` holds for them; without one, at most
-    ``most`` steady steps are analysed (None: all), in the runs a plan would choose
-    (:func:`~traceclf.steps.plan.at_most`)."""
+    projected onto the GPU, from the rows ``trace`` holds for them."""
     from traceclf.model.taxonomy import bundled
 
     settings = settings or bundled_settings()
@@ -68,7 +65,22 @@ def find_steps(
         # (settled before returning, even where no finder asked for it: no thread is left at
         # work after the call, which a fork, a --jobs worker or HTA's pool, would copy mid-lock)
         pattern.exception()
-    return steps if most is None else at_most(steps, most, settings)
+    return steps
+
+
+def steps_alike(
+    trace: Trace,
+    pids: list[int],
+    step_regex: str | None,
+    taxonomy: Taxonomy,
+    settings: StepSettings,
+    most: int,
+) -> dict[int, Steps]:
+    """The steps of each rank of a capture read whole, at most ``most`` steady ones analysed
+    (:func:`~traceclf.steps.plan.at_most_alike`: the ranks whose steps match one to one on
+    the same steps, as step sampling's plans put them)."""
+    found = [find_steps(trace.for_pid(pid), step_regex, taxonomy, None, settings) for pid in pids]
+    return dict(zip(pids, at_most_alike(found, most, settings), strict=True))
 
 
 def _first_found(

@@ -110,17 +110,37 @@ def spread_runs(first: int, last: int, n: int) -> list[tuple[int, int]]:
     return merged
 
 
-def at_most(steps: Steps, n: int, settings: StepSettings) -> Steps:
-    """``steps`` of a capture read whole with at most ``n`` steady steps analysed, in the
-    runs step sampling would choose (:func:`spread_runs`): the default mode's cost follows the
-    steps analysed, not those found, whichever way the rows were read (a capture of a million
-    10 µs periods of one kernel, within the row budget, analysed all of them: 41 s, 8 GB, a
-    report of a million step rows). Steps found in a whole read keep their GPU times."""
-    if steps.used <= n:
+def at_most_alike(steps: list[Steps], n: int, settings: StepSettings) -> list[Steps]:
+    """The steps of each rank of a capture read whole with at most ``n`` steady steps
+    analysed, in the runs step sampling would choose (:func:`spread_runs`): the default mode's
+    cost follows the steps analysed, not those found, whichever way the rows were read (a
+    capture of a million 10 µs periods of one kernel, within the row budget, analysed all of
+    them: 41 s, 8 GB, a report of a million step rows). Ranks whose steps match one to one (as
+    many, found the same way) analyse the same steps, spread over the steady positions they
+    all share, as :func:`shared_steady` puts sampled ones: their collectives are matched."""
+    if all(s.used <= n for s in steps):
+        return steps
+    bounds = [_steady_bounds(s) for s in steps]
+    within = None
+    if len(steps) > 1 and len({(s.source, s.count) for s in steps}) == 1 and None not in bounds:
+        first, last = max(b[0] for b in bounds), min(b[1] for b in bounds)  # type: ignore[index]
+        within = (first, last) if first <= last else None
+    return [_at_most(s, n, settings, within or b) for s, b in zip(steps, bounds, strict=True)]
+
+
+def _steady_bounds(steps: Steps) -> tuple[int, int] | None:
+    """The first and last position of ``steps``' steady steps (None: none)."""
+    steady = steps.table.with_row_index("position").filter(pl.col("steady"))["position"]
+    return None if steady.is_empty() else (int(steady.min()), int(steady.max()))  # type: ignore[arg-type]
+
+
+def _at_most(steps: Steps, n: int, settings: StepSettings, steady: tuple[int, int] | None) -> Steps:
+    """``steps`` with at most ``n`` of the steady ones between positions ``steady`` analysed
+    (Steps found in a whole read keep their GPU times)."""
+    if steady is None:
         return steps
     table = steps.table
-    steady = table.with_row_index("position").filter(pl.col("steady"))["position"]
-    runs = spread_runs(int(steady.min()), int(steady.max()), n)  # type: ignore[arg-type]
+    runs = spread_runs(*steady, n)
     position = pl.int_range(pl.len())
     chosen = pl.lit(False)
     for a, b in runs:
