@@ -56,6 +56,9 @@ NOT_RECOMPUTED = {
     "ranks_share_gpu": "capture fact from TARGET_INFO_CUDA_DEVICE, not a number",
     "moe_evidence": "capture fact: kernels or NVTX ranges named for MoE routing, not a number",
     "graph_trace_mode": "capture fact, not a number",
+    "capture_launch_call_missing_frac": "capture fact: recomputed with plain SQL in "
+    "tests/test_odd_traces.py (0 on every shared export)",
+    "launch_call_missing_frac": "recomputed with plain SQL in tests/test_odd_traces.py",
     "steps_used": "the step finder's output, an input of this suite",
     "step_source": "the step finder's output, an input of this suite",
     "idle_top_nvtx": "NVTX attribution: checked on nvfuser by test_nvfuser_idle_is_nvrtc",
@@ -348,6 +351,7 @@ def _context(rep: dict) -> dict:
             "moe_evidence": bool(capture.get("moe_evidence")),
             "ranks_share_gpu": bool(capture.get("ranks_share_gpu")),
             "graph_trace_mode": capture.get("graph_trace_mode") or "none",
+            "capture_launch_call_missing_frac": capture.get("launch_call_missing_frac") or 0.0,
             "steps_used": steps.get("used") or 0,
             "step_source": steps.get("source") or "none",
             "idle_top_nvtx": top.get("name"),

@@ -120,6 +120,10 @@ def capture_block(
         "profiler_overhead_frac": _max(
             r.measures.metrics.get("profiler_overhead_frac") for r in ranks
         ),
+        # GPU operations whose launch call the export lacks, the largest share of any rank
+        "launch_call_missing_frac": _max(
+            r.measures.metrics.get("launch_call_missing_frac") for r in ranks
+        ),
         "python_process": any(f.get("python_process") for f in facts),
     }
 

@@ -113,6 +113,7 @@ def capture_context(capture: dict) -> dict[str, Any]:
         "host_sources": list(capture.get("host_sources") or []),
         "python_process": bool(capture.get("python_process")),
         "capture_profiler_overhead_frac": capture.get("profiler_overhead_frac") or 0.0,
+        "capture_launch_call_missing_frac": capture.get("launch_call_missing_frac") or 0.0,
         "capture_dropped_data": bool(kinds),
         "capture_dropped_kinds": ", ".join(kinds),
     }

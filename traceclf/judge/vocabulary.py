@@ -74,6 +74,8 @@ CONTEXT_NAMES: dict[str, str] = {
     "Python samples)",
     "capture_profiler_overhead_frac": "capture: nsys's own work in the window, the largest "
     "share of any rank (profiler_overhead_frac)",
+    "capture_launch_call_missing_frac": "capture: the window's GPU operations whose launch call "
+    "the export lacks, the largest share of any rank (launch_call_missing_frac)",
     "capture_dropped_data": "capture: nsys says it dropped or lost events, cut the capture or "
     "hit a CUPTI error (diagnostics)",
     "capture_dropped_kinds": 'capture: which of those, e.g. "dropped, truncated"',

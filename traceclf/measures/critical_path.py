@@ -73,10 +73,11 @@ MEASURES: dict[str, str] = {
     "their kernels, so what runs inside them is unknown, and they are counted as compute (an "
     "upper bound: compute_frac is at most this much too high; 0 with node-level tracing, which "
     "shows the kernels)",
-    "launch_call_missing_frac": "share of the window's compute operations (kernels, graph "
-    "replays) whose launch call the export lacks (a correlationId that matches no CUDA call): "
-    "the gaps they end cannot be split into launch-starved and dependency-stalled time, which "
-    "then count as attribution_residual_frac (null without a CUDA API trace)",
+    "launch_call_missing_frac": "share of the window's GPU operations (kernels, communication "
+    "kernels, copies, graph replays) whose launch call the export lacks (a correlationId that "
+    "matches no CUDA call): the critical-path split cannot follow them (a gap one ends is "
+    "attribution_residual_frac; a wait for one through an event cannot be resolved and may "
+    "read as dependency-stalled), so its shares may be wrong (null without a CUDA API trace)",
     "event_waits_unresolved": "cudaStreamWaitEvent calls in the window whose event record "
     "cannot be found by eventSyncId (older exports have none; the reused event handle is "
     "never used instead)",
@@ -119,7 +120,7 @@ def measure(
     inside = intervals.inside("start", w.spans)  # (a sum, not a filtered copy of every column)
     unresolved, missing = ops.select(
         pl.col("unresolved_wait").filter(inside).sum(),
-        (~pl.col("launch_found")).filter(inside & pl.col("compute")).mean(),
+        (~pl.col("launch_found")).filter(inside).mean(),
     ).row(0)
     m: dict[str, float | int | None] = {
         "non_transfer_busy_frac": frac("non_transfer_busy"),
@@ -296,7 +297,6 @@ def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, Ops, tuple[np.ndarray, np.nd
     ops = ops.with_columns(
         unresolved_wait=pl.Series(unresolved),
         launch_found=pl.Series(launch[1]),
-        compute=pl.Series(kind_is(ops, COMPUTE_KINDS)),
     )
     has_dep = dep_end != dependencies.NULL
     dep_end[~has_dep] = 0  # (in place: Ops reads a null as 0 and not valid)

@@ -134,7 +134,7 @@ def capture_rows(report: Report) -> list[tuple[str, str]]:
         rows.append(
             (
                 "Processes",
-                f"the GPU rows name no process: they are taken as the work of pid {pids}, the one "
+                f"GPU rows that name no process are taken as the work of pid {pids}, the one "
                 "process whose CUDA calls the export holds",
             )
         )
