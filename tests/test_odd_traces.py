@@ -677,6 +677,28 @@ def test_communication_blocking_that_the_split_cannot_follow_still_bounds_the_ru
     assert "no launch call in the export" in " ".join(r["capture"]["warnings"])
 
 
+def test_unified_memory_migrations_are_no_work_without_its_launch_call(tmp_path):
+    """Unified-memory migrations (copy kinds 11 and 12) have correlationId 0: no call launched
+    them (three public exports hold nothing else but a few kernels, and read 64-99.99% of
+    their operations as "without a launch call", with the warning). CONSTRUCTED from
+    h100_host_launch_gpumetrics: its host-to-device copies made such migrations."""
+    path = edited(
+        tmp_path,
+        "h100_host_launch_gpumetrics",
+        "UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET correlationId = 0, copyKind = 11 "
+        "WHERE copyKind = 1",
+    )
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+        (migrations,) = con.execute(
+            "SELECT count(*) FROM CUPTI_ACTIVITY_KIND_MEMCPY WHERE correlationId = 0"
+        ).fetchone()
+    con.close()
+    r = report(path)
+    assert migrations > 0
+    assert r["capture"]["launch_call_missing_frac"] == 0
+    assert not [w for w in r["capture"]["warnings"] if "no launch call" in w]
+
+
 def test_every_kernel_has_its_launch_call_on_the_shared_traces():
     """No shared export has a kernel without its launch call: the measure is 0, no warning."""
     for name in ("h100_host_launch_gpumetrics", "h100_comm_ep2", "h100_host_cudagraph"):

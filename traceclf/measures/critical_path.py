@@ -75,7 +75,7 @@ MEASURES: dict[str, str] = {
     "shows the kernels)",
     "launch_call_missing_frac": "share of the window's GPU operations (kernels, communication "
     "kernels, copies, graph replays) whose launch call the export lacks (a correlationId that "
-    "matches no CUDA call): the critical-path split cannot follow them (a gap one ends is "
+    "matches no CUDA call; unified-memory migrations, which no call launches, count as found): the critical-path split cannot follow them (a gap one ends is "
     "attribution_residual_frac; a wait for one through an event cannot be resolved and may "
     "read as dependency-stalled), so its shares may be wrong (null without a CUDA API trace)",
     "event_waits_unresolved": "cudaStreamWaitEvent calls in the window whose event record "
@@ -294,9 +294,11 @@ def _rank_ops(w: RankWindow) -> tuple[pl.DataFrame, Ops, tuple[np.ndarray, np.nd
         launch = launch[0][rows], launch[1][rows]
     coll = np.flatnonzero(kind_is(ops, ("collective",)))
     collectives = coll, corr[rows[coll] if rows is not None else coll]
+    # (an operation no call launched, as a unified-memory migration is, has correlationId 0)
+    called = corr > 0 if rows is None else corr[rows] > 0
     ops = ops.with_columns(
         unresolved_wait=pl.Series(unresolved),
-        launch_found=pl.Series(launch[1]),
+        launch_found=pl.Series(launch[1] | ~called),
     )
     has_dep = dep_end != dependencies.NULL
     dep_end[~has_dep] = 0  # (in place: Ops reads a null as 0 and not valid)
