@@ -679,7 +679,7 @@ def test_communication_blocking_that_the_split_cannot_follow_still_bounds_the_ru
 
 def test_unified_memory_migrations_are_no_work_without_its_launch_call(tmp_path):
     """Unified-memory migrations (copy kinds 11 and 12) have correlationId 0: no call launched
-    them (three public exports hold nothing else but a few kernels, and read 64-99.99% of
+    them (four public exports hold nothing else but a few kernels, and read 64-99.99% of
     their operations as "without a launch call", with the warning). CONSTRUCTED from
     h100_host_launch_gpumetrics: its host-to-device copies made such migrations."""
     path = edited(
