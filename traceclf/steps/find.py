@@ -54,17 +54,15 @@ def find_steps(
     taxonomy = taxonomy or bundled()
     if len(_graph_launches(trace, taxonomy)) >= 2:
         finders = (_nvtx_steps, _graph_steps, _pattern_steps)
-        steps = _first_found(trace, step_regex, taxonomy, settings, finders)
-    else:
-        # no graph steps: the recurring kernel is asked for, as the anchor or as the
-        # cross-check, whatever the NVTX ranges show; it is found beside them
-        lane = second_lane("traceclf-steps")
-        pattern = lane.submit(_pattern_steps, trace, None, taxonomy, settings)
-        finders = (_nvtx_steps, _no_steps, lambda *_: pattern.result())
-        steps = _first_found(trace, step_regex, taxonomy, settings, finders)
-        # (settled before returning, even where no finder asked for it: no thread is left at
-        # work after the call, which a fork, a --jobs worker or HTA's pool, would copy mid-lock)
-        pattern.exception()
+        return _first_found(trace, step_regex, taxonomy, settings, finders)
+    # no graph steps: the recurring kernel is asked for, as the anchor or as the cross-check,
+    # whatever the NVTX ranges show; it is found beside them
+    pattern = second_lane("traceclf-steps").submit(_pattern_steps, trace, None, taxonomy, settings)
+    finders = (_nvtx_steps, _no_steps, lambda *_: pattern.result())
+    steps = _first_found(trace, step_regex, taxonomy, settings, finders)
+    # (settled before returning, even where no finder asked for it: no thread is left at work
+    # after the call, which a fork, a --jobs worker or HTA's pool, would copy mid-lock)
+    pattern.exception()
     return steps
 
 

@@ -120,18 +120,27 @@ def at_most_alike(steps: list[Steps], n: int, settings: StepSettings) -> list[St
     all share, as :func:`shared_steady` puts sampled ones: their collectives are matched."""
     if all(s.used <= n for s in steps):
         return steps
-    bounds = [_steady_bounds(s) for s in steps]
-    within = None
-    if len(steps) > 1 and len({(s.source, s.count) for s in steps}) == 1 and None not in bounds:
-        first, last = max(b[0] for b in bounds), min(b[1] for b in bounds)  # type: ignore[index]
-        within = (first, last) if first <= last else None
+    bounds = [_steady_bounds(s.table) for s in steps]
+    within = _common_steady([(s.source, s.count) for s in steps], bounds)
     return [_at_most(s, n, settings, within or b) for s, b in zip(steps, bounds, strict=True)]
 
 
-def _steady_bounds(steps: Steps) -> tuple[int, int] | None:
-    """The first and last position of ``steps``' steady steps (None: none)."""
-    steady = steps.table.with_row_index("position").filter(pl.col("steady"))["position"]
+def _steady_bounds(table: pl.DataFrame) -> tuple[int, int] | None:
+    """The first and last position of a step table's steady steps (None: none)."""
+    steady = table.with_row_index("position").filter(pl.col("steady"))["position"]
     return None if steady.is_empty() else (int(steady.min()), int(steady.max()))  # type: ignore[arg-type]
+
+
+def _common_steady(
+    kinds: list[tuple[str, int]], bounds: list[tuple[int, int] | None]
+) -> tuple[int, int] | None:
+    """The positions of the steady steps every rank has (``bounds``: each rank's first and
+    last), when the ranks' steps match one to one (``kinds``: each rank's source and number
+    of steps, all equal); None otherwise."""
+    if len(bounds) < 2 or len(set(kinds)) > 1 or None in bounds:
+        return None
+    first, last = max(b[0] for b in bounds), min(b[1] for b in bounds)  # type: ignore[index]
+    return (first, last) if first <= last else None
 
 
 def _at_most(steps: Steps, n: int, settings: StepSettings, steady: tuple[int, int] | None) -> Steps:
@@ -162,18 +171,10 @@ def shared_steady(plans: list[StepPlan]) -> tuple[int, int] | None:
     runs, is decided on its own durations, and runs of other steps on each rank share little
     time (whose collectives alone can be matched:
     :func:`traceclf.measures.collectives.shared_runs`)."""
-    if len(plans) < 2 or len({(p.source, p.table.height) for p in plans}) > 1:
-        return None
     if len({p.runs for p in plans}) == 1 or all(len(p.runs) <= 1 for p in plans):
         return None  # (one run each: matching numbers each rank's collectives from the first)
-    bounds = []
-    for plan in plans:
-        positions = plan.table.with_row_index("position").filter(pl.col("steady"))["position"]
-        if positions.is_empty():
-            return None
-        bounds.append((int(positions.min()), int(positions.max())))  # type: ignore[arg-type]
-    first, last = max(a for a, _ in bounds), min(b for _, b in bounds)
-    return (first, last) if first <= last else None
+    kinds = [(p.source, p.table.height) for p in plans]
+    return _common_steady(kinds, [_steady_bounds(p.table) for p in plans])
 
 
 def planned_steps(trace: Trace, plan: StepPlan, settings: StepSettings) -> Steps:
